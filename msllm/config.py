@@ -1,0 +1,263 @@
+"""Typed run configuration: YAML -> dataclasses, validated, with file+key errors.
+
+A config is four sections of plain data. Every value is read here once and passed
+down; nothing else in msllm parses YAML.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value. str() is the one-line message shown to the user."""
+
+    def __init__(self, source: str, key: str, message: str):
+        super().__init__(f"{source}: {key}: {message}")
+        self.source, self.key = source, key
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    ffn_size: int = 352
+    rope_theta: float = 10000.0
+    # None, or {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} / {"type": "linear", "factor"}
+    rope_scaling: Optional[dict] = None
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    max_seq_len: int = 256
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def num_params(self) -> int:
+        h, f, v, L = self.hidden_size, self.ffn_size, self.vocab_size, self.num_layers
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * h * 2 + h * kv * 2 + ((h + 2 * kv) if self.qkv_bias else 0)
+        per_layer = attn + 3 * h * f + 2 * h
+        return v * h * (1 if self.tie_embeddings else 2) + L * per_layer + h
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul params + attention scores (PaLM appendix B)."""
+        non_embed = self.num_params() - self.vocab_size * self.hidden_size * (0 if self.tie_embeddings else 1)
+        return 6.0 * non_embed + 12.0 * self.num_layers * self.hidden_size * seq_len
+
+
+@dataclass
+class DataConfig:
+    # None: the running interpreter's standard-library sources. Otherwise a text file,
+    # a directory of text files, or a pretokenized shard directory (has index.json).
+    path: Optional[str] = None
+    glob: str = "**/*.py"
+    max_bytes: int = 12_000_000       # cap on corpus bytes read (0 = no cap)
+    tokenizer: Optional[str] = None   # tokenizer.json to reuse; None trains one
+    seq_len: int = 128
+    val_fraction: float = 0.02
+    seed: int = 1234
+    shuffle: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    decay: str = "cosine"             # cosine | linear | constant
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0            # global-norm clip; 0 disables
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/tiny"
+    steps: int = 400
+    batch_size: int = 16
+    seed: int = 0
+    device: str = "cpu"               # cpu | gpu | ascend
+    mode: str = "graph"               # graph | pynative
+    threads: int = 0                  # MindSpore runtime threads; 0 = number of cores
+    jit_level: str = "O0"
+    log_every: int = 20
+    eval_every: int = 100
+    eval_batches: int = 8
+    ckpt_every: int = 200
+    peak_flops: float = 1.0e11        # for MFU; set to your device's peak FLOP/s
+    sample_prompt: str = "def "
+    sample_tokens: int = 48
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_CHOICES = {
+    "optim.decay": ("cosine", "linear", "constant"),
+    "train.device": ("cpu", "gpu", "ascend"),
+    "train.mode": ("graph", "pynative"),
+    "train.jit_level": ("O0", "O1", "O2"),
+}
+
+
+def _coerce(value: Any, annotation: str, source: str, key: str) -> Any:
+    """Check one YAML value against a dataclass field annotation (given as a string)."""
+    optional = annotation.startswith("Optional[")
+    base = annotation[len("Optional["):-1] if optional else annotation
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(source, key, f"must not be null (expected {base})")
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+    elif base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif base == "str":
+        if isinstance(value, str):
+            return value
+    elif base == "dict":
+        if isinstance(value, dict):
+            return value
+    got = type(value).__name__
+    raise ConfigError(source, key, f"expected {base}, got {got} {value!r}")
+
+
+def _apply(cfg: Config, data: Any, source: str) -> None:
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise ConfigError(source, "<top>", "expected a mapping of sections (model, data, optim, train)")
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(source, str(section), f"unknown section; expected one of {', '.join(SECTIONS)}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(source, section, "expected a mapping")
+        obj = getattr(cfg, section)
+        types = {f.name: f.type for f in dataclasses.fields(obj)}
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if key not in types:
+                raise ConfigError(source, dotted, f"unknown key; known keys: {', '.join(types)}")
+            setattr(obj, key, _coerce(value, types[key], source, dotted))
+
+
+def _check(cfg: Config, source: str) -> None:
+    def need(ok: bool, key: str, message: str):
+        if not ok:
+            raise ConfigError(source, key, message)
+
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size", "max_seq_len"):
+        need(getattr(m, key) > 0, f"model.{key}", "must be > 0")
+    need(m.hidden_size % m.num_heads == 0, "model.num_heads",
+         f"must divide model.hidden_size ({m.hidden_size} % {m.num_heads} != 0)")
+    need(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
+         f"must divide model.num_heads ({m.num_heads} % {m.num_kv_heads} != 0)")
+    need(m.head_dim % 2 == 0, "model.num_heads", f"head_dim {m.head_dim} must be even for RoPE")
+    need(m.rope_theta > 0, "model.rope_theta", "must be > 0")
+    need(m.norm_eps > 0, "model.norm_eps", "must be > 0")
+    if m.rope_scaling is not None:
+        kind = m.rope_scaling.get("type", m.rope_scaling.get("rope_type"))
+        need(kind in ("llama3", "linear"), "model.rope_scaling.type", f"must be llama3 or linear, got {kind!r}")
+        need(float(m.rope_scaling.get("factor", 0)) > 0, "model.rope_scaling.factor", "must be > 0")
+    need(d.seq_len > 1, "data.seq_len", "must be > 1")
+    need(d.seq_len <= m.max_seq_len, "data.seq_len", f"must be <= model.max_seq_len ({m.max_seq_len})")
+    need(0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)")
+    need(d.max_bytes >= 0, "data.max_bytes", "must be >= 0")
+    need(o.lr > 0, "optim.lr", "must be > 0")
+    need(0 <= o.min_lr <= o.lr, "optim.min_lr", "must be in [0, optim.lr]")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    need(0 <= o.beta1 < 1, "optim.beta1", "must be in [0, 1)")
+    need(0 <= o.beta2 < 1, "optim.beta2", "must be in [0, 1)")
+    need(o.eps > 0, "optim.eps", "must be > 0")
+    need(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
+    need(t.steps > 0, "train.steps", "must be > 0")
+    need(t.batch_size > 0, "train.batch_size", "must be > 0")
+    need(t.threads >= 0, "train.threads", "must be >= 0")
+    for key in ("log_every", "eval_every", "ckpt_every", "eval_batches"):
+        need(getattr(t, key) > 0, f"train.{key}", "must be > 0")
+    need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
+    for dotted, choices in _CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        need(value in choices, dotted, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'train.lr=3e-4' -> ('train.lr', 0.0003). The value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError("--set", text, "expected SECTION.KEY=VALUE")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults <- YAML file <- --set overrides, then validate the whole."""
+    cfg = Config()
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(source, "<file>", f"cannot read: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1}" if mark else "<file>"
+            raise ConfigError(source, where, f"invalid YAML: {getattr(e, 'problem', e)}") from None
+        _apply(cfg, data, source)
+    for text in overrides:
+        key, value = parse_override(text)
+        if key.count(".") != 1:
+            raise ConfigError("--set", key, "expected SECTION.KEY=VALUE")
+        section, name = key.split(".")
+        _apply(cfg, {section: {name: value}}, "--set")
+    _check(cfg, str(path) if path else "<defaults>")
+    return cfg
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> Config:
+    cfg = Config()
+    _apply(cfg, data, source)
+    _check(cfg, source)
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,102 @@
+"""Pretokenized shards: tokens as a flat uint16/uint32 memmap plus index.json.
+
+Layout of a shard dir:  tokenizer.json, train.bin, val.bin, index.json
+Documents are joined with EOS; the held-out split is the tail `val_fraction` of the
+stream (documents are already in a hashed, i.e. shuffled, order).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from msllm.config import Config
+from msllm.data import corpus
+from msllm.data.corpus import DataError
+from msllm.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+
+INDEX = "index.json"
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 65535 else np.uint32
+
+
+def read_index(shard_dir: Path) -> dict:
+    try:
+        return json.loads((shard_dir / INDEX).read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{shard_dir / INDEX}: unreadable shard index ({e})") from None
+
+
+def open_tokens(shard_dir: Path, split: str) -> np.ndarray:
+    index = read_index(shard_dir)
+    path = shard_dir / f"{split}.bin"
+    count = index[f"{split}_tokens"]
+    dtype = np.dtype(index["dtype"])
+    if not path.exists() or path.stat().st_size != count * dtype.itemsize:
+        raise DataError(f"{path}: missing or wrong size (index says {count} tokens of {dtype}); rebuild the shard")
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def _log(msg: str) -> None:
+    print(f"[data] {msg}", file=sys.stderr, flush=True)
+
+
+def build_shard(cfg: Config, out_dir: Path) -> Path:
+    """Tokenize the configured corpus into out_dir (reused when already built from the same inputs)."""
+    d, vocab = cfg.data, cfg.model.vocab_size
+    if d.path and (Path(d.path) / INDEX).exists():  # already a pretokenized shard
+        index = read_index(Path(d.path))
+        if index["vocab_size"] > vocab:
+            raise DataError(f"{d.path}/{INDEX}: vocab_size {index['vocab_size']} > model.vocab_size {vocab}")
+        return Path(d.path)
+    root, files = corpus.list_files(d.path, d.glob, d.max_bytes)
+    key = {"fingerprint": corpus.fingerprint(root, files), "vocab_size": vocab,
+           "val_fraction": d.val_fraction, "tokenizer": d.tokenizer}
+    if (out_dir / INDEX).exists() and read_index(out_dir).get("key") == key:
+        return out_dir
+
+    nbytes = sum(p.stat().st_size for p in files)
+    source = "Python stdlib" if d.path is None else str(root)
+    _log(f"corpus: {len(files)} files, {nbytes / 1e6:.1f} MB from {source}")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t0 = time.time()
+    if d.tokenizer:
+        tok = load_tokenizer(d.tokenizer)
+        if tok.get_vocab_size() > vocab:
+            raise DataError(f"data.tokenizer: {d.tokenizer} has {tok.get_vocab_size()} tokens > model.vocab_size {vocab}")
+    else:
+        tok = train_tokenizer(corpus.read_texts(files), vocab)
+        _log(f"trained byte-level BPE, vocab {tok.get_vocab_size()} in {time.time() - t0:.1f}s")
+    tok.save(str(tmp / "tokenizer.json"))
+
+    eos, dtype = eos_id(tok), token_dtype(vocab)
+    chunks, done, t0 = [], 0, time.time()
+    texts = list(corpus.read_texts(files))
+    for start in range(0, len(texts), 256):
+        for enc in tok.encode_batch(texts[start:start + 256]):
+            chunks.append(np.asarray(enc.ids + [eos], dtype=dtype))
+        done = min(len(texts), start + 256)
+        _log(f"tokenized {done}/{len(texts)} files")
+    stream = np.concatenate(chunks)
+    n_val = max(d.seq_len + 1, int(len(stream) * d.val_fraction))
+    if len(stream) < n_val + 2 * (d.seq_len + 1):
+        raise DataError(f"data.path: corpus has only {len(stream)} tokens; need more text for seq_len {d.seq_len}")
+    stream[:-n_val].tofile(tmp / "train.bin")
+    stream[-n_val:].tofile(tmp / "val.bin")
+    index = {"dtype": np.dtype(dtype).name, "vocab_size": tok.get_vocab_size(), "eos_id": eos,
+             "train_tokens": int(len(stream) - n_val), "val_tokens": int(n_val),
+             "documents": len(files), "source": source, "key": key}
+    (tmp / INDEX).write_text(json.dumps(index, indent=1))
+    _log(f"{len(stream):,} tokens ({len(stream) - n_val:,} train / {n_val:,} val) in {time.time() - t0:.1f}s")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir

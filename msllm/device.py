@@ -1,0 +1,49 @@
+"""The one place that knows about CPU / GPU / Ascend differences.
+
+Everything else in msllm is device-neutral: it asks this module for the context.
+"""
+from __future__ import annotations
+
+import os
+
+import mindspore as ms
+
+TARGETS = {"cpu": "CPU", "gpu": "GPU", "ascend": "Ascend"}
+
+
+class DeviceError(RuntimeError):
+    pass
+
+
+def available_devices() -> list[str]:
+    from mindspore import hal  # probes the installed backend plugins
+
+    found = []
+    for name, target in TARGETS.items():
+        try:
+            if hal.is_available(target):
+                found.append(name)
+        except Exception:  # a missing plugin raises on some builds instead of returning False
+            pass
+    return found
+
+
+def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level: str = "O0") -> None:
+    """Select device, execution mode, thread count and JIT level for this process."""
+    if device not in TARGETS:
+        raise DeviceError(f"unknown device {device!r}; choose one of {', '.join(TARGETS)}")
+    if device != "cpu":  # CPU is always built in; probing the others is slow and noisy
+        avail = available_devices()
+        if device not in avail:
+            raise DeviceError(f"device {device!r} is not available in this MindSpore install "
+                              f"(available: {', '.join(avail)}); set train.device accordingly")
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE,
+                   jit_config={"jit_level": jit_level})
+    ms.set_device(TARGETS[device])
+    if device == "cpu":
+        ms.set_context(runtime_num_threads=threads or os.cpu_count() or 1)
+
+
+def supports_bf16_matmul(device: str) -> bool:
+    # Measured: MindSpore 2.10 has no bf16 MatMul kernel on CPU.
+    return device != "cpu"

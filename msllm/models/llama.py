@@ -1,0 +1,237 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) as MindSpore Cells.
+
+Each matmul, norm and the attention core is its own Cell holding its own primitive,
+so a parallel strategy can later be attached per op (e.g. `linear.matmul.shard(...)`).
+Parameter names follow torchtitan: tok_embeddings, layers.N.attention.wq, ...,
+layers.N.feed_forward.w1 (gate) / w2 (down) / w3 (up), norm, output. Linear weights
+are [out, in]. The code is shape-agnostic in batch and sequence (tables and masks
+are sliced by the runtime length), so the same Cells export with dynamic shapes.
+"""
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from msllm.config import ModelConfig
+
+
+class Linear(nn.Cell):
+    """y = x @ W^T (+ b) on a 2-D view of x; W is [out, in]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter(Tensor(np.zeros((out_features, in_features), np.float32)), name="weight")
+        self.bias = Parameter(Tensor(np.zeros((out_features,), np.float32)), name="bias") if bias else None
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x):
+        out_shape = x.shape[:-1] + (self.out_features,)
+        y = self.matmul(x.reshape(-1, self.in_features), self.weight.astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.astype(y.dtype)
+        return y.reshape(out_shape)
+
+
+class Embedding(nn.Cell):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.zeros((vocab_size, hidden_size), np.float32)), name="weight")
+        self.gather = ops.Gather()
+
+    def construct(self, input_ids):
+        return self.gather(self.weight, input_ids, 0)
+
+
+class RMSNorm(nn.Cell):
+    """Normalises in fp32 whatever the compute dtype, then casts back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = Parameter(Tensor(np.ones((dim,), np.float32)), name="weight")
+
+    def construct(self, x):
+        dtype = x.dtype
+        x = x.astype(ms.float32)
+        x = x * ops.rsqrt(ops.mean(ops.square(x), -1, keep_dims=True) + self.eps)
+        return (x * self.weight).astype(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
+    """Inverse frequencies in fp32, matching Hugging Face's default / linear / llama3 rope."""
+    inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))))
+    inv_freq = inv_freq.astype(np.float32)
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("type", scaling.get("rope_type"))
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    freqs = np.outer(np.arange(cfg.max_seq_len, dtype=np.float32), inv_freq).astype(np.float32)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE on [b, heads, s, head_dim]; cos/sin are [s, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = ops.concat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + rotated * sin
+
+
+class AttentionCore(nn.Cell):
+    """softmax(q k^T / sqrt(d) + causal) v with grouped KV heads, no KV copy.
+
+    q [b, nh, s, d], k/v [b, nkv, t, d]. The `rep` query heads that share a KV head are
+    folded into the row axis, so one BatchMatMul serves the whole group. Softmax is fp32.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.rep = num_heads, num_kv_heads, num_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.qk = ops.BatchMatMul(transpose_b=True)
+        self.pv = ops.BatchMatMul()
+        self.softmax = ops.Softmax(-1)
+
+    def construct(self, q, k, v, mask):
+        b, _, s, d = q.shape
+        t = k.shape[2]
+        q = q.reshape(b, self.num_kv_heads, self.rep * s, d)
+        scores = self.qk(q, k).reshape(b, self.num_kv_heads, self.rep, s, t)
+        probs = self.softmax(scores.astype(ms.float32) * self.scale + mask).astype(v.dtype)
+        out = self.pv(probs.reshape(b, self.num_kv_heads, self.rep * s, t), v)
+        return out.reshape(b, self.num_heads, s, d)
+
+
+class Attention(nn.Cell):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.wq = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.wk = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.wv = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.num_heads * d, h)
+        self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d)
+
+    def heads(self, x, n):
+        b, s, _ = x.shape
+        return x.reshape(b, s, n, self.head_dim).transpose(0, 2, 1, 3)
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q = apply_rope(self.heads(self.wq(x), self.num_heads), cos, sin)
+        k = apply_rope(self.heads(self.wk(x), self.num_kv_heads), cos, sin)
+        v = self.heads(self.wv(x), self.num_kv_heads)
+        out = self.core(q, k, v, mask)
+        return self.wo(out.transpose(0, 2, 1, 3).reshape(b, s, -1))
+
+
+class FeedForward(nn.Cell):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = Linear(cfg.hidden_size, cfg.ffn_size)
+        self.w2 = Linear(cfg.ffn_size, cfg.hidden_size)
+        self.w3 = Linear(cfg.hidden_size, cfg.ffn_size)
+        self.silu = nn.SiLU()
+
+    def construct(self, x):
+        return self.w2(self.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Cell):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def construct(self, x, cos, sin, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Cell):
+    """input_ids [b, s] int32 -> logits [b, s, vocab] fp32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.CellList([Block(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_matmul = ops.MatMul(transpose_b=True)
+        cos, sin = rope_tables(cfg)
+        self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)
+        causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, np.float32), k=1)
+        self.causal_mask = Tensor(causal)
+
+    def logits(self, h):
+        h = self.norm(h)
+        if self.output is None:  # tied: reuse the embedding table as the output projection
+            b, s, _ = h.shape
+            out = self.lm_matmul(h.reshape(-1, h.shape[-1]), self.tok_embeddings.weight.astype(h.dtype))
+            return out.reshape(b, s, -1).astype(ms.float32)
+        return self.output(h).astype(ms.float32)
+
+    def construct(self, input_ids):
+        s = input_ids.shape[1]
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        mask = self.causal_mask[:s, :s]
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
+        return self.logits(h)
+
+
+class CausalLMLoss(nn.Cell):
+    """Mean next-token cross-entropy in fp32: logsumexp(logits) - logit[label]."""
+
+    def construct(self, logits, labels):
+        logits = logits.astype(ms.float32).reshape(-1, logits.shape[-1])
+        labels = labels.reshape(-1, 1)
+        picked = ops.gather_elements(logits, 1, labels).squeeze(1)
+        return ops.mean(ops.logsumexp(logits, -1) - picked)
+
+
+def init_weights(model: Llama, seed: int) -> None:
+    """GPT-2 style init from a seeded numpy RNG: N(0, 0.02); residual outputs N(0, 0.02/sqrt(2L))."""
+    rng = np.random.default_rng(seed)
+    residual_std = 0.02 / math.sqrt(2 * model.cfg.num_layers)
+    for name, p in model.parameters_and_names():
+        if name.endswith("norm.weight"):
+            continue  # ones
+        if name.endswith(".bias"):
+            value = np.zeros(p.shape, np.float32)
+        else:
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            value = rng.normal(0.0, std, size=p.shape).astype(np.float32)
+        p.set_data(Tensor(value))
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> Llama:
+    model = Llama(cfg)
+    init_weights(model, seed)
+    return model

@@ -1,0 +1,86 @@
+"""AdamW (decoupled weight decay, bias-corrected, as torch.optim.AdamW) and its LR schedule.
+
+Both run inside the compiled train step: the step counter is a Parameter, the learning
+rate is computed from it in-graph, and moments live in Parameters so they checkpoint
+like weights.
+"""
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+from msllm.config import OptimConfig
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Python reference of the in-graph schedule (1-based step); used in tests and logs."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return cfg.lr
+    progress = min(1.0, max(0.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)))
+    if cfg.decay == "linear":
+        return cfg.lr - (cfg.lr - cfg.min_lr) * progress
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+class LRSchedule(nn.Cell):
+    """Linear warmup, then cosine / linear decay to min_lr (or constant)."""
+
+    def __init__(self, cfg: OptimConfig, total_steps: int):
+        super().__init__()
+        self.lr, self.min_lr, self.decay = cfg.lr, cfg.min_lr, cfg.decay
+        self.warmup = float(cfg.warmup_steps)
+        self.decay_steps = float(max(1, total_steps - cfg.warmup_steps))
+
+    def construct(self, step):
+        warm = self.lr * step / max(self.warmup, 1.0)
+        progress = ops.clamp((step - self.warmup) / self.decay_steps, 0.0, 1.0)
+        if self.decay == "cosine":
+            decayed = self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + ops.cos(progress * math.pi))
+        elif self.decay == "linear":
+            decayed = self.lr - (self.lr - self.min_lr) * progress
+        else:
+            decayed = ops.ones_like(step) * self.lr
+        return ops.select(step <= self.warmup, warm, decayed)
+
+
+def decays(name: str, param: Parameter) -> bool:
+    """Weight decay on matrices (linear and embedding weights); none on norms and biases."""
+    return param.ndim >= 2
+
+
+class AdamW(nn.Cell):
+    def __init__(self, params, cfg: OptimConfig, total_steps: int):
+        super().__init__()
+        self.params = ParameterTuple(params)
+        self.exp_avg = self.params.clone(prefix="exp_avg", init="zeros")
+        self.exp_avg_sq = self.params.clone(prefix="exp_avg_sq", init="zeros")
+        self.weight_decay = tuple(cfg.weight_decay if decays(p.name, p) else 0.0 for p in self.params)
+        self.beta1, self.beta2, self.eps = cfg.beta1, cfg.beta2, cfg.eps
+        self.step = Parameter(Tensor(np.array(0, np.int32)), name="optimizer.step")
+        self.schedule = LRSchedule(cfg, total_steps)
+
+    def construct(self, grads):
+        step = self.step + 1
+        ops.assign(self.step, step)
+        t = step.astype(ms.float32)
+        lr = self.schedule(t)
+        step_size = lr / (1.0 - ops.pow(self.beta1, t))
+        denom_scale = ops.sqrt(1.0 - ops.pow(self.beta2, t))
+        for i in range(len(self.params)):
+            p, g, m, v = self.params[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i]
+            m_new = self.beta1 * m + (1.0 - self.beta1) * g
+            v_new = self.beta2 * v + (1.0 - self.beta2) * g * g
+            ops.assign(m, m_new)
+            ops.assign(v, v_new)
+            update = m_new / (ops.sqrt(v_new) / denom_scale + self.eps)
+            ops.assign(p, p * (1.0 - lr * self.weight_decay[i]) - step_size * update)
+        return lr
+
+    def state_parameters(self):
+        """Everything needed to resume the optimizer exactly."""
+        return [self.step, *self.exp_avg, *self.exp_avg_sq]

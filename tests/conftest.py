@@ -1,0 +1,43 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("GLOG_v", "3")  # MindSpore: errors only
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_overrides(run_dir: Path, corpus: Path, **extra) -> list[str]:
+    """--set overrides for a seconds-long CPU run on a small corpus."""
+    values = {
+        "model.vocab_size": 384, "model.hidden_size": 64, "model.num_layers": 2, "model.num_heads": 4,
+        "model.num_kv_heads": 2, "model.ffn_size": 128, "model.max_seq_len": 64,
+        "data.path": str(corpus), "data.seq_len": 32, "data.val_fraction": 0.1,
+        "train.run_dir": str(run_dir), "train.steps": 6, "train.batch_size": 4, "train.log_every": 2,
+        "train.eval_every": 3, "train.eval_batches": 2, "train.ckpt_every": 3, "train.sample_tokens": 0,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """~200 KB of real Python source copied from the stdlib: a small user-style data dir."""
+    import sysconfig
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus")
+    total = 0
+    for name in sorted(root.glob("*.py")):
+        if total > 200_000:
+            break
+        (out / name.name).write_bytes(name.read_bytes())
+        total += name.stat().st_size
+    return out
+
+
+def run_cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "msllm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, "GLOG_v": "3"})

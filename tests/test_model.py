@@ -1,0 +1,87 @@
+"""The msllm Llama computes what Hugging Face's does (logits, fp32, PYNATIVE)."""
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from msllm import device
+from msllm.config import ModelConfig
+from msllm.models.llama import Llama, rope_inv_freq
+
+HF_TO_MSLLM = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def msllm_name(hf_name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, leaf = rest.rsplit(".", 1)
+    return f"layers.{layer}.{HF_TO_MSLLM[module]}.{leaf}"
+
+
+def copy_hf_weights(hf, model):
+    params = {p.name: p for p in model.trainable_params()}
+    used = set()
+    for name, tensor in hf.state_dict().items():
+        target = msllm_name(name)
+        if target == "output.weight" and target not in params:
+            continue  # tied
+        params[target].set_data(ms.Tensor(tensor.detach().numpy()))
+        used.add(target)
+    assert used == set(params)
+
+
+CASES = {
+    "llama3_gqa_rope_scaling": (
+        LlamaForCausalLM, LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, intermediate_size=112, max_position_embeddings=64,
+                                      rope_theta=500000.0, rms_norm_eps=1e-5,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        ModelConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, ffn_size=112,
+                    rope_theta=500000.0, max_seq_len=64,
+                    rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2_bias_tied": (
+        Qwen2ForCausalLM, Qwen2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
+                                      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+        ModelConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=96,
+                    rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, tie_embeddings=True, max_seq_len=64)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_hf(case):
+    device.setup("cpu", "pynative")
+    cls, hf_cfg, cfg = CASES[case]
+    torch.manual_seed(0)
+    hf = cls(hf_cfg).eval()
+    with torch.no_grad():  # random biases, so the bias path is really exercised
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model = Llama(cfg)
+    copy_hf_weights(hf, model)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 37))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    out = model(ms.Tensor(ids, ms.int32)).asnumpy()
+    assert out.shape == ref.shape
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+
+
+def test_llama3_scaling_changes_only_long_wavelengths():
+    base = rope_inv_freq(64, 500000.0, None)
+    scaled = rope_inv_freq(64, 500000.0, {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    assert scaled[0] == base[0]                               # highest frequency untouched
+    assert scaled[-1] == pytest.approx(base[-1] / 8.0, rel=1e-6)  # lowest slowed by the factor
+    assert np.all(scaled <= base)
