@@ -18,8 +18,13 @@ from mindspore import Parameter, Tensor, nn, ops
 from msllm.config import ModelConfig
 
 
+def cast(x, dtype):
+    """x in dtype, without a Cast node when it already is (decided at compile time)."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 class Linear(nn.Cell):
-    """y = x @ W^T (+ b) on a 2-D view of x; W is [out, in]."""
+    """y = x @ W^T (+ b); W is [out, in]. 2-D x goes straight to the matmul."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -29,11 +34,12 @@ class Linear(nn.Cell):
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x):
-        out_shape = x.shape[:-1] + (self.out_features,)
-        y = self.matmul(x.reshape(-1, self.in_features), self.weight.astype(x.dtype))
+        if x.ndim != 2:
+            return self.construct(x.reshape(-1, self.in_features)).reshape(x.shape[:-1] + (self.out_features,))
+        y = self.matmul(x, cast(self.weight, x.dtype))
         if self.bias is not None:
-            y = y + self.bias.astype(y.dtype)
-        return y.reshape(out_shape)
+            y = y + cast(self.bias, y.dtype)
+        return y
 
 
 class Embedding(nn.Cell):
@@ -56,9 +62,9 @@ class RMSNorm(nn.Cell):
 
     def construct(self, x):
         dtype = x.dtype
-        x = x.astype(ms.float32)
+        x = cast(x, ms.float32)
         x = x * ops.rsqrt(ops.mean(ops.square(x), -1, keep_dims=True) + self.eps)
-        return (x * self.weight).astype(dtype)
+        return cast(x * self.weight, dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
@@ -99,8 +105,9 @@ def apply_rope(x, cos, sin):
 class AttentionCore(nn.Cell):
     """softmax(q k^T / sqrt(d) + causal) v with grouped KV heads, no KV copy.
 
-    q [b, nh, s, d], k/v [b, nkv, t, d]. The `rep` query heads that share a KV head are
-    folded into the row axis, so one BatchMatMul serves the whole group. Softmax is fp32.
+    q [b, nh, s, d], k/v [b, nkv, t, d], mask [s, t] additive. With GQA the `rep` query heads
+    that share a KV head are folded into the row axis, so one BatchMatMul serves the group.
+    Softmax runs in fp32.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -112,16 +119,21 @@ class AttentionCore(nn.Cell):
         self.softmax = ops.Softmax(-1)
 
     def construct(self, q, k, v, mask):
+        q = q * self.scale  # on q ([.., s, d]) rather than on the scores ([.., s, t])
+        if self.rep == 1:
+            probs = self.softmax(cast(self.qk(q, k), ms.float32) + mask)
+            return self.pv(cast(probs, v.dtype), v)
         b, _, s, d = q.shape
         t = k.shape[2]
-        q = q.reshape(b, self.num_kv_heads, self.rep * s, d)
-        scores = self.qk(q, k).reshape(b, self.num_kv_heads, self.rep, s, t)
-        probs = self.softmax(scores.astype(ms.float32) * self.scale + mask).astype(v.dtype)
-        out = self.pv(probs.reshape(b, self.num_kv_heads, self.rep * s, t), v)
+        scores = self.qk(q.reshape(b, self.num_kv_heads, self.rep * s, d), k)
+        probs = self.softmax(cast(scores.reshape(b, self.num_kv_heads, self.rep, s, t), ms.float32) + mask)
+        out = self.pv(cast(probs, v.dtype).reshape(b, self.num_kv_heads, self.rep * s, t), v)
         return out.reshape(b, self.num_heads, s, d)
 
 
 class Attention(nn.Cell):
+    """x [..., h] (2-D [b*s, h] or 3-D [b, s, h]); the sequence length comes from the rope table."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -132,17 +144,17 @@ class Attention(nn.Cell):
         self.wo = Linear(cfg.num_heads * d, h)
         self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d)
 
-    def heads(self, x, n):
-        b, s, _ = x.shape
-        return x.reshape(b, s, n, self.head_dim).transpose(0, 2, 1, 3)
+    def heads(self, x, n, s):
+        """[b*s, n*d] -> [b, n, s, d]"""
+        return x.reshape(-1, s, n, self.head_dim).transpose(0, 2, 1, 3)
 
     def construct(self, x, cos, sin, mask):
-        b, s, _ = x.shape
-        q = apply_rope(self.heads(self.wq(x), self.num_heads), cos, sin)
-        k = apply_rope(self.heads(self.wk(x), self.num_kv_heads), cos, sin)
-        v = self.heads(self.wv(x), self.num_kv_heads)
+        s = cos.shape[0]
+        q = apply_rope(self.heads(self.wq(x), self.num_heads, s), cos, sin)
+        k = apply_rope(self.heads(self.wk(x), self.num_kv_heads, s), cos, sin)
+        v = self.heads(self.wv(x), self.num_kv_heads, s)
         out = self.core(q, k, v, mask)
-        return self.wo(out.transpose(0, 2, 1, 3).reshape(b, s, -1))
+        return self.wo(out.transpose(0, 2, 1, 3).reshape(x.shape))
 
 
 class FeedForward(nn.Cell):
@@ -160,6 +172,9 @@ class FeedForward(nn.Cell):
 
 
 class Block(nn.Cell):
+    # Compile one block sub-graph and reuse it for every layer. The default lazy_inline policy
+    # (keep the sub-graph as a call) fails on CPU in MindSpore 2.10; "front" works on all backends.
+    @ms.lazy_inline(policy="front")
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -194,21 +209,22 @@ class Llama(nn.Cell):
         self.causal_mask = Tensor(causal)
 
     def logits(self, h):
+        """Final norm + output projection; h [..., hidden] -> fp32 logits [..., vocab]."""
         h = self.norm(h)
         if self.output is None:  # tied: reuse the embedding table as the output projection
-            b, s, _ = h.shape
-            out = self.lm_matmul(h.reshape(-1, h.shape[-1]), self.tok_embeddings.weight.astype(h.dtype))
-            return out.reshape(b, s, -1).astype(ms.float32)
-        return self.output(h).astype(ms.float32)
+            out = self.lm_matmul(h.reshape(-1, h.shape[-1]), cast(self.tok_embeddings.weight, h.dtype))
+            return cast(out.reshape(h.shape[:-1] + (-1,)), ms.float32)
+        return cast(self.output(h), ms.float32)
 
     def construct(self, input_ids):
-        s = input_ids.shape[1]
-        cos, sin = self.rope_cos[:s].astype(self.compute_dtype), self.rope_sin[:s].astype(self.compute_dtype)
+        b, s = input_ids.shape
+        cos, sin = cast(self.rope_cos[:s], self.compute_dtype), cast(self.rope_sin[:s], self.compute_dtype)
         mask = self.causal_mask[:s, :s]
-        h = self.tok_embeddings(input_ids).astype(self.compute_dtype)
+        # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
+        h = cast(self.tok_embeddings(input_ids.reshape(-1)), self.compute_dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
-        return self.logits(h)
+        return self.logits(h).reshape(b, s, -1)
 
 
 class CausalLMLoss(nn.Cell):
