@@ -1,6 +1,8 @@
 """msllm export: MindIR and ONNX reload and match the msllm model; cached generation on every engine
 equals full recompute; ONNX clean-up keeps outputs; bad inputs are one-line errors that write nothing."""
 import json
+import subprocess
+import sys
 
 import mindspore as ms
 import numpy as np
@@ -19,7 +21,7 @@ from msllm.config import Config, ModelConfig
 from msllm.data.tokenizer import load_tokenizer, train_tokenizer
 from msllm.generate import generate_cached, generate_ids, load_model
 from msllm.models.llama import build_model
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 LLAMA = ModelConfig(vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
                     max_seq_len=32)
@@ -127,10 +129,10 @@ def test_cached_generation_equals_full_recompute(qwen_run):
     """Greedy and top-k, through the point where the cache is full and the window slides."""
     device.setup("cpu", "pynative")
     _, model, _, _ = load_model(qwen_run)
-    prompt = [5, 17, 99]
+    prompt = np.random.default_rng(3).integers(0, QWEN.vocab_size, QWEN.max_seq_len - 4).tolist()  # 4 short of full
     for top_k in (0, 5):
-        full = generate_ids(model, prompt, 40, top_k=top_k, max_len=QWEN.max_seq_len)
-        cached = generate_cached(cell_engine(model), prompt, 40, top_k=top_k, max_len=QWEN.max_seq_len)
+        full = generate_ids(model, prompt, 8, top_k=top_k, max_len=QWEN.max_seq_len)
+        cached = generate_cached(cell_engine(model), prompt, 8, top_k=top_k, max_len=QWEN.max_seq_len)
         assert cached == full
 
 
@@ -145,12 +147,12 @@ def test_cli_export_and_generate_on_every_engine(llama_run, tmp_path):
         assert "verified: max|diff|" in proc.stdout and "exported" in proc.stdout
         if fmt == "onnx":
             assert "onnx clean-up decode:" in proc.stdout and "onnx.checker ok" in proc.stdout
-        outputs[engine] = run_cli("generate", "--engine", engine, "--ckpt", str(out), "--max-new-tokens", "40")
-    outputs["msllm"] = run_cli("generate", "--engine", "msllm", "--ckpt", str(llama_run), "--max-new-tokens", "40")
+        outputs[engine] = run_cli("generate", "--engine", engine, "--ckpt", str(out), "--max-new-tokens", "12")
+    outputs["msllm"] = run_cli("generate", "--engine", "msllm", "--ckpt", str(llama_run), "--max-new-tokens", "12")
     assert all(p.returncode == 0 for p in outputs.values()), [p.stderr[-1000:] for p in outputs.values()]
     assert len({p.stdout for p in outputs.values()}) == 1
     tokenizer = load_tokenizer(llama_run / "data" / "tokenizer.json")
-    full = generate_ids(model, tokenizer.encode("def ").ids, 40, max_len=LLAMA.max_seq_len)
+    full = generate_ids(model, tokenizer.encode("def ").ids, 12, max_len=LLAMA.max_seq_len)
     assert outputs["msllm"].stdout.rstrip("\n") == tokenizer.decode(full)
 
 
@@ -184,3 +186,11 @@ def test_failed_verification_writes_nothing(llama_run, tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="verification failed"):
         export(llama_run, "onnx", tmp_path / "out", log=lambda line: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_benchmark_script_runs_at_tiny_size():
+    proc = subprocess.run([sys.executable, "tools/bench_export.py", "--sizes", "tiny", "--prompt", "8", "--new", "2",
+                           "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["onnxruntime", "mindspore-mindir", "msllm-cells-pynative"]
