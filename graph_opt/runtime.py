@@ -68,10 +68,18 @@ class OnnxEngine(Engine):
 
 
 def cell_engine(model) -> MindSporeEngine:
-    """The `msllm` engine: the trained model's own Cells, in whatever mode the process runs."""
+    """The `msllm` engine: the trained model's own Cells, in whatever mode the process runs.
+    Prefill and decode declare dynamic inputs, so in GRAPH_MODE each compiles once, not per length."""
     from msllm.models.kv_cache import Decode, Prefill
 
-    return MindSporeEngine({"model": lambda: model, "prefill": lambda: Prefill(model), "decode": lambda: Decode(model)})
+    cfg = model.cfg
+    ids = ms.Tensor(shape=[None, None], dtype=ms.int32)
+    cache = ms.Tensor(shape=[cfg.num_layers, None, cfg.num_kv_heads, None, cfg.head_dim],
+                      dtype=model.tok_embeddings.weight.dtype)
+    prefill, decode = Prefill(model), Decode(model)
+    prefill.set_inputs(ids)
+    decode.set_inputs(ids, cache, cache)
+    return MindSporeEngine({"model": lambda: model, "prefill": lambda: prefill, "decode": lambda: decode})
 
 
 def read_manifest(export_dir: Path) -> dict:

@@ -49,7 +49,7 @@ def cmd_generate(args) -> int:
     from msllm import device
     from msllm.generate import generate_text, load_engine
 
-    device.setup("cpu", "pynative")
+    device.setup("cpu", "graph")  # prefill and decode compile once each (dynamic shapes)
     engine, model_cfg, tokenizer = load_engine(args.engine, args.ckpt)
     print(generate_text(engine, tokenizer, args.prompt, args.max_new_tokens, top_k=args.top_k,
                         temperature=args.temperature, seed=args.seed, max_len=model_cfg.max_seq_len))

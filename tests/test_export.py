@@ -193,4 +193,4 @@ def test_benchmark_script_runs_at_tiny_size():
                            "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["onnxruntime", "mindspore-mindir", "msllm-cells-pynative"]
+    assert [r.split("|")[2].strip() for r in rows] == ["onnxruntime", "mindspore-mindir", "msllm-cells-graph"]

@@ -1,4 +1,4 @@
-"""Export time and inference tokens/s on CPU: onnxruntime vs MindSpore (MindIR GraphCell, msllm Cells).
+"""Export time and inference tokens/s on CPU: onnxruntime vs MindSpore (MindIR GraphCell, msllm Cells in GRAPH_MODE).
 
     python tools/bench_export.py                      # tiny and W1, prompt 128, 64 decode steps
     python tools/bench_export.py --sizes tiny --prompt 8 --new 4 --repeats 1   # seconds-long smoke run
@@ -81,9 +81,9 @@ def bench(size: str, prompt: int, new: int, repeats: int, work: Path) -> list[di
         rows.append({"size": size, "engine": engine_name, "export_s": manifest["export_seconds"],
                      "export_verify_s": round(total, 2), "max_abs_diff": max(manifest["max_abs_diff"].values()),
                      **speed})
-    device.setup("cpu", "pynative")
+    device.setup("cpu", "graph")  # as msllm generate --engine msllm runs
     _, model, _, _ = load_model(ckpt)
-    rows.append({"size": size, "engine": "msllm-cells-pynative",
+    rows.append({"size": size, "engine": "msllm-cells-graph",
                  **tokens_per_s(cell_engine(model), model_cfg.vocab_size, prompt, new, repeats)})
     return rows
 
