@@ -15,8 +15,8 @@ PLANNED = {
 
 
 def cmd_train(args) -> int:
-    from msllm.config import load_config
     from graph_opt.runtime import cell_engine
+    from msllm.config import load_config
     from msllm.generate import generate_text
     from msllm.train.trainer import Trainer
 
@@ -35,10 +35,9 @@ def cmd_train(args) -> int:
     trainer = Trainer(cfg, resume=bool(args.resume))
     result = trainer.fit()
     if trainer.rank == 0 and cfg.train.sample_tokens > 0:
-        import mindspore as ms
-        ms.set_context(mode=ms.PYNATIVE_MODE)  # one compile per length would dominate in graph mode
-        text = generate_text(cell_engine(trainer.model), trainer.tokenizer, cfg.train.sample_prompt, cfg.train.sample_tokens,
-                             max_len=cfg.data.seq_len)
+        # KV cache; in graph mode prefill and decode compile once each (dynamic shapes)
+        text = generate_text(cell_engine(trainer.model), trainer.tokenizer, cfg.train.sample_prompt,
+                             cfg.train.sample_tokens, max_len=cfg.data.seq_len)
         print(f"--- sample (greedy) ---\n{text}\n---", flush=True)
     if "val_loss" in result:
         print(f"done: step {result['step']}, val_loss {result['val_loss']:.4f}, run dir {cfg.train.run_dir}")
@@ -109,10 +108,10 @@ def _not_yet(name: str) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from graph_opt.runtime import ExportError
     from msllm.checkpoint import CheckpointError
     from msllm.data.corpus import DataError
     from msllm.device import DeviceError
-    from graph_opt.runtime import ExportError
 
     try:
         return args.func(args)
