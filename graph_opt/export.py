@@ -71,11 +71,13 @@ def verify(engine, inputs: list[np.ndarray], references: list[np.ndarray]) -> di
 
 
 def to_half(model) -> None:
-    """fp16 weights and rope tables; norm weights stay fp32 (they scale fp32 statistics)."""
+    """fp16 compute with fp16 weights and rope tables stored in the file (half the size); norm
+    weights stay fp32 (they scale fp32 statistics)."""
     for p in model.trainable_params():
         if not p.name.endswith("norm.weight"):
             p.set_data(p.astype(ms.float16))
     model.rope_cos, model.rope_sin = model.rope_cos.astype(ms.float16), model.rope_sin.astype(ms.float16)
+    model.compute_dtype = ms.float16
 
 
 def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:

@@ -75,7 +75,7 @@ def cell_engine(model) -> MindSporeEngine:
     cfg = model.cfg
     ids = ms.Tensor(shape=[None, None], dtype=ms.int32)
     cache = ms.Tensor(shape=[cfg.num_layers, None, cfg.num_kv_heads, None, cfg.head_dim],
-                      dtype=model.tok_embeddings.weight.dtype)
+                      dtype=model.compute_dtype)
     prefill, decode = Prefill(model), Decode(model)
     prefill.set_inputs(ids)
     decode.set_inputs(ids, cache, cache)

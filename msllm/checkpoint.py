@@ -2,13 +2,16 @@
 
 run_dir/checkpoints/step_0000400/
     model.safetensors   model parameters by msllm name (what interop and export read)
-    optim.safetensors   AdamW step and moments
+    optim.safetensors   AdamW step and moments, loss-scaler state
     state.json          step, data position, config
-A checkpoint dir is written under a temporary name and renamed into place, so a crash
-never leaves a half-written checkpoint that looks complete. `latest` names the newest.
+    manifest.json       size and sha256 of each file above, written last
+Each file is fsynced, the dir is written under a temporary name and renamed into place,
+so a crash never leaves a half-written checkpoint that looks complete; on resume the
+newest checkpoint whose manifest verifies is used and a corrupt one is skipped.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,7 +21,10 @@ import numpy as np
 from mindspore import Tensor, dtype_to_nptype
 from safetensors.numpy import load_file, save_file
 
-MODEL_FILE, OPTIM_FILE, STATE_FILE = "model.safetensors", "optim.safetensors", "state.json"
+from msllm.metrics import info
+
+MODEL_FILE, OPTIM_FILE, STATE_FILE, MANIFEST = "model.safetensors", "optim.safetensors", "state.json", "manifest.json"
+PREFIX = "step_"
 
 
 class CheckpointError(RuntimeError):
@@ -44,43 +50,100 @@ def load_into(params, arrays: dict[str, np.ndarray], source: str) -> None:
         p.set_data(Tensor(arrays[name].astype(dtype_to_nptype(p.dtype), copy=False)))
 
 
-def save(run_dir: Path, step: int, model_params, optim_params, state: dict) -> Path:
-    ckpt_root = Path(run_dir) / "checkpoints"
-    final = ckpt_root / f"step_{step:07d}"
-    tmp = ckpt_root / f".tmp_step_{step:07d}"
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1))
+    _fsync(path)
+
+
+def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep: int = 0) -> Path:
+    """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all)."""
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"{PREFIX}{step:07d}", root / f".tmp_{PREFIX}{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(params_to_numpy(model_params), str(tmp / MODEL_FILE))
-    if optim_params is not None:
-        save_file(params_to_numpy(optim_params), str(tmp / OPTIM_FILE))
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+    save_file(params_to_numpy(state_params), str(tmp / OPTIM_FILE))
+    _write_json(tmp / STATE_FILE, {"step": step, **state})
+    files = [MODEL_FILE, OPTIM_FILE, STATE_FILE]
+    for name in files[:2]:
+        _fsync(tmp / name)
+    _write_json(tmp / MANIFEST, {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+                                 for name in files})
+    _fsync(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    latest_tmp = ckpt_root / ".latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, ckpt_root / "latest")
+    _fsync(root)
+    if keep:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def latest(run_dir: Path) -> Path:
-    """The newest complete checkpoint dir of a run, or a checkpoint dir given directly."""
-    run_dir = Path(run_dir)
-    if (run_dir / MODEL_FILE).exists():
-        return run_dir
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
-        raise CheckpointError(f"{run_dir}: no checkpoint found (expected {pointer})")
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    if not (path / MODEL_FILE).exists():
-        raise CheckpointError(f"{path}: checkpoint named by 'latest' is missing {MODEL_FILE}")
-    return path
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint dirs of a run, oldest first (temporary dirs excluded)."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir()) if root.is_dir() else []
+
+
+def verify(ckpt_dir: Path) -> str | None:
+    """None if every file matches the manifest, else what is wrong."""
+    try:
+        manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST}"
+    for name, want in manifest.items():
+        path = ckpt_dir / name
+        if not path.exists():
+            return f"{name} is missing"
+        if path.stat().st_size != want["size"]:
+            return f"{name} has {path.stat().st_size} bytes, manifest says {want['size']}"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} checksum mismatch"
+    return None
+
+
+def latest(path: Path) -> Path:
+    """The newest checkpoint of a run that verifies, or a checkpoint dir given directly."""
+    path = Path(path)
+    if (path / MODEL_FILE).exists():
+        return path
+    candidates = list_checkpoints(path)
+    if not candidates:
+        raise CheckpointError(f"{path}: no checkpoint found (expected {path}/checkpoints/{PREFIX}*)")
+    for ckpt in reversed(candidates):
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt
+        info(f"warning: skipping corrupt checkpoint {ckpt}: {problem}")
+    raise CheckpointError(f"{path}: all {len(candidates)} checkpoints are corrupt; see warnings above")
 
 
 def read_state(ckpt_dir: Path) -> dict:
-    return json.loads((Path(ckpt_dir) / STATE_FILE).read_text())
+    try:
+        return json.loads((Path(ckpt_dir) / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{Path(ckpt_dir) / STATE_FILE}: unreadable ({e})") from None
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    if not Path(path).exists():
+        raise CheckpointError(f"{path}: missing")
     try:
         return load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files

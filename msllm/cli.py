@@ -112,10 +112,11 @@ def main(argv=None) -> int:
     from msllm.checkpoint import CheckpointError
     from msllm.data.corpus import DataError
     from msllm.device import DeviceError
+    from msllm.train.trainer import NonFiniteError
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, DeviceError, CheckpointError, ExportError) as e:
+    except (ConfigError, DataError, DeviceError, CheckpointError, NonFiniteError, ExportError) as e:
         print(f"msllm {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -93,6 +93,13 @@ class TrainConfig:
     mode: str = "graph"               # graph | pynative
     threads: int = 0                  # MindSpore runtime threads; 0 = number of cores
     jit_level: str = "O0"
+    precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
+    accum_steps: int = 1              # micro-batches of batch_size per optimizer step
+    recompute: str = "none"           # none | full | selective (attention core + MLP)
+    loss_scale: float = 65536.0       # initial dynamic loss scale (fp16 only)
+    loss_scale_window: int = 1000     # finite steps before the scale doubles
+    max_bad_steps: int = 5            # consecutive non-finite steps before the run stops
+    keep_checkpoints: int = 3         # newest K checkpoints kept
     log_every: int = 20
     eval_every: int = 100
     eval_batches: int = 8
@@ -119,6 +126,8 @@ _CHOICES = {
     "train.device": ("cpu", "gpu", "ascend"),
     "train.mode": ("graph", "pynative"),
     "train.jit_level": ("O0", "O1", "O2"),
+    "train.precision": ("fp32", "fp16", "bf16"),
+    "train.recompute": ("none", "full", "selective"),
 }
 
 
@@ -209,9 +218,11 @@ def _check(cfg: Config, source: str) -> None:
     need(t.steps > 0, "train.steps", "must be > 0")
     need(t.batch_size > 0, "train.batch_size", "must be > 0")
     need(t.threads >= 0, "train.threads", "must be >= 0")
-    for key in ("log_every", "eval_every", "ckpt_every", "eval_batches"):
+    for key in ("log_every", "eval_every", "ckpt_every", "eval_batches", "accum_steps", "loss_scale_window",
+                "max_bad_steps", "keep_checkpoints"):
         need(getattr(t, key) > 0, f"train.{key}", "must be > 0")
     need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
+    need(t.loss_scale >= 1, "train.loss_scale", "must be >= 1")
     for dotted, choices in _CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)

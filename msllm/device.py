@@ -44,6 +44,10 @@ def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level:
         ms.set_context(runtime_num_threads=threads or os.cpu_count() or 1)
 
 
-def supports_bf16_matmul(device: str) -> bool:
-    # Measured: MindSpore 2.10 has no bf16 MatMul kernel on CPU.
-    return device != "cpu"
+def compute_dtype(precision: str, device: str):
+    """The matmul dtype for train.precision on this device."""
+    if precision == "bf16" and device == "cpu":
+        # Measured: MindSpore 2.10 has no bf16 MatMul kernel on CPU.
+        raise DeviceError("train.precision: bf16 has no MatMul kernel on CPU in MindSpore 2.10; "
+                          "use fp16 (with loss scaling) or fp32 on CPU, bf16 on Ascend")
+    return {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}[precision]

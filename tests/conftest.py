@@ -16,7 +16,7 @@ def tiny_overrides(run_dir: Path, corpus: Path, **extra) -> list[str]:
         "model.vocab_size": 384, "model.hidden_size": 64, "model.num_layers": 2, "model.num_heads": 4,
         "model.num_kv_heads": 2, "model.ffn_size": 128, "model.max_seq_len": 64,
         "data.path": str(corpus), "data.seq_len": 32, "data.val_fraction": 0.1,
-        "train.run_dir": str(run_dir), "train.steps": 6, "train.batch_size": 4, "train.log_every": 2,
+        "train.run_dir": str(run_dir), "train.steps": 6, "train.batch_size": 4, "train.log_every": 1,
         "train.eval_every": 3, "train.eval_batches": 2, "train.ckpt_every": 3, "train.sample_tokens": 0,
     }
     values.update(extra)

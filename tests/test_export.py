@@ -45,7 +45,7 @@ def make_run(root, model_cfg: ModelConfig, corpus):
     (root / "data").mkdir(parents=True)
     texts = [f.read_text() for f in sorted(corpus.glob("*.py"))[:5]]
     train_tokenizer(texts, model_cfg.vocab_size).save(str(root / "data" / "tokenizer.json"))
-    checkpoint.save(root, 1, model.trainable_params(), None,
+    checkpoint.save(root, 1, model.trainable_params(), [],
                     {"config": cfg.to_dict(), "tokenizer": str(root / "data" / "tokenizer.json")})
     return root
 

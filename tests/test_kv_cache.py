@@ -35,3 +35,17 @@ def test_decode_equals_full_recompute():
     np.testing.assert_allclose(logits.asnumpy(), full[:, 3:], atol=2e-6)
     # the wrappers keep the trained parameter names
     assert [p.name for p in Prefill(model).trainable_params()] == [p.name for p in model.trainable_params()]
+
+
+def test_decode_follows_the_compute_dtype():
+    """A model trained with train.precision fp16: the cache and the decode math are fp16 too."""
+    device.setup("cpu", "pynative")
+    model = build_model(CFG, seed=1, compute_dtype=ms.float16)
+    model.set_train(False)
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (1, 9)).astype(np.int32)
+    full = model(ms.Tensor(ids)).asnumpy()
+    logits, keys, values = Prefill(model)(ms.Tensor(ids[:, :6]))
+    assert keys.dtype == ms.float16
+    for i in range(6, 9):
+        logits, keys, values = Decode(model)(ms.Tensor(ids[:, i:i + 1]), keys, values)
+        np.testing.assert_allclose(logits.asnumpy()[:, 0], full[:, i], atol=2e-3)

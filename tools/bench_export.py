@@ -38,7 +38,7 @@ def make_checkpoint(root: Path, model_cfg: ModelConfig) -> Path:
     device.setup("cpu", "pynative")
     cfg = Config(model=model_cfg)
     cfg.data.seq_len = min(cfg.data.seq_len, model_cfg.max_seq_len)
-    checkpoint.save(root, 0, build_model(model_cfg, seed=0).trainable_params(), None, {"config": cfg.to_dict()})
+    checkpoint.save(root, 0, build_model(model_cfg, seed=0).trainable_params(), [], {"config": cfg.to_dict()})
     return root
 
 

@@ -4,7 +4,8 @@ Both Cells hold the trained `Llama` and call its own sub-Cells (norms, projectio
 attention core, feed-forward) and its rope / mask tables, so they compute with exactly the
 trained parameters under the same names and export to MindIR the way the model does.
 
-The cache is two tensors, keys and values, each [layers, batch, kv_heads, length, head_dim].
+The cache is two tensors, keys and values, each [layers, batch, kv_heads, length, head_dim],
+in the model's compute dtype.
 Decode appends the new positions with a concat, so the cache length is a dynamic dimension
 instead of a preallocated maximum; it must stay <= max_seq_len (the rope table's length).
 """
@@ -41,8 +42,9 @@ class Prefill(nn.Cell):
     def construct(self, input_ids):
         m = self.model
         s = input_ids.shape[1]
-        cos, sin, mask = m.rope_cos[:s], m.rope_sin[:s], m.causal_mask[:s, :s]
-        h = m.tok_embeddings(input_ids)
+        cos, sin = m.rope_cos[:s].astype(m.compute_dtype), m.rope_sin[:s].astype(m.compute_dtype)
+        mask = m.causal_mask[:s, :s]
+        h = m.tok_embeddings(input_ids).astype(m.compute_dtype)
         keys, values = (), ()
         for layer in m.layers:
             h, k, v = block_with_cache(layer, h, cos, sin, mask)
@@ -62,9 +64,9 @@ class Decode(nn.Cell):
     def construct(self, input_ids, keys, values):
         m = self.model
         s, t = input_ids.shape[1], keys.shape[3]
-        cos, sin = m.rope_cos[t:t + s], m.rope_sin[t:t + s]
+        cos, sin = m.rope_cos[t:t + s].astype(m.compute_dtype), m.rope_sin[t:t + s].astype(m.compute_dtype)
         mask = m.causal_mask[t:t + s, :t + s]  # rows of the full causal mask for the new positions
-        h = m.tok_embeddings(input_ids)
+        h = m.tok_embeddings(input_ids).astype(m.compute_dtype)
         new_keys, new_values = (), ()
         for i, layer in enumerate(m.layers):
             h, k, v = block_with_cache(layer, h, cos, sin, mask, keys[i], values[i])

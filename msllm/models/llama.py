@@ -173,11 +173,16 @@ class Block(nn.Cell):
 
 
 class Llama(nn.Cell):
-    """input_ids [b, s] int32 -> logits [b, s, vocab] fp32."""
+    """input_ids [b, s] int32 -> logits [b, s, vocab] fp32.
 
-    def __init__(self, cfg: ModelConfig):
+    Parameters are always fp32 (the master copy); `compute_dtype` (fp32, fp16 or bf16) is what
+    matmuls and the residual stream run in. Norms, softmax and logits stay fp32.
+    """
+
+    def __init__(self, cfg: ModelConfig, compute_dtype=ms.float32):
         super().__init__()
         self.cfg = cfg
+        self.compute_dtype = compute_dtype
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.CellList([Block(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -198,9 +203,9 @@ class Llama(nn.Cell):
 
     def construct(self, input_ids):
         s = input_ids.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        cos, sin = self.rope_cos[:s].astype(self.compute_dtype), self.rope_sin[:s].astype(self.compute_dtype)
         mask = self.causal_mask[:s, :s]
-        h = self.tok_embeddings(input_ids)
+        h = self.tok_embeddings(input_ids).astype(self.compute_dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
         return self.logits(h)
@@ -231,7 +236,7 @@ def init_weights(model: Llama, seed: int) -> None:
         p.set_data(Tensor(value))
 
 
-def build_model(cfg: ModelConfig, seed: int = 0) -> Llama:
-    model = Llama(cfg)
+def build_model(cfg: ModelConfig, seed: int = 0, compute_dtype=ms.float32) -> Llama:
+    model = Llama(cfg, compute_dtype)
     init_weights(model, seed)
     return model

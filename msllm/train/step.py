@@ -1,51 +1,102 @@
-"""The one compiled train step: forward, backward, global-norm clip, AdamW, LR schedule.
+"""The one compiled train step: forward, backward, loss scaling, clip, AdamW, LR schedule.
 
 A Cell rather than an `ms.jit` function: in GRAPH_MODE the whole construct compiles to
 one graph with weights and optimizer state as graph Parameters updated in place. In
 PYNATIVE_MODE the same Cell runs eagerly for debugging.
+
+One call consumes `accum_steps` micro-batches stacked along the batch axis. The micro-batch
+loop is unrolled in the graph (compile time grows with accum_steps), each micro-batch made
+to wait for the previous one's gradients so only one set of activations is alive at a time.
+A step whose gradients are not finite (fp16 overflow, or a NaN/Inf in any precision) leaves
+weights and optimizer untouched; with a loss scaler the scale is lowered instead.
 """
 from __future__ import annotations
 
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import amp, nn, ops
 
 from msllm.models.llama import CausalLMLoss
 
 
 class LossCell(nn.Cell):
-    """tokens [b, s+1] -> mean next-token loss of model(tokens[:, :-1]) against tokens[:, 1:]."""
+    """tokens [b, s+1] -> scale * mean next-token loss of model(tokens[:, :-1]) against tokens[:, 1:]."""
 
     def __init__(self, model):
         super().__init__(auto_prefix=False)
         self.model = model
         self.loss = CausalLMLoss()
 
-    def construct(self, tokens):
-        return self.loss(self.model(tokens[:, :-1]), tokens[:, 1:])
+    def construct(self, tokens, scale):
+        return self.loss(self.model(tokens[:, :-1]), tokens[:, 1:]) * scale
 
 
 def global_norm(grads):
     return ops.sqrt(sum(ops.sum(ops.square(g.astype(ms.float32))) for g in grads))
 
 
-class TrainStep(nn.Cell):
-    """tokens -> (loss, grad_norm before clipping, lr used)."""
+def apply_recompute(model, mode: str) -> None:
+    """Trade compute for memory: activations of the marked Cells are recomputed in backward.
 
-    def __init__(self, model, optimizer, grad_clip: float):
+    full: every transformer block. selective: the attention core (scores and probabilities,
+    the largest activations per FLOP) and the SwiGLU MLP.
+    """
+    for block in model.layers:
+        if mode == "full":
+            block.recompute()
+        elif mode == "selective":
+            block.attention.core.recompute()
+            block.feed_forward.recompute()
+
+
+def make_loss_scaler(initial_scale: float, window: int):
+    scaler = amp.DynamicLossScaler(scale_value=initial_scale, scale_factor=2, scale_window=window)
+    scaler.scale_value.name, scaler.counter.name = "loss_scale.value", "loss_scale.counter"
+    return scaler
+
+
+class TrainStep(nn.Cell):
+    """tokens [accum_steps * b, s+1] -> (loss, grad_norm before clipping, lr, finite, loss_scale)."""
+
+    def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None):
         super().__init__(auto_prefix=False)
         self.loss_cell = LossCell(model)
         self.optimizer = optimizer
         self.grad_clip = grad_clip
+        self.accum_steps = accum_steps
+        self.loss_scaler = loss_scaler
         self.value_and_grad = ops.value_and_grad(self.loss_cell, None, optimizer.params)
 
+    def state_parameters(self):
+        """Step state beyond the optimizer's: the loss scaler, when there is one."""
+        if self.loss_scaler is None:
+            return []
+        return [self.loss_scaler.scale_value, self.loss_scaler.counter]
+
     def construct(self, tokens):
-        loss, grads = self.value_and_grad(tokens)
+        scale = ops.ones((), ms.float32) if self.loss_scaler is None else self.loss_scaler.scale_value * 1.0
+        micro = tokens.shape[0] // self.accum_steps
+        loss, grads = self.value_and_grad(tokens[:micro], scale)
+        for i in range(1, self.accum_steps):
+            chunk = ops.depend(tokens[i * micro:(i + 1) * micro], grads)
+            more_loss, more_grads = self.value_and_grad(chunk, scale)
+            loss = loss + more_loss
+            grads = tuple(g + m for g, m in zip(grads, more_grads))
+        inv = 1.0 / (scale * self.accum_steps)
+        loss = loss * inv
+        grads = tuple(g * inv for g in grads)
+
+        finite = amp.all_finite(grads)
+        if self.loss_scaler is not None:
+            self.loss_scaler.adjust(finite)
         norm = global_norm(grads)
         if self.grad_clip > 0:
-            scale = ops.minimum(self.grad_clip / (norm + 1e-6), 1.0)
-            grads = tuple(g * scale for g in grads)
-        lr = self.optimizer(grads)
-        return loss, norm, lr
+            clip = ops.minimum(self.grad_clip / (norm + 1e-6), 1.0)
+            grads = tuple(g * clip for g in grads)
+        if finite:
+            lr = self.optimizer(grads)
+        else:
+            lr = ops.zeros((), ms.float32)
+        return loss, norm, lr, finite, scale
 
 
 class EvalStep(nn.Cell):
@@ -54,4 +105,4 @@ class EvalStep(nn.Cell):
         self.loss_cell = LossCell(model)
 
     def construct(self, tokens):
-        return self.loss_cell(tokens)
+        return self.loss_cell(tokens, 1.0)

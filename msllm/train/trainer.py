@@ -1,4 +1,10 @@
-"""The training loop: data -> compiled step -> metrics -> eval -> checkpoint -> sample."""
+"""The training loop: data -> compiled step -> metrics -> eval -> checkpoint.
+
+Resuming is exact: a checkpoint holds weights, optimizer moments and step, loss-scaler state
+and the data position; the LR comes from the optimizer step and the data order is a pure
+function of (seed, position), and the step uses no random ops, so a resumed run continues
+the same loss curve bit for bit on CPU.
+"""
 from __future__ import annotations
 
 import math
@@ -10,14 +16,21 @@ import mindspore as ms
 import numpy as np
 
 from msllm import checkpoint, device
-from msllm.config import Config, save_config
+from msllm.config import Config, ConfigError, config_from_dict, save_config
 from msllm.data import shards
 from msllm.data.loader import make_dataset
 from msllm.data.tokenizer import load_tokenizer
 from msllm.metrics import MetricsLogger, info
 from msllm.models.llama import build_model
 from msllm.train.optim import AdamW
-from msllm.train.step import EvalStep, TrainStep
+from msllm.train.step import EvalStep, TrainStep, apply_recompute, make_loss_scaler
+
+# Sections that must not change when resuming: they define the weights and the data stream.
+FIXED_ON_RESUME = ("model", "data")
+
+
+class NonFiniteError(RuntimeError):
+    pass
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -35,6 +48,21 @@ def evaluate(eval_step, val_tokens, cfg: Config) -> float:
     return float(np.mean(losses))
 
 
+def check_resumable(cfg: Config, state: dict, source: str) -> None:
+    saved = config_from_dict(state["config"], source).to_dict()
+    now = cfg.to_dict()
+    for section in FIXED_ON_RESUME:
+        for key, value in saved[section].items():
+            if now[section][key] != value:
+                raise ConfigError(source, f"{section}.{key}",
+                                  f"is {value!r} in the checkpoint but {now[section][key]!r} now; "
+                                  f"a resumed run must keep the model and data settings")
+    for key in ("batch_size", "accum_steps"):
+        if now["train"][key] != saved["train"][key]:
+            raise ConfigError(source, f"train.{key}", f"is {saved['train'][key]!r} in the checkpoint but "
+                              f"{now['train'][key]!r} now; changing it would change the data stream")
+
+
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False):
         self.cfg = cfg
@@ -42,37 +70,50 @@ class Trainer:
         self.run_dir = Path(t.run_dir)
         self.rank, self.world = rank_and_world()
         device.setup(t.device, t.mode, t.threads, t.jit_level)
+        dtype = device.compute_dtype(t.precision, t.device)
         ms.set_seed(t.seed)
+        resume_from = checkpoint.latest(self.run_dir) if resume else None
+        if resume_from:
+            check_resumable(cfg, checkpoint.read_state(resume_from), str(resume_from / checkpoint.STATE_FILE))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
         self.train_tokens = shards.open_tokens(self.shard_dir, "train")
         self.val_tokens = shards.open_tokens(self.shard_dir, "val")
 
-        self.model = build_model(cfg.model, seed=t.seed)
+        self.model = build_model(cfg.model, seed=t.seed, compute_dtype=dtype)
+        apply_recompute(self.model, t.recompute)
         self.optimizer = AdamW(self.model.trainable_params(), cfg.optim, t.steps)
-        self.train_step = TrainStep(self.model, self.optimizer, cfg.optim.grad_clip)
+        scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
+        self.train_step = TrainStep(self.model, self.optimizer, cfg.optim.grad_clip, t.accum_steps, scaler)
         self.eval_step = EvalStep(self.model)
-        self.start_step = 0
-        if resume:
-            self._restore()
+        self.state_params = self.optimizer.state_parameters() + self.train_step.state_parameters()
+        self.start_step, self.skipped = 0, 0
+        if resume_from:
+            self._restore(resume_from)
         if self.rank == 0:
             save_config(cfg, self.run_dir / "config.yaml")
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0)
 
-    def _restore(self) -> None:
-        path = checkpoint.latest(self.run_dir)
+    def _restore(self, path: Path) -> None:
         checkpoint.load_into(self.model.trainable_params(), checkpoint.load_arrays(path / checkpoint.MODEL_FILE), str(path))
-        checkpoint.load_into(self.optimizer.state_parameters(), checkpoint.load_arrays(path / checkpoint.OPTIM_FILE), str(path))
-        self.start_step = checkpoint.read_state(path)["step"]
+        checkpoint.load_into(self.state_params, checkpoint.load_arrays(path / checkpoint.OPTIM_FILE), str(path))
+        state = checkpoint.read_state(path)
+        self.start_step, self.skipped = state["step"], state.get("skipped_steps", 0)
         info(f"resumed from {path} at step {self.start_step}")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.cfg.train.batch_size * self.cfg.train.accum_steps
 
     def save(self, step: int) -> Path | None:
         if self.rank != 0:
             return None
-        state = {"data_position": step * self.cfg.train.batch_size, "world": self.world,
+        state = {"data_position": step * self.samples_per_step, "skipped_steps": self.skipped,
+                 "world": self.world, "seed": self.cfg.train.seed, "data_seed": self.cfg.data.seed,
                  "tokenizer": str(self.shard_dir / "tokenizer.json"), "config": self.cfg.to_dict()}
-        return checkpoint.save(self.run_dir, step, self.model.trainable_params(), self.optimizer.state_parameters(), state)
+        return checkpoint.save(self.run_dir, step, self.model.trainable_params(), self.state_params, state,
+                               keep=self.cfg.train.keep_checkpoints)
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -80,37 +121,51 @@ class Trainer:
         if remaining <= 0:
             info(f"run already at step {self.start_step} >= train.steps {t.steps}; nothing to do")
             return {"step": self.start_step}
-        data = make_dataset(self.train_tokens, cfg.data.seq_len, t.batch_size, seed=cfg.data.seed,
+        data = make_dataset(self.train_tokens, cfg.data.seq_len, self.samples_per_step, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle, num_shards=self.world, shard_id=self.rank,
                             start_batch=self.start_step, num_batches=remaining)
-        tokens_per_step = t.batch_size * cfg.data.seq_len * self.world
+        tokens_per_step = self.samples_per_step * cfg.data.seq_len * self.world
         flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
-        info(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers; "
-             f"{t.mode} mode on {t.device}; {remaining} steps of {tokens_per_step} tokens")
-        step, last = self.start_step, {}
+        info(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers; {t.mode} mode on "
+             f"{t.device}, {t.precision}; {remaining} steps of {tokens_per_step} tokens")
+        step, last, bad_run = self.start_step, {}, 0
         window_t, window_steps = time.perf_counter(), 0
         for (batch,) in data.create_tuple_iterator(num_epochs=1):
             t0 = time.perf_counter()
-            loss, norm, lr = self.train_step(batch)
+            loss, norm, lr, finite, scale = self.train_step(batch)
             loss = float(loss.asnumpy())  # also synchronises
             step += 1
             window_steps += 1
             if step == self.start_step + 1:
                 compile_s = time.perf_counter() - t0
-                self.metrics.log({"kind": "compile", "step": step, "first_step_s": compile_s},
+                self.metrics.log({"kind": "compile", "step": step, "first_step_s": compile_s, "loss": loss},
                                  f"step {step}: first step (compile + run) {compile_s:.1f}s, loss {loss:.4f}")
                 window_t, window_steps = time.perf_counter(), 0
-            if not math.isfinite(loss):
-                self.save(step)
-                raise FloatingPointError(f"loss is {loss} at step {step}; lower optim.lr or raise optim.warmup_steps")
+            if bool(finite.asnumpy()):
+                bad_run = 0
+            else:
+                bad_run += 1
+                self.skipped += 1
+                info(f"step {step}: non-finite gradients (loss {loss}); update skipped"
+                     + (f", loss scale now {float(self.train_step.loss_scaler.scale_value.asnumpy()):g}"
+                        if self.train_step.loss_scaler is not None else ""))
+                if bad_run >= t.max_bad_steps:
+                    path = self.save(step)
+                    raise NonFiniteError(
+                        f"{bad_run} consecutive non-finite steps (last at step {step}); checkpoint {path}. "
+                        f"Lower optim.lr, raise optim.warmup_steps or tighten optim.grad_clip, or use "
+                        f"train.precision=fp32, then resume with --resume {self.run_dir}")
             if window_steps and (step % t.log_every == 0 or step == t.steps):
                 dt = time.perf_counter() - window_t
                 tps = window_steps * tokens_per_step / dt
                 last = {"kind": "train", "step": step, "loss": loss, "lr": float(lr.asnumpy()),
                         "grad_norm": float(norm.asnumpy()), "tokens_per_s": tps,
-                        "mfu": tps * flops_per_token / t.peak_flops}
+                        "mfu": tps * flops_per_token / t.peak_flops, "loss_scale": float(scale.asnumpy()),
+                        "skipped_steps": self.skipped}
                 self.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  lr {last['lr']:.2e}  "
-                                       f"gnorm {last['grad_norm']:.3f}  {tps:,.0f} tok/s  mfu {last['mfu']:.2%}")
+                                       f"gnorm {last['grad_norm']:.3f}  {tps:,.0f} tok/s  mfu {last['mfu']:.2%}"
+                                       + (f"  scale {last['loss_scale']:g}  skipped {self.skipped}"
+                                          if t.precision == "fp16" else ""))
                 window_t, window_steps = time.perf_counter(), 0
             if step % t.eval_every == 0 or step == t.steps:
                 val = evaluate(self.eval_step, self.val_tokens, cfg)

@@ -1,0 +1,212 @@
+"""Training-throughput benchmark: msllm (GRAPH, PYNATIVE) vs HF+torch eager, torch.compile, MindFormers.
+
+Every variant runs in its own process on the same workload (random tokens, fp32, AdamW, one
+full train step), reports the median step time after warm-up, the first-step (compile) time
+and its own peak RSS. Ratios are against torch eager. The table is printed and saved as JSON.
+
+    python tools/bench_train.py                          # W1, all variants
+    python tools/bench_train.py --workload W2 --variants msllm-graph,torch-eager
+    python tools/bench_train.py --variants msllm-graph --recompute none,full,selective --workload W2
+    python tools/bench_train.py --compile-layers 2,8,32  # first-step compile time vs depth
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# W1 is the reference workload; W2 a larger one that still fits 24 GB with every variant.
+WORKLOADS = {
+    "W1": dict(vocab=4096, hidden=512, layers=4, heads=8, kv_heads=8, ffn=1376, seq=256, batch=4),
+    "W2": dict(vocab=8192, hidden=1024, layers=8, heads=16, kv_heads=4, ffn=2816, seq=512, batch=4),
+}
+VARIANTS = ("msllm-graph", "msllm-pynative", "torch-eager", "torch-compile", "mindformers")
+
+
+def model_config(w: dict):
+    from msllm.config import ModelConfig
+    return ModelConfig(vocab_size=w["vocab"], hidden_size=w["hidden"], num_layers=w["layers"], num_heads=w["heads"],
+                       num_kv_heads=w["kv_heads"], ffn_size=w["ffn"], max_seq_len=w["seq"])
+
+
+def tokens(w: dict, seed: int = 0):
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, w["vocab"], (w["batch"], w["seq"] + 1)).astype(np.int32)
+
+
+def time_steps(step_fn, steps: int, warmup: int) -> dict:
+    t0 = time.perf_counter()
+    step_fn()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        step_fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - t0)
+    return {"first_step_s": first, "step_s": statistics.median(times), "step_times": times}
+
+
+def worker_msllm(w: dict, args) -> dict:
+    import mindspore as ms
+    from msllm import device
+    from msllm.config import OptimConfig
+    from msllm.models.llama import build_model
+    from msllm.train.optim import AdamW
+    from msllm.train.step import TrainStep, apply_recompute
+
+    device.setup("cpu", args.mode, args.threads, args.jit_level)
+    model = build_model(model_config(w), seed=0)
+    apply_recompute(model, args.recompute)
+    step = TrainStep(model, AdamW(model.trainable_params(), OptimConfig(warmup_steps=0), 1000), 1.0)
+    batch = ms.Tensor(tokens(w))
+    return time_steps(lambda: step(batch)[0].asnumpy(), args.steps, args.warmup)
+
+
+def hf_model(w: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=w["vocab"], hidden_size=w["hidden"], num_hidden_layers=w["layers"],
+                                        num_attention_heads=w["heads"], num_key_value_heads=w["kv_heads"],
+                                        intermediate_size=w["ffn"], max_position_embeddings=w["seq"]))
+
+
+def worker_torch(w: dict, args) -> dict:
+    import torch
+    torch.set_num_threads(args.threads or os.cpu_count())
+    torch.manual_seed(0)
+    model = hf_model(w)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.from_numpy(tokens(w)).long()
+    forward = torch.compile(model) if args.compile else model
+
+    def step():
+        logits = forward(batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return float(loss)
+
+    return time_steps(step, args.steps, args.warmup)
+
+
+def run_worker(args) -> None:
+    w = WORKLOADS[args.workload] if not args.layers else {**WORKLOADS[args.workload], "layers": args.layers}
+    result = worker_msllm(w, args) if args.worker == "msllm" else worker_torch(w, args)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def spawn(variant: str, workload: str, args, recompute: str = "none", layers: int = 0) -> dict:
+    if variant == "mindformers":
+        return spawn_mindformers(workload, args)
+    common = ["--workload", workload, "--steps", str(args.steps), "--warmup", str(args.warmup),
+              "--threads", str(args.threads), "--layers", str(layers)]
+    if variant.startswith("msllm"):
+        extra = ["--worker", "msllm", "--mode", variant.split("-")[1], "--recompute", recompute,
+                 "--jit-level", args.jit_level]
+    else:
+        extra = ["--worker", "torch"] + (["--compile"] if variant == "torch-compile" else [])
+    proc = subprocess.run([sys.executable, __file__, *common, *extra], capture_output=True, text=True,
+                          env={**os.environ, "GLOG_v": "3"}, cwd=REPO)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+
+
+def spawn_mindformers(workload: str, args) -> dict:
+    venv_python = Path(os.environ.get("MSLLM_MF_VENV", Path.home() / ".cache/msllm/mf-venv")) / "bin" / "python"
+    if not venv_python.exists():
+        return {"error": "MindFormers venv absent; create it with bash tools/mindformers_env.sh"}
+    w = WORKLOADS[workload]
+    cmd = [str(venv_python), str(REPO / "tools" / "mindformers_peer.py"), "bench", "--vocab", str(w["vocab"]),
+           "--hidden", str(w["hidden"]), "--layers", str(w["layers"]), "--heads", str(w["heads"]),
+           "--kv-heads", str(w["kv_heads"]), "--ffn", str(w["ffn"]), "--seq", str(w["seq"]),
+           "--batch", str(w["batch"]), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            r = json.loads(line)
+            return {"first_step_s": r.get("compile_s"), "step_s": w["batch"] * w["seq"] / r["tokens_per_s"],
+                    "peak_rss_mb": r.get("peak_rss_mb")}
+    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="W1", choices=list(WORKLOADS))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--recompute", default="none", help="comma list for msllm variants: none,full,selective")
+    p.add_argument("--compile-layers", default="", help="comma list of depths: report first-step compile time")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--jit-level", default="O0")
+    p.add_argument("--peak-flops", type=float, default=1e11)
+    p.add_argument("--out", default="runs/bench")
+    # worker-only flags
+    p.add_argument("--worker", choices=["msllm", "torch"])
+    p.add_argument("--mode", default="graph")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--layers", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return 0
+
+    w = WORKLOADS[args.workload]
+    tokens_per_step = w["batch"] * w["seq"]
+    rows = []
+    if args.compile_layers:
+        for layers in [int(x) for x in args.compile_layers.split(",")]:
+            r = spawn("msllm-graph", args.workload, args, layers=layers)
+            rows.append({"variant": "msllm-graph", "layers": layers, **r})
+            print(f"compile  layers {layers:>3}: first step {r.get('first_step_s', float('nan')):.1f}s  "
+                  f"{r.get('error', '')}", flush=True)
+    else:
+        for variant in args.variants.split(","):
+            for recompute in (args.recompute.split(",") if variant.startswith("msllm") else ["none"]):
+                r = spawn(variant, args.workload, args, recompute=recompute)
+                rows.append({"variant": variant, "recompute": recompute, **r})
+                print(f"  {variant:<16} {recompute:<10} " + (f"error: {r['error']}" if "error" in r else
+                      f"{tokens_per_step / r['step_s']:>8.0f} tok/s  first {r['first_step_s']:.1f}s  "
+                      f"rss {r['peak_rss_mb']:.0f} MB"), flush=True)
+        flops = model_config(w).flops_per_token(w["seq"])
+        base = next((r for r in rows if r["variant"] == "torch-eager" and "error" not in r), None)
+        print(f"\n{args.workload} {w}, {args.threads} threads, median of {args.steps} steps after {args.warmup} warm-up")
+        print("| variant | recompute | tokens/s | vs torch eager | MFU | first step s | peak RSS MB |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['variant']} | {r['recompute']} | skipped: {r['error']} | | | | |")
+                continue
+            tps = tokens_per_step / r["step_s"]
+            r.update(tokens_per_s=tps, mfu=tps * flops / args.peak_flops,
+                     vs_torch_eager=tps * base["step_s"] / tokens_per_step if base else None)
+            ratio = f"{r['vs_torch_eager']:.2f}x" if base else "n/a"
+            print(f"| {r['variant']} | {r['recompute']} | {tps:,.0f} | {ratio} | {r['mfu']:.1%} | "
+                  f"{r['first_step_s']:.1f} | {r['peak_rss_mb']:.0f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench_{args.workload}_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path.write_text(json.dumps({"workload": args.workload, "shape": w, "threads": args.threads, "rows": rows}, indent=1))
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
