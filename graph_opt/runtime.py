@@ -86,7 +86,10 @@ def read_manifest(export_dir: Path) -> dict:
     path = Path(export_dir) / MANIFEST
     if not path.exists():
         raise ExportError(f"{export_dir}: not an msllm export (no {MANIFEST}); make one with msllm export")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ExportError(f"{path}: unreadable ({e})") from None
 
 
 def export_engine(export_dir: Path, manifest: dict) -> Engine:

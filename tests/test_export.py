@@ -180,6 +180,8 @@ def test_bad_inputs_are_one_line_and_write_nothing(llama_run, tmp_path):
     out.mkdir()
     line = one_line_error(run_cli("export", "--ckpt", str(llama_run), "--format", "onnx", "--out", str(out)))
     assert "already exists; pass --force" in line and not list(out.iterdir())
+    line = one_line_error(run_cli("generate", "--engine", "onnxruntime", "--ckpt", str(llama_run)), "generate")
+    assert "not an msllm export (no export.json)" in line
 
 
 def test_failed_verification_writes_nothing(llama_run, tmp_path, monkeypatch):
