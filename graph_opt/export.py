@@ -108,19 +108,22 @@ def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, extern
     from graph_opt.onnx_llama import GRAPHS, build_graph
     from graph_opt.onnx_passes import clean_up, describe
 
-    stored = None  # name -> tensor in ONNX_DATA
+    shared = None  # initializer name -> its bytes in ONNX_DATA
     for kind in GRAPHS:
         model = build_graph(cfg, arrays, kind, dtype)
         log(f"onnx clean-up {kind}: {describe(*clean_up(model))}")
         path = tmp / f"{kind}.onnx"
-        if stored is not None:
-            for name, value in model.graph.initializers.items():
-                if name in stored:
-                    value.const_value = stored[name]
-        ir.save(model, path, external_data=ONNX_DATA if external_data and stored is None else None)
-        if external_data and stored is None:
-            stored = {name: value.const_value for name, value in ir.load(path).graph.initializers.items()
+        if not external_data:
+            ir.save(model, path)
+        elif shared is None:  # the first graph writes the weights
+            ir.save(model, path, external_data=ONNX_DATA)
+            shared = {name: value.const_value for name, value in ir.load(path).graph.initializers.items()
                       if isinstance(value.const_value, ir.ExternalTensor)}
+        else:  # the others point at the same bytes
+            for name, value in model.graph.initializers.items():
+                if name in shared:
+                    value.const_value = shared[name]
+            ir.save(model, path)
         onnx.checker.check_model(str(path), full_check=True)
         log(f"wrote {path.name}: onnx.checker ok")
     return {kind: f"{kind}.onnx" for kind in GRAPHS}
@@ -153,7 +156,6 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
         export_seconds = time.perf_counter() - started
         manifest = {"format": fmt, "dtype": dtype, "checkpoint": str(ckpt_dir), "step": state.get("step"),
                     "files": files, "config": cfg.to_dict(), "export_seconds": round(export_seconds, 3)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         diffs = verify(export_engine(tmp, manifest), inputs, references)
         bound = TOLERANCE[dtype] * max(1.0, max(float(np.abs(r).max()) for r in references))
         for what, diff in diffs.items():
