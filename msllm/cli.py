@@ -15,6 +15,7 @@ PLANNED = {
 
 
 def cmd_train(args) -> int:
+    from graph_opt.runtime import cell_engine
     from msllm.config import load_config
     from msllm.generate import generate_text
     from msllm.train.trainer import Trainer
@@ -34,10 +35,9 @@ def cmd_train(args) -> int:
     trainer = Trainer(cfg, resume=bool(args.resume))
     result = trainer.fit()
     if trainer.rank == 0 and cfg.train.sample_tokens > 0:
-        import mindspore as ms
-        ms.set_context(mode=ms.PYNATIVE_MODE)  # one compile per length would dominate in graph mode
-        text = generate_text(trainer.model, trainer.tokenizer, cfg.train.sample_prompt, cfg.train.sample_tokens,
-                             max_len=cfg.data.seq_len)
+        # KV cache; in graph mode prefill and decode compile once each (dynamic shapes)
+        text = generate_text(cell_engine(trainer.model), trainer.tokenizer, cfg.train.sample_prompt,
+                             cfg.train.sample_tokens, max_len=cfg.data.seq_len)
         print(f"--- sample (greedy) ---\n{text}\n---", flush=True)
     if "val_loss" in result:
         print(f"done: step {result['step']}, val_loss {result['val_loss']:.4f}, run dir {cfg.train.run_dir}")
@@ -45,15 +45,21 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import mindspore as ms
     from msllm import device
-    from msllm.generate import generate_text, load_run
+    from msllm.generate import generate_text, load_engine
 
-    device.setup("cpu", "pynative")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    cfg, model, tokenizer = load_run(args.ckpt)
-    print(generate_text(model, tokenizer, args.prompt, args.max_new_tokens, top_k=args.top_k,
-                        temperature=args.temperature, seed=args.seed, max_len=cfg.model.max_seq_len))
+    device.setup("cpu", "graph")  # prefill and decode compile once each (dynamic shapes)
+    engine, model_cfg, tokenizer = load_engine(args.engine, args.ckpt)
+    print(generate_text(engine, tokenizer, args.prompt, args.max_new_tokens, top_k=args.top_k,
+                        temperature=args.temperature, seed=args.seed, max_len=model_cfg.max_seq_len))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from graph_opt.export import export
+
+    export(args.ckpt, args.format, args.out, dtype=args.dtype, external_data=args.external_data, force=args.force,
+           log=lambda line: print(line, flush=True))
     return 0
 
 
@@ -70,13 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="sample text from a trained run")
-    p.add_argument("--ckpt", required=True, help="run dir or checkpoint dir")
+    p.add_argument("--ckpt", required=True, help="run dir or checkpoint dir (msllm engine), export dir (others)")
+    p.add_argument("--engine", default="msllm", help="msllm (the trained Cells) | mindir | onnxruntime")
     p.add_argument("--prompt", default="def ")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--top-k", type=int, default=0, help="0 = greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="export a run to MindIR or ONNX for deployment, verified on reload")
+    p.add_argument("--ckpt", required=True, help="run dir or checkpoint dir")
+    p.add_argument("--format", required=True, help="mindir | onnx")
+    p.add_argument("--out", required=True, help="output directory (replaced only with --force)")
+    p.add_argument("--dtype", default="fp32", help="fp32 | fp16 (weights and activations; norms, softmax fp32)")
+    p.add_argument("--external-data", action="store_true",
+                   help="ONNX: weights in a separate file (automatic above 2 GB)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.set_defaults(func=cmd_export)
 
     for name, what in PLANNED.items():
         p = sub.add_parser(name, help=f"not implemented yet: {what}")
@@ -91,6 +108,7 @@ def _not_yet(name: str) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from graph_opt.runtime import ExportError
     from msllm.checkpoint import CheckpointError
     from msllm.data.corpus import DataError
     from msllm.device import DeviceError
@@ -98,7 +116,7 @@ def main(argv=None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, DeviceError, CheckpointError, NonFiniteError) as e:
+    except (ConfigError, DataError, DeviceError, CheckpointError, NonFiniteError, ExportError) as e:
         print(f"msllm {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

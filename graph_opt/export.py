@@ -1,0 +1,181 @@
+"""msllm export: a trained run -> MindIR or ONNX graphs for deployment, verified before they are kept.
+
+OUT/ is assembled under a temporary name next to it and renamed into place only after the
+files reload and match the msllm model, so a failure never leaves a half-written export:
+  model.<ext>       input_ids [batch, seq] -> logits [batch, seq, vocab] fp32
+  prefill.<ext>     input_ids -> logits, keys, values [layers, batch, kv_heads, seq, head_dim]
+  decode.<ext>      input_ids, keys, values -> logits, keys, values grown by seq positions
+  weights.onnx.data ONNX external data shared by the three graphs (weights > 2 GB, or --external-data)
+  export.json       format, dtype, config, files, dimensions, tolerance, measured diffs, timings
+  tokenizer.json    the run's tokenizer, so the export dir is all `msllm generate` needs
+Batch, sequence and cache length are dynamic in both formats; layers, heads, head_dim and
+vocab are fixed by the model. input_ids are int32 in MindIR (msllm's dtype), int64 in ONNX.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+
+from graph_opt.runtime import MANIFEST, ExportError, export_engine
+
+FORMATS = ("mindir", "onnx")
+DTYPES = ("fp32", "fp16")
+# Verification passes when max|exported - msllm fp32| <= TOLERANCE[dtype] * max(1, max|msllm logits|).
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2}
+VERIFY_SHAPES = ((2, 5), (1, 11))  # (batch, seq): two batches and lengths run through one file
+DECODE_STEPS = 3                   # the last tokens of the longest case are fed one at a time
+ONNX_DATA = "weights.onnx.data"
+PROTOBUF_LIMIT = 2**31 - 2**26     # a ModelProto must stay under 2 GiB; keep 64 MiB for the graph itself
+
+
+def writable_tmp_dir(out: Path, force: bool) -> Path:
+    if out.exists() and not force:
+        raise ExportError(f"{out}: already exists; pass --force to replace it")
+    tmp = out.parent / f".{out.name}.tmp"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ExportError(f"{out}: cannot write the export here ({e.strerror})") from None
+    return tmp
+
+
+def verification_inputs(vocab_size: int, max_seq_len: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab_size, (b, min(s, max_seq_len))).astype(np.int32) for b, s in VERIFY_SHAPES]
+
+
+def max_abs(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float32) - b).max())
+
+
+def verify(engine, inputs: list[np.ndarray], references: list[np.ndarray]) -> dict[str, float]:
+    """Max-abs logit differences: the model graph on every input, then prefill + decode on the last."""
+    diffs = {f"model b{ids.shape[0]} s{ids.shape[1]}": max_abs(engine.logits(ids), ref)
+             for ids, ref in zip(inputs, references)}
+    ids, ref = inputs[-1], references[-1]
+    start = max(1, ids.shape[1] - DECODE_STEPS)
+    logits, cache = engine.prefill(ids[:, :start])
+    worst = max_abs(logits, ref[:, :start])
+    for i in range(start, ids.shape[1]):
+        logits, cache = engine.decode(ids[:, i:i + 1], cache)
+        worst = max(worst, max_abs(logits[:, 0], ref[:, i]))
+    diffs[f"prefill s{start} + {ids.shape[1] - start} decode steps"] = worst
+    return diffs
+
+
+def to_half(model) -> None:
+    """fp16 compute with fp16 weights and rope tables stored in the file (half the size); norm
+    weights stay fp32 (they scale fp32 statistics)."""
+    for p in model.trainable_params():
+        if not p.name.endswith("norm.weight"):
+            p.set_data(p.astype(ms.float16))
+    model.rope_cos, model.rope_sin = model.rope_cos.astype(ms.float16), model.rope_sin.astype(ms.float16)
+    model.compute_dtype = ms.float16
+
+
+def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
+    """The three graphs via ms.export (GRAPH_MODE) with None for every dynamic dimension."""
+    from msllm.models.kv_cache import Decode, Prefill
+
+    cfg = model.cfg
+    ms.set_context(mode=ms.GRAPH_MODE)
+    if dtype == "fp16":
+        to_half(model)
+    ids = ms.Tensor(shape=[None, None], dtype=ms.int32)
+    cache = ms.Tensor(shape=[cfg.num_layers, None, cfg.num_kv_heads, None, cfg.head_dim],
+                      dtype=ms.float16 if dtype == "fp16" else ms.float32)
+    graphs = {"model": (model, ids), "prefill": (Prefill(model), ids), "decode": (Decode(model), ids, cache, cache)}
+    for kind, (cell, *inputs) in graphs.items():
+        ms.export(cell, *inputs, file_name=str(tmp / kind), file_format="MINDIR")
+        log(f"wrote {kind}.mindir")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    return {kind: f"{kind}.mindir" for kind in graphs}
+
+
+def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, external_data: bool, log) -> dict[str, str]:
+    """Build, clean up, save and check the three graphs. With external data the weights are
+    written once, by the first graph, and the other graphs point at the same file."""
+    import onnx
+    import onnx_ir as ir
+
+    from graph_opt.onnx_llama import GRAPHS, build_graph
+    from graph_opt.onnx_passes import clean_up, describe
+
+    shared = None  # initializer name -> its bytes in ONNX_DATA
+    for kind in GRAPHS:
+        model = build_graph(cfg, arrays, kind, dtype)
+        log(f"onnx clean-up {kind}: {describe(*clean_up(model))}")
+        path = tmp / f"{kind}.onnx"
+        if not external_data:
+            ir.save(model, path)
+        elif shared is None:  # the first graph writes the weights
+            ir.save(model, path, external_data=ONNX_DATA)
+            shared = {name: value.const_value for name, value in ir.load(path).graph.initializers.items()
+                      if isinstance(value.const_value, ir.ExternalTensor)}
+        else:  # the others point at the same bytes
+            for name, value in model.graph.initializers.items():
+                if name in shared:
+                    value.const_value = shared[name]
+            ir.save(model, path)
+        onnx.checker.check_model(str(path), full_check=True)
+        log(f"wrote {path.name}: onnx.checker ok")
+    return {kind: f"{kind}.onnx" for kind in GRAPHS}
+
+
+def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", external_data: bool = False,
+           force: bool = False, log=print) -> dict:
+    """Export a run (or checkpoint dir) to OUT; returns the manifest. Raises ExportError / CheckpointError."""
+    from msllm import device
+    from msllm.generate import find_tokenizer, load_model
+
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    out = Path(out)
+    device.setup("cpu", "pynative")
+    cfg, model, ckpt_dir, state = load_model(ckpt)
+    tmp = writable_tmp_dir(out, force)
+    try:
+        inputs = verification_inputs(cfg.model.vocab_size, cfg.model.max_seq_len)
+        references = [model(ms.Tensor(ids)).asnumpy() for ids in inputs]  # fp32 msllm, before any cast
+        started = time.perf_counter()
+        if fmt == "mindir":
+            files = write_mindir(model, dtype, tmp, log)
+        else:
+            arrays = {p.name: p.asnumpy() for p in model.trainable_params()}
+            nbytes = sum(a.size for a in arrays.values()) * (2 if dtype == "fp16" else 4)
+            files = write_onnx(cfg.model, arrays, dtype, tmp, external_data or nbytes > PROTOBUF_LIMIT, log)
+        export_seconds = time.perf_counter() - started
+        manifest = {"format": fmt, "dtype": dtype, "checkpoint": str(ckpt_dir), "step": state.get("step"),
+                    "files": files, "config": cfg.to_dict(), "export_seconds": round(export_seconds, 3)}
+        diffs = verify(export_engine(tmp, manifest), inputs, references)
+        bound = TOLERANCE[dtype] * max(1.0, max(float(np.abs(r).max()) for r in references))
+        for what, diff in diffs.items():
+            log(f"verify {fmt} {what}: max|diff| {diff:.3g}")
+        worst = max(diffs.values())
+        if not worst <= bound:  # also catches NaN
+            raise ExportError(f"verification failed: max|diff| {worst:.3g} > tolerance {bound:.3g}; nothing written")
+        log(f"verified: max|diff| {worst:.3g} <= tolerance {bound:.3g} ({TOLERANCE[dtype]:g} x max(1, max|logits|))")
+        manifest.update(max_abs_diff=diffs, tolerance=bound)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        tokenizer = find_tokenizer(ckpt_dir, state)
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        if out.is_dir():
+            shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"exported {fmt} ({dtype}) in {export_seconds:.1f}s to {out}")
+    return manifest
+

@@ -1,0 +1,194 @@
+"""The ONNX graphs of an msllm Llama, written op by op from its config and weights.
+
+A static trace would bake batch and sequence lengths into Reshape nodes, so the graphs are
+built directly (onnx_ir) and mirror msllm/models/llama.py line for line:
+  * the residual stream is kept as rows [batch*seq, hidden], so every linear is one
+    Gemm(x, W, b, transB=1) on the checkpoint's own [out, in] weight, under its own name;
+  * rotate-half RoPE with the cos/sin tables of `rope_tables` (llama3/linear scaling
+    included) gathered at the token positions;
+  * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax.
+Three graphs, all with dynamic batch, sequence and cache length:
+  model    input_ids [b, s] -> logits [b, s, vocab]
+  prefill  input_ids [b, s] -> logits, present_keys, present_values [layers, b, kv_heads, s, head_dim]
+  decode   input_ids [b, s], past_keys, past_values (t positions) -> logits, present_* (t + s positions)
+Simple constants are emitted where they are used (one Constant node each, Casts even when
+they are no-ops, like msllm's astype); graph_opt.onnx_passes folds and deduplicates them.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from msllm.config import ModelConfig
+from msllm.models.llama import rope_tables
+
+OPSET = 17
+IR_VERSION = 8
+GRAPHS = ("model", "prefill", "decode")
+DTYPES = {"fp32": (np.float32, ir.DataType.FLOAT), "fp16": (np.float16, ir.DataType.FLOAT16)}
+MASKED = -1e9  # the additive causal mask value msllm uses
+
+
+def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str, np.ndarray] | None]:
+    """Role -> (name, array) for layer i: the one place that knows msllm's parameter layout.
+
+    Linear weights are [out, in]; a missing bias is None. A fused QKV or gate/up layout
+    would be split here and nowhere else.
+    """
+    prefix = f"layers.{i}."
+
+    def get(name):
+        return (prefix + name, weights[prefix + name]) if prefix + name in weights else None
+
+    roles = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
+             "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+    out = {"attention_norm": get("attention_norm.weight"), "ffn_norm": get("ffn_norm.weight")}
+    for role, module in roles.items():
+        out[role] = get(module + ".weight")
+        out[role + "_bias"] = get(module + ".bias")
+    return out
+
+
+class LlamaGraph:
+    """Records the nodes and initializers of one graph on an onnx_ir tape."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype: str):
+        self.cfg, self.weights = cfg, weights
+        self.np_dtype, self.dtype = DTYPES[dtype]
+        self.tape = ir.tape.Tape()
+        self.initializers: dict[str, ir.Value] = {}
+
+    # -- emitting ------------------------------------------------------------------------
+    def op(self, op_type: str, *inputs, **attributes) -> ir.Value:
+        return self.tape.op(op_type, list(inputs), attributes=attributes or None)
+
+    def const(self, value, dtype=np.int64) -> ir.Value:
+        return self.op("Constant", value=ir.tensor(np.asarray(value, dtype)))
+
+    def param(self, named: tuple[str, np.ndarray] | None, fp32: bool = False) -> ir.Value | None:
+        """A weight as an initializer in the export dtype (norm weights stay fp32), created once per name."""
+        if named is None:
+            return None
+        name, array = named
+        if name not in self.initializers:
+            array = array.astype(np.float32 if fp32 else self.np_dtype, copy=False)
+            self.initializers[name] = self.tape.initializer(ir.tensor(array, name=name))
+        return self.initializers[name]
+
+    def shape(self, *dims) -> ir.Value:
+        """A 1-D shape from ints and 1-element int64 values (e.g. the runtime sequence length)."""
+        parts = [self.const([d]) if isinstance(d, int) else d for d in dims]
+        return self.op("Concat", *parts, axis=0)
+
+    # -- layers ----------------------------------------------------------------------------
+    def linear(self, x, weight, bias=None) -> ir.Value:
+        return self.op("Gemm", x, self.param(weight), *([self.param(bias)] if bias else []), transB=1)
+
+    def rms_norm(self, x, weight) -> ir.Value:
+        x = self.op("Cast", x, to=ir.DataType.FLOAT)
+        mean_square = self.op("ReduceMean", self.op("Mul", x, x), axes=[-1], keepdims=1)
+        eps = self.const(self.cfg.norm_eps, np.float32)
+        x = self.op("Div", x, self.op("Sqrt", self.op("Add", mean_square, eps)))
+        return self.op("Cast", self.op("Mul", x, self.param(weight, fp32=True)), to=self.dtype)
+
+    def heads(self, rows, n, seq) -> ir.Value:
+        """[b*s, n*d] -> [b, n, s, d]."""
+        split = self.op("Reshape", rows, self.shape(-1, seq, n, self.cfg.head_dim))
+        return self.op("Transpose", split, perm=[0, 2, 1, 3])
+
+    def rope(self, x, cos, sin) -> ir.Value:
+        half = self.cfg.head_dim // 2
+        first = self.op("Slice", x, self.const([0]), self.const([half]), self.const([-1]))
+        second = self.op("Slice", x, self.const([half]), self.const([self.cfg.head_dim]), self.const([-1]))
+        rotated = self.op("Concat", self.op("Neg", second), first, axis=-1)
+        return self.op("Add", self.op("Mul", x, cos), self.op("Mul", rotated, sin))
+
+    def attention(self, x, w, seq, cos, sin, mask, past_k=None, past_v=None):
+        cfg = self.cfg
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = self.rope(self.heads(self.linear(x, w["q"], w["q_bias"]), nh, seq), cos, sin)
+        k = self.rope(self.heads(self.linear(x, w["k"], w["k_bias"]), nkv, seq), cos, sin)
+        v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
+        if past_k is not None:
+            k = self.op("Concat", past_k, k, axis=2)
+            v = self.op("Concat", past_v, v, axis=2)
+        # The nh/nkv query heads sharing a KV head become rows: [b, nkv, rep*s, d].
+        q = self.op("Reshape", q, self.shape(0, nkv, -1, d))
+        scores = self.op("MatMul", q, self.op("Transpose", k, perm=[0, 1, 3, 2]))
+        scores = self.op("Mul", self.op("Cast", scores, to=ir.DataType.FLOAT), self.const(1.0 / math.sqrt(d), np.float32))
+        probs = self.op("Softmax", self.op("Add", scores, mask), axis=-1)
+        out = self.op("MatMul", self.op("Cast", probs, to=self.dtype), v)
+        out = self.op("Transpose", self.op("Reshape", out, self.shape(0, nh, -1, d)), perm=[0, 2, 1, 3])
+        out = self.op("Reshape", out, self.shape(-1, nh * d))
+        return self.linear(out, w["o"], w["o_bias"]), k, v
+
+    def feed_forward(self, x, w) -> ir.Value:
+        gate = self.linear(x, w["gate"], w["gate_bias"])
+        silu = self.op("Mul", gate, self.op("Sigmoid", gate))
+        return self.linear(self.op("Mul", silu, self.linear(x, w["up"], w["up_bias"])), w["down"], w["down_bias"])
+
+    def causal_mask(self, positions, total) -> ir.Value:
+        """[s, t] additive mask, tiled to the folded rows [rep*s, t]: key j is hidden from query i when j > i."""
+        key_positions = self.op("Range", self.const(0), total, self.const(1))
+        later = self.op("Greater", self.op("Unsqueeze", key_positions, self.const([0])),
+                        self.op("Unsqueeze", positions, self.const([1])))
+        mask = self.op("Where", later, self.const(MASKED, np.float32), self.const(0.0, np.float32))
+        return self.op("Tile", mask, self.const([self.cfg.num_heads // self.cfg.num_kv_heads, 1]))
+
+    def forward(self, input_ids, past_keys=None, past_values=None):
+        """Returns logits [b, s, vocab] fp32 and the stacked keys/values including the new positions."""
+        cfg = self.cfg
+        seq = self.op("Shape", input_ids, start=1, end=2)  # [1]
+        past = self.const(0) if past_keys is None else self.op("Gather", self.op("Shape", past_keys), self.const(3))
+        total = self.op("Add", past, self.op("Squeeze", seq))
+        positions = self.op("Range", past, total, self.const(1))
+        cos_table, sin_table = rope_tables(cfg)
+        cos = self.op("Gather", self.param(("rope_cos", cos_table)), positions)
+        sin = self.op("Gather", self.param(("rope_sin", sin_table)), positions)
+        mask = self.causal_mask(positions, total)
+
+        embed = ("tok_embeddings.weight", self.weights["tok_embeddings.weight"])
+        x = self.op("Reshape", self.op("Gather", self.param(embed), input_ids), self.shape(-1, cfg.hidden_size))
+        keys, values = [], []
+        for i in range(cfg.num_layers):
+            w = layer_weights(self.weights, i)
+            past_k = past_v = None
+            if past_keys is not None:
+                past_k = self.op("Gather", past_keys, self.const(i))
+                past_v = self.op("Gather", past_values, self.const(i))
+            out, k, v = self.attention(self.rms_norm(x, w["attention_norm"]), w, seq, cos, sin, mask, past_k, past_v)
+            x = self.op("Add", x, out)
+            x = self.op("Add", x, self.feed_forward(self.rms_norm(x, w["ffn_norm"]), w))
+            keys.append(self.op("Unsqueeze", k, self.const([0])))
+            values.append(self.op("Unsqueeze", v, self.const([0])))
+        # Tied: the embedding table is the output projection (Gemm transB reads it in place).
+        head = ("output.weight", self.weights["output.weight"]) if "output.weight" in self.weights else embed
+        logits = self.linear(self.rms_norm(x, ("norm.weight", self.weights["norm.weight"])), head)
+        logits = self.op("Reshape", logits, self.shape(-1, seq, cfg.vocab_size))
+        logits = self.op("Cast", logits, to=ir.DataType.FLOAT)
+        return logits, self.op("Concat", *keys, axis=0), self.op("Concat", *values, axis=0)
+
+
+def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dtype: str = "fp32") -> ir.Model:
+    """One of GRAPHS as an onnx_ir Model; weights are msllm parameter arrays by name (fp32)."""
+    g = LlamaGraph(cfg, weights, dtype)
+    cache_shape = [cfg.num_layers, "batch", cfg.num_kv_heads, None, cfg.head_dim]
+    input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "sequence"])
+    inputs = [input_ids]
+    if kind == "decode":
+        inputs += [ir.val(name, g.dtype, cache_shape[:3] + ["past_sequence"] + cache_shape[4:])
+                   for name in ("past_keys", "past_values")]
+    logits, keys, values = g.forward(*inputs)
+    logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape(["batch", "sequence", cfg.vocab_size])
+    outputs = [logits]
+    if kind != "model":
+        total = "sequence" if kind == "prefill" else "total_sequence"
+        for value, name in ((keys, "present_keys"), (values, "present_values")):
+            value.name, value.dtype = name, g.dtype
+            value.shape = ir.Shape(cache_shape[:3] + [total] + cache_shape[4:])
+            outputs.append(value)
+    graph = ir.Graph(inputs, outputs, nodes=g.tape.nodes, initializers=g.tape.initializers,
+                     opset_imports={"": OPSET}, name=f"msllm_llama_{kind}")
+    return ir.Model(graph, ir_version=IR_VERSION, producer_name="msllm")

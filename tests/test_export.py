@@ -1,0 +1,199 @@
+"""msllm export: MindIR and ONNX reload and match the msllm model; cached generation on every engine
+equals full recompute; ONNX clean-up keeps outputs; bad inputs are one-line errors that write nothing."""
+import json
+import subprocess
+import sys
+
+import mindspore as ms
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from graph_opt import export as export_mod
+from graph_opt.export import export
+from graph_opt.onnx_llama import build_graph
+from graph_opt.onnx_passes import clean_up
+from graph_opt.runtime import ExportError, cell_engine
+from msllm import checkpoint, device
+from msllm.config import Config, ModelConfig
+from msllm.data.tokenizer import load_tokenizer, train_tokenizer
+from msllm.generate import generate_cached, generate_ids, load_model
+from msllm.models.llama import build_model
+from tests.conftest import REPO, run_cli
+
+LLAMA = ModelConfig(vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
+                    max_seq_len=32)
+# Qwen2-style qkv bias and tied embeddings, with llama3 rope scaling: the optional paths of the builders.
+QWEN = ModelConfig(vocab_size=384, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, ffn_size=96,
+                   max_seq_len=32, qkv_bias=True, tie_embeddings=True, norm_eps=1e-6,
+                   rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8})
+
+
+def make_run(root, model_cfg: ModelConfig, corpus):
+    """A run dir as msllm train leaves it: checkpoint (random weights, random biases) + tokenizer."""
+    device.setup("cpu", "pynative")
+    cfg = Config(model=model_cfg)
+    cfg.data.seq_len = 16
+    model = build_model(model_cfg, seed=5)
+    rng = np.random.default_rng(5)
+    for p in model.trainable_params():
+        if p.name.endswith("bias"):
+            p.set_data(ms.Tensor(rng.normal(0, 0.1, p.shape).astype(np.float32)))
+    (root / "data").mkdir(parents=True)
+    texts = [f.read_text() for f in sorted(corpus.glob("*.py"))[:5]]
+    train_tokenizer(texts, model_cfg.vocab_size).save(str(root / "data" / "tokenizer.json"))
+    checkpoint.save(root, 1, model.trainable_params(), [],
+                    {"config": cfg.to_dict(), "tokenizer": str(root / "data" / "tokenizer.json")})
+    return root
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory, corpus):
+    return make_run(tmp_path_factory.mktemp("llama"), LLAMA, corpus)
+
+
+@pytest.fixture(scope="module")
+def qwen_run(tmp_path_factory, corpus):
+    return make_run(tmp_path_factory.mktemp("qwen"), QWEN, corpus)
+
+
+def reference_logits(run, ids):
+    device.setup("cpu", "pynative")
+    _, model, _, _ = load_model(run)
+    return model(ms.Tensor(ids.astype(np.int32))).asnumpy()
+
+
+INPUTS = [np.random.default_rng(1).integers(0, 384, shape) for shape in ((1, 3), (3, 17))]
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "mindir"])
+def test_export_reloads_and_matches_at_two_lengths(qwen_run, tmp_path, fmt):
+    out = tmp_path / "export"
+    manifest = export(qwen_run, fmt, out, log=lambda line: None)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"{k}.{fmt}" for k in ("model", "prefill", "decode")] + ["export.json", "tokenizer.json"])
+    assert json.loads((out / "export.json").read_text())["max_abs_diff"] == manifest["max_abs_diff"]
+    assert max(manifest["max_abs_diff"].values()) < 1e-5
+    if fmt == "onnx":
+        onnx.checker.check_model(str(out / "model.onnx"), full_check=True)
+        session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+        run = lambda ids: session.run(None, {"input_ids": ids})[0]  # noqa: E731
+    else:
+        graph = ms.nn.GraphCell(ms.load(str(out / "model.mindir")))
+        run = lambda ids: graph(ms.Tensor(ids.astype(np.int32))).asnumpy()  # noqa: E731
+    for ids in INPUTS:  # one file, two batch sizes and lengths
+        np.testing.assert_allclose(run(ids), reference_logits(qwen_run, ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "mindir"])
+def test_fp16_export_within_tolerance(llama_run, tmp_path, fmt):
+    manifest = export(llama_run, fmt, tmp_path / "half", dtype="fp16", log=lambda line: None)
+    assert 0 < max(manifest["max_abs_diff"].values()) <= manifest["tolerance"]
+    if fmt == "onnx":
+        model = onnx.load(str(tmp_path / "half" / "decode.onnx"))
+        assert {i.name: i.type.tensor_type.elem_type for i in model.graph.input}["past_keys"] == onnx.TensorProto.FLOAT16
+
+
+def test_onnx_external_data_is_written_once(qwen_run, tmp_path, monkeypatch):
+    monkeypatch.setattr(export_mod, "PROTOBUF_LIMIT", 1000)  # as if the weights were over 2 GB
+    out = tmp_path / "ext"
+    export(qwen_run, "onnx", out, log=lambda line: None)
+    weights = (out / "weights.onnx.data").stat().st_size
+    assert weights > 4 * QWEN.num_params() * 0.99
+    for kind in ("model", "prefill", "decode"):  # the graphs point at the one data file
+        assert (out / f"{kind}.onnx").stat().st_size < weights / 10
+    ids = INPUTS[1]
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"input_ids": ids})[0], reference_logits(qwen_run, ids), atol=1e-5)
+
+
+def test_clean_up_keeps_outputs(qwen_run):
+    _, model, _, _ = load_model(qwen_run)
+    weights = {p.name: p.asnumpy() for p in model.trainable_params()}
+    raw, cleaned = build_graph(QWEN, weights, "decode"), build_graph(QWEN, weights, "decode")
+    before, after = clean_up(cleaned)
+    assert sum(after.values()) < sum(before.values()) and after["Constant"] == 0 and after["Cast"] == 0
+    rng = np.random.default_rng(2)
+    feeds = {"input_ids": rng.integers(0, 384, (2, 3)),
+             "past_keys": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32),
+             "past_values": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32)}
+    results = [ort.InferenceSession(ir.to_proto(m).SerializeToString(), providers=["CPUExecutionProvider"])
+               .run(None, feeds) for m in (raw, cleaned)]
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_cached_generation_equals_full_recompute(qwen_run):
+    """Greedy and top-k, through the point where the cache is full and the window slides."""
+    device.setup("cpu", "pynative")
+    _, model, _, _ = load_model(qwen_run)
+    prompt = np.random.default_rng(3).integers(0, QWEN.vocab_size, QWEN.max_seq_len - 4).tolist()  # 4 short of full
+    for top_k in (0, 5):
+        full = generate_ids(model, prompt, 8, top_k=top_k, max_len=QWEN.max_seq_len)
+        cached = generate_cached(cell_engine(model), prompt, 8, top_k=top_k, max_len=QWEN.max_seq_len)
+        assert cached == full
+
+
+def test_cli_export_and_generate_on_every_engine(llama_run, tmp_path):
+    device.setup("cpu", "pynative")
+    _, model, _, _ = load_model(llama_run)
+    outputs = {}
+    for fmt, engine in (("onnx", "onnxruntime"), ("mindir", "mindir")):
+        out = tmp_path / fmt
+        proc = run_cli("export", "--ckpt", str(llama_run), "--format", fmt, "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "verified: max|diff|" in proc.stdout and "exported" in proc.stdout
+        if fmt == "onnx":
+            assert "onnx clean-up decode:" in proc.stdout and "onnx.checker ok" in proc.stdout
+        outputs[engine] = run_cli("generate", "--engine", engine, "--ckpt", str(out), "--max-new-tokens", "12")
+    outputs["msllm"] = run_cli("generate", "--engine", "msllm", "--ckpt", str(llama_run), "--max-new-tokens", "12")
+    assert all(p.returncode == 0 for p in outputs.values()), [p.stderr[-1000:] for p in outputs.values()]
+    assert len({p.stdout for p in outputs.values()}) == 1
+    tokenizer = load_tokenizer(llama_run / "data" / "tokenizer.json")
+    full = generate_ids(model, tokenizer.encode("def ").ids, 12, max_len=LLAMA.max_seq_len)
+    assert outputs["msllm"].stdout.rstrip("\n") == tokenizer.decode(full)
+
+
+def one_line_error(proc, command="export"):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) >= 1, proc.stderr[-2000:]
+    assert lines[-1].startswith(f"msllm {command}: error: ")
+    assert "Traceback" not in proc.stderr
+    return lines[-1]
+
+
+def test_bad_inputs_are_one_line_and_write_nothing(llama_run, tmp_path):
+    out = tmp_path / "out"
+    line = one_line_error(run_cli("export", "--ckpt", str(tmp_path / "missing"), "--format", "onnx", "--out", str(out)))
+    assert "no checkpoint found" in line
+    line = one_line_error(run_cli("export", "--ckpt", str(llama_run), "--format", "tflite", "--out", str(out)))
+    assert "unknown format 'tflite'; choose one of mindir, onnx" in line
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    line = one_line_error(run_cli("export", "--ckpt", str(llama_run), "--format", "onnx",
+                                  "--out", str(blocker / "export")))
+    assert "cannot write the export here" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    out.mkdir()
+    line = one_line_error(run_cli("export", "--ckpt", str(llama_run), "--format", "onnx", "--out", str(out)))
+    assert "already exists; pass --force" in line and not list(out.iterdir())
+    line = one_line_error(run_cli("generate", "--engine", "onnxruntime", "--ckpt", str(llama_run)), "generate")
+    assert "not an msllm export (no export.json)" in line
+
+
+def test_failed_verification_writes_nothing(llama_run, tmp_path, monkeypatch):
+    monkeypatch.setitem(export_mod.TOLERANCE, "fp32", 0.0)
+    with pytest.raises(ExportError, match="verification failed"):
+        export(llama_run, "onnx", tmp_path / "out", log=lambda line: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_benchmark_script_runs_at_tiny_size():
+    proc = subprocess.run([sys.executable, "tools/bench_export.py", "--sizes", "tiny", "--prompt", "8", "--new", "2",
+                           "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["onnxruntime", "mindspore-mindir", "msllm-cells-graph"]
