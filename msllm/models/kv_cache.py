@@ -13,22 +13,17 @@ from __future__ import annotations
 
 from mindspore import nn, ops
 
-from msllm.models.llama import Llama, apply_rope
+from msllm.models.llama import Llama
 
 
 def block_with_cache(block, x, cos, sin, mask, past_k=None, past_v=None):
     """Block.construct that also returns this layer's keys/values, with the past ones prepended."""
     attn = block.attention
-    b, s, _ = x.shape
-    y = block.attention_norm(x)
-    q = apply_rope(attn.heads(attn.wq(y), attn.num_heads), cos, sin)
-    k = apply_rope(attn.heads(attn.wk(y), attn.num_kv_heads), cos, sin)
-    v = attn.heads(attn.wv(y), attn.num_kv_heads)
+    q, k, v = attn.qkv(block.attention_norm(x), cos, sin)
     if past_k is not None:
         k = ops.concat((past_k, k), 2)
         v = ops.concat((past_v, v), 2)
-    out = attn.core(q, k, v, mask)
-    x = x + attn.wo(out.transpose(0, 2, 1, 3).reshape(b, s, -1))
+    x = x + attn.attend(q, k, v, mask, x.shape)
     return x + block.feed_forward(block.ffn_norm(x)), k, v
 
 

@@ -148,13 +148,20 @@ class Attention(nn.Cell):
         """[b*s, n*d] -> [b, n, s, d]"""
         return x.reshape(-1, s, n, self.head_dim).transpose(0, 2, 1, 3)
 
-    def construct(self, x, cos, sin, mask):
+    def qkv(self, x, cos, sin):
+        """Projected heads with RoPE applied: q [b, nh, s, d], k/v [b, nkv, s, d]."""
         s = cos.shape[0]
         q = apply_rope(self.heads(self.wq(x), self.num_heads, s), cos, sin)
         k = apply_rope(self.heads(self.wk(x), self.num_kv_heads, s), cos, sin)
-        v = self.heads(self.wv(x), self.num_kv_heads, s)
-        out = self.core(q, k, v, mask)
-        return self.wo(out.transpose(0, 2, 1, 3).reshape(x.shape))
+        return q, k, self.heads(self.wv(x), self.num_kv_heads, s)
+
+    def attend(self, q, k, v, mask, x_shape):
+        """Attention core and output projection back to x's shape."""
+        return self.wo(self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(x_shape))
+
+    def construct(self, x, cos, sin, mask):
+        q, k, v = self.qkv(x, cos, sin)
+        return self.attend(q, k, v, mask, x.shape)
 
 
 class FeedForward(nn.Cell):
