@@ -16,17 +16,18 @@ from msllm.models.llama import Llama
 
 
 def load_run(ckpt: str | Path):
-    """(config, model, tokenizer) from a run dir or a checkpoint dir."""
+    """(config, model, tokenizer) from a run dir or a checkpoint dir; tokenizer None if it has none."""
     path = checkpoint.latest(Path(ckpt))
     state = checkpoint.read_state(path)
     cfg = config_from_dict(state["config"], str(path / checkpoint.STATE_FILE))
     model = Llama(cfg.model)
     checkpoint.load_into(model.trainable_params(), checkpoint.load_arrays(path / checkpoint.MODEL_FILE), str(path))
     model.set_train(False)
-    tok_path = Path(state["tokenizer"])
-    if not tok_path.exists():  # run dir moved: fall back to its own copy
+    # Training records an absolute path, conversion a name inside the checkpoint dir, or None.
+    tok_path = path / state["tokenizer"] if state.get("tokenizer") else None
+    if tok_path is None or not tok_path.exists():  # run dir moved: fall back to its own copy
         tok_path = path.parent.parent / "data" / "tokenizer.json"
-    return cfg, model, load_tokenizer(tok_path)
+    return cfg, model, load_tokenizer(tok_path) if tok_path.exists() else None
 
 
 def generate_ids(model, ids: list[int], max_new: int, top_k: int = 0, temperature: float = 1.0,
