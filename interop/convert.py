@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from interop import InteropError
+from interop import InteropError, names_line
 from interop.formats import TensorInfo
 from interop.hf_config import to_hf_config
-from interop.layouts import (HF_CONFIG, MF_CONFIG, WRITERS, Source, hf_index, names_line, open_source,
-                             weight_files)
+from interop.layouts import HF_CONFIG, MF_CONFIG, WRITERS, Source, hf_index, open_source, weight_files
 from interop.maps import FAMILIES
 from interop.table import LAYOUTS, Entry, Table, entries
 from msllm import checkpoint

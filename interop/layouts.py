@@ -12,7 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from interop import InteropError
+from interop import InteropError, names_line
 from interop.formats import MultiFileReader, TensorInfo
 from interop.formats.ms_ckpt import CkptReader, CkptWriter
 from interop.formats.safetensors import SafetensorsReader, SafetensorsWriter
@@ -119,14 +119,14 @@ def _open_sharded(index: Path) -> MultiFileReader:
     absent = {shard: names for shard, names in listed.items() if not (index.parent / shard).is_file()}
     if absent:
         raise InteropError(f"{index}: missing shard(s) " + "; ".join(
-            f"{s} (holds {names_line(sorted(n))})" for s, n in sorted(absent.items())))
+            f"{s} (holds {names_line(n)})" for s, n in sorted(absent.items())))
     readers = [open_file(index.parent / shard) for shard in sorted(listed)]
     wrong = []
     for reader in readers:
         names, present = listed[Path(reader.path).name], set(reader.infos)
         if names != present:
-            wrong.append(f"{Path(reader.path).name}: listed but absent {names_line(sorted(names - present))}, "
-                         f"present but unlisted {names_line(sorted(present - names))}")
+            wrong.append(f"{Path(reader.path).name}: listed but absent {names_line(names - present)}, "
+                         f"present but unlisted {names_line(present - names)}")
     if wrong:
         raise InteropError(f"{index}: index does not match its shards: " + "; ".join(wrong))
     return MultiFileReader(index, readers)
@@ -152,12 +152,6 @@ def _open_mindformers(path: Path, max_seq_len=None) -> Source:
     config = model_config(read_json(weights.parent / MF_CONFIG), str(weights.parent / MF_CONFIG))
     return Source(weights.parent, "mindformers", default_architecture(config.model), config, open_file(weights),
                   None, _side_files(weights.parent))
-
-
-def names_line(names: list[str], most: int = 8) -> str:
-    """A list of tensor names for a one-line error, cut after `most`."""
-    shown = ", ".join(names[:most])
-    return f"[{shown}{f', ... {len(names) - most} more' if len(names) > most else ''}]"
 
 
 def weight_files(layout: str, infos: dict[str, TensorInfo], mf_format: str,

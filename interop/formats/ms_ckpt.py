@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from interop import InteropError
+from interop import InteropError, names_line
 from interop.formats import TensorInfo, Writer, read_exactly, tensor_bytes
 
 DTYPES = {"Float64": torch.float64, "Float32": torch.float32, "Float16": torch.float16,
@@ -85,10 +85,10 @@ class CkptReader:
             except (ValueError, IndexError) as e:
                 raise InteropError(f"{path}: truncated or not a MindSpore checkpoint ({e})") from None
         if bad:
-            raise InteropError(f"{path}: entries that are not plain tensors: {sorted(map(str, bad))}")
+            raise InteropError(f"{path}: entries that are not plain tensors: {names_line(bad)}")
         wrong = [n for n, info in self.infos.items() if sum(c[1] for c in self.chunks[n]) != info.nbytes]
         if wrong:
-            raise InteropError(f"{path}: content size does not match shape and dtype for {sorted(wrong)}")
+            raise InteropError(f"{path}: content size does not match shape and dtype for {names_line(wrong)}")
         self._file = None
 
     def _index(self, buf) -> list:

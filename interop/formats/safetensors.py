@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from interop import InteropError
+from interop import InteropError, names_line
 from interop.formats import TensorInfo, Writer, read_exactly, tensor_bytes
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -53,9 +53,9 @@ class SafetensorsReader:
                 beyond.append(name)
             self.infos[name], self.offsets[name] = info, self.data_start + begin
         if bad:
-            raise InteropError(f"{path}: corrupt header entries (dtype, shape or offsets) for {sorted(bad)}")
+            raise InteropError(f"{path}: corrupt header entries (dtype, shape or offsets) for {names_line(bad)}")
         if beyond:
-            raise InteropError(f"{path}: truncated ({size} bytes): data of {sorted(beyond)} lies past the end")
+            raise InteropError(f"{path}: truncated ({size} bytes): data of {names_line(beyond)} lies past the end")
         self._file = None
 
     def read(self, name: str) -> torch.Tensor:
