@@ -31,19 +31,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def read_exactly(f, offset: int, out: torch.Tensor, path) -> torch.Tensor:
-    """Fill `out` with the bytes at `offset` of an unbuffered file, looping over short reads."""
-    view = tensor_bytes(out)  # out is fresh and contiguous: this is its own memory
-    f.seek(offset)
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise InteropError(f"{path}: truncated: file ends inside a tensor at byte {offset + done}")
-        done += n
-    return out
-
-
 class Writer:
     """Base of the streaming writers: checks each tensor against the announced list and order."""
 

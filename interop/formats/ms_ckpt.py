@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from interop import InteropError, names_line
-from interop.formats import TensorInfo, Writer, read_exactly, tensor_bytes
+from interop.formats import TensorInfo, Writer, tensor_bytes
 
 DTYPES = {"Float64": torch.float64, "Float32": torch.float32, "Float16": torch.float16,
           "BFloat16": torch.bfloat16, "Int64": torch.int64, "Int32": torch.int32, "Int16": torch.int16,
@@ -23,6 +23,19 @@ DTYPES = {"Float64": torch.float64, "Float32": torch.float32, "Float16": torch.f
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 SLICE = 512 << 20          # content bytes per Value, as MindSpore slices
 CRC_TRAILER = 17           # b"crc_num" + 10-byte big-endian CRC
+
+
+def _read_exactly(f, offset: int, out: torch.Tensor, path) -> torch.Tensor:
+    """Fill `out` with the bytes at `offset` of an unbuffered file, looping over short reads."""
+    view = tensor_bytes(out)  # out is fresh and contiguous: this is its own memory
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise InteropError(f"{path}: truncated: file ends inside a tensor at byte {offset + done}")
+        done += n
+    return out
 
 
 def _varint(buf, pos: int) -> tuple[int, int]:
@@ -121,7 +134,7 @@ class CkptReader:
         out = torch.empty(info.shape, dtype=info.dtype)
         flat, done = out.reshape(-1).view(torch.uint8), 0
         for offset, length in self.chunks[name]:
-            read_exactly(self._file, offset, flat[done:done + length], self.path)
+            _read_exactly(self._file, offset, flat[done:done + length], self.path)
             done += length
         return out
 
