@@ -22,10 +22,12 @@ CASES = {
 }
 
 
-def build(case: str, seed: int = 0):
+def build(case: str, seed: int = 0, **changes):
     """A random model whose norms and biases are not at their init values (ones / zeros), so a
-    swapped norm or a dropped bias changes the output."""
+    swapped norm or a dropped bias changes the output. `changes` override config keys."""
     cls, cfg = CASES[case]
+    if changes:
+        cfg = type(cfg)(**{**cfg.to_dict(), **changes})
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     with torch.no_grad():

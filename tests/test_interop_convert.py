@@ -134,3 +134,19 @@ def test_cli_convert_verify_and_generate(hf_dirs, tmp_path, capsys):
     assert main(["generate", "--ckpt", str(tmp_path / "ms"), "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("msllm generate: error: ") and "tokenizer" in err[0]
+
+
+def test_ckpt_written_by_mindspore_and_sliced_ckpt(hf_dirs, tmp_path, monkeypatch):
+    """Our .ckpt reader takes MindSpore's own files (with CRC trailer); MindSpore takes our sliced ones."""
+    from interop.formats import ms_ckpt
+    model, hf = hf_dirs["llama2_mha"]
+    monkeypatch.setattr(ms_ckpt, "SLICE", 4096)  # every tensor above 4 KB is written as several Values
+    convert(hf, tmp_path / "mf", to="mindformers", progress=False)
+    params = ms.load_checkpoint(str(tmp_path / "mf" / "model.ckpt"))
+    resaved = tmp_path / "ms_saved"
+    resaved.mkdir()
+    (resaved / "model_config.json").write_text((tmp_path / "mf" / "model_config.json").read_text())
+    ms.save_checkpoint([{"name": n, "data": p} for n, p in params.items()], str(resaved / "model.ckpt"),
+                       crc_check=True)
+    convert(resaved, tmp_path / "back", to="hf", progress=False)
+    assert same_state(load_file(tmp_path / "back" / "model.safetensors"), model.state_dict())

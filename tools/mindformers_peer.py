@@ -1,0 +1,195 @@
+#!/usr/bin/env python
+"""MindFormers peer for msllm: cross-check logits and benchmark MF's Llama train step.
+
+Run with the MindFormers venv's python (see tools/mindformers_env.sh):
+
+  PY=$(bash tools/mindformers_env.sh | tail -1)
+  $PY tools/mindformers_peer.py logits --config cfg.json --ckpt w.safetensors \
+      --tokens tok.npy --out logits.npy
+  $PY tools/mindformers_peer.py bench --vocab 4096 --hidden 512 --layers 4 --heads 8 \
+      --ffn 1376 --seq 256 --batch 4 --steps 10 --warmup 2 --threads 2
+
+cfg.json keys: vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, ffn_size,
+rope_theta, norm_eps, max_seq_len, tie_embeddings; optional qkv_bias (default: inferred
+from the weights, i.e. present iff `...attention.wq.bias` is in the file).
+Weights use MindFormers names (model.tok_embeddings.embedding_weight,
+model.layers.N.attention.wq.weight, ..., model.norm_out.weight, lm_head.weight).
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+# MindFormers writes logs to ./output/log by default; keep them out of the caller's cwd.
+_OUT = os.path.join(os.path.expanduser("~"), ".cache", "msllm", "mf-output")
+os.environ.setdefault("LOCAL_DEFAULT_PATH", _OUT)
+os.environ.setdefault("LOG_MF_PATH", os.path.join(_OUT, "log"))
+os.environ.pop("RUN_MODE", None)  # RUN_MODE=predict would flatten logits to [b*s, vocab]
+# MindFormers' logger writes INFO lines to stdout; keep stdout for our single JSON result line.
+_STDOUT, sys.stdout = sys.stdout, sys.stderr
+
+import numpy as np  # noqa: E402
+
+
+def _log(*a):
+    print("[mindformers_peer]", *a, file=sys.stderr, flush=True)
+
+
+def setup_ms(mode, threads=None):
+    import mindspore as ms
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    if threads:
+        ms.device_context.cpu.op_tuning.threads_num(int(threads))
+    return ms
+
+
+def build_llama(vocab, hidden, layers, heads, kv_heads, ffn, seq, batch, theta=10000.0, eps=1e-5,
+                max_pos=None, tie=False, qkv_bias=False):
+    """MindFormers' own LlamaForCausalLM, fp32 everywhere, CPU-safe flags."""
+    from mindformers.models.llama import LlamaConfig, LlamaForCausalLM
+    f32 = "float32"
+    cfg = LlamaConfig(
+        batch_size=batch, seq_length=seq, max_position_embedding=max(max_pos or seq, seq),
+        vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        n_kv_heads=kv_heads if kv_heads != heads else None,
+        intermediate_size=ffn,  # given explicitly => no multiple_of/ffn_dim_multiplier rounding
+        rms_norm_eps=eps, theta=theta, tie_word_embeddings=tie, qkv_has_bias=qkv_bias,
+        compute_dtype=f32, layernorm_compute_type=f32, softmax_compute_type=f32, rotary_dtype=f32,
+        param_init_type=f32, embedding_init_type=f32, residual_dtype=f32,
+        use_rope_slice=True,   # CPU: the default swap-matrix RoPE path is not usable here
+        fused_rms_norm=False,  # CPU: no fused RmsNorm kernel
+        use_flash_attention=False, use_past=False, qkv_concat=False,
+        pad_token_id=-1,  # MF masks keys whose token == pad_token_id; -1 disables that
+    )
+    net = LlamaForCausalLM(cfg)
+    got = net.model.layers[0].feed_forward.w1.weight.shape
+    assert tuple(got) == (ffn, hidden), f"FFN weight is {got}, wanted {(ffn, hidden)}"
+    return net
+
+
+def read_weights(path):
+    """name -> fp32 numpy array, from a MindSpore .ckpt or a .safetensors file."""
+    import mindspore as ms
+    fmt = "safetensors" if path.endswith(".safetensors") else "ckpt"
+    params = ms.load_checkpoint(path, format=fmt)
+    return {k: v.astype(ms.float32).asnumpy() for k, v in params.items()}
+
+
+def load_strict(net, weights):
+    import mindspore as ms
+    net_params = net.parameters_dict()  # tied params appear once
+    missing = sorted(set(net_params) - set(weights))
+    unexpected = sorted(set(weights) - set(net_params))
+    bad_shape = sorted(f"{k}: file {weights[k].shape} vs model {tuple(net_params[k].shape)}"
+                       for k in set(net_params) & set(weights)
+                       if tuple(weights[k].shape) != tuple(net_params[k].shape))
+    if missing or unexpected or bad_shape:
+        raise SystemExit("strict load failed:\n  missing: %s\n  unexpected: %s\n  shape: %s"
+                         % (missing, unexpected, bad_shape))
+    for k, p in net_params.items():
+        p.set_data(ms.Tensor(weights[k], ms.float32))
+    _log(f"loaded {len(net_params)} tensors strictly")
+
+
+def cmd_logits(a):
+    ms = setup_ms(a.mode, a.threads)
+    c = json.load(open(a.config))
+    tokens = np.load(a.tokens).astype(np.int32)
+    assert tokens.ndim == 2, f"tokens must be [batch, seq], got {tokens.shape}"
+    weights = read_weights(a.ckpt)
+    qkv_bias = c.get("qkv_bias", any(k.endswith("attention.wq.bias") for k in weights))
+    net = build_llama(c["vocab_size"], c["hidden_size"], c["num_layers"], c["num_heads"],
+                      c.get("num_kv_heads") or c["num_heads"], c["ffn_size"],
+                      seq=tokens.shape[1], batch=tokens.shape[0], theta=float(c["rope_theta"]),
+                      eps=float(c["norm_eps"]), max_pos=c.get("max_seq_len"),
+                      tie=bool(c.get("tie_embeddings", False)), qkv_bias=bool(qkv_bias))
+    load_strict(net, weights)
+    # Eval mode, no labels, no batch_valid_length: LlamaForCausalLM returns
+    # (logits [b, s, vocab] fp32, tokens, input_mask) -- full-sequence logits, no loss.
+    net.set_train(False)
+    out = net(ms.Tensor(tokens, ms.int32))
+    logits = (out[0] if isinstance(out, (tuple, list)) else out).asnumpy().astype(np.float32)
+    logits = logits.reshape(tokens.shape[0], tokens.shape[1], c["vocab_size"])
+    np.save(a.out, logits)
+    _log(f"saved logits {logits.shape} to {a.out}")
+
+
+def cpu_train_step_cls():
+    """MF's default runner_wrapper (MFTrainOneStepCell), made runnable on CPU.
+
+    Its loss-scale base class checks grad overflow with NPU/GPU-only ops (NPUGetFloatStatusV2
+    on non-GPU targets, FloatStatus on GPU); neither has a CPU kernel. Same check via isfinite.
+    """
+    from mindspore import ops
+    from mindformers.wrapper import MFTrainOneStepCell
+
+    class CPUTrainOneStepCell(MFTrainOneStepCell):
+        def get_overflow_status(self, status, compute_output):
+            finite = [ops.isfinite(g).all() for g in compute_output]
+            return ops.logical_not(ops.stack(finite).all())
+
+    return CPUTrainOneStepCell
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def cmd_bench(a):
+    ms = setup_ms("graph", a.threads)
+    from mindformers.core.optim import AdamW
+    net = build_llama(a.vocab, a.hidden, a.layers, a.heads, a.kv_heads or a.heads, a.ffn,
+                      seq=a.seq, batch=a.batch)
+    net.set_train(True)
+    decay = [p for p in net.trainable_params() if p.ndim > 1]
+    no_decay = [p for p in net.trainable_params() if p.ndim <= 1]
+    opt = AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                learning_rate=3e-4, betas=(0.9, 0.95), eps=1e-8)
+    step = cpu_train_step_cls()(net, opt, use_clip_grad=True, max_grad_norm=1.0)
+    step.set_train(True)
+    rng = np.random.default_rng(0)
+    # MF's train path takes seq+1 ids and shifts internally (inputs = ids[:, :-1], labels = ids[:, 1:]).
+    batches = [ms.Tensor(rng.integers(0, a.vocab, (a.batch, a.seq + 1), dtype=np.int32))
+               for _ in range(4)]
+    times, losses = [], []
+    for i in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        loss = step(batches[i % len(batches)])[0].asnumpy()  # asnumpy syncs
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.reshape(-1)[0]))
+        _log(f"step {i}: {times[-1]:.3f}s loss {losses[-1]:.4f}")
+    measured = times[a.warmup:]
+    med = float(np.median(measured))
+    print(json.dumps({
+        "framework": "mindformers", "tokens_per_s": a.batch * a.seq / med,
+        "step_times": [round(t, 4) for t in measured], "compile_s": round(times[0], 3),
+        "peak_rss_mb": round(peak_rss_mb(), 1), "threads": a.threads, "losses": losses,
+        "shape": {k: getattr(a, k) for k in
+                  ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "seq", "batch")},
+    }), file=_STDOUT, flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    lg = sub.add_parser("logits", help="full-sequence fp32 logits from MF's LlamaForCausalLM")
+    lg.add_argument("--config", required=True)
+    lg.add_argument("--ckpt", required=True)
+    lg.add_argument("--tokens", required=True)
+    lg.add_argument("--out", required=True)
+    lg.add_argument("--mode", choices=("pynative", "graph"), default="pynative")
+    lg.add_argument("--threads", type=int, default=None)
+    b = sub.add_parser("bench", help="time MF's Llama train step (GRAPH mode, fp32, AdamW)")
+    for name, default in (("vocab", 4096), ("hidden", 512), ("layers", 4), ("heads", 8),
+                          ("kv_heads", None), ("ffn", 1376), ("seq", 256), ("batch", 4),
+                          ("steps", 10), ("warmup", 2), ("threads", None)):
+        b.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
+    a = p.parse_args(argv)
+    (cmd_logits if a.cmd == "logits" else cmd_bench)(a)
+
+
+if __name__ == "__main__":
+    main()
