@@ -28,7 +28,7 @@ from interop.formats import TensorInfo
 from interop.hf_config import to_hf_config
 from interop.layouts import HF_CONFIG, MF_CONFIG, WRITERS, Source, hf_index, open_source, weight_files
 from interop.maps import FAMILIES
-from interop.table import LAYOUTS, Entry, Table, entries
+from interop.table import LAYOUTS, Entry, entries
 from msllm import checkpoint
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -46,12 +46,10 @@ class Result:
     seconds: float
 
 
-def family(architecture: str) -> Table:
-    return FAMILIES[architecture]  # hf_config.architecture() has already refused unknown ones
-
-
-def plan(table: Table, source: Source) -> list[Entry]:
-    """The table's entries for this model, after checking the source holds exactly those tensors."""
+def plan(source: Source) -> list[Entry]:
+    """The family table's entries for this model, after checking the source holds exactly those tensors.
+    (hf_config.architecture() has already refused architectures without a table.)"""
+    table = FAMILIES[source.architecture]
     rows = entries(table, source.config.model)
     want = {}
     for e in rows:
@@ -109,7 +107,7 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     to = to or ("hf" if source.layout == "msllm" else "msllm")
     if to not in LAYOUTS:
         raise InteropError(f"unknown destination layout {to!r} (expected {', '.join(LAYOUTS)})")
-    rows = plan(family(source.architecture), source)
+    rows = plan(source)
 
     def out_dtype(e: Entry) -> torch.dtype:
         first = next(iter(e.stored[source.layout].shapes(e)))

@@ -85,7 +85,7 @@ def open_source(path: str | Path, max_seq_len: int | None = None) -> Source:
 
 def model_config(model: dict, source: str) -> Config:
     """A full msllm Config around a model section (train seq_len clipped to fit the model)."""
-    seq_len = min(Config().data.seq_len, model["max_seq_len"])
+    seq_len = min(Config().data.seq_len, model.get("max_seq_len", Config().model.max_seq_len))
     return config_from_dict({"model": model, "data": {"seq_len": seq_len}}, source)
 
 

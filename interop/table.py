@@ -33,7 +33,7 @@ class Same:
         self.name = name
 
     def expand(self, i: int):
-        return Same(self.name.format(i=i))
+        return type(self)(self.name.format(i=i))
 
     def shapes(self, entry: "Entry") -> dict[str, tuple]:
         return {self.name: entry.shape}
@@ -64,13 +64,7 @@ class Concat:
         return [(p, piece.contiguous()) for p, piece in zip(self.parts, pieces, strict=True)]
 
 
-class Transposed:
-    def __init__(self, name: str):
-        self.name = name
-
-    def expand(self, i: int):
-        return Transposed(self.name.format(i=i))
-
+class Transposed(Same):
     def shapes(self, entry: "Entry") -> dict[str, tuple]:
         return {self.name: entry.shape[::-1]}
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from interop import InteropError
-from interop.convert import family, msllm_tensors, plan
+from interop.convert import msllm_tensors, plan
 from interop.layouts import Source, open_source
 
 # Measured max_rel on the 2-layer test models: fp32 3e-7, fp16 5e-4, bf16 4e-3. Deeper models
@@ -75,7 +75,7 @@ def msllm_model(source: Source):
     from msllm import checkpoint
     from msllm.models.llama import Llama
 
-    rows = plan(family(source.architecture), source)
+    rows = plan(source)
     # copy=True: own the memory rather than keep the file mappings (interop/formats) alive in the model
     arrays = {e.name: t.to(torch.float32, copy=True).numpy() for e, t in msllm_tensors(rows, source.layout, source.reader)}
     source.reader.close()
