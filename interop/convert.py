@@ -122,7 +122,8 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
             _write_metadata(source, to, files, tmp, dtypes[rows[0].name])
     finally:
         source.reader.close()
-    return Result(dst, source.layout, to, len(infos), sum(i.nbytes for i in infos.values()), time.perf_counter() - start)
+    written = sum(i.nbytes for i in infos.values())
+    return Result(dst, source.layout, to, len(infos), written, time.perf_counter() - start)
 
 
 def _stream(rows: list[Entry], dtypes: dict, source: Source, to: str, files, folder: Path, progress: bool) -> None:

@@ -22,7 +22,9 @@ from msllm import checkpoint
 from msllm.config import Config, config_from_dict
 
 HF_CONFIG, MF_CONFIG = "config.json", "model_config.json"
-HF_WEIGHTS = [("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin")]
+# (sharded index, single file), in order of preference
+HF_WEIGHTS = [("model.safetensors.index.json", "model.safetensors"),
+              ("pytorch_model.bin.index.json", "pytorch_model.bin")]
 MF_WEIGHTS = ("model.ckpt", "model.safetensors")
 # Carried along unchanged from source dir to destination dir, whatever the layouts.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -137,9 +139,9 @@ def _open_msllm(path: Path, max_seq_len=None) -> Source:
     state = checkpoint.read_state(ckpt)
     config = config_from_dict(state["config"], str(ckpt / checkpoint.STATE_FILE))
     side = _side_files(ckpt)
-    trained_tokenizer = Path(state.get("tokenizer") or "")  # msllm train records an absolute path
-    if trained_tokenizer.is_absolute() and trained_tokenizer.is_file() and not (ckpt / trained_tokenizer.name).is_file():
-        side.append(trained_tokenizer)
+    trained = Path(state.get("tokenizer") or "")  # msllm train records an absolute path
+    if trained.is_absolute() and trained.is_file() and trained.name not in {p.name for p in side}:
+        side.append(trained)
     arch = state.get("hf_architecture") or default_architecture(config.model)
     return Source(ckpt, "msllm", arch, config, SafetensorsReader(ckpt / checkpoint.MODEL_FILE),
                   state.get("hf_config"), side)

@@ -8,7 +8,8 @@ layout (Hugging Face, MindFormers) stores it:
                                   dim as one term per part ("q+kv+kv"), which gives the split back
     Transposed("name")            stored as the 2-D transpose
 
-`{i}` in a name is the layer index. `when` names a condition on the model config (CONDITIONS).
+Per-layer names are relative to the table's `layer_prefix` for that layout, where `{i}` is the
+layer index. `when` names a condition on the model config (CONDITIONS).
 msllm is the hub: converting A -> B is A -> msllm tensor -> B, one msllm tensor at a time.
 """
 from __future__ import annotations
@@ -32,8 +33,8 @@ class Same:
     def __init__(self, name: str):
         self.name = name
 
-    def expand(self, i: int):
-        return type(self)(self.name.format(i=i))
+    def expand(self, prefix: str, i: int):
+        return type(self)((prefix + self.name).format(i=i))
 
     def shapes(self, entry: "Entry") -> dict[str, tuple]:
         return {self.name: entry.shape}
@@ -49,8 +50,8 @@ class Concat:
     def __init__(self, dim: int, *parts: str):
         self.dim, self.parts = dim, parts
 
-    def expand(self, i: int):
-        return Concat(self.dim, *(p.format(i=i) for p in self.parts))
+    def expand(self, prefix: str, i: int):
+        return Concat(self.dim, *((prefix + p).format(i=i) for p in self.parts))
 
     def shapes(self, entry: "Entry") -> dict[str, tuple]:
         return {part: entry.shape[:self.dim] + (size,) + entry.shape[self.dim + 1:]
@@ -85,7 +86,8 @@ class Row(NamedTuple):
 
 class Table(NamedTuple):
     before: list[Row]                  # rows before the layers, in file order
-    per_layer: list[Row]               # rows with {i}, repeated for each layer
+    layer_prefix: dict[str, str]       # layout -> what per_layer names sit under, with {i}
+    per_layer: list[Row]               # repeated for each layer
     after: list[Row]
     ignore: dict[str, list[str]]       # layout -> fnmatch patterns of stored names msllm does not need
 
@@ -101,19 +103,21 @@ class Entry(NamedTuple):
 def entries(table: Table, m: ModelConfig) -> list[Entry]:
     """Every msllm tensor of model `m` in file order, with its rules expanded."""
     sizes = named_dims(m)
-    placed = ([(row, 0) for row in table.before] + [(row, i) for i in range(m.num_layers) for row in table.per_layer]
-              + [(row, 0) for row in table.after])
+    no_prefix = dict.fromkeys(LAYOUTS, "")
+    placed = ([(row, no_prefix, 0) for row in table.before]
+              + [(row, table.layer_prefix, i) for i in range(m.num_layers) for row in table.per_layer]
+              + [(row, no_prefix, 0) for row in table.after])
     out = []
-    for row, i in placed:
+    for row, prefix, i in placed:
         if row.when and not CONDITIONS[row.when](m):
             continue
         terms = tuple(tuple(sizes[t.strip()] for t in dim.split("+")) for dim in row.shape.split(","))
-        stored = {layout: _rule(getattr(row, layout)).expand(i) for layout in LAYOUTS}
+        stored = {layout: _rule(getattr(row, layout)).expand(prefix[layout], i) for layout in LAYOUTS}
         for layout, rule in stored.items():  # a table bug, caught when the table is first used
             if isinstance(rule, Concat) and len(rule.parts) != len(terms[rule.dim]):
                 raise ValueError(f"table row {row.msllm}: {layout} joins {len(rule.parts)} parts but "
                                  f"dim {rule.dim} of {row.shape!r} has {len(terms[rule.dim])} terms")
-        out.append(Entry(row.msllm.format(i=i), tuple(map(sum, terms)), terms, stored))
+        out.append(Entry(stored["msllm"].name, tuple(map(sum, terms)), terms, stored))
     return out
 
 

@@ -77,7 +77,8 @@ def msllm_model(source: Source):
 
     rows = plan(source)
     # copy=True: own the memory rather than keep the file mappings (interop/formats) alive in the model
-    arrays = {e.name: t.to(torch.float32, copy=True).numpy() for e, t in msllm_tensors(rows, source.layout, source.reader)}
+    arrays = {e.name: t.to(torch.float32, copy=True).numpy()
+              for e, t in msllm_tensors(rows, source.layout, source.reader)}
     source.reader.close()
     model = Llama(source.config.model)
     checkpoint.load_into(model.trainable_params(), arrays, str(source.path))

@@ -150,3 +150,25 @@ def test_ckpt_written_by_mindspore_and_sliced_ckpt(hf_dirs, tmp_path, monkeypatc
                        crc_check=True)
     convert(resaved, tmp_path / "back", to="hf", progress=False)
     assert same_state(load_file(tmp_path / "back" / "model.safetensors"), model.state_dict())
+
+
+def test_msllm_trained_run_to_hf(tmp_path):
+    """A run dir from msllm train (no HF origin) becomes an HF dir that computes the same logits."""
+    from msllm import checkpoint
+    from msllm.config import ModelConfig
+    from msllm.data.tokenizer import train_tokenizer
+    from msllm.models.llama import build_model
+
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
+                      max_seq_len=32, qkv_bias=True, tie_embeddings=True)
+    tokenizer = tmp_path / "run" / "data" / "tokenizer.json"
+    tokenizer.parent.mkdir(parents=True)
+    train_tokenizer(["x = 1\n"] * 10, 300).save(str(tokenizer))
+    state = {"config": {"model": vars(cfg), "data": {"seq_len": 16}}, "tokenizer": str(tokenizer)}
+    checkpoint.save(tmp_path / "run", 7, build_model(cfg, seed=3).trainable_params(), [], state)
+    convert(tmp_path / "run", tmp_path / "hf", progress=False)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    report = verify(tmp_path / "hf", tmp_path / "run")
+    assert report.ok and max(report.max_rel) < 1e-5, "\n".join(report.lines())

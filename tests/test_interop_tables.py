@@ -28,18 +28,14 @@ def test_table_lists_every_model_parameter_with_its_shape(arch, tied):
 def fused(table):
     """What msllm's table would become if it fused QKV and gate/up: only rows change.
     MindFormers' column also stores wo transposed, to exercise that rule."""
-    L, HF, MF = "layers.{i}", "model.layers.{i}", "model.layers.{i}"
     rows = [r for r in table.per_layer if not r.msllm.endswith(("wq.weight", "wk.weight", "wv.weight",
                                                                  "w1.weight", "w3.weight", "wo.weight"))]
     rows += [
-        Row(f"{L}.attention.wqkv.weight", "q+kv+kv, hidden",
-            Concat(0, *(f"{HF}.self_attn.{p}_proj.weight" for p in "qkv")),
-            Concat(0, *(f"{MF}.attention.w{p}.weight" for p in "qkv"))),
-        Row(f"{L}.feed_forward.w13.weight", "ffn+ffn, hidden",
-            Concat(0, f"{HF}.mlp.gate_proj.weight", f"{HF}.mlp.up_proj.weight"),
-            Concat(0, f"{MF}.feed_forward.w1.weight", f"{MF}.feed_forward.w3.weight")),
-        Row(f"{L}.attention.wo.weight", "hidden, q", f"{HF}.self_attn.o_proj.weight",
-            Transposed(f"{MF}.attention.wo.weight")),
+        Row("attention.wqkv.weight", "q+kv+kv, hidden", Concat(0, *(f"self_attn.{p}_proj.weight" for p in "qkv")),
+            Concat(0, *(f"attention.w{p}.weight" for p in "qkv"))),
+        Row("feed_forward.w13.weight", "ffn+ffn, hidden", Concat(0, "mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            Concat(0, "feed_forward.w1.weight", "feed_forward.w3.weight")),
+        Row("attention.wo.weight", "hidden, q", "self_attn.o_proj.weight", Transposed("attention.wo.weight")),
     ]
     return table._replace(per_layer=rows)
 
@@ -65,6 +61,6 @@ def test_fused_table_concats_splits_and_transposes_bitwise(tmp_path, monkeypatch
 
 
 def test_concat_parts_must_match_the_shape_terms():
-    bad = LLAMA._replace(per_layer=[Row("layers.{i}.x", "q+kv, hidden", Concat(0, "a", "b", "c"), "x")])
+    bad = LLAMA._replace(per_layer=[Row("x", "q+kv, hidden", Concat(0, "a", "b", "c"), "x")])
     with pytest.raises(ValueError, match="joins 3 parts but dim 0 of 'q\\+kv, hidden' has 2 terms"):
         entries(bad, GQA)

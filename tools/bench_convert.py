@@ -89,7 +89,8 @@ def naive(src: Path, dst: Path) -> None:
     state = {}
     for path in sorted(src.glob("*.safetensors")):
         state.update(load_file(path))
-    renamed = {e.name: state.pop(e.stored["hf"].name) for e in entries(FAMILIES[source.architecture], source.config.model)}
+    rows = entries(FAMILIES[source.architecture], source.config.model)
+    renamed = {e.name: state.pop(e.stored["hf"].name) for e in rows}
     dst.mkdir()
     save_file(renamed, dst / "model.safetensors")
 

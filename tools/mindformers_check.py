@@ -83,7 +83,8 @@ def main() -> int:
                              "msllm_vs_hf": float(np.abs(ours - ref).max()), "logit_scale": float(np.abs(ref).max())})
     print(f"{'case':18} {'format':12} {'MF vs HF':>10} {'MF vs msllm':>12} {'msllm vs HF':>12}  (max-abs logits)")
     for r in rows:
-        print(f"{r['case']:18} {r['format']:12} {r['mf_vs_hf']:10.2e} {r['mf_vs_msllm']:12.2e} {r['msllm_vs_hf']:12.2e}")
+        print(f"{r['case']:18} {r['format']:12} {r['mf_vs_hf']:10.2e} {r['mf_vs_msllm']:12.2e} "
+              f"{r['msllm_vs_hf']:12.2e}")
     ok = all(r["mf_vs_hf"] <= a.tol for r in rows)
     print(json.dumps({"ok": ok, "tol": a.tol, "rows": rows}))
     return 0 if ok else 1

@@ -35,7 +35,8 @@ class SafetensorsReader:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if not 0 <= n <= size - 8:
-                raise InteropError(f"{path}: truncated or not a safetensors file (header length {n}, file {size} bytes)")
+                raise InteropError(f"{path}: truncated or not a safetensors file "
+                                   f"(header length {n}, file {size} bytes)")
             try:
                 header = json.loads(f.read(n))
             except ValueError as e:
