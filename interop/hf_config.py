@@ -84,7 +84,8 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
     if base is not None:
         same = dataclasses.replace(to_model_config(base, "<base>"), max_seq_len=m.max_seq_len)
         if same == m:
-            return {**base, "torch_dtype": dtype, **({"dtype": dtype} if "dtype" in base else {})}
+            keys = [k for k in ("dtype", "torch_dtype") if k in base] or ["torch_dtype"]  # transformers 5, 4
+            return {**base, **dict.fromkeys(keys, dtype)}
     hf = {"architectures": [arch], "model_type": MODEL_TYPES[arch], "vocab_size": m.vocab_size,
           "hidden_size": m.hidden_size, "intermediate_size": m.ffn_size, "num_hidden_layers": m.num_layers,
           "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,

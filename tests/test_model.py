@@ -14,6 +14,12 @@ from msllm.config import ModelConfig
 from msllm.models.llama import Llama, rope_inv_freq
 
 
+def msllm_name(hf_name: str) -> str:
+    """HF parameter name -> msllm name, from the interop table (Qwen2's: Llama's plus biases)."""
+    rows = entries(FAMILIES["Qwen2ForCausalLM"], ModelConfig(num_layers=8, qkv_bias=True))
+    return {e.stored["hf"].name: e.name for e in rows}[hf_name]
+
+
 def copy_hf_weights(hf, model):
     """Through the interop family table, the same mapping `msllm convert` uses."""
     rows = entries(FAMILIES[type(hf).__name__], model.cfg)

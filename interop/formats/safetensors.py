@@ -51,7 +51,7 @@ class SafetensorsReader:
             except (KeyError, TypeError, ValueError):
                 bad.append(name)
                 continue
-            if end - begin != info.nbytes:
+            if begin < 0 or end - begin != info.nbytes:
                 bad.append(name)
             elif self.data_start + end > size:
                 beyond.append(name)
