@@ -42,7 +42,7 @@ class Writer:
     def write(self, name: str, t: torch.Tensor) -> None:
         want = next(self._order, None)
         info = TensorInfo(tuple(t.shape), t.dtype)
-        if name != want or info != self.infos[name]:
+        if name != want or info != self.infos.get(name):
             raise InteropError(f"{self.path}: expected {want} {self.infos.get(want)}, got {name} {info}")
         self._write(name, t)
 
