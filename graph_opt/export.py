@@ -167,7 +167,7 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
         manifest.update(max_abs_diff=diffs, tolerance=bound)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         tokenizer = find_tokenizer(ckpt_dir, state)
-        if tokenizer.is_file():
+        if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         if out.is_dir():
             shutil.rmtree(out)

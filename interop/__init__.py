@@ -1,0 +1,21 @@
+"""Checkpoint interop: Hugging Face / PyTorch / MindFormers checkpoints <-> msllm, verified.
+
+maps/         one declarative tensor table per model family (msllm <-> HF <-> MindFormers)
+table.py      what a table row means: names, shapes, concat / transpose rules
+formats/      streaming readers and writers: safetensors, torch .bin, MindSpore .ckpt
+hf_config.py  HF config.json <-> msllm ModelConfig
+layouts.py    where each layout keeps its files: open a source, write a destination
+convert.py    the one conversion engine, driven by the tables
+verify.py     HF torch model vs msllm model on the same tokens, layer by layer
+"""
+
+
+class InteropError(RuntimeError):
+    """A checkpoint that cannot be converted. str() is one line naming the file and tensors."""
+
+
+def names_line(names, most: int = 8) -> str:
+    """Tensor names for a one-line error, sorted and cut after `most`."""
+    names = sorted(map(str, names))
+    more = f", ... {len(names) - most} more" if len(names) > most else ""
+    return f"[{', '.join(names[:most])}{more}]"

@@ -18,8 +18,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from mindspore import Tensor, dtype_to_nptype
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from msllm.metrics import info
 
@@ -37,6 +36,8 @@ def params_to_numpy(params) -> dict[str, np.ndarray]:
 
 def load_into(params, arrays: dict[str, np.ndarray], source: str) -> None:
     """Copy arrays into Parameters by name; any missing, unexpected or mis-shaped name is an error."""
+    from mindspore import Tensor, dtype_to_nptype  # here, so interop can use this module without MindSpore
+
     params = {p.name: p for p in params}
     missing = sorted(set(params) - set(arrays))
     unexpected = sorted(set(arrays) - set(params))
@@ -142,9 +143,15 @@ def read_state(ckpt_dir: Path) -> dict:
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    """name -> array. Read through torch because converted checkpoints may be bf16, which numpy
+    lacks; bf16 is widened to fp32 (exactly)."""
+    import torch
+    from safetensors.torch import load_file
+
     if not Path(path).exists():
         raise CheckpointError(f"{path}: missing")
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+    return {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in tensors.items()}

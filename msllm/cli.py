@@ -63,6 +63,44 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from interop import InteropError
+    from interop.convert import convert
+    from interop.layouts import detect
+
+    if args.verify and "hf" not in (args.to, detect(args.src)):
+        raise InteropError("--verify compares against Hugging Face: SRC or --to must be hf")
+    r = convert(args.src, args.dst, to=args.to, dtype=args.dtype, mf_format=args.mf_format,
+                max_shard_bytes=args.max_shard_mb << 20, max_seq_len=args.max_seq_len, force=args.force)
+    print(f"msllm convert: {r.source_layout} -> {r.layout}: wrote {r.path} ({r.tensors} tensors, "
+          f"{r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s, {r.bytes / 1e6 / max(r.seconds, 1e-9):.0f} MB/s)")
+    if not args.verify:
+        return 0
+    hf, ckpt = (r.path, args.src) if r.layout == "hf" else (args.src, r.path)
+    return _print_report(hf, ckpt, args)
+
+
+def cmd_verify(args) -> int:
+    return _print_report(args.hf, args.ckpt, args)
+
+
+def _print_report(hf, ckpt, args) -> int:
+    from interop.verify import verify
+
+    report = verify(hf, ckpt, seq_len=args.seq_len, batch=args.batch, seed=args.seed, tolerance=args.tolerance)
+    print(f"msllm verify: Hugging Face {hf} vs {ckpt}")
+    print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
+def _verify_options(p) -> None:
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (capped at the model context)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max_rel limit (default: by dtype, see interop/verify.py)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="msllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +133,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("convert", help="convert a checkpoint between HF, msllm and MindFormers layouts")
+    p.add_argument("src", help="HF model dir, msllm checkpoint or run dir, or MindFormers dir / weights file")
+    p.add_argument("dst", help="destination dir (written under a temporary name, then renamed)")
+    p.add_argument("--to", choices=["msllm", "hf", "mindformers"], default=None,
+                   help="destination layout (default: hf from msllm, msllm otherwise)")
+    p.add_argument("--dtype", choices=["keep", "fp32", "fp16", "bf16"], default="keep")
+    p.add_argument("--mf-format", choices=["ckpt", "safetensors"], default="ckpt",
+                   help="MindFormers weights file format")
+    p.add_argument("--max-shard-mb", type=int, default=5120, help="HF destination shard size")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="msllm context (default: HF max_position_embeddings, capped at 8192)")
+    p.add_argument("--force", action="store_true", help="replace an existing destination")
+    p.add_argument("--verify", action="store_true", help="then run verify on the HF side and the msllm side")
+    _verify_options(p)
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("verify", help="compare an msllm or MindFormers checkpoint with the HF model, layer by layer")
+    p.add_argument("--hf", required=True, help="Hugging Face model dir")
+    p.add_argument("--ckpt", required=True, help="msllm checkpoint / run dir, or MindFormers dir")
+    _verify_options(p)
+    p.set_defaults(func=cmd_verify)
+
     for name, what in PLANNED.items():
         p = sub.add_parser(name, help=f"not implemented yet: {what}")
         p.set_defaults(func=lambda args, name=name: _not_yet(name))
@@ -109,6 +169,7 @@ def _not_yet(name: str) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from graph_opt.runtime import ExportError
+    from interop import InteropError
     from msllm.checkpoint import CheckpointError
     from msllm.data.corpus import DataError
     from msllm.device import DeviceError
@@ -116,7 +177,7 @@ def main(argv=None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, DeviceError, CheckpointError, NonFiniteError, ExportError) as e:
+    except (ConfigError, DataError, DeviceError, CheckpointError, NonFiniteError, ExportError, InteropError) as e:
         print(f"msllm {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

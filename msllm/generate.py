@@ -16,10 +16,18 @@ from msllm.data.tokenizer import load_tokenizer
 from msllm.models.llama import Llama
 
 
-def find_tokenizer(ckpt_dir: Path, state: dict) -> Path:
-    """The run's tokenizer.json; when the run dir was moved, its own copy under data/."""
-    recorded = Path(state.get("tokenizer") or "")
-    return recorded if recorded.is_file() else Path(ckpt_dir).parent.parent / "data" / "tokenizer.json"
+def find_tokenizer(ckpt_dir: Path, state: dict) -> Path | None:
+    """The checkpoint's tokenizer.json, or None if it has none.
+
+    Training records an absolute path, conversion a name inside the checkpoint dir; when a
+    run dir was moved, its own copy under data/ is used.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    for candidate in (ckpt_dir / state["tokenizer"] if state.get("tokenizer") else None,
+                      ckpt_dir.parent.parent / "data" / "tokenizer.json"):
+        if candidate is not None and candidate.is_file():
+            return candidate
+    return None
 
 
 def load_model(ckpt: str | Path):
@@ -36,7 +44,11 @@ def load_model(ckpt: str | Path):
 def load_run(ckpt: str | Path):
     """(config, model, tokenizer) from a run dir or a checkpoint dir."""
     cfg, model, path, state = load_model(ckpt)
-    return cfg, model, load_tokenizer(find_tokenizer(path, state))
+    tokenizer = find_tokenizer(path, state)
+    if tokenizer is None:
+        raise checkpoint.CheckpointError(f"{path}: no tokenizer.json (state.json 'tokenizer'); put the model's "
+                                         f"tokenizer.json in the checkpoint dir to generate text")
+    return cfg, model, load_tokenizer(tokenizer)
 
 
 def load_engine(engine: str, path: str | Path):

@@ -5,37 +5,27 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from msllm import device
+from interop.convert import msllm_tensors
+from interop.formats import DictReader
+from interop.maps import FAMILIES
+from interop.table import entries
+from msllm import checkpoint, device
 from msllm.config import ModelConfig
 from msllm.models.llama import Llama, rope_inv_freq
 
-HF_TO_MSLLM = {
-    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
-    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
-    "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
-}
-
 
 def msllm_name(hf_name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "output.weight"}
-    if hf_name in fixed:
-        return fixed[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, leaf = rest.rsplit(".", 1)
-    return f"layers.{layer}.{HF_TO_MSLLM[module]}.{leaf}"
+    """HF parameter name -> msllm name, from the interop table (Qwen2's: Llama's plus biases)."""
+    rows = entries(FAMILIES["Qwen2ForCausalLM"], ModelConfig(num_layers=8, qkv_bias=True))
+    return {e.stored["hf"].name: e.name for e in rows}[hf_name]
 
 
 def copy_hf_weights(hf, model):
-    params = {p.name: p for p in model.trainable_params()}
-    used = set()
-    for name, tensor in hf.state_dict().items():
-        target = msllm_name(name)
-        if target == "output.weight" and target not in params:
-            continue  # tied
-        params[target].set_data(ms.Tensor(tensor.detach().numpy()))
-        used.add(target)
-    assert used == set(params)
+    """Through the interop family table, the same mapping `msllm convert` uses."""
+    rows = entries(FAMILIES[type(hf).__name__], model.cfg)
+    state = {name: t.detach() for name, t in hf.state_dict().items()}
+    arrays = {e.name: t.numpy() for e, t in msllm_tensors(rows, "hf", DictReader(state))}
+    checkpoint.load_into(model.trainable_params(), arrays, type(hf).__name__)
 
 
 CASES = {

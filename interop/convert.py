@@ -1,0 +1,168 @@
+"""The conversion engine: source checkpoint -> family table -> destination layout, one tensor at a time.
+
+1. Open the source (layouts.open_source): msllm config, architecture, a lazy tensor reader.
+2. Plan: expand the family table for this model and check that the source holds exactly the
+   tensors the table expects, with the expected shapes. Otherwise raise one line naming the file
+   and the tensors, before anything is written.
+3. Stream: for each msllm tensor, read its source part(s), join / transpose, cast, split into
+   the destination part(s), append them to the open file. The destination's headers are written
+   first from the plan, so at any time we hold a few copies of one tensor, never the model.
+4. Write config / state files into the temporary dir, then rename it to the destination.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from interop import InteropError, names_line
+from interop.formats import TensorInfo
+from interop.hf_config import to_hf_config
+from interop.layouts import HF_CONFIG, MF_CONFIG, WRITERS, Source, hf_index, open_source, weight_files
+from interop.maps import FAMILIES
+from interop.table import LAYOUTS, Entry, entries
+from msllm import checkpoint
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+MAX_SHARD_BYTES = 5 << 30
+
+
+@dataclasses.dataclass
+class Result:
+    path: Path
+    source_layout: str
+    layout: str
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def plan(source: Source) -> list[Entry]:
+    """The family table's entries for this model, after checking the source holds exactly those tensors.
+    (hf_config.architecture() has already refused architectures without a table.)"""
+    table = FAMILIES[source.architecture]
+    rows = entries(table, source.config.model)
+    want = {}
+    for e in rows:
+        want.update(e.stored[source.layout].shapes(e))
+    have = source.reader.infos
+    ignore = table.ignore.get(source.layout, [])
+    missing = [n for n in want if n not in have]
+    unexpected = [n for n in have if n not in want and not any(fnmatch.fnmatchcase(n, p) for p in ignore)]
+    misshaped = [f"{n} {list(have[n].shape)} != {list(want[n])}" for n in want
+                 if n in have and have[n].shape != want[n]]
+    problems = [f"{what} {names_line(names)}" for what, names in
+                (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)) if names]
+    if problems:
+        raise InteropError(f"{source.reader.path}: does not match {source.architecture} with this config "
+                           f"({source.layout} layout): " + "; ".join(problems))
+    return rows
+
+
+def msllm_tensors(rows: list[Entry], layout: str, reader):
+    """(entry, msllm tensor) for each entry, read from a checkpoint stored in `layout`."""
+    for e in rows:
+        yield e, e.stored[layout].gather(e, reader.read)
+
+
+@contextlib.contextmanager
+def staged(dst: Path, force: bool):
+    """A temporary dir beside `dst`, renamed to `dst` only if the block completes."""
+    if dst.exists() and not force:
+        raise InteropError(f"{dst}: already exists (--force replaces it)")
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str = "keep", mf_format: str = "ckpt",
+            max_shard_bytes: int = MAX_SHARD_BYTES, max_seq_len: int | None = None, force: bool = False,
+            progress: bool = True) -> Result:
+    start = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise InteropError(f"{dst}: destination must not be the source or inside it")
+    source = open_source(src, max_seq_len)
+    to = to or ("hf" if source.layout == "msllm" else "msllm")
+    if to not in LAYOUTS:
+        raise InteropError(f"unknown destination layout {to!r} (expected {', '.join(LAYOUTS)})")
+    rows = plan(source)
+
+    def out_dtype(e: Entry) -> torch.dtype:
+        first = next(iter(e.stored[source.layout].shapes(e)))
+        return source.reader.infos[first].dtype if dtype == "keep" else DTYPES[dtype]
+
+    dtypes = {e.name: out_dtype(e) for e in rows}
+    infos = {name: TensorInfo(shape, dtypes[e.name]) for e in rows for name, shape in e.stored[to].shapes(e).items()}
+    files = weight_files(to, infos, mf_format, max_shard_bytes)
+    try:
+        with staged(dst, force) as tmp:
+            _stream(rows, dtypes, source, to, files, tmp, progress)
+            _write_metadata(source, to, files, tmp, dtypes[rows[0].name])
+    finally:
+        source.reader.close()
+    written = sum(i.nbytes for i in infos.values())
+    return Result(dst, source.layout, to, len(infos), written, time.perf_counter() - start)
+
+
+def _stream(rows: list[Entry], dtypes: dict, source: Source, to: str, files, folder: Path, progress: bool) -> None:
+    owner = {name: k for k, (_, infos) in enumerate(files) for name in infos}
+    total = sum(i.nbytes for _, infos in files for i in infos.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"{source.layout} -> {to}",
+               disable=None if progress else True, mininterval=0.5)
+    writer, current, done = None, -1, 0
+    try:
+        for e, t in msllm_tensors(rows, source.layout, source.reader):
+            for name, part in e.stored[to].scatter(e, t.to(dtypes[e.name])):
+                if owner[name] != current:  # files are filled in order: move on to the next one
+                    if writer is not None:
+                        writer.close()
+                    current = owner[name]
+                    file_name, infos = files[current]
+                    writer = WRITERS[Path(file_name).suffix](folder / file_name, infos)
+                writer.write(name, part)
+                done += 1
+                bar.update(part.numel() * part.element_size())
+                bar.set_postfix_str(f"{done}/{len(owner)} tensors", refresh=False)
+        writer.close()
+    finally:
+        bar.close()
+
+
+def _write_metadata(source: Source, to: str, files, folder: Path, dtype: torch.dtype) -> None:
+    for path in source.side_files:
+        shutil.copyfile(path, folder / path.name)
+    if to == "hf":
+        write_json(folder / HF_CONFIG, to_hf_config(source.config.model, source.architecture,
+                                                    DTYPE_NAMES.get(dtype, str(dtype)), source.hf_config))
+        if len(files) > 1:
+            write_json(folder / "model.safetensors.index.json", hf_index(files))
+    elif to == "mindformers":
+        write_json(folder / MF_CONFIG, dataclasses.asdict(source.config.model))
+    else:
+        tokenizer = "tokenizer.json" if (folder / "tokenizer.json").is_file() else None
+        write_json(folder / checkpoint.STATE_FILE, {
+            "step": 0, "config": source.config.to_dict(), "tokenizer": tokenizer,
+            "hf_architecture": source.architecture, "hf_config": source.hf_config,
+            "converted_from": {"path": str(source.path), "layout": source.layout}})

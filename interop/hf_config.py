@@ -1,0 +1,101 @@
+"""Hugging Face config.json <-> msllm ModelConfig.
+
+Supported: LlamaForCausalLM (Llama 2; Llama 3 with llama3 or linear rope scaling),
+MistralForCausalLM and Qwen2ForCausalLM. A config asking for something msllm does not compute
+(another activation, o_proj or MLP biases, head_dim != hidden/heads, another rope type) is
+refused, naming the key, rather than converted into a model that computes something else.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from interop import InteropError
+from msllm.config import ModelConfig
+
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+QKV_BIAS = {"Qwen2ForCausalLM"}
+# msllm precomputes RoPE tables and a [max_seq_len, max_seq_len] fp32 causal mask, so HF's 128K
+# contexts would cost 64 GB; conversions cap the context here unless told otherwise.
+MAX_SEQ_LEN = 8192
+ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def architecture(hf: dict, source: str) -> str:
+    named = (hf.get("architectures") or [None])[0]
+    arch = named or {t: a for a, t in MODEL_TYPES.items()}.get(hf.get("model_type"))
+    if arch not in MODEL_TYPES:
+        raise InteropError(f"{source}: unsupported architecture {named or hf.get('model_type')!r}; "
+                           f"supported: {', '.join(MODEL_TYPES)}")
+    return arch
+
+
+def default_architecture(m: ModelConfig) -> str:
+    """For checkpoints that never came from HF: the family that computes what msllm computes."""
+    return "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+
+
+def _rope(hf: dict, refuse) -> tuple[float, dict | None]:
+    """(theta, msllm rope_scaling) from transformers-5 `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` keys."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ("llama3", "linear"):
+        refuse("rope_scaling", f"rope type {kind!r} is not supported (llama3, linear)")
+    return theta, {"type": kind, **{k: params[k] for k in ROPE_KEYS if k in params}}
+
+
+def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> ModelConfig:
+    def refuse(key, why):
+        raise InteropError(f"{source}: {key}: {why}")
+
+    def need(key):
+        if hf.get(key) is None:
+            refuse(key, "missing")
+        return hf[key]
+
+    arch = architecture(hf, source)
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", f"{hf['hidden_act']!r} is not supported (silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            refuse(key, "msllm has no o_proj or MLP biases")
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    if hf.get("head_dim") not in (None, hidden // heads) or hidden % heads:
+        refuse("head_dim", f"{hf.get('head_dim')} != hidden_size / num_attention_heads; msllm needs them equal")
+    theta, scaling = _rope(hf, refuse)
+    context = hf.get("max_position_embeddings") or 2048
+    # Sliding-window attention (Mistral, Qwen2 with use_sliding_window) equals full attention up to
+    # the window, so capping the context there keeps the converted model exact.
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
+    return ModelConfig(
+        vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("num_hidden_layers"), num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads, ffn_size=need("intermediate_size"),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=arch in QKV_BIAS, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=max_seq_len or min(context, MAX_SEQ_LEN, window or context))
+
+
+def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None) -> dict:
+    """config.json for `m`. `base` (the config a checkpoint was converted from) is returned with
+    only the dtype updated when it still describes the same model, which keeps token ids etc."""
+    if base is not None:
+        same = dataclasses.replace(to_model_config(base, "<base>"), max_seq_len=m.max_seq_len)
+        if same == m:
+            keys = [k for k in ("dtype", "torch_dtype") if k in base] or ["torch_dtype"]  # transformers 5, 4
+            return {**base, **dict.fromkeys(keys, dtype)}
+    hf = {"architectures": [arch], "model_type": MODEL_TYPES[arch], "vocab_size": m.vocab_size,
+          "hidden_size": m.hidden_size, "intermediate_size": m.ffn_size, "num_hidden_layers": m.num_layers,
+          "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
+          "hidden_act": "silu", "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+          "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": dtype}
+    if m.rope_scaling:
+        scaling = dict(m.rope_scaling)
+        hf["rope_scaling"] = {"rope_type": scaling.pop("type", scaling.pop("rope_type", None)), **scaling}
+    if arch == "MistralForCausalLM":
+        hf["sliding_window"] = None
+    if arch == "Qwen2ForCausalLM":
+        hf["use_sliding_window"] = False
+    return hf

@@ -1,0 +1,125 @@
+"""What a row of a family table (interop/maps/) means, and its expansion for one model.
+
+A table lists every msllm tensor once: its name, its shape in named dims, and how each foreign
+layout (Hugging Face, MindFormers) stores it:
+
+    "name"                        the same tensor under another name
+    Concat(dim, "a", "b", ...)    stored as parts joined along `dim`; the msllm shape spells that
+                                  dim as one term per part ("q+kv+kv"), which gives the split back
+    Transposed("name")            stored as the 2-D transpose
+
+Per-layer names are relative to the table's `layer_prefix` for that layout, where `{i}` is the
+layer index. `when` names a condition on the model config (CONDITIONS).
+msllm is the hub: converting A -> B is A -> msllm tensor -> B, one msllm tensor at a time.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from msllm.config import ModelConfig
+
+LAYOUTS = ("msllm", "hf", "mindformers")
+CONDITIONS = {"untied": lambda m: not m.tie_embeddings}
+
+
+def named_dims(m: ModelConfig) -> dict[str, int]:
+    return {"vocab": m.vocab_size, "hidden": m.hidden_size, "ffn": m.ffn_size,
+            "q": m.num_heads * m.head_dim, "kv": m.num_kv_heads * m.head_dim}
+
+
+class Same:
+    def __init__(self, name: str):
+        self.name = name
+
+    def expand(self, prefix: str, i: int):
+        return type(self)((prefix + self.name).format(i=i))
+
+    def shapes(self, entry: "Entry") -> dict[str, tuple]:
+        return {self.name: entry.shape}
+
+    def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
+        return read(self.name)
+
+    def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(self.name, t)]
+
+
+class Concat:
+    def __init__(self, dim: int, *parts: str):
+        self.dim, self.parts = dim, parts
+
+    def expand(self, prefix: str, i: int):
+        return Concat(self.dim, *((prefix + p).format(i=i) for p in self.parts))
+
+    def shapes(self, entry: "Entry") -> dict[str, tuple]:
+        return {part: entry.shape[:self.dim] + (size,) + entry.shape[self.dim + 1:]
+                for part, size in zip(self.parts, entry.terms[self.dim], strict=True)}
+
+    def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
+        return torch.cat([read(p) for p in self.parts], self.dim)
+
+    def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        pieces = torch.split(t, list(entry.terms[self.dim]), self.dim)
+        return [(p, piece.contiguous()) for p, piece in zip(self.parts, pieces, strict=True)]
+
+
+class Transposed(Same):
+    def shapes(self, entry: "Entry") -> dict[str, tuple]:
+        return {self.name: entry.shape[::-1]}
+
+    def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
+        return read(self.name).T.contiguous()
+
+    def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(self.name, t.T.contiguous())]
+
+
+class Row(NamedTuple):
+    msllm: str
+    shape: str                         # named dims, e.g. "vocab, hidden" or "q+kv+kv, hidden"
+    hf: str | Concat | Transposed
+    mindformers: str | Concat | Transposed
+    when: str | None = None            # a key of CONDITIONS
+
+
+class Table(NamedTuple):
+    before: list[Row]                  # rows before the layers, in file order
+    layer_prefix: dict[str, str]       # layout -> what per_layer names sit under, with {i}
+    per_layer: list[Row]               # repeated for each layer
+    after: list[Row]
+    ignore: dict[str, list[str]]       # layout -> fnmatch patterns of stored names msllm does not need
+
+
+class Entry(NamedTuple):
+    """One msllm tensor of a concrete model, and the rule by which each layout stores it."""
+    name: str
+    shape: tuple[int, ...]
+    terms: tuple[tuple[int, ...], ...]  # per dim, the sizes of its "+" terms
+    stored: dict[str, Same | Concat | Transposed]
+
+
+def entries(table: Table, m: ModelConfig) -> list[Entry]:
+    """Every msllm tensor of model `m` in file order, with its rules expanded."""
+    sizes = named_dims(m)
+    no_prefix = dict.fromkeys(LAYOUTS, "")
+    placed = ([(row, no_prefix, 0) for row in table.before]
+              + [(row, table.layer_prefix, i) for i in range(m.num_layers) for row in table.per_layer]
+              + [(row, no_prefix, 0) for row in table.after])
+    out = []
+    for row, prefix, i in placed:
+        if row.when and not CONDITIONS[row.when](m):
+            continue
+        terms = tuple(tuple(sizes[t.strip()] for t in dim.split("+")) for dim in row.shape.split(","))
+        stored = {layout: _rule(getattr(row, layout)).expand(prefix[layout], i) for layout in LAYOUTS}
+        for layout, rule in stored.items():  # a table bug, caught when the table is first used
+            if isinstance(rule, Concat) and len(rule.parts) != len(terms[rule.dim]):
+                raise ValueError(f"table row {row.msllm}: {layout} joins {len(rule.parts)} parts but "
+                                 f"dim {rule.dim} of {row.shape!r} has {len(terms[rule.dim])} terms")
+        out.append(Entry(stored["msllm"].name, tuple(map(sum, terms)), terms, stored))
+    return out
+
+
+def _rule(spec) -> Same | Concat | Transposed:
+    return Same(spec) if isinstance(spec, str) else spec

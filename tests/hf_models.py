@@ -1,0 +1,55 @@
+"""Tiny random Hugging Face models, one per supported family, saved the way users bring them."""
+import json
+from pathlib import Path
+
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64)
+CASES = {
+    "llama2_mha": (LlamaForCausalLM, LlamaConfig(**SMALL, num_attention_heads=4, num_key_value_heads=4,
+                                                 intermediate_size=96, rms_norm_eps=1e-5)),
+    "llama3_gqa_rope_scaling": (LlamaForCausalLM, LlamaConfig(
+        **SMALL, num_attention_heads=8, num_key_value_heads=2, intermediate_size=112, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16})),
+    # window 32 < context 64: the converted model's context is capped at the window, where it is exact
+    "mistral_window": (MistralForCausalLM, MistralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2,
+                                                         intermediate_size=96, sliding_window=32, head_dim=16)),
+    "qwen2_bias_tied": (Qwen2ForCausalLM, Qwen2Config(**SMALL, num_attention_heads=4, num_key_value_heads=2,
+                                                      intermediate_size=96, tie_word_embeddings=True)),
+}
+
+
+def build(case: str, seed: int = 0, **changes):
+    """A random model whose norms and biases are not at their init values (ones / zeros), so a
+    swapped norm or a dropped bias changes the output. `changes` override config keys."""
+    cls, cfg = CASES[case]
+    if changes:
+        cfg = type(cfg)(**{**cfg.to_dict(), **changes})
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_bin(model, folder: Path, shards: int = 1) -> Path:
+    """pytorch_model.bin (or N shards + index), as older transformers wrote them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    state = model.state_dict()
+    if shards == 1:
+        torch.save(state, folder / "pytorch_model.bin")
+        return folder
+    names, weight_map = list(state), {}
+    for k in range(shards):
+        file = f"pytorch_model-{k + 1:05d}-of-{shards:05d}.bin"
+        part = {n: state[n] for n in names[k::shards]}
+        torch.save(part, folder / file)
+        weight_map.update({n: file for n in part})
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder

@@ -1,0 +1,173 @@
+"""HF / .bin / MindFormers <-> msllm conversion: verified numerics, bitwise round trips, loadable outputs."""
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from interop.convert import convert
+from interop.verify import verify
+from tests.conftest import run_cli
+from tests.hf_models import CASES, build, save_bin
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for case in CASES:
+        model = build(case)
+        model.save_pretrained(root / case)
+        out[case] = (model, root / case)
+    return out
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_convert_then_verify_passes(hf_dirs, tmp_path, case):
+    _, hf = hf_dirs[case]
+    convert(hf, tmp_path / "ms", progress=False)
+    report = verify(hf, tmp_path / "ms")
+    assert report.ok, "\n".join(report.lines())
+    assert report.precision == "fp32" and max(report.max_rel) < 1e-5
+    state = json.loads((tmp_path / "ms" / "state.json").read_text())
+    assert state["hf_architecture"] == CASES[case][0].__name__
+    if case == "mistral_window":
+        assert state["config"]["model"]["max_seq_len"] == 32  # capped at the sliding window
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_msllm_hf_round_trip_is_bitwise_and_loads(hf_dirs, tmp_path, case):
+    model, hf = hf_dirs[case]
+    convert(hf, tmp_path / "ms", progress=False)
+    convert(tmp_path / "ms", tmp_path / "back", progress=False)
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert same_state(reloaded.state_dict(), model.state_dict())
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("mf_format", ["ckpt", "safetensors"])
+def test_mindformers_layout_round_trip(hf_dirs, tmp_path, mf_format):
+    model, hf = hf_dirs["qwen2_bias_tied"]
+    convert(hf, tmp_path / "mf", to="mindformers", mf_format=mf_format, progress=False)
+    weights = tmp_path / "mf" / f"model.{mf_format}"
+    loaded = ms.load_checkpoint(str(weights), format=mf_format)  # MindSpore itself reads what we wrote
+    src = model.state_dict()
+    assert "lm_head.weight" not in loaded  # tied: MindFormers shares the embedding
+    np.testing.assert_array_equal(loaded["model.layers.1.attention.wk.bias"].asnumpy(),
+                                  src["model.layers.1.self_attn.k_proj.bias"].numpy())
+    assert verify(hf, tmp_path / "mf").ok
+    convert(weights, tmp_path / "back", to="hf", progress=False)  # the weights file alone also works
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert same_state(back, {k: v for k, v in src.items() if k != "lm_head.weight"})
+
+
+def test_sharded_sources_and_outputs(hf_dirs, tmp_path):
+    model, _ = hf_dirs["llama3_gqa_rope_scaling"]
+    src = model.state_dict()
+    model.save_pretrained(tmp_path / "st", max_shard_size="100KB")
+    save_bin(model, tmp_path / "bin1")
+    save_bin(model, tmp_path / "bin3", shards=3)
+    for name in ("st", "bin1", "bin3"):
+        convert(tmp_path / name, tmp_path / f"ms_{name}", progress=False)
+        assert same_state(load_file(tmp_path / f"ms_{name}" / "model.safetensors"),
+                          load_file(tmp_path / "ms_st" / "model.safetensors")), name
+    convert(tmp_path / "ms_bin3", tmp_path / "out", max_shard_bytes=100_000, progress=False)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2 and index["weight_map"].keys() == src.keys()
+    assert same_state(AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict(), src)
+
+
+@pytest.mark.parametrize("dtype, want", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_dtype_conversion_verifies_at_that_precision(hf_dirs, tmp_path, dtype, want):
+    _, hf = hf_dirs["llama3_gqa_rope_scaling"]
+    convert(hf, tmp_path / "ms", dtype=dtype, progress=False)
+    assert {t.dtype for t in load_file(tmp_path / "ms" / "model.safetensors").values()} == {want}
+    report = verify(hf, tmp_path / "ms")
+    assert report.ok and report.precision == dtype, "\n".join(report.lines())
+    assert max(report.max_rel) > 1e-5  # the rounding is real, and inside the tolerance
+    convert(tmp_path / "ms", tmp_path / "hf_keep", progress=False)  # keep: the HF copy is bf16 / fp16 too
+    assert verify(tmp_path / "hf_keep", tmp_path / "ms").precision == "fp32"  # identical weights
+
+
+def test_verify_names_the_first_divergent_layer(hf_dirs, tmp_path):
+    model, hf = hf_dirs["llama2_mha"]
+    convert(hf, tmp_path / "ms", progress=False)
+    path = tmp_path / "ms" / "model.safetensors"
+    tensors = load_file(path)
+    tensors["layers.1.feed_forward.w2.weight"] *= 1.01
+    from safetensors.torch import save_file
+    save_file(tensors, path)
+    report = verify(hf, tmp_path / "ms")
+    assert not report.ok and report.names[report.first_failure] == "layer 1"
+    assert "FAIL: first divergence at layer 1" in report.lines()[-1]
+
+
+def test_cli_convert_verify_and_generate(hf_dirs, tmp_path, capsys):
+    from msllm.cli import main
+    from msllm.data.tokenizer import train_tokenizer
+
+    _, hf = hf_dirs["llama3_gqa_rope_scaling"]
+    with_tok = tmp_path / "hf"
+    with_tok.mkdir()
+    for f in hf.iterdir():
+        (with_tok / f.name).write_bytes(f.read_bytes())
+    train_tokenizer(["def f(x):\n    return x + 1\n"] * 20, 300).save(str(with_tok / "tokenizer.json"))
+
+    proc = run_cli("convert", str(with_tok), str(tmp_path / "ms"), "--verify")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PASS" in proc.stdout and "layer 1" in proc.stdout and "hf -> msllm" in proc.stdout
+    assert main(["generate", "--ckpt", str(tmp_path / "ms"), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+    (tmp_path / "ms" / "tokenizer.json").unlink()
+    assert main(["generate", "--ckpt", str(tmp_path / "ms"), "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("msllm generate: error: ") and "tokenizer" in err[0]
+
+
+def test_ckpt_written_by_mindspore_and_sliced_ckpt(hf_dirs, tmp_path, monkeypatch):
+    """Our .ckpt reader takes MindSpore's own files (with CRC trailer); MindSpore takes our sliced ones."""
+    from interop.formats import ms_ckpt
+    model, hf = hf_dirs["llama2_mha"]
+    monkeypatch.setattr(ms_ckpt, "SLICE", 4096)  # every tensor above 4 KB is written as several Values
+    convert(hf, tmp_path / "mf", to="mindformers", progress=False)
+    params = ms.load_checkpoint(str(tmp_path / "mf" / "model.ckpt"))
+    resaved = tmp_path / "ms_saved"
+    resaved.mkdir()
+    (resaved / "model_config.json").write_text((tmp_path / "mf" / "model_config.json").read_text())
+    ms.save_checkpoint([{"name": n, "data": p} for n, p in params.items()], str(resaved / "model.ckpt"),
+                       crc_check=True)
+    convert(resaved, tmp_path / "back", to="hf", progress=False)
+    assert same_state(load_file(tmp_path / "back" / "model.safetensors"), model.state_dict())
+
+
+def test_msllm_trained_run_to_hf(tmp_path):
+    """A run dir from msllm train (no HF origin) becomes an HF dir that computes the same logits."""
+    from msllm import checkpoint
+    from msllm.config import ModelConfig
+    from msllm.data.tokenizer import train_tokenizer
+    from msllm.models.llama import build_model
+
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
+                      max_seq_len=32, qkv_bias=True, tie_embeddings=True)
+    tokenizer = tmp_path / "run" / "data" / "tokenizer.json"
+    tokenizer.parent.mkdir(parents=True)
+    train_tokenizer(["x = 1\n"] * 10, 300).save(str(tokenizer))
+    state = {"config": {"model": vars(cfg), "data": {"seq_len": 16}}, "tokenizer": str(tokenizer)}
+    checkpoint.save(tmp_path / "run", 7, build_model(cfg, seed=3).trainable_params(), [], state)
+    convert(tmp_path / "run", tmp_path / "hf", progress=False)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    report = verify(tmp_path / "hf", tmp_path / "run")
+    assert report.ok and max(report.max_rel) < 1e-5, "\n".join(report.lines())

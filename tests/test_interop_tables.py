@@ -1,0 +1,66 @@
+"""The family tables describe the msllm model exactly, and the concat / transpose rules invert."""
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from interop import maps
+from interop.convert import convert
+from interop.maps.llama import LLAMA
+from interop.table import Concat, Row, Transposed, entries
+from msllm.config import ModelConfig
+from msllm.models.llama import Llama
+from tests.hf_models import build
+
+GQA = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48, max_seq_len=16)
+
+
+@pytest.mark.parametrize("arch", list(maps.FAMILIES))
+@pytest.mark.parametrize("tied", [False, True])
+def test_table_lists_every_model_parameter_with_its_shape(arch, tied):
+    m = dataclasses.replace(GQA, tie_embeddings=tied, qkv_bias=arch == "Qwen2ForCausalLM")
+    table = {e.name: e.shape for e in entries(maps.FAMILIES[arch], m)}
+    model = {p.name: tuple(p.shape) for p in Llama(m).trainable_params()}
+    assert table == model
+
+
+def fused(table):
+    """What msllm's table would become if it fused QKV and gate/up: only rows change.
+    MindFormers' column also stores wo transposed, to exercise that rule."""
+    rows = [r for r in table.per_layer if not r.msllm.endswith(("wq.weight", "wk.weight", "wv.weight",
+                                                                 "w1.weight", "w3.weight", "wo.weight"))]
+    rows += [
+        Row("attention.wqkv.weight", "q+kv+kv, hidden", Concat(0, *(f"self_attn.{p}_proj.weight" for p in "qkv")),
+            Concat(0, *(f"attention.w{p}.weight" for p in "qkv"))),
+        Row("feed_forward.w13.weight", "ffn+ffn, hidden", Concat(0, "mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            Concat(0, "feed_forward.w1.weight", "feed_forward.w3.weight")),
+        Row("attention.wo.weight", "hidden, q", "self_attn.o_proj.weight", Transposed("attention.wo.weight")),
+    ]
+    return table._replace(per_layer=rows)
+
+
+def test_fused_table_concats_splits_and_transposes_bitwise(tmp_path, monkeypatch):
+    monkeypatch.setitem(maps.FAMILIES, "LlamaForCausalLM", fused(LLAMA))
+    hf = build("llama3_gqa_rope_scaling")
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "fused", progress=False)
+    convert(tmp_path / "fused", tmp_path / "mf", to="mindformers", mf_format="safetensors", progress=False)
+    convert(tmp_path / "mf", tmp_path / "back", to="hf", progress=False)
+
+    src = {k: v for k, v in hf.state_dict().items()}
+    ours, mf = load_file(tmp_path / "fused" / "model.safetensors"), load_file(tmp_path / "mf" / "model.safetensors")
+    a = "model.layers.1.self_attn"
+    assert torch.equal(ours["layers.1.attention.wqkv.weight"],
+                       torch.cat([src[f"{a}.q_proj.weight"], src[f"{a}.k_proj.weight"], src[f"{a}.v_proj.weight"]]))
+    assert "layers.1.attention.wq.weight" not in ours
+    assert torch.equal(mf["model.layers.1.attention.wo.weight"], src[f"{a}.o_proj.weight"].T)
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == src.keys()
+    assert all(torch.equal(back[k], src[k]) for k in src)
+
+
+def test_concat_parts_must_match_the_shape_terms():
+    bad = LLAMA._replace(per_layer=[Row("x", "q+kv, hidden", Concat(0, "a", "b", "c"), "x")])
+    with pytest.raises(ValueError, match="joins 3 parts but dim 0 of 'q\\+kv, hidden' has 2 terms"):
+        entries(bad, GQA)
