@@ -81,22 +81,24 @@ class TrainStep(nn.Cell):
             more_loss, more_grads = self.value_and_grad(chunk, scale)
             loss = loss + more_loss
             grads = tuple(g + m for g, m in zip(grads, more_grads))
-        inv = 1.0 / (scale * self.accum_steps)
-        loss = loss * inv
-        grads = tuple(g * inv for g in grads)
+        inv = 1.0 / (scale * self.accum_steps)  # gradients are summed and loss-scaled until here
 
-        finite = amp.all_finite(grads)
+        # One read of the raw gradients gives the norm; a NaN/Inf anywhere makes it non-finite,
+        # so no separate all-finite pass is needed. Unscaling and clipping share one multiply.
+        norm = global_norm(grads) * inv
+        finite = ops.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.adjust(finite)
-        norm = global_norm(grads)
+        coef = inv
         if self.grad_clip > 0:
-            clip = ops.minimum(self.grad_clip / (norm + 1e-6), 1.0)
-            grads = tuple(g * clip for g in grads)
+            coef = coef * ops.minimum(self.grad_clip / (norm + 1e-6), 1.0)
+        if self.grad_clip > 0 or self.loss_scaler is not None or self.accum_steps > 1:
+            grads = tuple(g * coef.astype(g.dtype) for g in grads)
         if finite:
             lr = self.optimizer(grads)
         else:
             lr = ops.zeros((), ms.float32)
-        return loss, norm, lr, finite, scale
+        return loss * inv, norm, lr, finite, scale
 
 
 class EvalStep(nn.Cell):
