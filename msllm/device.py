@@ -28,8 +28,9 @@ def available_devices() -> list[str]:
     return found
 
 
-def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level: str = "O0") -> None:
-    """Select device, execution mode, thread count and JIT level for this process."""
+def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level: str = "O0",
+          compile_cache: str | None = None) -> None:
+    """Select device, execution mode, thread count, JIT level and compile cache for this process."""
     if device not in TARGETS:
         raise DeviceError(f"unknown device {device!r}; choose one of {', '.join(TARGETS)}")
     if device != "cpu":  # CPU is always built in; probing the others is slow and noisy
@@ -40,6 +41,8 @@ def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level:
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE,
                    jit_config={"jit_level": jit_level})
     ms.set_device(TARGETS[device])
+    if compile_cache:
+        ms.set_context(enable_compile_cache=True, compile_cache_path=compile_cache)
     if device == "cpu":
         ms.set_context(runtime_num_threads=threads or os.cpu_count() or 1)
 

@@ -69,7 +69,12 @@ class Trainer:
         t = cfg.train
         self.run_dir = Path(t.run_dir)
         self.rank, self.world = rank_and_world()
-        device.setup(t.device, t.mode, t.threads, t.jit_level)
+        if self.world > 1:
+            # The data pipeline shards per rank, but the step has no gradient all-reduce yet:
+            # replicas would silently diverge, so refuse rather than train something wrong.
+            raise device.DeviceError(f"RANK_SIZE={self.world}: multi-process data parallel is not wired into the "
+                                     f"train step yet (roadmap: msllm launch); run one process")
+        device.setup(t.device, t.mode, t.threads, t.jit_level, t.compile_cache)
         dtype = device.compute_dtype(t.precision, t.device)
         ms.set_seed(t.seed)
         resume_from = checkpoint.latest(self.run_dir) if resume else None
