@@ -16,11 +16,13 @@ from typing import Callable
 import mindspore as ms
 import numpy as np
 
+from msllm.errors import UserError
+
 MANIFEST = "export.json"
 ENGINES = {"msllm": None, "mindir": "mindir", "onnxruntime": "onnx"}  # engine -> export format it runs
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError, RuntimeError):
     """A bad export request or a failed verification. str() is the one-line message."""
 
 

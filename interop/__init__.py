@@ -9,8 +9,11 @@ convert.py    the one conversion engine, driven by the tables
 verify.py     HF torch model vs msllm model on the same tokens, layer by layer
 """
 
+from msllm.errors import UserError
 
-class InteropError(RuntimeError):
+
+
+class InteropError(UserError, RuntimeError):
     """A checkpoint that cannot be converted. str() is one line naming the file and tensors."""
 
 

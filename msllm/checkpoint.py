@@ -20,13 +20,14 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from msllm.errors import UserError
 from msllm.metrics import info
 
 MODEL_FILE, OPTIM_FILE, STATE_FILE, MANIFEST = "model.safetensors", "optim.safetensors", "state.json", "manifest.json"
 PREFIX = "step_"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

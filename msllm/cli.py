@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from msllm.config import ConfigError
+from msllm.errors import UserError
 
 PLANNED = {
     "plan": "Ascend semi-auto parallel planning (roadmap)",
@@ -168,16 +169,9 @@ def _not_yet(name: str) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from graph_opt.runtime import ExportError
-    from interop import InteropError
-    from msllm.checkpoint import CheckpointError
-    from msllm.data.corpus import DataError
-    from msllm.device import DeviceError
-    from msllm.train.trainer import NonFiniteError
-
     try:
         return args.func(args)
-    except (ConfigError, DataError, DeviceError, CheckpointError, NonFiniteError, ExportError, InteropError) as e:
+    except UserError as e:  # every module's one-line error derives from it; importing it loads nothing heavy
         print(f"msllm {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

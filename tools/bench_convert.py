@@ -7,7 +7,7 @@
 Measured, each in a fresh process so peak RSS (VmHWM) is its own:
   raw     a plain sequential read of the same files (8 MiB readinto): the speed limit
   stream  interop.convert.convert(): HF -> msllm, one tensor at a time
-  cli     the same through `msllm convert` (that process also imports MindSpore for the CLI)
+  cli     the same through `msllm convert`
   naive   load the whole state dict (safetensors.torch.load_file), rename, save_file
 each twice: "cold", the source files evicted from the page cache first (posix_fadvise DONTNEED on
 these files only), as when converting a checkpoint that is not in RAM; and "warm", read from the
@@ -121,7 +121,6 @@ def child(mode: str, src: Path, dst: Path) -> None:
     from interop.convert import convert
     if mode == "cli":
         import msllm.cli  # noqa: F401
-        import msllm.train.trainer  # noqa: F401  (msllm.cli.main imports it for its error class)
     rss0 = peak_rss_mb()
     start = time.perf_counter()
     if mode == "raw":

@@ -5,8 +5,10 @@ import hashlib
 import sysconfig
 from pathlib import Path
 
+from msllm.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     pass
 
 

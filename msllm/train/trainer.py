@@ -20,6 +20,7 @@ from msllm.config import Config, ConfigError, config_from_dict, save_config
 from msllm.data import shards
 from msllm.data.loader import make_dataset
 from msllm.data.tokenizer import load_tokenizer
+from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
 from msllm.models.llama import build_model
 from msllm.train.optim import AdamW
@@ -29,7 +30,7 @@ from msllm.train.step import EvalStep, TrainStep, apply_recompute, make_loss_sca
 FIXED_ON_RESUME = ("model", "data")
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     pass
 
 
@@ -145,6 +146,8 @@ class Trainer:
                 compile_s = time.perf_counter() - t0
                 self.metrics.log({"kind": "compile", "step": step, "first_step_s": compile_s, "loss": loss},
                                  f"step {step}: first step (compile + run) {compile_s:.1f}s, loss {loss:.4f}")
+                if t.pin_threads and t.device == "cpu":
+                    device.pin_threads()
                 window_t, window_steps = time.perf_counter(), 0
             if bool(finite.asnumpy()):
                 bad_run = 0
