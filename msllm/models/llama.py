@@ -57,13 +57,15 @@ class RMSNorm(nn.Cell):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps = eps
+        self.eps, self.inv_dim = eps, 1.0 / dim
         self.weight = Parameter(Tensor(np.ones((dim,), np.float32)), name="weight")
 
     def construct(self, x):
         dtype = x.dtype
         x = cast(x, ms.float32)
-        x = x * ops.rsqrt(ops.mean(ops.square(x), -1, keep_dims=True) + self.eps)
+        # x * x and a sum rather than square / mean: the same numbers, fewer and cheaper
+        # gradient kernels on CPU (measured ~1.2x forward+backward).
+        x = x * ops.rsqrt(ops.sum(x * x, -1, keepdim=True) * self.inv_dim + self.eps)
         return cast(x * self.weight, dtype)
 
 
@@ -231,10 +233,13 @@ class FeedForward(nn.Cell):
         self.w1 = Linear(cfg.hidden_size, cfg.ffn_size)
         self.w2 = Linear(cfg.ffn_size, cfg.hidden_size)
         self.w3 = Linear(cfg.hidden_size, cfg.ffn_size)
-        self.silu = nn.SiLU()
+        self.sigmoid = ops.Sigmoid()
 
     def construct(self, x):
-        return self.w2(self.silu(self.w1(x)) * self.w3(x))
+        # silu(g) = g * sigmoid(g) written out: measured ~20% faster forward+backward on CPU than
+        # nn.SiLU, whose kernels MindSpore expands into more element-wise passes.
+        gate = self.w1(x)
+        return self.w2(gate * self.sigmoid(gate) * self.w3(x))
 
 
 class Block(nn.Cell):
@@ -285,7 +290,12 @@ class Llama(nn.Cell):
     def construct(self, input_ids):
         b, s = input_ids.shape
         cos, sin = cast(self.rope_cos[:s], self.compute_dtype), cast(self.rope_sin[:s], self.compute_dtype)
-        mask = self.causal_mask[:s, :s]
+        cfg = self.cfg
+        rep = cfg.num_heads // cfg.num_kv_heads
+        # Broadcast once for all layers: a broadcasting add onto the [.., s, s] scores costs ~3x
+        # a same-shape add on CPU, and every layer adds the mask.
+        mask = ops.broadcast_to(self.causal_mask[:s, :s],
+                                (b, cfg.num_heads, s, s) if rep == 1 else (b, cfg.num_kv_heads, rep, s, s))
         # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
         h = cast(self.tok_embeddings(input_ids.reshape(-1)), self.compute_dtype)
         for layer in self.layers:
