@@ -94,7 +94,6 @@ class TrainConfig:
     device: str = "cpu"               # cpu | gpu | ascend
     mode: str = "graph"               # graph | pynative
     threads: int = 0                  # MindSpore runtime threads; 0 = number of cores
-    pin_threads: bool = True          # CPU: pin the runtime's worker threads to cores after the first step
     jit_level: str = "O0"
     compile_cache: Optional[str] = None  # dir for MindSpore's compile cache (speeds up the next start)
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32

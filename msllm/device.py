@@ -5,7 +5,6 @@ Everything else in msllm is device-neutral: it asks this module for the context.
 from __future__ import annotations
 
 import os
-import threading
 
 import mindspore as ms
 
@@ -48,39 +47,6 @@ def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level:
         ms.set_context(enable_compile_cache=True, compile_cache_path=compile_cache)
     if device == "cpu":
         ms.set_context(runtime_num_threads=threads or os.cpu_count() or 1)
-
-
-def pin_threads() -> dict[str, list[int]]:
-    """Pin the calling thread and MindSpore's CPU runtime workers to fixed cores (Linux only).
-
-    Why: on CPU the graph runs its kernels from the calling thread, which splits each parallel op
-    over the runtime's worker threads (ActorThread_*, KernelThread_*) and then spin-waits with
-    sched_yield. With as many workers as cores, that is one runnable thread more than cores and
-    the scheduler keeps migrating them; pinning each worker to its own core and the caller next to
-    the first worker lifted a MatMul chain from ~240 to ~300 GFLOP/s on 2 cores (tools/bench_matmul.py).
-    Call it after the first step: the workers exist only once a graph has run. Returns the plan.
-    """
-    if not hasattr(os, "sched_setaffinity"):
-        return {}
-    cpus = sorted(os.sched_getaffinity(0))
-    task_dir = "/proc/self/task"
-    names = {}
-    for tid in os.listdir(task_dir):
-        try:
-            with open(f"{task_dir}/{tid}/comm") as f:
-                names[int(tid)] = f.read().strip()
-        except OSError:  # the thread ended meanwhile
-            pass
-    workers = sorted((tid for tid, name in names.items()
-                      if name.startswith(("ActorThread_", "KernelThread_"))), key=lambda t: names[t])
-    if len(cpus) < 2 or not workers:
-        return {}
-    plan = {names[tid]: [cpus[i % len(cpus)]] for i, tid in enumerate(workers)}
-    plan["caller"] = [cpus[0]]
-    for i, tid in enumerate(workers):
-        os.sched_setaffinity(tid, plan[names[tid]])
-    os.sched_setaffinity(threading.get_native_id(), plan["caller"])
-    return plan
 
 
 def compute_dtype(precision: str, device: str):

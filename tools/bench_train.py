@@ -43,12 +43,10 @@ def tokens(w: dict, seed: int = 0):
     return np.random.default_rng(seed).integers(0, w["vocab"], (w["batch"], w["seq"] + 1)).astype(np.int32)
 
 
-def time_steps(step_fn, steps: int, warmup: int, after_first=None) -> dict:
+def time_steps(step_fn, steps: int, warmup: int) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     step_fn()
     first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
-    if after_first:
-        after_first()
     for _ in range(warmup - 1):
         step_fn()
     times = []
@@ -73,8 +71,7 @@ def worker_msllm(w: dict, args) -> dict:
     apply_recompute(model, args.recompute)
     step = TrainStep(model, AdamW(model.trainable_params(), OptimConfig(warmup_steps=0), 1000), 1.0)
     batch = ms.Tensor(tokens(w))
-    return time_steps(lambda: step(batch)[0].asnumpy(), args.steps, args.warmup,
-                      after_first=device.pin_threads if args.pin else None)
+    return time_steps(lambda: step(batch)[0].asnumpy(), args.steps, args.warmup)
 
 
 def hf_model(w: dict):
@@ -120,7 +117,7 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
               "--threads", str(args.threads), "--layers", str(layers)]
     if variant.startswith("msllm"):
         extra = ["--worker", "msllm", "--mode", variant.split("-")[1], "--recompute", recompute,
-                 "--jit-level", args.jit_level, "--pin" if args.pin else "--no-pin"]
+                 "--jit-level", args.jit_level]
     else:
         extra = ["--worker", "torch"] + (["--compile"] if variant == "torch-compile" else [])
     proc = subprocess.run([sys.executable, __file__, *common, *extra], capture_output=True, text=True,
@@ -160,8 +157,6 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)  # MindFormers needs ~5 to reach steady state
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jit-level", default="O0")
-    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                   help="msllm: pin MindSpore's CPU worker threads after the first step (train.pin_threads)")
     p.add_argument("--peak-flops", type=float, default=3.8e11)  # measured 2-thread fp32 GEMM here
     p.add_argument("--out", default="runs/bench")
     # worker-only flags

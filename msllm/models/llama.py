@@ -210,9 +210,14 @@ class Attention(nn.Cell):
         return x.reshape(-1, s, n, self.head_dim).transpose(0, 2, 1, 3)
 
     def qkv(self, x, cos, sin):
-        """Projected heads with RoPE applied: q [b, nh, s, d], k/v [b, nkv, s, d]."""
-        s = cos.shape[0]
+        """Projected heads with RoPE applied: q [b, nh, s, d], k/v [b, nkv, s, d].
+
+        cos/sin: [s, d] tables, or the same already broadcast to q's shape (training, see Llama).
+        """
+        s = cos.shape[-2]
         q = self.rope(self.heads(self.wq(x), self.num_heads, s), cos, sin)
+        if cos.ndim == 4 and self.num_kv_heads != self.num_heads:  # per-head tables: take the KV heads' rows
+            cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
         k = self.rope(self.heads(self.wk(x), self.num_kv_heads, s), cos, sin)
         return q, k, self.heads(self.wv(x), self.num_kv_heads, s)
 
@@ -289,11 +294,13 @@ class Llama(nn.Cell):
 
     def construct(self, input_ids):
         b, s = input_ids.shape
-        cos, sin = cast(self.rope_cos[:s], self.compute_dtype), cast(self.rope_sin[:s], self.compute_dtype)
         cfg = self.cfg
         rep = cfg.num_heads // cfg.num_kv_heads
-        # Broadcast once for all layers: a broadcasting add onto the [.., s, s] scores costs ~3x
-        # a same-shape add on CPU, and every layer adds the mask.
+        # Broadcast the rope tables and the mask once for all layers: on CPU a broadcasting
+        # element-wise op costs ~2-3x a same-shape one, and every layer applies them.
+        head_shape = (b, cfg.num_heads, s, cfg.head_dim)
+        cos = ops.broadcast_to(cast(self.rope_cos[:s], self.compute_dtype), head_shape)
+        sin = ops.broadcast_to(cast(self.rope_sin[:s], self.compute_dtype), head_shape)
         mask = ops.broadcast_to(self.causal_mask[:s, :s],
                                 (b, cfg.num_heads, s, s) if rep == 1 else (b, cfg.num_kv_heads, rep, s, s))
         # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.

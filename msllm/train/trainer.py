@@ -146,8 +146,6 @@ class Trainer:
                 compile_s = time.perf_counter() - t0
                 self.metrics.log({"kind": "compile", "step": step, "first_step_s": compile_s, "loss": loss},
                                  f"step {step}: first step (compile + run) {compile_s:.1f}s, loss {loss:.4f}")
-                if t.pin_threads and t.device == "cpu":
-                    device.pin_threads()
                 window_t, window_steps = time.perf_counter(), 0
             if bool(finite.asnumpy()):
                 bad_run = 0
