@@ -53,20 +53,28 @@ class Embedding(nn.Cell):
 
 
 class RMSNorm(nn.Cell):
-    """Normalises in fp32 whatever the compute dtype, then casts back."""
+    """Normalises in fp32 whatever the compute dtype, then casts back.
+
+    Written with two skinny MatMuls so every element-wise op is same-shape: the row sum of
+    squares is (x*x) @ ones and the per-element scale is rsqrt(..) @ weight, an outer product.
+    Why: MindSpore's CPU kernels run a broadcasting multiply ([N, h] * [N, 1] or * [h]) ~3.4x
+    slower than a same-shape one, and the plain formula needs several of them forward and
+    backward; measured forward+backward per norm on W1 2.0 ms instead of 4.0 ms.
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps, self.inv_dim = eps, 1.0 / dim
+        self.dim, self.eps, self.inv_dim = dim, eps, 1.0 / dim
         self.weight = Parameter(Tensor(np.ones((dim,), np.float32)), name="weight")
+        self.ones = Tensor(np.ones((dim, 1), np.float32))
+        self.matmul = ops.MatMul()
 
     def construct(self, x):
-        dtype = x.dtype
-        x = cast(x, ms.float32)
-        # x * x and a sum rather than square / mean: the same numbers, fewer and cheaper
-        # gradient kernels on CPU (measured ~1.2x forward+backward).
-        x = x * ops.rsqrt(ops.sum(x * x, -1, keepdim=True) * self.inv_dim + self.eps)
-        return cast(x * self.weight, dtype)
+        dtype, shape = x.dtype, x.shape
+        x = cast(x, ms.float32).reshape(-1, self.dim)
+        inv_rms = ops.rsqrt(self.matmul(x * x, self.ones) * self.inv_dim + self.eps)  # [N, 1]
+        scale = self.matmul(inv_rms, self.weight.reshape(1, self.dim))                # [N, h]
+        return cast((x * scale).reshape(shape), dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
