@@ -48,6 +48,10 @@ class LRSchedule(nn.Cell):
         return ops.select(step <= self.warmup, warm, decayed)
 
 
+def _update(adamw, lr, beta1, beta2, eps, decay_scale, param, m, v, wd, grad):
+    return adamw(param, m, v, lr, beta1, beta2, eps, wd * decay_scale, grad)
+
+
 def decays(name: str, param: Parameter) -> bool:
     """Weight decay on matrices (linear and embedding weights); none on norms and biases."""
     return param.ndim >= 2
@@ -68,11 +72,13 @@ class AdamW(nn.Cell):
         self.params = ParameterTuple(params)
         self.exp_avg = self.params.clone(prefix="exp_avg", init="zeros")
         self.exp_avg_sq = self.params.clone(prefix="exp_avg_sq", init="zeros")
-        self.weight_decay = tuple(cfg.weight_decay if decays(p.name, p) else 0.0 for p in self.params)
+        self.weight_decay = tuple(Tensor(cfg.weight_decay if decays(p.name, p) else 0.0, ms.float32)
+                                  for p in self.params)
         self.beta1, self.beta2, self.eps = cfg.beta1, cfg.beta2, cfg.eps
         self.step = Parameter(Tensor(np.array(0, np.int32)), name="optimizer.step")
         self.schedule = LRSchedule(cfg, total_steps)
         self.adamw = ops.AdamWeightDecay()
+        self.hyper_map = ops.HyperMap()  # one graph node over the tuples, cheaper to compile than a Python loop
 
     def construct(self, grads):
         step = self.step + 1
@@ -84,9 +90,8 @@ class AdamW(nn.Cell):
         kernel_lr = lr * sqrt_bc2 / bc1
         kernel_eps = self.eps * sqrt_bc2
         decay_scale = bc1 / sqrt_bc2
-        for i in range(len(self.params)):
-            self.adamw(self.params[i], self.exp_avg[i], self.exp_avg_sq[i], kernel_lr, self.beta1, self.beta2,
-                       kernel_eps, self.weight_decay[i] * decay_scale, grads[i])
+        self.hyper_map(ops.partial(_update, self.adamw, kernel_lr, self.beta1, self.beta2, kernel_eps, decay_scale),
+                       self.params, self.exp_avg, self.exp_avg_sq, self.weight_decay, grads)
         return lr
 
     def state_parameters(self):
