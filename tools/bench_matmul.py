@@ -1,6 +1,9 @@
 """MindSpore vs torch CPU GEMM throughput on the W1 train-step shapes, per layout.
 
-Shows where msllm's CPU step time is bounded: the backward layouts (dy @ W and dy^T @ x).
+On one core MindSpore is within ~10% of torch (`taskset -c 0 python tools/bench_matmul.py --threads 1`:
+143-160 vs 158-180 GFLOP/s). On two
+cores MindSpore falls behind because its calling thread spin-waits while the runtime's two worker
+threads compute (three runnable threads on two cores); see README, Performance.
 
     python tools/bench_matmul.py --threads 2
 """
