@@ -151,6 +151,13 @@ class AttentionCore(nn.Cell):
         return self.softmax_attention(q * self.scale, k, v, mask)[0]
 
 
+def scores_shape(num_heads: int, num_kv_heads: int, b: int, s: int, t: int) -> tuple:
+    """Shape of the attention scores (and of a pre-broadcast mask): GQA keeps the `rep` query
+    heads of a KV head as their own axis, [b, nkv, rep, s, t]; MHA is [b, nh, s, t]."""
+    rep = num_heads // num_kv_heads
+    return (b, num_heads, s, t) if rep == 1 else (b, num_kv_heads, rep, s, t)
+
+
 class SoftmaxAttention(nn.Cell):
     """(out, probs) = softmax(q k^T + mask) v, with a hand-written backward.
 
@@ -176,7 +183,7 @@ class SoftmaxAttention(nn.Cell):
         rows = self.rep * s
         scores = self.qk(q.reshape(b, self.num_kv_heads, rows, d), k)
         if self.rep > 1:  # the mask broadcasts over the rep query heads folded into the rows
-            scores = scores.reshape(b, self.num_kv_heads, self.rep, s, t)
+            scores = scores.reshape(scores_shape(self.num_heads, self.num_kv_heads, b, s, t))
         probs = self.softmax(cast(scores, ms.float32) + mask)
         out = self.pv(cast(probs, v.dtype).reshape(b, self.num_kv_heads, rows, t), v)
         return out.reshape(b, self.num_heads, s, d), probs
@@ -306,14 +313,12 @@ class Llama(nn.Cell):
     def construct(self, input_ids):
         b, s = input_ids.shape
         cfg = self.cfg
-        rep = cfg.num_heads // cfg.num_kv_heads
         # Broadcast the rope tables and the mask once for all layers: on CPU a broadcasting
         # element-wise op costs ~2-3x a same-shape one, and every layer applies them.
         head_shape = (b, cfg.num_heads, s, cfg.head_dim)
         cos = ops.broadcast_to(cast(self.rope_cos[:s], self.compute_dtype), head_shape)
         sin = ops.broadcast_to(cast(self.rope_sin[:s], self.compute_dtype), head_shape)
-        mask = ops.broadcast_to(self.causal_mask[:s, :s],
-                                (b, cfg.num_heads, s, s) if rep == 1 else (b, cfg.num_kv_heads, rep, s, s))
+        mask = ops.broadcast_to(self.causal_mask[:s, :s], scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, s))
         # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
         h = cast(self.tok_embeddings(input_ids.reshape(-1)), self.compute_dtype)
         for layer in self.layers:
