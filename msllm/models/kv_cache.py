@@ -37,9 +37,9 @@ class Prefill(nn.Cell):
     def construct(self, input_ids):
         m = self.model
         s = input_ids.shape[1]
-        cos, sin = m.rope_cos[:s].astype(m.compute_dtype), m.rope_sin[:s].astype(m.compute_dtype)
+        cos, sin = m.rope_at(0, s)
         mask = m.causal_mask[:s, :s]
-        h = m.tok_embeddings(input_ids).astype(m.compute_dtype)
+        h = m.embed(input_ids)
         keys, values = (), ()
         for layer in m.layers:
             h, k, v = block_with_cache(layer, h, cos, sin, mask)
@@ -59,9 +59,9 @@ class Decode(nn.Cell):
     def construct(self, input_ids, keys, values):
         m = self.model
         s, t = input_ids.shape[1], keys.shape[3]
-        cos, sin = m.rope_cos[t:t + s].astype(m.compute_dtype), m.rope_sin[t:t + s].astype(m.compute_dtype)
+        cos, sin = m.rope_at(t, t + s)
         mask = m.causal_mask[t:t + s, :t + s]  # rows of the full causal mask for the new positions
-        h = m.tok_embeddings(input_ids).astype(m.compute_dtype)
+        h = m.embed(input_ids)
         new_keys, new_values = (), ()
         for i, layer in enumerate(m.layers):
             h, k, v = block_with_cache(layer, h, cos, sin, mask, keys[i], values[i])

@@ -302,6 +302,15 @@ class Llama(nn.Cell):
         causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, np.float32), k=1)
         self.causal_mask = Tensor(causal)
 
+    def embed(self, input_ids):
+        """Token embeddings in the compute dtype (input_ids of any shape)."""
+        return cast(self.tok_embeddings(input_ids), self.compute_dtype)
+
+    def rope_at(self, start, stop):
+        """cos, sin [stop - start, head_dim] for positions start .. stop-1, in the compute dtype."""
+        dtype = self.compute_dtype
+        return cast(self.rope_cos[start:stop], dtype), cast(self.rope_sin[start:stop], dtype)
+
     def logits(self, h):
         """Final norm + output projection; h [..., hidden] -> fp32 logits [..., vocab]."""
         h = self.norm(h)
@@ -316,11 +325,11 @@ class Llama(nn.Cell):
         # Broadcast the rope tables and the mask once for all layers: on CPU a broadcasting
         # element-wise op costs ~2-3x a same-shape one, and every layer applies them.
         head_shape = (b, cfg.num_heads, s, cfg.head_dim)
-        cos = ops.broadcast_to(cast(self.rope_cos[:s], self.compute_dtype), head_shape)
-        sin = ops.broadcast_to(cast(self.rope_sin[:s], self.compute_dtype), head_shape)
+        cos, sin = self.rope_at(0, s)
+        cos, sin = ops.broadcast_to(cos, head_shape), ops.broadcast_to(sin, head_shape)
         mask = ops.broadcast_to(self.causal_mask[:s, :s], scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, s))
         # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
-        h = cast(self.tok_embeddings(input_ids.reshape(-1)), self.compute_dtype)
+        h = self.embed(input_ids.reshape(-1))
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
         return self.logits(h).reshape(b, s, -1)
