@@ -1,0 +1,164 @@
+"""Where an msllm train step's time goes, reproducibly.
+
+Kernel time: runs the train step (GRAPH mode) under MindSpore's profiler and prints, per kernel
+type, how many kernels one step launches and their summed time per step, next to the wall time
+of the same steps without the profiler.
+Compile time: compiles the step once with MindSpore's compile statistics switched on
+(MS_DEV_RUNTIME_CONF=compile_statistics:True) and splits it into frontend (parse, type
+inference, autodiff, graph passes) and backend phases (kernel graph passes, kernel creation,
+actor scheduling).
+
+    python tools/profile_step.py                          # W1 kernel profile
+    python tools/profile_step.py --compile --layers 32    # W1 shape, 32 layers: compile phases
+    python tools/profile_step.py --shape hidden=64,ffn=128,vocab=512,seq=32,batch=2,layers=2
+
+JSON goes to runs/profile/.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from bench_train import WORKLOADS, model_config, tokens  # noqa: E402
+
+PHASE = re.compile(r"\[PROF\](\w+) costs ([0-9.]+) msec")
+# Backend phases worth naming; each runs once per kernel graph, so they are summed.
+BACKEND_PHASES = ("ConstructKernelGraph", "OptimizeGraph", "CreateKernel", "CreateDeviceAddress", "GraphScheduler")
+
+
+def workload(args) -> dict:
+    w = dict(WORKLOADS[args.workload])
+    for item in filter(None, args.shape.split(",")):
+        key, _, value = item.partition("=")
+        if key not in w:
+            raise SystemExit(f"--shape: unknown key {key!r}; known: {', '.join(w)}")
+        w[key] = int(value)
+    if args.layers:
+        w["layers"] = args.layers
+    return w
+
+
+def build_step(w: dict, threads: int):
+    import mindspore as ms
+    from msllm import device
+    from msllm.config import OptimConfig
+    from msllm.models.llama import build_model
+    from msllm.train.optim import AdamW
+    from msllm.train.step import TrainStep
+
+    device.setup("cpu", "graph", threads)
+    model = build_model(model_config(w), seed=0)
+    step = TrainStep(model, AdamW(model.trainable_params(), OptimConfig(warmup_steps=0), 1000), 1.0)
+    return step, ms.Tensor(tokens(w)), len(model.trainable_params())
+
+
+def kernel_profile(w: dict, args) -> dict:
+    from mindspore.profiler import Profiler
+
+    step, batch, num_params = build_step(w, args.threads)
+    for _ in range(args.warmup):
+        step(batch)[0].asnumpy()
+    wall = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step(batch)[0].asnumpy()
+        wall.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as tmp:
+        profiler = Profiler(output_path=tmp)
+        for _ in range(args.steps):
+            step(batch)[0].asnumpy()
+        profiler.stop()
+        profiler.analyse()
+        found = sorted(Path(tmp).rglob("cpu_op_type_info_*.csv"))
+        if not found:
+            raise SystemExit(f"MindSpore's profiler wrote no cpu_op_type_info_*.csv under {tmp}")
+        with open(found[0]) as f:
+            rows = list(csv.DictReader(f))
+    ops = sorted(({"op": r["op_type"], "kernels_per_step": int(r["type_occurrences"]) / args.steps,
+                   "ms_per_step": float(r["total_compute_time"]) / args.steps} for r in rows),
+                 key=lambda r: -r["ms_per_step"])
+    return {"wall_ms_per_step": statistics.median(wall) * 1e3, "trainable_params": num_params, "ops": ops}
+
+
+def compile_worker(w: dict, args) -> None:
+    step, batch, _ = build_step(w, args.threads)
+    t0 = time.perf_counter()
+    step.compile(batch)
+    print(f"COMPILE_S {time.perf_counter() - t0}", flush=True)
+
+
+def compile_profile(w: dict, args) -> dict:
+    cmd = [sys.executable, __file__, "--compile-worker", "--workload", args.workload, "--threads", str(args.threads),
+           "--shape", ",".join(f"{k}={v}" for k, v in w.items())]
+    env = {**os.environ, "GLOG_v": "3", "MS_DEV_RUNTIME_CONF": "compile_statistics:True"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    phases = defaultdict(float)
+    for m in PHASE.finditer(proc.stdout + proc.stderr):
+        phases[m.group(1)] += float(m.group(2)) / 1e3
+    seconds = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("COMPILE_S ")]
+    if not seconds or "compile_graph" not in phases:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"compile worker failed (exit {proc.returncode}): {tail}")
+    total, backend = phases["compile_graph"], phases["compile_backend_graph"]
+    return {"compile_s": seconds[0], "graph_compile_s": total, "frontend_s": total - backend, "backend_s": backend,
+            "backend_phases_s": {p: phases[p] for p in BACKEND_PHASES if p in phases}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="W1", choices=list(WORKLOADS))
+    p.add_argument("--shape", default="", help="overrides of the workload, e.g. hidden=64,layers=2")
+    p.add_argument("--layers", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="profile the compile instead of the step")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="runs/profile")
+    p.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    w = workload(args)
+    if args.compile_worker:
+        compile_worker(w, args)
+        return 0
+
+    print(f"{args.workload} {w}, {args.threads} threads")
+    if args.compile:
+        r = compile_profile(w, args)
+        print(f"compile {r['compile_s']:.2f} s: frontend {r['frontend_s']:.2f} s, backend {r['backend_s']:.2f} s")
+        for phase, s in r["backend_phases_s"].items():
+            print(f"  backend {phase:<20} {s:6.2f} s")
+    else:
+        r = kernel_profile(w, args)
+        kernels = sum(o["kernels_per_step"] for o in r["ops"])
+        busy = sum(o["ms_per_step"] for o in r["ops"])
+        print(f"step {r['wall_ms_per_step']:.1f} ms wall (no profiler); {kernels:.0f} kernels, "
+              f"{busy:.1f} ms summed kernel time per profiled step")
+        print("| kernel type | kernels per step | ms per step | share |")
+        print("|---|---|---|---|")
+        for o in r["ops"]:
+            print(f"| {o['op']} | {o['kernels_per_step']:.0f} | {o['ms_per_step']:.1f} | {o['ms_per_step'] / busy:.1%} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kind = "compile" if args.compile else "kernels"
+    path = out / f"profile_{kind}_{args.workload}_L{w['layers']}_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path.write_text(json.dumps({"workload": args.workload, "shape": w, "threads": args.threads, **r}, indent=1))
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
