@@ -12,7 +12,6 @@ verify.py     HF torch model vs msllm model on the same tokens, layer by layer
 from msllm.errors import UserError
 
 
-
 class InteropError(UserError, RuntimeError):
     """A checkpoint that cannot be converted. str() is one line naming the file and tensors."""
 

@@ -58,7 +58,9 @@ def time_steps(step_fn, steps: int, warmup: int) -> dict:
             "step_times": times}
 
 
-def worker_msllm(w: dict, args) -> dict:
+def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: str = "O0",
+                     recompute: str = "none"):
+    """The benchmarked msllm step on workload w (AdamW, clip 1.0) and its batch; also used by profile_step.py."""
     import mindspore as ms
     from msllm import device
     from msllm.config import OptimConfig
@@ -66,11 +68,15 @@ def worker_msllm(w: dict, args) -> dict:
     from msllm.train.optim import AdamW
     from msllm.train.step import TrainStep, apply_recompute
 
-    device.setup("cpu", args.mode, args.threads, args.jit_level)
+    device.setup("cpu", mode, threads, jit_level)
     model = build_model(model_config(w), seed=0)
-    apply_recompute(model, args.recompute)
+    apply_recompute(model, recompute)
     step = TrainStep(model, AdamW(model.trainable_params(), OptimConfig(warmup_steps=0), 1000), 1.0)
-    batch = ms.Tensor(tokens(w))
+    return step, ms.Tensor(tokens(w))
+
+
+def worker_msllm(w: dict, args) -> dict:
+    step, batch = msllm_train_step(w, args.mode, args.threads, args.jit_level, args.recompute)
     t0 = time.perf_counter()
     if args.mode == "graph":
         step.compile(batch)  # graph compile alone; the first step then adds first-touch memory faults

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_train import WORKLOADS, model_config, tokens  # noqa: E402
+from bench_train import WORKLOADS, msllm_train_step  # noqa: E402
 
 PHASE = re.compile(r"\[PROF\](\w+) costs ([0-9.]+) msec")
 # Backend phases worth naming; each runs once per kernel graph, so they are summed.
@@ -52,24 +52,11 @@ def workload(args) -> dict:
     return w
 
 
-def build_step(w: dict, threads: int):
-    import mindspore as ms
-    from msllm import device
-    from msllm.config import OptimConfig
-    from msllm.models.llama import build_model
-    from msllm.train.optim import AdamW
-    from msllm.train.step import TrainStep
-
-    device.setup("cpu", "graph", threads)
-    model = build_model(model_config(w), seed=0)
-    step = TrainStep(model, AdamW(model.trainable_params(), OptimConfig(warmup_steps=0), 1000), 1.0)
-    return step, ms.Tensor(tokens(w)), len(model.trainable_params())
-
-
 def kernel_profile(w: dict, args) -> dict:
     from mindspore.profiler import Profiler
 
-    step, batch, num_params = build_step(w, args.threads)
+    step, batch = msllm_train_step(w, threads=args.threads)
+    num_params = len(step.optimizer.params)
     for _ in range(args.warmup):
         step(batch)[0].asnumpy()
     wall = []
@@ -95,7 +82,7 @@ def kernel_profile(w: dict, args) -> dict:
 
 
 def compile_worker(w: dict, args) -> None:
-    step, batch, _ = build_step(w, args.threads)
+    step, batch = msllm_train_step(w, threads=args.threads)
     t0 = time.perf_counter()
     step.compile(batch)
     print(f"COMPILE_S {time.perf_counter() - t0}", flush=True)
