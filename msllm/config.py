@@ -96,6 +96,7 @@ class TrainConfig:
     threads: int = 0                  # MindSpore runtime threads; 0 = number of cores
     jit_level: str = "O0"
     compile_cache: Optional[str] = None  # dir for MindSpore's compile cache (speeds up the next start)
+    fused_kernels: str = "auto"       # auto: fused C++ optimizer kernels on the CPU backend (needs g++) | off
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)
@@ -131,6 +132,7 @@ _CHOICES = {
     "train.device": ("cpu", "gpu", "ascend"),
     "train.mode": ("graph", "pynative"),
     "train.jit_level": ("O0", "O1", "O2"),
+    "train.fused_kernels": ("auto", "off"),
     "train.precision": ("fp32", "fp16", "bf16"),
     "train.recompute": ("none", "full", "selective"),
 }

@@ -17,12 +17,21 @@ def run_tool(tmp_path, *flags) -> dict:
 
 
 def test_kernel_profile_counts_one_step(tmp_path):
-    r = run_tool(tmp_path, "--steps", "2", "--warmup", "1")
+    r = run_tool(tmp_path, "--steps", "2", "--warmup", "1", "--fused-kernels", "off")
     ops = {o["op"]: o for o in r["ops"]}
-    # One fused Adam kernel per trainable parameter per step: checks the per-step normalisation.
+    # One MindSpore Adam kernel per trainable parameter per step: checks the per-step normalisation.
     assert ops["Adam"]["kernels_per_step"] == r["trainable_params"] == 2 * 9 + 3
     assert ops["MatMul"]["kernels_per_step"] > 0 and ops["MatMul"]["ms_per_step"] > 0
     assert r["wall_ms_per_step"] > 0
+
+
+def test_kernel_profile_with_fused_kernels(tmp_path):
+    r = run_tool(tmp_path, "--steps", "2", "--warmup", "1")
+    ops = {o["op"]: o for o in r["ops"]}
+    assert "Adam" not in ops
+    # Per step: AdamW and sum of squares per parameter (21 each), RMSNorm forward + backward
+    # for 5 norms, SwiGLU forward + backward for 2 layers.
+    assert ops["Custom"]["kernels_per_step"] == 2 * r["trainable_params"] + 2 * 5 + 2 * 2
 
 
 def test_compile_profile_splits_the_compile(tmp_path):

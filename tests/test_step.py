@@ -1,4 +1,7 @@
-"""The compiled train step: GRAPH == PYNATIVE, and both == torch AdamW + clipping on the same model."""
+"""The compiled train step: GRAPH == PYNATIVE, and both == torch AdamW + clipping on the same model.
+
+Every test runs twice: with the portable MindSpore-op optimizer and with the fused C++ kernels.
+"""
 import mindspore as ms
 import numpy as np
 import pytest
@@ -25,22 +28,22 @@ def batches():
     return [batch] * STEPS
 
 
-def run_msllm(mode):
+def run_msllm(mode, fused):
     device.setup("cpu", mode)
     model = build_model(CFG, seed=3)
-    step = TrainStep(model, AdamW(model.trainable_params(), OPT, TOTAL), OPT.grad_clip)
+    step = TrainStep(model, AdamW(model.trainable_params(), OPT, TOTAL, fused=fused), OPT.grad_clip)
     out = [tuple(float(x.asnumpy()) for x in step(ms.Tensor(b))) for b in batches()]
     return out, {p.name: p.asnumpy() for p in model.trainable_params()}
 
 
-@pytest.fixture(scope="module")
-def graph_run():
-    return run_msllm("graph")
+@pytest.fixture(scope="module", params=[False, True], ids=["portable", "fused"])
+def graph_run(request):
+    return request.param, run_msllm("graph", request.param)
 
 
 def test_graph_and_pynative_agree(graph_run):
-    graph, graph_w = graph_run
-    eager, eager_w = run_msllm("pynative")
+    fused, (graph, graph_w) = graph_run
+    eager, eager_w = run_msllm("pynative", fused)
     np.testing.assert_allclose([g[0] for g in graph], [e[0] for e in eager], rtol=1e-5)  # loss
     np.testing.assert_allclose([g[1] for g in graph], [e[1] for e in eager], rtol=1e-5)  # grad norm
     # Adam divides by sqrt(v): for near-zero gradients an ulp of difference moves a weight by
@@ -51,13 +54,13 @@ def test_graph_and_pynative_agree(graph_run):
 
 
 def test_lr_schedule_in_graph_matches_reference(graph_run):
-    graph, _ = graph_run
+    _, (graph, _) = graph_run
     np.testing.assert_allclose([g[2] for g in graph], [lr_at(s, OPT, TOTAL) for s in range(1, STEPS + 1)], rtol=1e-6)
 
 
 def test_matches_torch_adamw_with_clipping(graph_run):
     """Same init, same data: torch AdamW (decoupled decay, none on norms) + clip_grad_norm_ gives the same losses."""
-    graph, graph_w = graph_run
+    _, (graph, graph_w) = graph_run
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=96, max_position_embeddings=64,
                                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False))

@@ -59,10 +59,10 @@ def time_steps(step_fn, steps: int, warmup: int) -> dict:
 
 
 def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: str = "O0",
-                     recompute: str = "none"):
+                     recompute: str = "none", fused_kernels: str = "auto"):
     """The benchmarked msllm step on workload w (AdamW, clip 1.0) and its batch; also used by profile_step.py."""
     import mindspore as ms
-    from msllm import device
+    from msllm import device, kernels
     from msllm.config import OptimConfig
     from msllm.models.llama import build_model
     from msllm.train.optim import AdamW
@@ -71,12 +71,14 @@ def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: 
     device.setup("cpu", mode, threads, jit_level)
     model = build_model(model_config(w), seed=0)
     apply_recompute(model, recompute)
-    step = TrainStep(model, AdamW(model.trainable_params(), OptimConfig(warmup_steps=0), 1000), 1.0)
+    optimizer = AdamW(model.trainable_params(), OptimConfig(warmup_steps=0), 1000,
+                      fused=kernels.enabled(fused_kernels))
+    step = TrainStep(model, optimizer, 1.0)
     return step, ms.Tensor(tokens(w))
 
 
 def worker_msllm(w: dict, args) -> dict:
-    step, batch = msllm_train_step(w, args.mode, args.threads, args.jit_level, args.recompute)
+    step, batch = msllm_train_step(w, args.mode, args.threads, args.jit_level, args.recompute, args.fused_kernels)
     t0 = time.perf_counter()
     if args.mode == "graph":
         step.compile(batch)  # graph compile alone; the first step then adds first-touch memory faults
@@ -130,7 +132,7 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
               "--threads", str(args.threads), "--layers", str(layers)]
     if variant.startswith("msllm"):
         extra = ["--worker", "msllm", "--mode", variant.split("-")[1], "--recompute", recompute,
-                 "--jit-level", args.jit_level]
+                 "--jit-level", args.jit_level, "--fused-kernels", args.fused_kernels]
     else:
         extra = ["--worker", "torch"] + (["--compile"] if variant == "torch-compile" else [])
     proc = subprocess.run([sys.executable, __file__, *common, *extra], capture_output=True, text=True,
@@ -170,6 +172,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)  # MindFormers needs ~5 to reach steady state
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jit-level", default="O0")
+    p.add_argument("--fused-kernels", default="auto", choices=["auto", "off"])
     p.add_argument("--peak-flops", type=float, default=3.8e11)  # measured 2-thread fp32 GEMM here
     p.add_argument("--out", default="runs/bench")
     # worker-only flags

@@ -55,7 +55,7 @@ def workload(args) -> dict:
 def kernel_profile(w: dict, args) -> dict:
     from mindspore.profiler import Profiler
 
-    step, batch = msllm_train_step(w, threads=args.threads)
+    step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels)
     num_params = len(step.optimizer.params)
     for _ in range(args.warmup):
         step(batch)[0].asnumpy()
@@ -82,7 +82,7 @@ def kernel_profile(w: dict, args) -> dict:
 
 
 def compile_worker(w: dict, args) -> None:
-    step, batch = msllm_train_step(w, threads=args.threads)
+    step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels)
     t0 = time.perf_counter()
     step.compile(batch)
     print(f"COMPILE_S {time.perf_counter() - t0}", flush=True)
@@ -90,6 +90,7 @@ def compile_worker(w: dict, args) -> None:
 
 def compile_profile(w: dict, args) -> dict:
     cmd = [sys.executable, __file__, "--compile-worker", "--workload", args.workload, "--threads", str(args.threads),
+           "--fused-kernels", args.fused_kernels,
            "--shape", ",".join(f"{k}={v}" for k, v in w.items())]
     env = {**os.environ, "GLOG_v": "3", "MS_DEV_RUNTIME_CONF": "compile_statistics:True"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fused-kernels", default="auto", choices=["auto", "off"])
     p.add_argument("--out", default="runs/profile")
     p.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

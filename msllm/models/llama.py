@@ -52,29 +52,41 @@ class Embedding(nn.Cell):
         return self.gather(self.weight, input_ids, 0)
 
 
-class RMSNorm(nn.Cell):
-    """Normalises in fp32 whatever the compute dtype, then casts back.
+class RMSNormCore(nn.Cell):
+    """x [N, h] fp32, weight [h] -> x / sqrt(mean(x^2) + eps) * weight.
 
     Written with two skinny MatMuls so every element-wise op is same-shape: the row sum of
     squares is (x*x) @ ones and the per-element scale is rsqrt(..) @ weight, an outer product.
     Why: MindSpore's CPU kernels run a broadcasting multiply ([N, h] * [N, 1] or * [h]) ~3.4x
     slower than a same-shape one, and the plain formula needs several of them forward and
-    backward; measured forward+backward per norm on W1 2.0 ms instead of 4.0 ms.
+    backward; measured forward+backward per norm on W1 2.0 ms instead of 4.0 ms. Training on
+    CPU swaps in msllm.kernels.FusedRMSNormCore (same maths, one pass).
     """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.dim, self.eps, self.inv_dim = dim, eps, 1.0 / dim
-        self.weight = Parameter(Tensor(np.ones((dim,), np.float32)), name="weight")
         self.ones = Tensor(np.ones((dim, 1), np.float32))
         self.matmul = ops.MatMul()
+
+    def construct(self, x, weight):
+        inv_rms = ops.rsqrt(self.matmul(x * x, self.ones) * self.inv_dim + self.eps)  # [N, 1]
+        return x * self.matmul(inv_rms, weight.reshape(1, self.dim))                  # scale [N, h]
+
+
+class RMSNorm(nn.Cell):
+    """Normalises in fp32 whatever the compute dtype, then casts back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = Parameter(Tensor(np.ones((dim,), np.float32)), name="weight")
+        self.core = RMSNormCore(dim, eps)
 
     def construct(self, x):
         dtype, shape = x.dtype, x.shape
         x = cast(x, ms.float32).reshape(-1, self.dim)
-        inv_rms = ops.rsqrt(self.matmul(x * x, self.ones) * self.inv_dim + self.eps)  # [N, 1]
-        scale = self.matmul(inv_rms, self.weight.reshape(1, self.dim))                # [N, h]
-        return cast((x * scale).reshape(shape), dtype)
+        return cast(self.core(x, self.weight).reshape(shape), dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
@@ -247,21 +259,31 @@ class Attention(nn.Cell):
         return self.attend(q, k, v, mask, x.shape)
 
 
+class SwiGLU(nn.Cell):
+    """silu(gate) * up. Training on CPU swaps in msllm.kernels.FusedSwiGLU (same maths, one pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sigmoid = ops.Sigmoid()
+
+    def construct(self, gate, up):
+        # silu(g) = g * sigmoid(g) written out: measured ~20% faster forward+backward on CPU than
+        # nn.SiLU, whose kernels MindSpore expands into more element-wise passes.
+        return gate * self.sigmoid(gate) * up
+
+
 class FeedForward(nn.Cell):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = Linear(cfg.hidden_size, cfg.ffn_size)
         self.w2 = Linear(cfg.ffn_size, cfg.hidden_size)
         self.w3 = Linear(cfg.hidden_size, cfg.ffn_size)
-        self.sigmoid = ops.Sigmoid()
+        self.act = SwiGLU()
 
     def construct(self, x):
-        # silu(g) = g * sigmoid(g) written out: measured ~20% faster forward+backward on CPU than
-        # nn.SiLU, whose kernels MindSpore expands into more element-wise passes.
-        gate = self.w1(x)
-        return self.w2(gate * self.sigmoid(gate) * self.w3(x))
+        return self.w2(self.act(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Cell):

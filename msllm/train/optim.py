@@ -48,9 +48,15 @@ class LRSchedule(nn.Cell):
         return ops.select(step <= self.warmup, warm, decayed)
 
 
-def _update(adam, beta1_power, beta2_power, lr, beta1, beta2, eps, param, m, v, weight_decay, grad):
+def _update(adam, beta1_power, beta2_power, lr, beta1, beta2, eps, grad_coef, param, m, v, weight_decay, grad):
+    if grad_coef is not None:
+        grad = grad * grad_coef
     decayed = ops.assign(param, param * (1.0 - lr * weight_decay))  # torch AdamW: decay first
     return adam(param, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps, ops.depend(grad, decayed))
+
+
+def _fused_update(kernel, scalars_by_decay, param, m, v, weight_decay, grad):
+    return kernel(param, m, v, grad, scalars_by_decay[weight_decay])
 
 
 def decays(name: str, param: Parameter) -> bool:
@@ -59,37 +65,58 @@ def decays(name: str, param: Parameter) -> bool:
 
 
 class AdamW(nn.Cell):
-    """torch.optim.AdamW semantics on MindSpore's fused Adam kernel (TF's ApplyAdam).
+    """torch.optim.AdamW semantics; `optimizer(grads, grad_coef)` updates with grad_coef * grads.
 
-    The kernel does m, v updates and w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps),
-    i.e. torch's bias correction with eps scaled: passing eps' = eps * sqrt(1 - b2^t) gives the
-    torch update exactly. Decoupled weight decay is one multiply before it, as torch does.
-    Measured on W1's 14.7M parameters: 15 ms per step for the kernels against 41 ms for
-    MindSpore's AdamWeightDecay kernel (which has no bias correction and is ~3x slower on CPU).
+    Portable path: MindSpore's Adam kernel (TF's ApplyAdam) does m, v updates and
+    w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), i.e. torch's bias correction
+    with eps scaled: passing eps' = eps * sqrt(1 - b2^t) gives the torch update exactly.
+    Decoupled weight decay is one multiply before it, as torch does, and grad_coef (unscale +
+    clip) one more. Fused path (`fused=True`, CPU backend): the same update as one C++ pass
+    per parameter (msllm.kernels), measured ~2x faster than those four kernels.
     """
 
-    def __init__(self, params, cfg: OptimConfig, total_steps: int):
+    def __init__(self, params, cfg: OptimConfig, total_steps: int, fused: bool = False):
         super().__init__()
         self.params = ParameterTuple(params)
         self.exp_avg = self.params.clone(prefix="exp_avg", init="zeros")
         self.exp_avg_sq = self.params.clone(prefix="exp_avg_sq", init="zeros")
-        self.weight_decay = tuple(Tensor(cfg.weight_decay if decays(p.name, p) else 0.0, ms.float32)
-                                  for p in self.params)
         self.beta1, self.beta2, self.eps = cfg.beta1, cfg.beta2, cfg.eps
         self.step = Parameter(Tensor(np.array(0, np.int32)), name="optimizer.step")
         self.schedule = LRSchedule(cfg, total_steps)
-        self.adam = ops.Adam()
+        self.fused = fused
         self.hyper_map = ops.HyperMap()  # one graph node over the tuples, cheaper to compile than a Python loop
+        if fused:
+            if any(p.dtype != ms.float32 for p in self.params):
+                raise ValueError("fused AdamW kernels take fp32 parameters only")
+            from msllm import kernels
+            self.kernel = kernels.AdamWUpdate()
+            # Index into (no decay, decay) scalar sets; the kernel takes one scalar vector.
+            self.weight_decay = tuple(int(decays(p.name, p) and cfg.weight_decay != 0) for p in self.params)
+            self.decay_values = (0.0, cfg.weight_decay)
+        else:
+            self.adam = ops.Adam()
+            self.weight_decay = tuple(Tensor(cfg.weight_decay if decays(p.name, p) else 0.0, ms.float32)
+                                      for p in self.params)
 
-    def construct(self, grads):
+    def construct(self, grads, grad_coef=None):
         step = self.step + 1
         ops.assign(self.step, step)
         t = step.astype(ms.float32)
         lr = self.schedule(t)
         beta1_power, beta2_power = ops.pow(self.beta1, t), ops.pow(self.beta2, t)
         eps = self.eps * ops.sqrt(1.0 - beta2_power)
-        self.hyper_map(ops.partial(_update, self.adam, beta1_power, beta2_power, lr, self.beta1, self.beta2, eps),
-                       self.params, self.exp_avg, self.exp_avg_sq, self.weight_decay, grads)
+        if self.fused:
+            lr_t = lr * ops.sqrt(1.0 - beta2_power) / (1.0 - beta1_power)
+            coef = ops.ones((), ms.float32) if grad_coef is None else grad_coef
+            scalars = tuple(ops.stack([lr_t, 1.0 - lr * wd, ops.full((), self.beta1, dtype=ms.float32),
+                                       ops.full((), self.beta2, dtype=ms.float32), eps, coef])
+                            for wd in self.decay_values)
+            self.hyper_map(ops.partial(_fused_update, self.kernel, scalars),
+                           self.params, self.exp_avg, self.exp_avg_sq, self.weight_decay, grads)
+        else:
+            self.hyper_map(ops.partial(_update, self.adam, beta1_power, beta2_power, lr, self.beta1, self.beta2,
+                                       eps, grad_coef),
+                           self.params, self.exp_avg, self.exp_avg_sq, self.weight_decay, grads)
         return lr
 
     def state_parameters(self):

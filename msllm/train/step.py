@@ -15,7 +15,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import amp, nn, ops
 
-from msllm.models.llama import CausalLMLoss
+from msllm.models.llama import CausalLMLoss, FeedForward, RMSNorm
 
 
 class LossCell(nn.Cell):
@@ -44,12 +44,11 @@ def sum_of_squares(g):
 hyper_map = ops.HyperMap()
 
 
-def global_norm(grads):
-    return ops.sqrt(ops.addn(hyper_map(sum_of_squares, grads)))
-
-
-def _scale(coef, g):
-    return g * coef.astype(g.dtype)
+def global_norm(grads, sum_of_squares_op=None):
+    """sqrt of the sum of squares of all gradients; with the fused kernel, one pass per gradient."""
+    if sum_of_squares_op is None:
+        return ops.sqrt(ops.addn(hyper_map(sum_of_squares, grads)))
+    return ops.sqrt(ops.addn(hyper_map(sum_of_squares_op, grads))).reshape(())
 
 
 def apply_recompute(model, mode: str) -> None:
@@ -77,6 +76,18 @@ class TrainStep(nn.Cell):
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None):
         super().__init__(auto_prefix=False)
+        if optimizer.fused:
+            # msllm.kernels are on (CPU): the gradient norm, the RMSNorms and, in fp32, the SwiGLU
+            # activations use them too. Same maths as the portable ops, one pass each.
+            from msllm import kernels
+            self.sum_of_squares = kernels.sum_of_squares_op()
+            for cell in [cell for _, cell in model.cells_and_names()]:
+                if isinstance(cell, RMSNorm):  # normalises in fp32 whatever the compute dtype
+                    cell.core = kernels.FusedRMSNormCore(cell.eps)
+                if isinstance(cell, FeedForward) and model.compute_dtype == ms.float32:
+                    cell.act = kernels.FusedSwiGLU()
+        else:
+            self.sum_of_squares = None
         self.loss_cell = LossCell(model)
         self.optimizer = optimizer
         self.grad_clip = grad_clip
@@ -102,18 +113,19 @@ class TrainStep(nn.Cell):
         inv = 1.0 / (scale * self.accum_steps)  # gradients are summed and loss-scaled until here
 
         # One read of the raw gradients gives the norm; a NaN/Inf anywhere makes it non-finite,
-        # so no separate all-finite pass is needed. Unscaling and clipping share one multiply.
-        norm = global_norm(grads) * inv
+        # so no separate all-finite pass is needed. Unscaling and clipping are one coefficient
+        # the optimizer applies as it reads the gradients.
+        norm = global_norm(grads, self.sum_of_squares) * inv
         finite = ops.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.adjust(finite)
         coef = inv
         if self.grad_clip > 0:
             coef = coef * ops.minimum(self.grad_clip / (norm + 1e-6), 1.0)
-        if self.grad_clip > 0 or self.loss_scaler is not None or self.accum_steps > 1:
-            grads = hyper_map(ops.partial(_scale, coef), grads)
+        if not (self.grad_clip > 0 or self.loss_scaler is not None or self.accum_steps > 1):
+            coef = None  # nothing to multiply by
         if finite:
-            lr = self.optimizer(grads)
+            lr = self.optimizer(grads, coef)
         else:
             lr = ops.zeros((), ms.float32)
         return loss * inv, norm, lr, finite, scale

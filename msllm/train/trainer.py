@@ -15,7 +15,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
-from msllm import checkpoint, device
+from msllm import checkpoint, device, kernels
 from msllm.config import Config, ConfigError, config_from_dict, save_config
 from msllm.data import shards
 from msllm.data.loader import make_dataset
@@ -89,7 +89,8 @@ class Trainer:
 
         self.model = build_model(cfg.model, seed=t.seed, compute_dtype=dtype)
         apply_recompute(self.model, t.recompute)
-        self.optimizer = AdamW(self.model.trainable_params(), cfg.optim, t.steps)
+        self.optimizer = AdamW(self.model.trainable_params(), cfg.optim, t.steps,
+                               fused=kernels.enabled(t.fused_kernels))
         scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
         self.train_step = TrainStep(self.model, self.optimizer, cfg.optim.grad_clip, t.accum_steps, scaler)
         self.eval_step = EvalStep(self.model)

@@ -1,0 +1,159 @@
+"""Fused CPU kernels (C++, cpu_kernels.cc) as MindSpore AOT Custom ops.
+
+MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
+the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
+parameter-sized tensor four times, the gradient norm twice, SwiGLU forward + backward takes
+~8 kernels. These do each chain in one pass: AdamW (in place), sum of squares, SwiGLU and its
+gradient. They are a CPU-backend accelerator only: on other backends, without g++, or with
+train.fused_kernels: off, msllm uses the portable MindSpore-op formulation of the same maths
+(tests hold both against each other and against torch).
+
+The library is compiled once per source version and CPU with the system g++ into
+$MSLLM_CACHE/kernels (default ~/.cache/msllm/kernels), written to a temp file and renamed, so
+a crash never leaves a half-written library behind.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mindspore as ms
+from mindspore import nn, ops
+from mindspore.ops import signature as sig
+
+from msllm.errors import UserError
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+# -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+
+
+class KernelBuildError(UserError, RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MSLLM_CACHE", Path.home() / ".cache" / "msllm")) / "kernels"
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags: part of the cache key, since -march=native code may not run elsewhere."""
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_bytes().splitlines() if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+def library_path() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags()).hexdigest()[:16]
+    return cache_dir() / f"cpu_kernels-{key}.so"
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> str:
+    """Path of the compiled kernel library, building it on first use."""
+    target = library_path()
+    if target.exists():
+        return str(target)
+    compiler = shutil.which("g++")
+    if compiler is None:
+        raise KernelBuildError("fused CPU kernels need g++ (apt install g++), or set train.fused_kernels: off")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelBuildError(f"building {SOURCE} failed: {done.stderr.strip().splitlines()[-1:]}; "
+                                   f"set train.fused_kernels: off to train without it")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return str(target)
+
+
+def enabled(mode: str = "auto") -> bool:
+    """Whether to use the fused kernels: mode auto on the CPU backend with g++ present."""
+    return (mode == "auto" and ms.get_context("device_target") == "CPU"
+            and (library_path().exists() or shutil.which("g++") is not None))
+
+
+def _one_float(*_):
+    return [1]
+
+
+def _float32(*_):
+    return ms.float32
+
+
+class AdamWUpdate(ops.Custom):
+    """(w, m, v, grad, [lr_t, 1 - lr*wd, beta1, beta2, eps_t, grad_coef]) -> [1]; updates w, m, v in place."""
+
+    # Marking w, m, v as written makes MindSpore order this op like its own Adam kernel
+    # (after every read of the old values, before the next step).
+    __mindspore_signature__ = (
+        sig.make_sig("w", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+        sig.make_sig("m", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+        sig.make_sig("v", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+        sig.make_sig("grad", dtype=sig.sig_dtype.T),
+        sig.make_sig("scalars", dtype=sig.sig_dtype.T))
+
+    def __init__(self):
+        super().__init__(f"{library()}:AdamWUpdate", out_shape=_one_float, out_dtype=_float32, func_type="aot")
+        self.add_prim_attr("side_effect_mem", True)
+
+
+def sum_of_squares_op():
+    """grad (fp32, any shape) -> [1] sum of its squares, in one pass."""
+    return ops.Custom(f"{library()}:SumOfSquares", out_shape=_one_float, out_dtype=_float32, func_type="aot")
+
+
+def _same_as_first(*shapes):
+    return shapes[0]
+
+
+def _dtype_of_first(*dtypes):
+    return dtypes[0]
+
+
+class FusedSwiGLU(nn.Cell):
+    """silu(gate) * up as one C++ pass forward and one backward (fp32); see models.llama.SwiGLU."""
+
+    def __init__(self):
+        super().__init__()
+        grad = ops.Custom(f"{library()}:SwiGLUGrad", out_shape=lambda g, u, d: (g, g),
+                          out_dtype=lambda g, u, d: (g, g), func_type="aot")
+
+        def bprop(gate, up, out, dout):
+            return grad(gate, up, dout)
+
+        self.swiglu = ops.Custom(f"{library()}:SwiGLU", out_shape=_same_as_first, out_dtype=_dtype_of_first,
+                                 func_type="aot", bprop=bprop)
+
+    def construct(self, gate, up):
+        return self.swiglu(gate, up)
+
+
+class FusedRMSNormCore(nn.Cell):
+    """x [N, h] fp32, weight [h] -> x / rms(x) * weight in one C++ pass each way; see models.llama.RMSNormCore."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = ms.Tensor([eps], ms.float32)
+        grad = ops.Custom(f"{library()}:RMSNormGrad", out_shape=lambda x, w, e, dy: (x, w, e),
+                          out_dtype=lambda x, w, e, dy: (x, w, e), func_type="aot")
+
+        def bprop(x, weight, eps, out, dout):
+            return grad(x, weight, eps, dout)
+
+        self.rms_norm = ops.Custom(f"{library()}:RMSNorm", out_shape=_same_as_first, out_dtype=_dtype_of_first,
+                                   func_type="aot", bprop=bprop)
+
+    def construct(self, x, weight):
+        return self.rms_norm(x, weight, self.eps)

@@ -1,0 +1,285 @@
+// Fused fp32 CPU kernels for msllm's train step, called through MindSpore's AOT Custom op.
+//
+// Each one replaces a chain of MindSpore element-wise kernels that each make a full pass over
+// memory. Signature (MindSpore AOT): inputs then outputs in `params`, shapes per tensor.
+// Work is split across hardware threads in contiguous chunks; small tensors stay on the caller.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace {
+
+int64_t numel(int ndim, const int64_t *shape) {
+  int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  return n;
+}
+
+constexpr int kMaxThreads = 64;
+
+// A small persistent pool: starting a thread per kernel costs ~35 us, about what a
+// [512, 512] AdamW update takes. Workers sleep on a condition variable between kernels (no
+// spinning: MindSpore's own threads need the cores). If two kernels run at once (MindSpore
+// runs independent kernels concurrently), the second one runs on its calling thread alone.
+class Pool {
+ public:
+  explicit Pool(int workers) {
+    for (int id = 1; id <= workers; ++id) threads_.emplace_back([this, id] { Work(id); });
+  }
+  int size() const { return static_cast<int>(threads_.size()) + 1; }
+
+  // Runs task(0 .. n-1), task(0) on the caller. Returns false (running nothing) if the pool is busy.
+  template <typename Task>
+  bool Run(int n, const Task &task) {
+    std::unique_lock<std::mutex> busy(run_mutex_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      task_ = [&task](int id) { task(id); };
+      active_ = n;
+      pending_ = n - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    task(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+    return true;
+  }
+
+ private:
+  void Work(int id) {
+    int64_t seen = 0;
+    for (;;) {
+      std::function<void(int)> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (id >= active_) continue;
+        task = task_;
+      }
+      task(id);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex run_mutex_, mutex_;
+  std::condition_variable wake_, done_;
+  std::function<void(int)> task_;
+  int64_t generation_ = 0;
+  int active_ = 0, pending_ = 0;
+};
+
+Pool &pool() {
+  // Never destroyed: worker threads blocked at process exit are harmless, joining them is not.
+  static Pool *instance = new Pool(std::min(kMaxThreads, static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))) - 1);
+  return *instance;
+}
+
+// Runs fn(begin, end, chunk_index) over [0, n) in contiguous chunks, one per pool thread, each
+// chunk at least `grain` items (default: 64K elements; below that waking a thread costs more
+// than it saves).
+template <typename Fn>
+void parallel_for(int64_t n, Fn fn, int64_t grain = 1 << 16) {
+  const int threads = static_cast<int>(std::min<int64_t>(pool().size(), std::max<int64_t>(1, n / grain)));
+  const int64_t chunk = (n + threads - 1) / threads;
+  auto run_chunk = [&](int t) { fn(std::min(n, t * chunk), std::min(n, (t + 1) * chunk), t); };
+  if (threads == 1 || !pool().Run(threads, run_chunk)) fn(0, n, 0);
+}
+
+}  // namespace
+
+// torch.optim.AdamW on one parameter, in place, one pass over w, m, v, g:
+//   g' = coef * g; m = b1 m + (1 - b1) g'; v = b2 v + (1 - b2) g'^2
+//   w = w * (1 - lr wd) - lr_t * m / (sqrt(v) + eps_t)
+// with lr_t = lr sqrt(1 - b2^t) / (1 - b1^t) and eps_t = eps sqrt(1 - b2^t), which is torch's
+// bias-corrected update rearranged. coef carries loss-scale removal and gradient clipping.
+// inputs: w, m, v, g [any shape, fp32], s = [lr_t, 1 - lr wd, b1, b2, eps_t, coef]; output: [1].
+extern "C" int AdamWUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                           void *stream, void *extra) {
+  float *__restrict w = static_cast<float *>(params[0]);
+  float *__restrict m = static_cast<float *>(params[1]);
+  float *__restrict v = static_cast<float *>(params[2]);
+  const float *__restrict g = static_cast<const float *>(params[3]);
+  const float *s = static_cast<const float *>(params[4]);
+  const float lr_t = s[0], keep = s[1], b1 = s[2], b2 = s[3], eps_t = s[4], coef = s[5];
+  parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float gi = g[i] * coef;
+      const float mi = b1 * m[i] + (1.f - b1) * gi;
+      const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+      m[i] = mi;
+      v[i] = vi;
+      w[i] = w[i] * keep - lr_t * mi / (std::sqrt(vi) + eps_t);
+    }
+  });
+  static_cast<float *>(params[5])[0] = 0.f;
+  return 0;
+}
+
+// Sum of squares of one tensor (for the global gradient norm) in one pass.
+// 16 independent float lanes vectorize without -ffast-math; each lane sums at most 256 squares in
+// float before it is added into double, so the result is as accurate as a double sum for any
+// realistic size. inputs: g [any shape, fp32]; output: [1].
+extern "C" int SumOfSquares(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  const float *__restrict g = static_cast<const float *>(params[0]);
+  double partial[kMaxThreads] = {0};
+  parallel_for(numel(ndims[0], shapes[0]), [&partial, g](int64_t lo, int64_t hi, int t) {
+    constexpr int kLanes = 16, kBlock = kLanes * 256;
+    double total = 0;
+    int64_t i = lo;
+    for (; i + kBlock <= hi; i += kBlock) {
+      float lane[kLanes] = {0};
+      for (int64_t b = i; b < i + kBlock; b += kLanes)
+        for (int j = 0; j < kLanes; ++j) lane[j] += g[b + j] * g[b + j];
+      for (int j = 0; j < kLanes; ++j) total += lane[j];
+    }
+    for (; i < hi; ++i) total += static_cast<double>(g[i]) * g[i];
+    partial[t] = total;
+  });
+  double total = 0;
+  for (double p : partial) total += p;
+  static_cast<float *>(params[1])[0] = static_cast<float>(total);
+  return 0;
+}
+
+namespace {
+
+// exp(x) for x in [-87, 88], ~1 ulp, branch-free so loops over it vectorize: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf coefficients), 2^n from bits.
+inline float exp_approx(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
+
+// sum_j a[j] * b[j] (* c[j]) in 16 independent lanes, so it vectorizes without -ffast-math.
+template <bool kThree>
+inline float lane_dot(const float *__restrict a, const float *__restrict b, const float *__restrict c, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes] = {0};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) lane[k] += a[j + k] * b[j + k] * (kThree ? c[j + k] : 1.f);
+  float sum = 0.f;
+  for (; j < n; ++j) sum += a[j] * b[j] * (kThree ? c[j] : 1.f);
+  for (int k = 0; k < kLanes; ++k) sum += lane[k];
+  return sum;
+}
+
+}  // namespace
+
+// SwiGLU activation: h = silu(gate) * up = gate * sigmoid(gate) * up, one pass instead of the
+// Sigmoid, Mul, Mul kernels. inputs: gate, up [same shape, fp32]; output: h.
+extern "C" int SwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                      void *stream, void *extra) {
+  const float *__restrict gate = static_cast<const float *>(params[0]);
+  const float *__restrict up = static_cast<const float *>(params[1]);
+  float *__restrict h = static_cast<float *>(params[2]);
+  parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < hi; ++i) h[i] = gate[i] * sigmoid(gate[i]) * up[i];
+  });
+  return 0;
+}
+
+// Its gradient, recomputing sigmoid(gate) rather than storing it:
+//   d up = dh * gate * s,  d gate = dh * up * s * (1 + gate * (1 - s)),  s = sigmoid(gate).
+// inputs: gate, up, dh; outputs: d gate, d up.
+extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                          void *stream, void *extra) {
+  const float *__restrict gate = static_cast<const float *>(params[0]);
+  const float *__restrict up = static_cast<const float *>(params[1]);
+  const float *__restrict dh = static_cast<const float *>(params[2]);
+  float *__restrict dgate = static_cast<float *>(params[3]);
+  float *__restrict dup = static_cast<float *>(params[4]);
+  parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float g = gate[i], s = sigmoid(g);
+      dup[i] = dh[i] * g * s;
+      dgate[i] = dh[i] * up[i] * s * (1.0f + g * (1.0f - s));
+    }
+  });
+  return 0;
+}
+
+// RMSNorm over the last axis: y = x * r * w with r = 1 / sqrt(mean(x^2) + eps) per row, one pass
+// instead of MindSpore's square, row-sum, rsqrt, broadcast and multiply kernels.
+// inputs: x [N, H], w [H], eps [1] (fp32); output: y [N, H].
+extern "C" int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                       void *stream, void *extra) {
+  const float *__restrict x = static_cast<const float *>(params[0]);
+  const float *__restrict w = static_cast<const float *>(params[1]);
+  const float eps = static_cast<const float *>(params[2])[0];
+  float *__restrict y = static_cast<float *>(params[3]);
+  const int64_t h = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / h;
+  parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
+    for (int64_t row = lo; row < hi; ++row) {
+      const float *xr = x + row * h;
+      float *yr = y + row * h;
+      const float r = 1.f / std::sqrt(lane_dot<false>(xr, xr, nullptr, h) / h + eps);
+      for (int64_t j = 0; j < h; ++j) yr[j] = xr[j] * r * w[j];
+    }
+  }, std::max<int64_t>(1, (1 << 16) / h));
+  return 0;
+}
+
+// Its gradient, recomputing r per row. With g = w * dy:
+//   dx = r * g - x * r^3 * mean(x * g),  dw = sum over rows of dy * x * r.
+// Each thread sums dw over its rows; the caller adds the threads' partial sums.
+// inputs: x [N, H], w [H], eps [1], dy [N, H]; outputs: dx [N, H], dw [H], d eps [1] (zero).
+extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                           void *stream, void *extra) {
+  const float *__restrict x = static_cast<const float *>(params[0]);
+  const float *__restrict w = static_cast<const float *>(params[1]);
+  const float eps = static_cast<const float *>(params[2])[0];
+  const float *__restrict dy = static_cast<const float *>(params[3]);
+  float *__restrict dx = static_cast<float *>(params[4]);
+  float *__restrict dw = static_cast<float *>(params[5]);
+  const int64_t h = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / h;
+  std::vector<float> partial(static_cast<size_t>(pool().size() * h), 0.f);
+  parallel_for(rows, [=, &partial](int64_t lo, int64_t hi, int t) {
+    float *__restrict dw_t = partial.data() + t * h;
+    for (int64_t row = lo; row < hi; ++row) {
+      const float *xr = x + row * h, *dyr = dy + row * h;
+      float *dxr = dx + row * h;
+      const float r = 1.f / std::sqrt(lane_dot<false>(xr, xr, nullptr, h) / h + eps);
+      const float c = r * r * r * lane_dot<true>(xr, w, dyr, h) / h;
+      for (int64_t j = 0; j < h; ++j) {
+        dxr[j] = r * w[j] * dyr[j] - xr[j] * c;
+        dw_t[j] += dyr[j] * xr[j] * r;
+      }
+    }
+  }, std::max<int64_t>(1, (1 << 16) / h));
+  for (int64_t j = 0; j < h; ++j) {
+    float sum = 0.f;
+    for (int t = 0; t < pool().size(); ++t) sum += partial[t * h + j];
+    dw[j] = sum;
+  }
+  static_cast<float *>(params[6])[0] = 0.f;
+  return 0;
+}

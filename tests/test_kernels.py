@@ -1,0 +1,100 @@
+"""msllm.kernels: the fused C++ CPU kernels agree with the portable MindSpore ops they replace.
+
+(AdamW fused vs portable vs torch is in test_step.py.)
+"""
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, nn, ops
+
+from msllm import device, kernels
+from msllm.models.llama import RMSNormCore, SwiGLU
+
+
+@pytest.fixture(autouse=True)
+def graph_mode():
+    device.setup("cpu", "graph")
+
+
+class WeightedSum(nn.Cell):
+    """sum(op(a, b) * upstream): a non-uniform upstream gradient for the backward of op."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def construct(self, a, b, upstream):
+        return (self.op(a, b) * upstream).sum()
+
+
+def value_and_grads(op, *inputs):
+    return ms.jit(ops.value_and_grad(WeightedSum(op), grad_position=(0, 1)))(*inputs)
+
+
+def test_swiglu_forward_and_backward_match_portable():
+    rng = np.random.default_rng(0)
+    # Typical activations plus the tails: large |gate| saturates the sigmoid both ways.
+    gate = np.concatenate([rng.normal(0, 3, 200_000), np.linspace(-90, 90, 2000)]).reshape(-1, 101)
+    up, weights = rng.normal(size=(2, *gate.shape))
+    inputs = [Tensor(x.astype(np.float32)) for x in (gate, up, weights)]
+    h_ref = SwiGLU()(*inputs[:2]).asnumpy()
+    h = kernels.FusedSwiGLU()(*inputs[:2]).asnumpy()
+    np.testing.assert_allclose(h, h_ref, rtol=1e-6, atol=1e-6)
+    loss_ref, (dgate_ref, dup_ref) = value_and_grads(SwiGLU(), *inputs)
+    loss, (dgate, dup) = value_and_grads(kernels.FusedSwiGLU(), *inputs)
+    np.testing.assert_allclose(loss.asnumpy(), loss_ref.asnumpy(), rtol=1e-5)
+    np.testing.assert_allclose(dup.asnumpy(), dup_ref.asnumpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dgate.asnumpy(), dgate_ref.asnumpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_forward_and_backward_match_portable():
+    rng = np.random.default_rng(2)
+    x = rng.normal(0, 2, (300, 72)).astype(np.float32)  # 72: not a multiple of the 16 lanes
+    x[0] *= 1e-3  # a row where eps matters
+    weight = rng.normal(1, 0.3, 72).astype(np.float32)
+    upstream = rng.normal(size=x.shape).astype(np.float32)
+    inputs = [Tensor(x), Tensor(weight), Tensor(upstream)]
+    portable, fused = RMSNormCore(72, 1e-5), kernels.FusedRMSNormCore(1e-5)
+    np.testing.assert_allclose(fused(*inputs[:2]).asnumpy(), portable(*inputs[:2]).asnumpy(), rtol=1e-5, atol=1e-6)
+    grads = [value_and_grads(core, *inputs)[1] for core in (portable, fused)]
+    for (name, want), got in zip((("dx", grads[0][0]), ("dweight", grads[0][1])), grads[1]):
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_sum_of_squares_matches_float64():
+    rng = np.random.default_rng(1)
+    op = kernels.sum_of_squares_op()
+    for shape in [(3,), (777, 33), (2_000_000,)]:  # below one block, ragged, several threads' worth
+        x = rng.normal(0, 0.01, shape).astype(np.float32)
+        got = float(op(Tensor(x)).asnumpy()[0])
+        want = float(np.sum(x.astype(np.float64) ** 2))
+        assert abs(got - want) <= 1e-6 * want, (shape, got, want)
+
+
+def test_without_compiler_training_falls_back_and_building_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("MSLLM_CACHE", str(tmp_path))  # nothing cached there
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    assert kernels.enabled("auto") is False
+    assert kernels.enabled("off") is False
+    kernels.library.cache_clear()
+    try:
+        with pytest.raises(kernels.KernelBuildError, match="g\\+\\+"):
+            kernels.library()
+    finally:
+        kernels.library.cache_clear()
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_library_is_built_once_per_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("MSLLM_CACHE", str(tmp_path))
+    kernels.library.cache_clear()
+    try:
+        first = kernels.library()
+        built_at = kernels.library_path().stat().st_mtime_ns
+        kernels.library.cache_clear()
+        assert kernels.library() == first
+        assert kernels.library_path().stat().st_mtime_ns == built_at  # reused, not rebuilt
+        assert [p.name for p in (tmp_path / "kernels").iterdir()] == [kernels.library_path().name]  # no temp left
+    finally:
+        kernels.library.cache_clear()
+    assert kernels.enabled("auto") is True
