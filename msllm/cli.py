@@ -37,7 +37,7 @@ def cmd_train(args) -> int:
     result = trainer.fit()
     if trainer.rank == 0 and cfg.train.sample_tokens > 0:
         # KV cache; in graph mode prefill and decode compile once each (dynamic shapes)
-        text = generate_text(cell_engine(trainer.model), trainer.tokenizer, cfg.train.sample_prompt,
+        text = generate_text(cell_engine(trainer.inference_model()), trainer.tokenizer, cfg.train.sample_prompt,
                              cfg.train.sample_tokens, max_len=cfg.data.seq_len)
         print(f"--- sample (greedy) ---\n{text}\n---", flush=True)
     if "val_loss" in result:

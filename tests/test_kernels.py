@@ -8,7 +8,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from msllm import device, kernels
-from msllm.models.llama import RMSNormCore, SwiGLU
+from msllm.models.llama import RMSNormCore, SoftmaxAttention, SwiGLU, scores_shape
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +59,35 @@ def test_rms_norm_forward_and_backward_match_portable():
     grads = [value_and_grads(core, *inputs)[1] for core in (portable, fused)]
     for (name, want), got in zip((("dx", grads[0][0]), ("dweight", grads[0][1])), grads[1]):
         np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+class AttentionLoss(nn.Cell):
+    def __init__(self, attention, mask):
+        super().__init__()
+        self.attention, self.mask = attention, mask
+
+    def construct(self, q, k, v, upstream):
+        return (self.attention(q, k, v, self.mask)[0] * upstream).sum()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_softmax_attention_matches_portable(heads, kv_heads):
+    rng = np.random.default_rng(3)
+    b, s, d = 2, 40, 16
+    q, upstream = (rng.normal(size=(b, heads, s, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(b, kv_heads, s, d)).astype(np.float32) for _ in range(2))
+    causal = Tensor(np.triu(np.full((s, s), -1e9, np.float32), k=1))
+    broadcast = ops.broadcast_to(causal, scores_shape(heads, kv_heads, b, s, s))
+    inputs = [Tensor(x) for x in (q, k, v, upstream)]
+    want = ops.grad(AttentionLoss(SoftmaxAttention(heads, kv_heads), broadcast), grad_position=(0, 1, 2))(*inputs)
+    want_out = SoftmaxAttention(heads, kv_heads)(*inputs[:3], broadcast)[0].asnumpy()
+    # The fused softmax takes the mask as Llama passes it ([s, s]) or already broadcast.
+    for mask in (causal, broadcast):
+        fused = kernels.FusedSoftmaxAttention(heads, kv_heads)
+        np.testing.assert_allclose(fused(*inputs[:3], mask)[0].asnumpy(), want_out, rtol=1e-5, atol=1e-5)
+        got = ops.grad(AttentionLoss(fused, mask), grad_position=(0, 1, 2))(*inputs)
+        for name, g, w in zip("qkv", got, want):
+            np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
 
 
 def test_sum_of_squares_matches_float64():

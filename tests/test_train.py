@@ -15,7 +15,7 @@ def sets(overrides):
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, corpus):
     run = tmp_path_factory.mktemp("straight")
-    proc = run_cli("train", *sets(tiny_overrides(run, corpus)))
+    proc = run_cli("train", *sets(tiny_overrides(run, corpus, **{"train.sample_tokens": 4})))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run, proc
 
@@ -23,6 +23,7 @@ def straight_run(tmp_path_factory, corpus):
 def test_train_logs_evaluates_and_checkpoints(straight_run):
     run, proc = straight_run
     assert "first step (compile + run)" in proc.stdout
+    assert "--- sample (greedy) ---" in proc.stdout  # generation from the model the train step trained
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 3, 4, 5, 6]  # step 1 is the "compile" record
@@ -66,6 +67,9 @@ def test_generate_from_run(straight_run):
     assert greedy.returncode == 0, greedy.stderr[-2000:]
     again = run_cli("generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "8")
     assert greedy.stdout == again.stdout and greedy.stdout.startswith("def ")
+    # The end-of-training sample (4 greedy tokens from the trained Cells) continues the same way.
+    four = run_cli("generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "4")
+    assert f"--- sample (greedy) ---\n{four.stdout.strip()}\n---" in straight_run[1].stdout
     sampled = run_cli("generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "8", "--top-k", "5")
     assert sampled.returncode == 0 and sampled.stdout.startswith("def ")
 

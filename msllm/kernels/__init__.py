@@ -27,6 +27,7 @@ from mindspore import nn, ops
 from mindspore.ops import signature as sig
 
 from msllm.errors import UserError
+from msllm.models.llama import SoftmaxAttention
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 # -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
@@ -157,3 +158,20 @@ class FusedRMSNormCore(nn.Cell):
 
     def construct(self, x, weight):
         return self.rms_norm(x, weight, self.eps)
+
+
+class FusedSoftmaxAttention(SoftmaxAttention):
+    """SoftmaxAttention (fp32) with mask-add + softmax, and the softmax backward, as one C++ pass each."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        super().__init__(num_heads, num_kv_heads)
+        self.masked_softmax_op = ops.Custom(f"{library()}:MaskedSoftmax", out_shape=_same_as_first,
+                                            out_dtype=_dtype_of_first, func_type="aot")
+        self.scores_grad_op = ops.Custom(f"{library()}:SoftmaxAttentionGrad", out_shape=_same_as_first,
+                                         out_dtype=_dtype_of_first, func_type="aot")
+
+    def masked_softmax(self, scores, mask):
+        return self.masked_softmax_op(scores, mask)
+
+    def scores_grad(self, p, do, o, v):
+        return self.scores_grad_op(p, self.qk(do, v), do, o)

@@ -155,10 +155,10 @@ extern "C" int SumOfSquares(int nparam, void **params, int *ndims, int64_t **sha
 
 namespace {
 
-// exp(x) for x in [-87, 88], ~1 ulp, branch-free so loops over it vectorize: x = n ln2 + r with
+// exp(x) for x in [-87, 88] (clamped outside; NaN stays NaN), ~1 ulp, branch-free so loops over it vectorize: x = n ln2 + r with
 // |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf coefficients), 2^n from bits.
 inline float exp_approx(float x) {
-  x = std::min(88.0f, std::max(-87.0f, x));
+  x = x > 88.0f ? 88.0f : (x < -87.0f ? -87.0f : x);  // written so that NaN passes through
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
   float n = (x * 1.44269504088896341f + shifter) - shifter;
   float r = x - n * 0.693359375f;
@@ -281,5 +281,67 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
     dw[j] = sum;
   }
   static_cast<float *>(params[6])[0] = 0.f;
+  return 0;
+}
+
+// Attention probabilities: p = softmax(scores + mask) over the last axis, in one pass instead of
+// an Add and a Softmax kernel. The mask may have fewer rows than the scores (e.g. [s, t] against
+// [b, h, s, t]); score row i uses mask row i % mask_rows. -inf in the mask is allowed; a row
+// must keep at least one finite entry. inputs: scores [.., t], mask [.., t] (fp32); output: p.
+extern "C" int MaskedSoftmax(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  const float *__restrict scores = static_cast<const float *>(params[0]);
+  const float *__restrict mask = static_cast<const float *>(params[1]);
+  float *__restrict p = static_cast<float *>(params[2]);
+  const int64_t t = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / t;
+  const int64_t mask_rows = numel(ndims[1], shapes[1]) / t;
+  parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
+    for (int64_t row = lo; row < hi; ++row) {
+      const float *sr = scores + row * t, *mr = mask + (row % mask_rows) * t;
+      float *pr = p + row * t;
+      // Row max and row sum in 16 independent lanes (blocks of 16, then the tail), so they vectorize.
+      constexpr int kLanes = 16;
+      const int64_t body = t - t % kLanes;
+      float lane_top[kLanes], lane_sum[kLanes] = {0};
+      std::fill(lane_top, lane_top + kLanes, -INFINITY);
+      for (int64_t j = 0; j < t; ++j) pr[j] = sr[j] + mr[j];
+      for (int64_t j = 0; j < body; j += kLanes)
+        for (int k = 0; k < kLanes; ++k) lane_top[k] = pr[j + k] > lane_top[k] ? pr[j + k] : lane_top[k];
+      float top = -INFINITY;
+      for (int64_t j = body; j < t; ++j) top = pr[j] > top ? pr[j] : top;
+      for (int k = 0; k < kLanes; ++k) top = lane_top[k] > top ? lane_top[k] : top;
+      for (int64_t j = 0; j < t; ++j) pr[j] = exp_approx(pr[j] - top);  // <= 0; -inf gives exp(-87) ~ 1e-38
+      for (int64_t j = 0; j < body; j += kLanes)
+        for (int k = 0; k < kLanes; ++k) lane_sum[k] += pr[j + k];
+      float sum = 0.f;
+      for (int64_t j = body; j < t; ++j) sum += pr[j];
+      for (int k = 0; k < kLanes; ++k) sum += lane_sum[k];
+      const float inv = 1.f / sum;
+      for (int64_t j = 0; j < t; ++j) pr[j] *= inv;
+    }
+  }, std::max<int64_t>(1, (1 << 14) / t));
+  return 0;
+}
+
+// Softmax backward in attention, using rowsum(dP * P) = rowsum(dO * O) (a sum over head_dim,
+// as FlashAttention does): ds = p * (dp - delta), delta = rowsum(do * o).
+// inputs: p, dp [R, t], do, o [R, d] (any leading shape with R rows; fp32); output: ds [R, t].
+extern "C" int SoftmaxAttentionGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                    void *stream, void *extra) {
+  const float *__restrict p = static_cast<const float *>(params[0]);
+  const float *__restrict dp = static_cast<const float *>(params[1]);
+  const float *__restrict d_out = static_cast<const float *>(params[2]);
+  const float *__restrict out = static_cast<const float *>(params[3]);
+  float *__restrict ds = static_cast<float *>(params[4]);
+  const int64_t t = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / t;
+  const int64_t d = shapes[2][ndims[2] - 1];
+  parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
+    for (int64_t row = lo; row < hi; ++row) {
+      const float delta = lane_dot<false>(d_out + row * d, out + row * d, nullptr, d);
+      const float *pr = p + row * t, *dpr = dp + row * t;
+      float *dsr = ds + row * t;
+      for (int64_t j = 0; j < t; ++j) dsr[j] = pr[j] * (dpr[j] - delta);
+    }
+  }, std::max<int64_t>(1, (1 << 14) / t));
   return 0;
 }

@@ -196,9 +196,21 @@ class SoftmaxAttention(nn.Cell):
         scores = self.qk(q.reshape(b, self.num_kv_heads, rows, d), k)
         if self.rep > 1:  # the mask broadcasts over the rep query heads folded into the rows
             scores = scores.reshape(scores_shape(self.num_heads, self.num_kv_heads, b, s, t))
-        probs = self.softmax(cast(scores, ms.float32) + mask)
+        probs = self.masked_softmax(cast(scores, ms.float32), mask)
         out = self.pv(cast(probs, v.dtype).reshape(b, self.num_kv_heads, rows, t), v)
         return out.reshape(b, self.num_heads, s, d), probs
+
+    def masked_softmax(self, scores, mask):
+        return self.softmax(scores + mask)
+
+    def scores_grad(self, p, do, o, v):
+        """dS = P * (dP - delta), delta = rowsum(dO * O); p [b, nkv, rows, t], do/o [b, nkv, rows, d]."""
+        delta = ops.sum(cast(do, ms.float32) * cast(o, ms.float32), -1, keepdim=True)
+        # dP - delta as one matmul, [dO, delta] @ [v, -1]^T: a broadcast subtract over the
+        # [.., rows, t] matrix costs ~2.5x a same-shape elementwise op on CPU.
+        minus_one = ops.full(v.shape[:-1] + (1,), -1.0, dtype=v.dtype)
+        dp = self.qk(ops.concat((do, cast(delta, do.dtype)), -1), ops.concat((v, minus_one), -1))
+        return p * cast(dp, ms.float32)
 
     def bprop(self, q, k, v, mask, out, dout):
         o, probs = out
@@ -208,13 +220,7 @@ class SoftmaxAttention(nn.Cell):
         do = dout[0].reshape(b, self.num_kv_heads, rows, d)
         p = probs.reshape(b, self.num_kv_heads, rows, t)
         dv = self.pt_x(cast(p, v.dtype), do)
-        delta = ops.sum(cast(do, ms.float32) * cast(o.reshape(b, self.num_kv_heads, rows, d), ms.float32), -1,
-                        keepdim=True)
-        # dP - delta as one matmul, [dO, delta] @ [v, -1]^T: a broadcast subtract over the
-        # [.., rows, t] matrix costs ~2.5x a same-shape elementwise op on CPU.
-        minus_one = ops.full((b, self.num_kv_heads, t, 1), -1.0, dtype=v.dtype)
-        dp = self.qk(ops.concat((do, cast(delta, do.dtype)), -1), ops.concat((v, minus_one), -1))
-        ds = cast(p * cast(dp, ms.float32), q.dtype)
+        ds = cast(self.scores_grad(p, do, o.reshape(b, self.num_kv_heads, rows, d), v), q.dtype)
         dq = self.pv(ds, k).reshape(q.shape)
         dk = self.pt_x(ds, q.reshape(b, self.num_kv_heads, rows, d))
         return dq, dk, dv, ops.zeros_like(mask)
@@ -323,6 +329,9 @@ class Llama(nn.Cell):
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)
         causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, np.float32), k=1)
         self.causal_mask = Tensor(causal)
+        # False when every layer's attention takes the [s, s] mask as is (msllm.kernels' fused
+        # softmax reads it per row); then the [b, heads, s, s] copy is never materialised.
+        self.broadcast_mask = True
 
     def embed(self, input_ids):
         """Token embeddings in the compute dtype (input_ids of any shape)."""
@@ -349,7 +358,9 @@ class Llama(nn.Cell):
         head_shape = (b, cfg.num_heads, s, cfg.head_dim)
         cos, sin = self.rope_at(0, s)
         cos, sin = ops.broadcast_to(cos, head_shape), ops.broadcast_to(sin, head_shape)
-        mask = ops.broadcast_to(self.causal_mask[:s, :s], scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, s))
+        mask = self.causal_mask[:s, :s]
+        if self.broadcast_mask:
+            mask = ops.broadcast_to(mask, scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, s))
         # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
         h = self.embed(input_ids.reshape(-1))
         for layer in self.layers:

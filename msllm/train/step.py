@@ -15,7 +15,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import amp, nn, ops
 
-from msllm.models.llama import CausalLMLoss, FeedForward, RMSNorm
+from msllm.models.llama import AttentionCore, CausalLMLoss, FeedForward, RMSNorm
 
 
 class LossCell(nn.Cell):
@@ -78,14 +78,20 @@ class TrainStep(nn.Cell):
         super().__init__(auto_prefix=False)
         if optimizer.fused:
             # msllm.kernels are on (CPU): the gradient norm, the RMSNorms and, in fp32, the SwiGLU
-            # activations use them too. Same maths as the portable ops, one pass each.
+            # activations and attention softmax use them too. Same maths as the portable ops.
             from msllm import kernels
             self.sum_of_squares = kernels.sum_of_squares_op()
             for cell in [cell for _, cell in model.cells_and_names()]:
                 if isinstance(cell, RMSNorm):  # normalises in fp32 whatever the compute dtype
                     cell.core = kernels.FusedRMSNormCore(cell.eps)
-                if isinstance(cell, FeedForward) and model.compute_dtype == ms.float32:
+                if model.compute_dtype != ms.float32:  # the kernels below take fp32 activations
+                    continue
+                if isinstance(cell, FeedForward):
                     cell.act = kernels.FusedSwiGLU()
+                if isinstance(cell, AttentionCore):
+                    cell.softmax_attention = kernels.FusedSoftmaxAttention(cell.softmax_attention.num_heads,
+                                                                           cell.softmax_attention.num_kv_heads)
+                    model.broadcast_mask = False  # the fused softmax reads the [s, s] mask per row
         else:
             self.sum_of_squares = None
         self.loss_cell = LossCell(model)

@@ -22,7 +22,7 @@ from msllm.data.loader import make_dataset
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
-from msllm.models.llama import build_model
+from msllm.models.llama import Llama, build_model
 from msllm.train.optim import AdamW
 from msllm.train.step import EvalStep, TrainStep, apply_recompute, make_loss_scaler
 
@@ -112,6 +112,17 @@ class Trainer:
     @property
     def samples_per_step(self) -> int:
         return self.cfg.train.batch_size * self.cfg.train.accum_steps
+
+    def inference_model(self):
+        """The trained weights in a model with the portable ops, for generation: msllm.kernels'
+        fused ops serve the train step's fixed shapes and do not compile with the dynamic
+        shapes of prefill / decode. The weights are shared, not copied."""
+        if not self.optimizer.fused:
+            return self.model
+        model = Llama(self.cfg.model, self.model.compute_dtype)
+        for portable, trained in zip(model.trainable_params(), self.model.trainable_params()):
+            portable.set_data(trained)
+        return model
 
     def save(self, step: int) -> Path | None:
         if self.rank != 0:
