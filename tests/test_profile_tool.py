@@ -1,4 +1,5 @@
-"""tools/profile_step.py runs end to end on a tiny shape (the W1 tables are in the README)."""
+"""tools/profile_step.py and bench_train.py's in-process A/B of msllm.kernels run end to end on a
+tiny shape (the W1 tables are in the README)."""
 import json
 import subprocess
 import sys
@@ -41,3 +42,14 @@ def test_compile_profile_splits_the_compile(tmp_path):
     assert r["backend_phases_s"]["CreateKernel"] > 0
     # The phases MindSpore reports belong to the compile the worker timed around step.compile().
     assert r["graph_compile_s"] <= r["compile_s"] * 1.05
+
+
+def test_fused_kernels_ab_alternates_both_steps():
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_train import ab_fused_kernels
+
+    tiny = dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=32, batch=2)
+    r = ab_fused_kernels(tiny, rounds=2, steps_per_round=2)
+    assert r["steps_each"] == 4
+    assert r["fused_step_s"] > 0 and r["portable_step_s"] > 0
+    assert abs(r["speedup"] - r["portable_step_s"] / r["fused_step_s"]) < 1e-9

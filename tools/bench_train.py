@@ -8,6 +8,12 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
     python tools/bench_train.py --workload W2 --variants msllm-graph,torch-eager
     python tools/bench_train.py --variants msllm-graph --recompute none,full,selective --workload W2
     python tools/bench_train.py --compile-layers 2,8,32  # first-step compile time vs depth
+    python tools/bench_train.py --ab-fused 12            # msllm with vs without msllm.kernels
+
+--ab-fused builds both msllm steps in one process and alternates them (ROUNDS rounds of
+--steps-per-round steps each, the order flipped every round), so a machine that drifts
+between runs affects both sides alike: a few-percent change is visible that separate runs
+would bury in noise.
 """
 from __future__ import annotations
 
@@ -75,6 +81,26 @@ def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: 
                       fused=kernels.enabled(fused_kernels))
     step = TrainStep(model, optimizer, 1.0)
     return step, ms.Tensor(tokens(w))
+
+
+def ab_fused_kernels(w: dict, rounds: int, steps_per_round: int, threads: int = 2) -> dict:
+    """Median step time of msllm GRAPH with (fused) and without (portable) msllm.kernels, alternated."""
+    fused, batch = msllm_train_step(w, threads=threads, fused_kernels="auto")
+    portable, _ = msllm_train_step(w, threads=threads, fused_kernels="off")
+    times = {"fused": [], "portable": []}
+    sides = [("fused", fused), ("portable", portable)]
+    for _, step in sides:  # compile and warm up both
+        for _ in range(3):
+            step(batch)[0].asnumpy()
+    for r in range(rounds):
+        for name, step in sides if r % 2 == 0 else sides[::-1]:
+            for _ in range(steps_per_round):
+                t0 = time.perf_counter()
+                step(batch)[0].asnumpy()
+                times[name].append(time.perf_counter() - t0)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {"fused_step_s": medians["fused"], "portable_step_s": medians["portable"],
+            "speedup": medians["portable"] / medians["fused"], "steps_each": len(times["fused"])}
 
 
 def worker_msllm(w: dict, args) -> dict:
@@ -162,6 +188,14 @@ def spawn_mindformers(workload: str, args) -> dict:
     return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}
 
 
+def save(args, stem: str, result: dict) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"saved {path}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="W1", choices=list(WORKLOADS))
@@ -173,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jit-level", default="O0")
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "off"])
+    p.add_argument("--ab-fused", type=int, default=0, metavar="ROUNDS", help="in-process A/B of msllm.kernels")
+    p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--peak-flops", type=float, default=3.8e11)  # measured 2-thread fp32 GEMM here
     p.add_argument("--out", default="runs/bench")
     # worker-only flags
@@ -187,6 +223,14 @@ def main(argv=None) -> int:
 
     w = WORKLOADS[args.workload]
     tokens_per_step = w["batch"] * w["seq"]
+    if args.ab_fused:
+        r = ab_fused_kernels(w, args.ab_fused, args.steps_per_round, args.threads)
+        print(f"{args.workload}: fused kernels {r['fused_step_s'] * 1e3:.1f} ms/step "
+              f"({tokens_per_step / r['fused_step_s']:,.0f} tok/s), portable {r['portable_step_s'] * 1e3:.1f} ms/step "
+              f"({tokens_per_step / r['portable_step_s']:,.0f} tok/s): {r['speedup']:.3f}x, "
+              f"median of {r['steps_each']} alternated steps each")
+        save(args, f"ab_fused_{args.workload}", {"workload": w, **r})
+        return 0
     rows = []
     if args.compile_layers:
         for layers in [int(x) for x in args.compile_layers.split(",")]:
@@ -219,11 +263,7 @@ def main(argv=None) -> int:
             ratio = f"{r['vs_torch_eager']:.2f}x" if base else "n/a"
             print(f"| {r['variant']} | {r['recompute']} | {tps:,.0f} | {ratio} | {r['mfu']:.1%} | "
                   f"{r['first_step_s']:.1f} | {r['peak_rss_mb']:.0f} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_{args.workload}_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    path.write_text(json.dumps({"workload": args.workload, "shape": w, "threads": args.threads, "rows": rows}, indent=1))
-    print(f"saved {path}")
+    save(args, f"bench_{args.workload}", {"workload": args.workload, "shape": w, "threads": args.threads, "rows": rows})
     return 0
 
 

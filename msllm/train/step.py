@@ -65,6 +65,25 @@ def apply_recompute(model, mode: str) -> None:
             block.feed_forward.recompute()
 
 
+def use_fused_kernels(model) -> None:
+    """Swap msllm.kernels' one-pass CPU ops into the model's RMSNorms and, with fp32 compute
+    (the kernels take fp32 activations), its SwiGLU MLPs and attention softmax. Same maths as
+    the portable Cells they replace; training only (fixed shapes, see Trainer.inference_model)."""
+    from msllm import kernels
+
+    for cell in [cell for _, cell in model.cells_and_names()]:
+        if isinstance(cell, RMSNorm):  # normalises in fp32 whatever the compute dtype
+            cell.core = kernels.FusedRMSNormCore(cell.eps)
+        if model.compute_dtype != ms.float32:
+            continue
+        if isinstance(cell, FeedForward):
+            cell.act = kernels.FusedSwiGLU()
+        if isinstance(cell, AttentionCore):
+            old = cell.softmax_attention
+            cell.softmax_attention = kernels.FusedSoftmaxAttention(old.num_heads, old.num_kv_heads)
+            model.broadcast_mask = False  # the fused softmax reads the [s, s] mask per row
+
+
 def make_loss_scaler(initial_scale: float, window: int):
     scaler = amp.DynamicLossScaler(scale_value=initial_scale, scale_factor=2, scale_window=window)
     scaler.scale_value.name, scaler.counter.name = "loss_scale.value", "loss_scale.counter"
@@ -76,22 +95,10 @@ class TrainStep(nn.Cell):
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None):
         super().__init__(auto_prefix=False)
-        if optimizer.fused:
-            # msllm.kernels are on (CPU): the gradient norm, the RMSNorms and, in fp32, the SwiGLU
-            # activations and attention softmax use them too. Same maths as the portable ops.
+        if optimizer.fused:  # msllm.kernels are on (CPU): the rest of the step uses them too
             from msllm import kernels
             self.sum_of_squares = kernels.sum_of_squares_op()
-            for cell in [cell for _, cell in model.cells_and_names()]:
-                if isinstance(cell, RMSNorm):  # normalises in fp32 whatever the compute dtype
-                    cell.core = kernels.FusedRMSNormCore(cell.eps)
-                if model.compute_dtype != ms.float32:  # the kernels below take fp32 activations
-                    continue
-                if isinstance(cell, FeedForward):
-                    cell.act = kernels.FusedSwiGLU()
-                if isinstance(cell, AttentionCore):
-                    cell.softmax_attention = kernels.FusedSoftmaxAttention(cell.softmax_attention.num_heads,
-                                                                           cell.softmax_attention.num_kv_heads)
-                    model.broadcast_mask = False  # the fused softmax reads the [s, s] mask per row
+            use_fused_kernels(model)
         else:
             self.sum_of_squares = None
         self.loss_cell = LossCell(model)
