@@ -8,7 +8,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from msllm import device, kernels
-from msllm.models.llama import RMSNormCore, SoftmaxAttention, SwiGLU, scores_shape
+from msllm.models.llama import Rope, RMSNormCore, SoftmaxAttention, SwiGLU, scores_shape
 
 
 @pytest.fixture(autouse=True)
@@ -88,6 +88,30 @@ def test_softmax_attention_matches_portable(heads, kv_heads):
         got = ops.grad(AttentionLoss(fused, mask), grad_position=(0, 1, 2))(*inputs)
         for name, g, w in zip("qkv", got, want):
             np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+
+
+class RopeLoss(nn.Cell):
+    def __init__(self, rope, cos, sin):
+        super().__init__()
+        self.rope, self.cos, self.sin = rope, cos, sin
+
+    def construct(self, x, upstream):
+        return (self.rope(x, self.cos, self.sin) * upstream).sum()
+
+
+@pytest.mark.parametrize("x_shape", [(2 * 24, 3 * 16), (2, 24, 3 * 16)])  # [b*s, n*d] and [b, s, n*d]
+def test_rope_matches_portable(x_shape):
+    rng = np.random.default_rng(4)
+    s, d = 24, 16
+    angles = rng.uniform(0, 6, (s, d)).astype(np.float32)  # any table: checks the indexing, not RoPE's values
+    cos, sin = Tensor(np.cos(angles)), Tensor(np.sin(angles))
+    x = Tensor(rng.normal(size=x_shape).astype(np.float32))
+    upstream = Tensor(rng.normal(size=(2, 3, s, d)).astype(np.float32))
+    want = Rope(d)(x, cos, sin).asnumpy()
+    np.testing.assert_allclose(kernels.FusedRope()(x, cos, sin).asnumpy(), want, rtol=1e-6, atol=1e-6)
+    grads = [ops.grad(RopeLoss(rope, cos, sin))(x, upstream) for rope in (Rope(d), kernels.FusedRope())]
+    assert grads[1].shape == x.shape
+    np.testing.assert_allclose(grads[1].asnumpy(), grads[0].asnumpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_sum_of_squares_matches_float64():

@@ -175,3 +175,29 @@ class FusedSoftmaxAttention(SoftmaxAttention):
 
     def scores_grad(self, p, do, o, v):
         return self.scores_grad_op(p, self.qk(do, v), do, o)
+
+
+def _heads_shape(x, cos, sin):
+    """[b*s, n*d] projection -> [b, n, s, d] given the [s, d] rope table."""
+    s, d = cos
+    rows = functools.reduce(lambda a, b: a * b, x[:-1])
+    return [rows // s, x[-1] // d, s, d]
+
+
+class FusedRope(nn.Cell):
+    """models.llama.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
+    Takes the [s, d] tables only (Llama passes them unbroadcast when this is in use)."""
+
+    def __init__(self):
+        super().__init__()
+        grad = ops.Custom(f"{library()}:RopeHeadsGrad", out_shape=lambda dy, c, s: [dy[0] * dy[2], dy[1] * dy[3]],
+                          out_dtype=_dtype_of_first, func_type="aot")
+
+        def bprop(x, cos, sin, out, dout):
+            return grad(dout, cos, sin).reshape(x.shape), ops.zeros_like(cos), ops.zeros_like(sin)
+
+        self.rope = ops.Custom(f"{library()}:RopeHeads", out_shape=_heads_shape, out_dtype=_dtype_of_first,
+                               func_type="aot", bprop=bprop)
+
+    def construct(self, x, cos, sin):
+        return self.rope(x, cos, sin)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import amp, nn, ops
 
-from msllm.models.llama import AttentionCore, CausalLMLoss, FeedForward, RMSNorm
+from msllm.models.llama import Attention, AttentionCore, CausalLMLoss, FeedForward, RMSNorm
 
 
 class LossCell(nn.Cell):
@@ -67,7 +67,7 @@ def apply_recompute(model, mode: str) -> None:
 
 def use_fused_kernels(model) -> None:
     """Swap msllm.kernels' one-pass CPU ops into the model's RMSNorms and, with fp32 compute
-    (the kernels take fp32 activations), its SwiGLU MLPs and attention softmax. Same maths as
+    (the kernels take fp32 activations), its SwiGLU MLPs, rope and attention softmax. Same maths as
     the portable Cells they replace; training only (fixed shapes, see Trainer.inference_model)."""
     from msllm import kernels
 
@@ -81,7 +81,10 @@ def use_fused_kernels(model) -> None:
         if isinstance(cell, AttentionCore):
             old = cell.softmax_attention
             cell.softmax_attention = kernels.FusedSoftmaxAttention(old.num_heads, old.num_kv_heads)
-            model.broadcast_mask = False  # the fused softmax reads the [s, s] mask per row
+        if isinstance(cell, Attention):
+            cell.rope = kernels.FusedRope()
+    if model.compute_dtype == ms.float32:
+        model.broadcast_tables = False  # the fused rope and softmax read the [s, d] and [s, s] tables per row
 
 
 def make_loss_scaler(initial_scale: float, window: int):
