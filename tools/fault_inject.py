@@ -50,11 +50,16 @@ def final_weights(run_dir: Path, steps: int) -> dict:
 def run_until_killed(cmd: list[str], run_dir: Path, mode: str, rng: random.Random) -> tuple[bool, str]:
     """Start cmd and SIGKILL it according to mode. Returns (killed, how)."""
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Training kills land after a random number of logged steps (log_every is 1), not a random
+    # time: a step takes a few ms here, so a time would often outlast the whole run.
+    kill_after_steps = rng.randint(1, 12)
     trained = threading.Event()
 
     def watch():
+        steps = 0
         for line in proc.stdout:
-            if "first step" in line:
+            steps += line.startswith("step ")
+            if steps >= kill_after_steps:
                 trained.set()
 
     threading.Thread(target=watch, daemon=True).start()
@@ -63,8 +68,7 @@ def run_until_killed(cmd: list[str], run_dir: Path, mode: str, rng: random.Rando
         time.sleep(rng.uniform(0.5, 4.0))
     elif mode == "training":
         while not trained.is_set() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 1.0))
+            time.sleep(0.001)
     else:  # checkpoint: kill while a temporary checkpoint dir is being written
         ckpts = run_dir / "checkpoints"
         while proc.poll() is None and time.time() < deadline and not any(ckpts.glob(".tmp_step_*")):
