@@ -138,6 +138,18 @@ def test_without_compiler_training_falls_back_and_building_says_why(monkeypatch,
     assert not any(tmp_path.rglob("*.so"))
 
 
+def test_failed_build_says_so_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("MSLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: "false")  # a "compiler" that fails
+    kernels.library.cache_clear()
+    try:
+        with pytest.raises(kernels.KernelBuildError, match="failed.*fused_kernels: off"):
+            kernels.library()
+    finally:
+        kernels.library.cache_clear()
+    assert not any((tmp_path / "kernels").iterdir())  # no library, no temp file
+
+
 def test_library_is_built_once_per_source(monkeypatch, tmp_path):
     monkeypatch.setenv("MSLLM_CACHE", str(tmp_path))
     kernels.library.cache_clear()

@@ -70,7 +70,9 @@ def library() -> str:
     try:
         done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise KernelBuildError(f"building {SOURCE} failed: {done.stderr.strip().splitlines()[-1:]}; "
+            lines = done.stderr.strip().splitlines() or ["no output"]
+            first_error = next((line for line in lines if "error" in line), lines[-1])
+            raise KernelBuildError(f"building {SOURCE} failed: {first_error}; "
                                    f"set train.fused_kernels: off to train without it")
         os.replace(tmp, target)
     finally:
