@@ -124,42 +124,36 @@ def test_sum_of_squares_matches_float64():
         assert abs(got - want) <= 1e-6 * want, (shape, got, want)
 
 
-def test_without_compiler_training_falls_back_and_building_says_why(monkeypatch, tmp_path):
-    monkeypatch.setenv("MSLLM_CACHE", str(tmp_path))  # nothing cached there
+@pytest.fixture
+def empty_cache(monkeypatch, tmp_path):
+    """An empty kernel cache dir, and library() forgetting the process's already-built path."""
+    monkeypatch.setenv("MSLLM_CACHE", str(tmp_path))
+    kernels.library.cache_clear()
+    yield tmp_path / "kernels"
+    kernels.library.cache_clear()
+
+
+def test_without_compiler_training_falls_back_and_building_says_why(monkeypatch, empty_cache):
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     assert kernels.enabled("auto") is False
     assert kernels.enabled("off") is False
-    kernels.library.cache_clear()
-    try:
-        with pytest.raises(kernels.KernelBuildError, match="g\\+\\+"):
-            kernels.library()
-    finally:
-        kernels.library.cache_clear()
-    assert not any(tmp_path.rglob("*.so"))
+    with pytest.raises(kernels.KernelBuildError, match="g\\+\\+"):
+        kernels.library()
+    assert not empty_cache.exists()
 
 
-def test_failed_build_says_so_and_leaves_nothing(monkeypatch, tmp_path):
-    monkeypatch.setenv("MSLLM_CACHE", str(tmp_path))
+def test_failed_build_says_so_and_leaves_nothing(monkeypatch, empty_cache):
     monkeypatch.setattr(kernels.shutil, "which", lambda name: "false")  # a "compiler" that fails
-    kernels.library.cache_clear()
-    try:
-        with pytest.raises(kernels.KernelBuildError, match="failed.*fused_kernels: off"):
-            kernels.library()
-    finally:
-        kernels.library.cache_clear()
-    assert not any((tmp_path / "kernels").iterdir())  # no library, no temp file
+    with pytest.raises(kernels.KernelBuildError, match="failed.*fused_kernels: off"):
+        kernels.library()
+    assert not any(empty_cache.iterdir())  # no library, no temp file
 
 
-def test_library_is_built_once_per_source(monkeypatch, tmp_path):
-    monkeypatch.setenv("MSLLM_CACHE", str(tmp_path))
+def test_library_is_built_once_per_source(empty_cache):
+    first = kernels.library()
+    built_at = kernels.library_path().stat().st_mtime_ns
     kernels.library.cache_clear()
-    try:
-        first = kernels.library()
-        built_at = kernels.library_path().stat().st_mtime_ns
-        kernels.library.cache_clear()
-        assert kernels.library() == first
-        assert kernels.library_path().stat().st_mtime_ns == built_at  # reused, not rebuilt
-        assert [p.name for p in (tmp_path / "kernels").iterdir()] == [kernels.library_path().name]  # no temp left
-    finally:
-        kernels.library.cache_clear()
+    assert kernels.library() == first
+    assert kernels.library_path().stat().st_mtime_ns == built_at  # reused, not rebuilt
+    assert [p.name for p in empty_cache.iterdir()] == [kernels.library_path().name]  # no temp file left
     assert kernels.enabled("auto") is True
