@@ -19,49 +19,56 @@ CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num
 TOKENS = np.random.default_rng(0).integers(0, 256, (4, 33)).astype(np.int32)
 
 
-def train_steps(steps=2, dtype=ms.float32, accum=1, recompute="none", scaler=None):
+def train_steps(steps=2, dtype=ms.float32, accum=1, recompute="none", scaler=None, fused=False):
     device.setup("cpu", "graph")
     model = build_model(CFG, seed=0, compute_dtype=dtype)
     apply_recompute(model, recompute)
-    step = TrainStep(model, AdamW(model.trainable_params(), OptimConfig(warmup_steps=1), 10), 1.0, accum, scaler)
+    optimizer = AdamW(model.trainable_params(), OptimConfig(warmup_steps=1), 10, fused=fused)
+    step = TrainStep(model, optimizer, 1.0, accum, scaler)
     outs = [[float(x.asnumpy()) for x in step(ms.Tensor(TOKENS))] for _ in range(steps)]
     return outs, {p.name: p.asnumpy() for p in model.trainable_params()}
 
 
+# Each test runs with the portable ops and with msllm.kernels' fused CPU kernels.
+@pytest.fixture(scope="module", params=[False, True], ids=["portable", "fused"])
+def fused(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference():
-    return train_steps()
+def reference(fused):
+    return train_steps(fused=fused)
 
 
-def test_accumulation_equals_one_big_batch(reference):
+def test_accumulation_equals_one_big_batch(reference, fused):
     """2 micro-batches of 2 give the update of one batch of 4 (fp32; summation order differs)."""
     ref_out, ref_w = reference
-    out, w = train_steps(accum=2)
+    out, w = train_steps(accum=2, fused=fused)
     np.testing.assert_allclose([o[0] for o in out], [o[0] for o in ref_out], rtol=1e-6)
     for name in ref_w:
         np.testing.assert_allclose(w[name], ref_w[name], atol=5e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recompute_keeps_gradients(reference, mode):
+def test_recompute_keeps_gradients(reference, fused, mode):
     ref_out, ref_w = reference
-    out, w = train_steps(recompute=mode)
+    out, w = train_steps(recompute=mode, fused=fused)
     np.testing.assert_allclose([o[1] for o in out], [o[1] for o in ref_out], rtol=1e-6)  # grad norms
     for name in ref_w:
         np.testing.assert_allclose(w[name], ref_w[name], atol=1e-6, err_msg=name)
 
 
-def test_fp16_trains_close_to_fp32_with_fp32_master_weights(reference):
+def test_fp16_trains_close_to_fp32_with_fp32_master_weights(reference, fused):
     ref_out, _ = reference
-    out, w = train_steps(dtype=ms.float16, scaler=make_loss_scaler(2.0 ** 16, 1000))
+    out, w = train_steps(dtype=ms.float16, scaler=make_loss_scaler(2.0 ** 16, 1000), fused=fused)
     assert all(o[3] == 1.0 for o in out) and out[0][4] == 2.0 ** 16          # finite, scale kept
     np.testing.assert_allclose([o[0] for o in out], [o[0] for o in ref_out], rtol=1e-3)
     assert all(a.dtype == np.float32 for a in w.values())
 
 
-def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(fused):
     before = {p.name: p.asnumpy() for p in build_model(CFG, seed=0).trainable_params()}
-    out, after = train_steps(steps=2, dtype=ms.float16, scaler=make_loss_scaler(2.0 ** 40, 1000))
+    out, after = train_steps(steps=2, dtype=ms.float16, scaler=make_loss_scaler(2.0 ** 40, 1000), fused=fused)
     assert [o[3] for o in out] == [0.0, 0.0]                          # both steps non-finite
     assert [o[4] for o in out] == [2.0 ** 40, 2.0 ** 39]              # scale halves per overflow
     assert all(np.array_equal(before[n], after[n]) for n in before)   # weights untouched
