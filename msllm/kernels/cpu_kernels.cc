@@ -2,7 +2,8 @@
 //
 // Each one replaces a chain of MindSpore element-wise kernels that each make a full pass over
 // memory. Signature (MindSpore AOT): inputs then outputs in `params`, shapes per tensor.
-// Work is split across hardware threads in contiguous chunks; small tensors stay on the caller.
+// Work is split in contiguous chunks over a small persistent thread pool (one thread per core);
+// small tensors stay on the calling thread.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
