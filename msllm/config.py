@@ -96,7 +96,7 @@ class TrainConfig:
     threads: int = 0                  # MindSpore runtime threads; 0 = number of cores
     jit_level: str = "O0"
     compile_cache: Optional[str] = None  # dir for MindSpore's compile cache (speeds up the next start)
-    fused_kernels: str = "auto"       # auto: fused C++ optimizer kernels on the CPU backend (needs g++) | off
+    fused_kernels: str = "auto"       # auto: msllm.kernels' fused C++ train-step kernels on CPU (needs g++) | off
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)

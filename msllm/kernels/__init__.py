@@ -3,8 +3,8 @@
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
 parameter-sized tensor four times, the gradient norm twice, SwiGLU forward + backward takes
-~8 kernels. These do each chain in one pass: AdamW (in place), sum of squares, SwiGLU and its
-gradient. They are a CPU-backend accelerator only: on other backends, without g++, or with
+~8 kernels. These do each chain in one pass: AdamW (in place), sum of squares, and RMSNorm,
+SwiGLU, RoPE with the head split, and the attention softmax, each with its gradient. They are a CPU-backend accelerator only: on other backends, without g++, or with
 train.fused_kernels: off, msllm uses the portable MindSpore-op formulation of the same maths
 (tests hold both against each other and against torch).
 
@@ -95,28 +95,6 @@ def _float32(*_):
     return ms.float32
 
 
-class AdamWUpdate(ops.Custom):
-    """(w, m, v, grad, [lr_t, 1 - lr*wd, beta1, beta2, eps_t, grad_coef]) -> [1]; updates w, m, v in place."""
-
-    # Marking w, m, v as written makes MindSpore order this op like its own Adam kernel
-    # (after every read of the old values, before the next step).
-    __mindspore_signature__ = (
-        sig.make_sig("w", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-        sig.make_sig("m", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-        sig.make_sig("v", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-        sig.make_sig("grad", dtype=sig.sig_dtype.T),
-        sig.make_sig("scalars", dtype=sig.sig_dtype.T))
-
-    def __init__(self):
-        super().__init__(f"{library()}:AdamWUpdate", out_shape=_one_float, out_dtype=_float32, func_type="aot")
-        self.add_prim_attr("side_effect_mem", True)
-
-
-def sum_of_squares_op():
-    """grad (fp32, any shape) -> [1] sum of its squares, in one pass."""
-    return ops.Custom(f"{library()}:SumOfSquares", out_shape=_one_float, out_dtype=_float32, func_type="aot")
-
-
 def _same_as_first(*shapes):
     return shapes[0]
 
@@ -125,19 +103,46 @@ def _dtype_of_first(*dtypes):
     return dtypes[0]
 
 
+def _aot(name: str, out_shape=_same_as_first, out_dtype=_dtype_of_first, bprop=None):
+    """The kernel `name` of the library as a MindSpore op (output shape/dtype as inferred from the inputs)."""
+    return ops.Custom(f"{library()}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot",
+                      bprop=bprop)
+
+
+class AdamWUpdate(ops.Custom):
+    """(w, m, v, grad, [lr_t, lr, beta1, beta2, eps_t, grad_coef], weight_decay) -> [1]; updates w, m, v in place."""
+
+    # Marking w, m, v as written makes MindSpore order this op like its own Adam kernel
+    # (after every read of the old values, before the next step).
+    __mindspore_signature__ = (
+        sig.make_sig("w", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+        sig.make_sig("m", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+        sig.make_sig("v", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+        sig.make_sig("grad", dtype=sig.sig_dtype.T),
+        sig.make_sig("scalars", dtype=sig.sig_dtype.T),
+        sig.make_sig("weight_decay", dtype=sig.sig_dtype.T))
+
+    def __init__(self):
+        super().__init__(f"{library()}:AdamWUpdate", out_shape=_one_float, out_dtype=_float32, func_type="aot")
+        self.add_prim_attr("side_effect_mem", True)
+
+
+def sum_of_squares_op():
+    """grad (fp32, any shape) -> [1] sum of its squares, in one pass."""
+    return _aot("SumOfSquares", _one_float, _float32)
+
+
 class FusedSwiGLU(nn.Cell):
     """silu(gate) * up as one C++ pass forward and one backward (fp32); see models.llama.SwiGLU."""
 
     def __init__(self):
         super().__init__()
-        grad = ops.Custom(f"{library()}:SwiGLUGrad", out_shape=lambda g, u, d: (g, g),
-                          out_dtype=lambda g, u, d: (g, g), func_type="aot")
+        grad = _aot("SwiGLUGrad", lambda g, u, d: (g, g), lambda g, u, d: (g, g))
 
         def bprop(gate, up, out, dout):
             return grad(gate, up, dout)
 
-        self.swiglu = ops.Custom(f"{library()}:SwiGLU", out_shape=_same_as_first, out_dtype=_dtype_of_first,
-                                 func_type="aot", bprop=bprop)
+        self.swiglu = _aot("SwiGLU", bprop=bprop)
 
     def construct(self, gate, up):
         return self.swiglu(gate, up)
@@ -149,14 +154,12 @@ class FusedRMSNormCore(nn.Cell):
     def __init__(self, eps: float):
         super().__init__()
         self.eps = ms.Tensor([eps], ms.float32)
-        grad = ops.Custom(f"{library()}:RMSNormGrad", out_shape=lambda x, w, e, dy: (x, w, e),
-                          out_dtype=lambda x, w, e, dy: (x, w, e), func_type="aot")
+        grad = _aot("RMSNormGrad", lambda x, w, e, dy: (x, w, e), lambda x, w, e, dy: (x, w, e))
 
         def bprop(x, weight, eps, out, dout):
             return grad(x, weight, eps, dout)
 
-        self.rms_norm = ops.Custom(f"{library()}:RMSNorm", out_shape=_same_as_first, out_dtype=_dtype_of_first,
-                                   func_type="aot", bprop=bprop)
+        self.rms_norm = _aot("RMSNorm", bprop=bprop)
 
     def construct(self, x, weight):
         return self.rms_norm(x, weight, self.eps)
@@ -167,10 +170,8 @@ class FusedSoftmaxAttention(SoftmaxAttention):
 
     def __init__(self, num_heads: int, num_kv_heads: int):
         super().__init__(num_heads, num_kv_heads)
-        self.masked_softmax_op = ops.Custom(f"{library()}:MaskedSoftmax", out_shape=_same_as_first,
-                                            out_dtype=_dtype_of_first, func_type="aot")
-        self.scores_grad_op = ops.Custom(f"{library()}:SoftmaxAttentionGrad", out_shape=_same_as_first,
-                                         out_dtype=_dtype_of_first, func_type="aot")
+        self.masked_softmax_op = _aot("MaskedSoftmax")
+        self.scores_grad_op = _aot("SoftmaxAttentionGrad")
 
     def masked_softmax(self, scores, mask):
         return self.masked_softmax_op(scores, mask)
@@ -192,14 +193,12 @@ class FusedRope(nn.Cell):
 
     def __init__(self):
         super().__init__()
-        grad = ops.Custom(f"{library()}:RopeHeadsGrad", out_shape=lambda dy, c, s: [dy[0] * dy[2], dy[1] * dy[3]],
-                          out_dtype=_dtype_of_first, func_type="aot")
+        grad = _aot("RopeHeadsGrad", lambda dy, c, s: [dy[0] * dy[2], dy[1] * dy[3]])
 
         def bprop(x, cos, sin, out, dout):
             return grad(dout, cos, sin).reshape(x.shape), ops.zeros_like(cos), ops.zeros_like(sin)
 
-        self.rope = ops.Custom(f"{library()}:RopeHeads", out_shape=_heads_shape, out_dtype=_dtype_of_first,
-                               func_type="aot", bprop=bprop)
+        self.rope = _aot("RopeHeads", _heads_shape, bprop=bprop)
 
     def construct(self, x, cos, sin):
         return self.rope(x, cos, sin)

@@ -104,7 +104,7 @@ void parallel_for(int64_t n, Fn fn, int64_t grain = 1 << 16) {
 //   w = w * (1 - lr wd) - lr_t * m / (sqrt(v) + eps_t)
 // with lr_t = lr sqrt(1 - b2^t) / (1 - b1^t) and eps_t = eps sqrt(1 - b2^t), which is torch's
 // bias-corrected update rearranged. coef carries loss-scale removal and gradient clipping.
-// inputs: w, m, v, g [any shape, fp32], s = [lr_t, 1 - lr wd, b1, b2, eps_t, coef]; output: [1].
+// inputs: w, m, v, g [any shape, fp32], s = [lr_t, lr, b1, b2, eps_t, coef], wd []; output: [1].
 extern "C" int AdamWUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                            void *stream, void *extra) {
   float *__restrict w = static_cast<float *>(params[0]);
@@ -112,7 +112,8 @@ extern "C" int AdamWUpdate(int nparam, void **params, int *ndims, int64_t **shap
   float *__restrict v = static_cast<float *>(params[2]);
   const float *__restrict g = static_cast<const float *>(params[3]);
   const float *s = static_cast<const float *>(params[4]);
-  const float lr_t = s[0], keep = s[1], b1 = s[2], b2 = s[3], eps_t = s[4], coef = s[5];
+  const float lr_t = s[0], keep = 1.f - s[1] * static_cast<const float *>(params[5])[0];
+  const float b1 = s[2], b2 = s[3], eps_t = s[4], coef = s[5];
   parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
     for (int64_t i = lo; i < hi; ++i) {
       const float gi = g[i] * coef;
@@ -123,7 +124,7 @@ extern "C" int AdamWUpdate(int nparam, void **params, int *ndims, int64_t **shap
       w[i] = w[i] * keep - lr_t * mi / (std::sqrt(vi) + eps_t);
     }
   });
-  static_cast<float *>(params[5])[0] = 0.f;
+  static_cast<float *>(params[6])[0] = 0.f;
   return 0;
 }
 

@@ -55,8 +55,8 @@ def _update(adam, beta1_power, beta2_power, lr, beta1, beta2, eps, grad_coef, pa
     return adam(param, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps, ops.depend(grad, decayed))
 
 
-def _fused_update(kernel, scalars_by_decay, param, m, v, weight_decay, grad):
-    return kernel(param, m, v, grad, scalars_by_decay[weight_decay])
+def _fused_update(kernel, scalars, param, m, v, weight_decay, grad):
+    return kernel(param, m, v, grad, scalars, weight_decay)
 
 
 def decays(name: str, param: Parameter) -> bool:
@@ -83,6 +83,8 @@ class AdamW(nn.Cell):
         self.beta1, self.beta2, self.eps = cfg.beta1, cfg.beta2, cfg.eps
         self.step = Parameter(Tensor(np.array(0, np.int32)), name="optimizer.step")
         self.schedule = LRSchedule(cfg, total_steps)
+        self.weight_decay = tuple(Tensor(cfg.weight_decay if decays(p.name, p) else 0.0, ms.float32)
+                                  for p in self.params)
         self.fused = fused
         self.hyper_map = ops.HyperMap()  # one graph node over the tuples, cheaper to compile than a Python loop
         if fused:
@@ -90,13 +92,8 @@ class AdamW(nn.Cell):
                 raise ValueError("fused AdamW kernels take fp32 parameters only")
             from msllm import kernels
             self.kernel = kernels.AdamWUpdate()
-            # Index into (no decay, decay) scalar sets; the kernel takes one scalar vector.
-            self.weight_decay = tuple(int(decays(p.name, p) and cfg.weight_decay != 0) for p in self.params)
-            self.decay_values = (0.0, cfg.weight_decay)
         else:
             self.adam = ops.Adam()
-            self.weight_decay = tuple(Tensor(cfg.weight_decay if decays(p.name, p) else 0.0, ms.float32)
-                                      for p in self.params)
 
     def construct(self, grads, grad_coef=None):
         step = self.step + 1
@@ -108,9 +105,8 @@ class AdamW(nn.Cell):
         if self.fused:
             lr_t = lr * ops.sqrt(1.0 - beta2_power) / (1.0 - beta1_power)
             coef = ops.ones((), ms.float32) if grad_coef is None else grad_coef
-            scalars = tuple(ops.stack([lr_t, 1.0 - lr * wd, ops.full((), self.beta1, dtype=ms.float32),
-                                       ops.full((), self.beta2, dtype=ms.float32), eps, coef])
-                            for wd in self.decay_values)
+            scalars = ops.stack([lr_t, lr, ops.full((), self.beta1, dtype=ms.float32),
+                                 ops.full((), self.beta2, dtype=ms.float32), eps, coef])
             self.hyper_map(ops.partial(_fused_update, self.kernel, scalars),
                            self.params, self.exp_avg, self.exp_avg_sq, self.weight_decay, grads)
         else:
