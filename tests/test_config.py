@@ -19,6 +19,7 @@ def write(tmp_path, text):
     ("train:\n  mode: eager\n", "train.mode"),
     ("trainer:\n  steps: 3\n", "trainer"),
     ("data:\n  seq_len: 4096\n", "data.seq_len"),
+    ("train:\n  block_graph: shared\n  recompute: full\n", "train.block_graph"),
 ])
 def test_bad_config_names_file_and_key(tmp_path, text, key):
     path = write(tmp_path, text)

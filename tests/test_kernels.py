@@ -114,14 +114,53 @@ def test_rope_matches_portable(x_shape):
     np.testing.assert_allclose(grads[1].asnumpy(), grads[0].asnumpy(), rtol=1e-5, atol=1e-6)
 
 
+# Below one 16-lane block, ragged, several threads' worth, tiny again: the kernels split the
+# tensors laid end to end across threads, so chunk borders fall inside and between tensors.
+SHAPES = [(3,), (777, 33), (2_000_000,), (5,)]
+
+
 def test_sum_of_squares_matches_float64():
     rng = np.random.default_rng(1)
     op = kernels.sum_of_squares_op()
-    for shape in [(3,), (777, 33), (2_000_000,)]:  # below one block, ragged, several threads' worth
-        x = rng.normal(0, 0.01, shape).astype(np.float32)
+    xs = [rng.normal(0, 0.01, shape).astype(np.float32) for shape in SHAPES]
+    for x in xs:
         got = float(op(Tensor(x)).asnumpy()[0])
         want = float(np.sum(x.astype(np.float64) ** 2))
-        assert abs(got - want) <= 1e-6 * want, (shape, got, want)
+        assert abs(got - want) <= 1e-6 * want, (x.shape, got, want)
+    got = float(op(*[Tensor(x) for x in xs]).asnumpy()[0])  # all at once, as the train step calls it
+    want = sum(float(np.sum(x.astype(np.float64) ** 2)) for x in xs)
+    assert abs(got - want) <= 1e-6 * want, (got, want)
+
+
+class AdamWCall(nn.Cell):
+    """One AdamWUpdate call over n Parameters and their moments (as AdamW's fused path makes it)."""
+
+    def __init__(self, ws, ms_, vs):
+        super().__init__()
+        self.w, self.m, self.v = (ms.ParameterTuple([ms.Parameter(Tensor(a), name=f"{k}{i}") for i, a in enumerate(xs)])
+                                  for k, xs in (("w", ws), ("m", ms_), ("v", vs)))
+        self.update = kernels.AdamWUpdate(len(ws))
+
+    def construct(self, grads, scalars, weight_decay):
+        return self.update(*self.w, *self.m, *self.v, *grads, scalars, weight_decay)
+
+
+def test_adamw_update_of_many_parameters_matches_numpy():
+    rng = np.random.default_rng(4)
+    w, m, g = ([rng.normal(0, 1, s).astype(np.float32) for s in SHAPES] for _ in range(3))
+    v = [rng.uniform(0, 1, s).astype(np.float32) for s in SHAPES]
+    wd = np.array([0.1, 0.0, 0.1, 0.05], np.float32)
+    lr_t, lr, b1, b2, eps_t, coef = 2e-3, 1e-3, 0.9, 0.95, 1e-8, 0.5
+    cell = AdamWCall(w, m, v)
+    cell([Tensor(x) for x in g], Tensor(np.array([lr_t, lr, b1, b2, eps_t, coef], np.float32)), Tensor(wd))
+    for i in range(len(SHAPES)):
+        g64 = g[i].astype(np.float64) * coef
+        m_want = b1 * m[i] + (1 - b1) * g64
+        v_want = b2 * v[i] + (1 - b2) * g64 ** 2
+        w_want = w[i] * (1 - lr * wd[i]) - lr_t * m_want / (np.sqrt(v_want) + eps_t)
+        np.testing.assert_allclose(cell.m[i].asnumpy(), m_want, rtol=1e-5, atol=1e-7, err_msg=f"m{i}")
+        np.testing.assert_allclose(cell.v[i].asnumpy(), v_want, rtol=1e-5, atol=1e-7, err_msg=f"v{i}")
+        np.testing.assert_allclose(cell.w[i].asnumpy(), w_want, rtol=1e-5, atol=1e-6, err_msg=f"w{i}")
 
 
 @pytest.fixture

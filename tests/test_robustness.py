@@ -23,6 +23,7 @@ def train_steps(steps=2, dtype=ms.float32, accum=1, recompute="none", scaler=Non
     device.setup("cpu", "graph")
     model = build_model(CFG, seed=0, compute_dtype=dtype)
     apply_recompute(model, recompute)
+    model.share_block_graph(recompute == "none")  # as train.block_graph: shared (which excludes recompute)
     optimizer = AdamW(model.trainable_params(), OptimConfig(warmup_steps=1), 10, fused=fused)
     step = TrainStep(model, optimizer, 1.0, accum, scaler)
     outs = [[float(x.asnumpy()) for x in step(ms.Tensor(TOKENS))] for _ in range(steps)]

@@ -44,9 +44,10 @@ def losses(run):
 
 
 def test_resume_is_bit_identical(straight_run, tmp_path, corpus):
+    """Also: the resumed run calls one shared block graph, the straight one inlines the blocks."""
     straight, _ = straight_run
     run = tmp_path / "resumed"
-    first = run_cli("train", *sets(tiny_overrides(run, corpus, **{"train.steps": 3})))
+    first = run_cli("train", *sets(tiny_overrides(run, corpus, **{"train.steps": 3, "train.block_graph": "shared"})))
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_cli("train", "--resume", str(run), "--set", "train.steps=6")
     assert second.returncode == 0, second.stderr[-3000:]

@@ -8,9 +8,11 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
     python tools/bench_train.py --workload W2 --variants msllm-graph,torch-eager
     python tools/bench_train.py --variants msllm-graph --recompute none,full,selective --workload W2
     python tools/bench_train.py --compile-layers 2,8,32  # first-step compile time vs depth
-    python tools/bench_train.py --ab-fused 12            # msllm with vs without msllm.kernels
+    python tools/bench_train.py --compile-layers 2,32 --block-graph shared  # every depth shares the block graph
+    python tools/bench_train.py --ab fused-kernels       # msllm with vs without msllm.kernels
+    python tools/bench_train.py --ab block-graph         # one block graph for all layers vs inlined
 
---ab-fused builds both msllm steps in one process and alternates them (ROUNDS rounds of
+--ab builds both msllm steps in one process and alternates them (--rounds rounds of
 --steps-per-round steps each, the order flipped every round), so a machine that drifts
 between runs affects both sides alike: a few-percent change is visible that separate runs
 would bury in noise.
@@ -65,7 +67,7 @@ def time_steps(step_fn, steps: int, warmup: int) -> dict:
 
 
 def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: str = "O0",
-                     recompute: str = "none", fused_kernels: str = "auto"):
+                     recompute: str = "none", fused_kernels: str = "auto", block_graph: str = "auto"):
     """The benchmarked msllm step on workload w (AdamW, clip 1.0) and its batch; also used by profile_step.py."""
     import mindspore as ms
     from msllm import device, kernels
@@ -77,34 +79,38 @@ def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: 
     device.setup("cpu", mode, threads, jit_level)
     model = build_model(model_config(w), seed=0)
     apply_recompute(model, recompute)
+    model.share_block_graph(device.shares_block_graph(block_graph, w["layers"], recompute))
     optimizer = AdamW(model.trainable_params(), OptimConfig(warmup_steps=0), 1000,
                       fused=kernels.enabled(fused_kernels))
     step = TrainStep(model, optimizer, 1.0)
     return step, ms.Tensor(tokens(w))
 
 
-def ab_fused_kernels(w: dict, rounds: int, steps_per_round: int, threads: int = 2) -> dict:
-    """Median step time of msllm GRAPH with (fused) and without (portable) msllm.kernels, alternated."""
-    fused, batch = msllm_train_step(w, threads=threads, fused_kernels="auto")
-    portable, _ = msllm_train_step(w, threads=threads, fused_kernels="off")
-    times = {"fused": [], "portable": []}
-    sides = [("fused", fused), ("portable", portable)]
-    for _, step in sides:  # compile and warm up both
+# --ab SWITCH: the msllm_train_step keyword it flips, and its values for on and off.
+AB_SWITCHES = {"fused-kernels": ("fused_kernels", "auto", "off"), "block-graph": ("block_graph", "shared", "inlined")}
+
+
+def ab_compare(w: dict, switch: str, rounds: int, steps_per_round: int, threads: int = 2) -> dict:
+    """Median step time of msllm GRAPH with `switch` on and off, both built in one process and alternated."""
+    keyword, on, off = AB_SWITCHES[switch]
+    sides = [(value, msllm_train_step(w, threads=threads, **{keyword: value})) for value in (on, off)]
+    times = {on: [], off: []}
+    for _, (step, batch) in sides:  # compile and warm up both
         for _ in range(3):
             step(batch)[0].asnumpy()
     for r in range(rounds):
-        for name, step in sides if r % 2 == 0 else sides[::-1]:
+        for value, (step, batch) in sides if r % 2 == 0 else sides[::-1]:
             for _ in range(steps_per_round):
                 t0 = time.perf_counter()
                 step(batch)[0].asnumpy()
-                times[name].append(time.perf_counter() - t0)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    return {"fused_step_s": medians["fused"], "portable_step_s": medians["portable"],
-            "speedup": medians["portable"] / medians["fused"], "steps_each": len(times["fused"])}
+                times[value].append(time.perf_counter() - t0)
+    on_s, off_s = statistics.median(times[on]), statistics.median(times[off])
+    return {"switch": switch, "on_step_s": on_s, "off_step_s": off_s, "speedup": off_s / on_s, "steps_each": len(times[on])}
 
 
 def worker_msllm(w: dict, args) -> dict:
-    step, batch = msllm_train_step(w, args.mode, args.threads, args.jit_level, args.recompute, args.fused_kernels)
+    step, batch = msllm_train_step(w, args.mode, args.threads, args.jit_level, args.recompute, args.fused_kernels,
+                                   args.block_graph)
     t0 = time.perf_counter()
     if args.mode == "graph":
         step.compile(batch)  # graph compile alone; the first step then adds first-touch memory faults
@@ -158,7 +164,8 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
               "--threads", str(args.threads), "--layers", str(layers)]
     if variant.startswith("msllm"):
         extra = ["--worker", "msllm", "--mode", variant.split("-")[1], "--recompute", recompute,
-                 "--jit-level", args.jit_level, "--fused-kernels", args.fused_kernels]
+                 "--jit-level", args.jit_level, "--fused-kernels", args.fused_kernels,
+                 "--block-graph", args.block_graph]
     else:
         extra = ["--worker", "torch"] + (["--compile"] if variant == "torch-compile" else [])
     proc = subprocess.run([sys.executable, __file__, *common, *extra], capture_output=True, text=True,
@@ -207,7 +214,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--jit-level", default="O0")
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "off"])
-    p.add_argument("--ab-fused", type=int, default=0, metavar="ROUNDS", help="in-process A/B of msllm.kernels")
+    p.add_argument("--block-graph", default="auto", choices=["auto", "shared", "inlined"],
+                   help="train.block_graph: shared = one block graph called by every layer")
+    p.add_argument("--ab", choices=list(AB_SWITCHES), help="in-process A/B of one switch, on vs off")
+    p.add_argument("--rounds", type=int, default=12, help="--ab: alternations")
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--peak-flops", type=float, default=3.8e11)  # measured 2-thread fp32 GEMM here
     p.add_argument("--out", default="runs/bench")
@@ -215,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker", choices=["msllm", "torch"])
     p.add_argument("--mode", default="graph")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--layers", type=int, default=0)
+    p.add_argument("--layers", type=int, default=0, help="--ab: depth instead of the workload's")
     args = p.parse_args(argv)
     if args.worker:
         run_worker(args)
@@ -223,13 +233,14 @@ def main(argv=None) -> int:
 
     w = WORKLOADS[args.workload]
     tokens_per_step = w["batch"] * w["seq"]
-    if args.ab_fused:
-        r = ab_fused_kernels(w, args.ab_fused, args.steps_per_round, args.threads)
-        print(f"{args.workload}: fused kernels {r['fused_step_s'] * 1e3:.1f} ms/step "
-              f"({tokens_per_step / r['fused_step_s']:,.0f} tok/s), portable {r['portable_step_s'] * 1e3:.1f} ms/step "
-              f"({tokens_per_step / r['portable_step_s']:,.0f} tok/s): {r['speedup']:.3f}x, "
+    if args.ab:
+        w = {**w, "layers": args.layers or w["layers"]}
+        r = ab_compare(w, args.ab, args.rounds, args.steps_per_round, args.threads)
+        print(f"{args.workload}: {args.ab} on {r['on_step_s'] * 1e3:.1f} ms/step "
+              f"({tokens_per_step / r['on_step_s']:,.0f} tok/s), off {r['off_step_s'] * 1e3:.1f} ms/step "
+              f"({tokens_per_step / r['off_step_s']:,.0f} tok/s): on is {r['speedup']:.3f}x, "
               f"median of {r['steps_each']} alternated steps each")
-        save(args, f"ab_fused_{args.workload}", {"workload": w, **r})
+        save(args, f"ab_{args.ab}_{args.workload}", {"workload": w, **r})
         return 0
     rows = []
     if args.compile_layers:

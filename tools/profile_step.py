@@ -55,7 +55,8 @@ def workload(args) -> dict:
 def kernel_profile(w: dict, args) -> dict:
     from mindspore.profiler import Profiler
 
-    step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels)
+    step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels,
+                                   block_graph=args.block_graph)
     num_params = len(step.optimizer.params)
     for _ in range(args.warmup):
         step(batch)[0].asnumpy()
@@ -82,7 +83,8 @@ def kernel_profile(w: dict, args) -> dict:
 
 
 def compile_worker(w: dict, args) -> None:
-    step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels)
+    step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels,
+                                   block_graph=args.block_graph)
     t0 = time.perf_counter()
     step.compile(batch)
     print(f"COMPILE_S {time.perf_counter() - t0}", flush=True)
@@ -90,19 +92,23 @@ def compile_worker(w: dict, args) -> None:
 
 def compile_profile(w: dict, args) -> dict:
     cmd = [sys.executable, __file__, "--compile-worker", "--workload", args.workload, "--threads", str(args.threads),
-           "--fused-kernels", args.fused_kernels,
+           "--fused-kernels", args.fused_kernels, "--block-graph", args.block_graph,
            "--shape", ",".join(f"{k}={v}" for k, v in w.items())]
     env = {**os.environ, "GLOG_v": "3", "MS_DEV_RUNTIME_CONF": "compile_statistics:True"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    phases = defaultdict(float)
+    phases, counts = defaultdict(float), defaultdict(int)
     for m in PHASE.finditer(proc.stdout + proc.stderr):
         phases[m.group(1)] += float(m.group(2)) / 1e3
+        counts[m.group(1)] += 1
     seconds = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("COMPILE_S ")]
     if not seconds or "compile_graph" not in phases:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise SystemExit(f"compile worker failed (exit {proc.returncode}): {tail}")
     total, backend = phases["compile_graph"], phases["compile_backend_graph"]
+    # The backend builds one kernel graph per piece of the step between sub-graph calls, plus one
+    # per called graph: 3 with the blocks inlined, more when every layer calls the shared block graph.
     return {"compile_s": seconds[0], "graph_compile_s": total, "frontend_s": total - backend, "backend_s": backend,
+            "kernel_graphs": counts["ConstructKernelGraph"],
             "backend_phases_s": {p: phases[p] for p in BACKEND_PHASES if p in phases}}
 
 
@@ -116,6 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "off"])
+    p.add_argument("--block-graph", default="auto", choices=["auto", "shared", "inlined"])
     p.add_argument("--out", default="runs/profile")
     p.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -127,7 +134,8 @@ def main(argv=None) -> int:
     print(f"{args.workload} {w}, {args.threads} threads")
     if args.compile:
         r = compile_profile(w, args)
-        print(f"compile {r['compile_s']:.2f} s: frontend {r['frontend_s']:.2f} s, backend {r['backend_s']:.2f} s")
+        print(f"compile {r['compile_s']:.2f} s: frontend {r['frontend_s']:.2f} s, backend {r['backend_s']:.2f} s, "
+              f"{r['kernel_graphs']} kernel graphs")
         for phase, s in r["backend_phases_s"].items():
             print(f"  backend {phase:<20} {s:6.2f} s")
     else:

@@ -3,8 +3,9 @@
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
 parameter-sized tensor four times, the gradient norm twice, SwiGLU forward + backward takes
-~8 kernels. These do each chain in one pass: AdamW (in place), sum of squares, and RMSNorm,
-SwiGLU, RoPE with the head split, and the attention softmax, each with its gradient. They are a CPU-backend accelerator only: on other backends, without g++, or with
+~8 kernels. These do each chain in one pass: AdamW (in place) and the sum of squares, each
+one call for all parameters, and RMSNorm, SwiGLU, RoPE with the head split, and the attention
+softmax, each with its gradient. They are a CPU-backend accelerator only: on other backends, without g++, or with
 train.fused_kernels: off, msllm uses the portable MindSpore-op formulation of the same maths
 (tests hold both against each other and against torch).
 
@@ -110,25 +111,26 @@ def _aot(name: str, out_shape=_same_as_first, out_dtype=_dtype_of_first, bprop=N
 
 
 class AdamWUpdate(ops.Custom):
-    """(w, m, v, grad, [lr_t, lr, beta1, beta2, eps_t, grad_coef], weight_decay) -> [1]; updates w, m, v in place."""
+    """(w_1..w_n, m_1..m_n, v_1..v_n, g_1..g_n, [lr_t, lr, beta1, beta2, eps_t, grad_coef], weight_decay [n]) -> [1].
 
-    # Marking w, m, v as written makes MindSpore order this op like its own Adam kernel
-    # (after every read of the old values, before the next step).
-    __mindspore_signature__ = (
-        sig.make_sig("w", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-        sig.make_sig("m", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-        sig.make_sig("v", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-        sig.make_sig("grad", dtype=sig.sig_dtype.T),
-        sig.make_sig("scalars", dtype=sig.sig_dtype.T),
-        sig.make_sig("weight_decay", dtype=sig.sig_dtype.T))
+    Updates the n parameters and their moments in place, all in one kernel call: one graph node
+    for the whole optimizer instead of one per parameter, which keeps compile time flat in depth.
+    """
 
-    def __init__(self):
+    def __init__(self, n: int):
         super().__init__(f"{library()}:AdamWUpdate", out_shape=_one_float, out_dtype=_float32, func_type="aot")
+        # Marking w, m, v as written makes MindSpore order this op like its own Adam kernel
+        # (after every read of the old values, before the next step).
+        written = [sig.make_sig(f"{name}{i}", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T)
+                   for name in ("w", "m", "v") for i in range(n)]
+        read = [sig.make_sig(f"g{i}", dtype=sig.sig_dtype.T) for i in range(n)]
+        self.__mindspore_signature__ = tuple(written + read + [sig.make_sig("scalars", dtype=sig.sig_dtype.T),
+                                                               sig.make_sig("weight_decay", dtype=sig.sig_dtype.T)])
         self.add_prim_attr("side_effect_mem", True)
 
 
 def sum_of_squares_op():
-    """grad (fp32, any shape) -> [1] sum of its squares, in one pass."""
+    """(g_1, .., g_n) (fp32, any shapes) -> [1] the sum of all their squares, in one kernel call."""
     return _aot("SumOfSquares", _one_float, _float32)
 
 

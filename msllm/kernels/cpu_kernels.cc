@@ -97,46 +97,65 @@ void parallel_for(int64_t n, Fn fn, int64_t grain = 1 << 16) {
   if (threads == 1 || !pool().Run(threads, run_chunk)) fn(0, n, 0);
 }
 
+// Runs fn(k, lo, hi, t) over the elements of n tensors laid end to end ([lo, hi) within tensor
+// k), split evenly across the pool: one kernel call serves a whole list of parameters without a
+// thread wake-up per tensor, and small tensors (norm weights) share a chunk with big ones.
+template <typename Fn>
+void parallel_for_tensors(int n, int *ndims, int64_t **shapes, Fn fn) {
+  std::vector<int64_t> start(n + 1, 0);
+  for (int k = 0; k < n; ++k) start[k + 1] = start[k] + numel(ndims[k], shapes[k]);
+  parallel_for(start[n], [&](int64_t lo, int64_t hi, int t) {
+    int k = static_cast<int>(std::upper_bound(start.begin(), start.end(), lo) - start.begin()) - 1;
+    for (; k < n && start[k] < hi; ++k) {
+      const int64_t a = std::max(lo, start[k]) - start[k], b = std::min(hi, start[k + 1]) - start[k];
+      if (a < b) fn(k, a, b, t);
+    }
+  });
+}
+
 }  // namespace
 
-// torch.optim.AdamW on one parameter, in place, one pass over w, m, v, g:
+// torch.optim.AdamW on n parameters, in place, one pass over each w, m, v, g:
 //   g' = coef * g; m = b1 m + (1 - b1) g'; v = b2 v + (1 - b2) g'^2
 //   w = w * (1 - lr wd) - lr_t * m / (sqrt(v) + eps_t)
 // with lr_t = lr sqrt(1 - b2^t) / (1 - b1^t) and eps_t = eps sqrt(1 - b2^t), which is torch's
 // bias-corrected update rearranged. coef carries loss-scale removal and gradient clipping.
-// inputs: w, m, v, g [any shape, fp32], s = [lr_t, lr, b1, b2, eps_t, coef], wd []; output: [1].
+// inputs: w[0..n), m[0..n), v[0..n), g[0..n) [any shapes, fp32], s = [lr_t, lr, b1, b2, eps_t, coef],
+// wd [n] (each parameter's decay); output: [1].
 extern "C" int AdamWUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                            void *stream, void *extra) {
-  float *__restrict w = static_cast<float *>(params[0]);
-  float *__restrict m = static_cast<float *>(params[1]);
-  float *__restrict v = static_cast<float *>(params[2]);
-  const float *__restrict g = static_cast<const float *>(params[3]);
-  const float *s = static_cast<const float *>(params[4]);
-  const float lr_t = s[0], keep = 1.f - s[1] * static_cast<const float *>(params[5])[0];
-  const float b1 = s[2], b2 = s[3], eps_t = s[4], coef = s[5];
-  parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
+  const int n = (nparam - 3) / 4;
+  float **w = reinterpret_cast<float **>(params), **m = w + n, **v = w + 2 * n, **g = w + 3 * n;
+  const float *s = static_cast<const float *>(params[4 * n]);
+  const float *wd = static_cast<const float *>(params[4 * n + 1]);
+  const float lr_t = s[0], lr = s[1], b1 = s[2], b2 = s[3], eps_t = s[4], coef = s[5];
+  parallel_for_tensors(n, ndims, shapes, [&](int k, int64_t lo, int64_t hi, int) {
+    float *__restrict wk = w[k], *__restrict mk = m[k], *__restrict vk = v[k];
+    const float *__restrict gk = g[k];
+    const float keep = 1.f - lr * wd[k];
     for (int64_t i = lo; i < hi; ++i) {
-      const float gi = g[i] * coef;
-      const float mi = b1 * m[i] + (1.f - b1) * gi;
-      const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-      m[i] = mi;
-      v[i] = vi;
-      w[i] = w[i] * keep - lr_t * mi / (std::sqrt(vi) + eps_t);
+      const float gi = gk[i] * coef;
+      const float mi = b1 * mk[i] + (1.f - b1) * gi;
+      const float vi = b2 * vk[i] + (1.f - b2) * gi * gi;
+      mk[i] = mi;
+      vk[i] = vi;
+      wk[i] = wk[i] * keep - lr_t * mi / (std::sqrt(vi) + eps_t);
     }
   });
-  static_cast<float *>(params[6])[0] = 0.f;
+  static_cast<float *>(params[4 * n + 2])[0] = 0.f;
   return 0;
 }
 
-// Sum of squares of one tensor (for the global gradient norm) in one pass.
+// Sum of squares over n tensors (the global gradient norm's), one pass over each.
 // 16 independent float lanes vectorize without -ffast-math; each lane sums at most 256 squares in
 // float before it is added into double, so the result is as accurate as a double sum for any
-// realistic size. inputs: g [any shape, fp32]; output: [1].
+// realistic size. inputs: g[0..n) [any shapes, fp32]; output: [1].
 extern "C" int SumOfSquares(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
-  const float *__restrict g = static_cast<const float *>(params[0]);
+  const int n = nparam - 1;
   double partial[kMaxThreads] = {0};
-  parallel_for(numel(ndims[0], shapes[0]), [&partial, g](int64_t lo, int64_t hi, int t) {
+  parallel_for_tensors(n, ndims, shapes, [&](int k, int64_t lo, int64_t hi, int t) {
+    const float *__restrict g = static_cast<const float *>(params[k]);
     constexpr int kLanes = 16, kBlock = kLanes * 256;
     double total = 0;
     int64_t i = lo;
@@ -147,11 +166,11 @@ extern "C" int SumOfSquares(int nparam, void **params, int *ndims, int64_t **sha
       for (int j = 0; j < kLanes; ++j) total += lane[j];
     }
     for (; i < hi; ++i) total += static_cast<double>(g[i]) * g[i];
-    partial[t] = total;
+    partial[t] += total;
   });
   double total = 0;
   for (double p : partial) total += p;
-  static_cast<float *>(params[1])[0] = static_cast<float>(total);
+  static_cast<float *>(params[n])[0] = static_cast<float>(total);
   return 0;
 }
 

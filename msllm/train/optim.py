@@ -55,10 +55,6 @@ def _update(adam, beta1_power, beta2_power, lr, beta1, beta2, eps, grad_coef, pa
     return adam(param, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps, ops.depend(grad, decayed))
 
 
-def _fused_update(kernel, scalars, param, m, v, weight_decay, grad):
-    return kernel(param, m, v, grad, scalars, weight_decay)
-
-
 def decays(name: str, param: Parameter) -> bool:
     """Weight decay on matrices (linear and embedding weights); none on norms and biases."""
     return param.ndim >= 2
@@ -83,15 +79,16 @@ class AdamW(nn.Cell):
         self.beta1, self.beta2, self.eps = cfg.beta1, cfg.beta2, cfg.eps
         self.step = Parameter(Tensor(np.array(0, np.int32)), name="optimizer.step")
         self.schedule = LRSchedule(cfg, total_steps)
-        self.weight_decay = tuple(Tensor(cfg.weight_decay if decays(p.name, p) else 0.0, ms.float32)
-                                  for p in self.params)
+        decay = [cfg.weight_decay if decays(p.name, p) else 0.0 for p in self.params]
+        self.weight_decay = tuple(Tensor(d, ms.float32) for d in decay)
         self.fused = fused
         self.hyper_map = ops.HyperMap()  # one graph node over the tuples, cheaper to compile than a Python loop
         if fused:
             if any(p.dtype != ms.float32 for p in self.params):
                 raise ValueError("fused AdamW kernels take fp32 parameters only")
             from msllm import kernels
-            self.kernel = kernels.AdamWUpdate()
+            self.kernel = kernels.AdamWUpdate(len(self.params))
+            self.weight_decay_vector = Tensor(np.array(decay, np.float32))
         else:
             self.adam = ops.Adam()
 
@@ -107,8 +104,7 @@ class AdamW(nn.Cell):
             coef = ops.ones((), ms.float32) if grad_coef is None else grad_coef
             scalars = ops.stack([lr_t, lr, ops.full((), self.beta1, dtype=ms.float32),
                                  ops.full((), self.beta2, dtype=ms.float32), eps, coef])
-            self.hyper_map(ops.partial(_fused_update, self.kernel, scalars),
-                           self.params, self.exp_avg, self.exp_avg_sq, self.weight_decay, grads)
+            self.kernel(*self.params, *self.exp_avg, *self.exp_avg_sq, *grads, scalars, self.weight_decay_vector)
         else:
             self.hyper_map(ops.partial(_update, self.adam, beta1_power, beta2_power, lr, self.beta1, self.beta2,
                                        eps, grad_coef),

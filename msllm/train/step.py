@@ -45,10 +45,10 @@ hyper_map = ops.HyperMap()
 
 
 def global_norm(grads, sum_of_squares_op=None):
-    """sqrt of the sum of squares of all gradients; with the fused kernel, one pass per gradient."""
+    """sqrt of the sum of squares of all gradients; the fused kernel takes them all in one call."""
     if sum_of_squares_op is None:
         return ops.sqrt(ops.addn(hyper_map(sum_of_squares, grads)))
-    return ops.sqrt(ops.addn(hyper_map(sum_of_squares_op, grads))).reshape(())
+    return ops.sqrt(sum_of_squares_op(*grads)).reshape(())
 
 
 def apply_recompute(model, mode: str) -> None:

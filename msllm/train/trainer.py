@@ -89,6 +89,7 @@ class Trainer:
 
         self.model = build_model(cfg.model, seed=t.seed, compute_dtype=dtype)
         apply_recompute(self.model, t.recompute)
+        self.model.share_block_graph(device.shares_block_graph(t.block_graph, cfg.model.num_layers, t.recompute))
         self.optimizer = AdamW(self.model.trainable_params(), cfg.optim, t.steps,
                                fused=kernels.enabled(t.fused_kernels))
         scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
