@@ -51,9 +51,9 @@ def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level:
 
 # From this depth `auto` shares the block graph on CPU. Measured on the W1 shape: inlined and
 # shared compile alike at 2 and 4 layers (~1.0 s); at 8 layers 1.7 vs 1.1 s, at 32 5.8 vs 1.8 s.
-# Shared steps are ~2% slower (each layer's weights are copied into the call) and peak memory
-# moves (W2, 8 layers: 3.9 -> 4.9 GB; W1 shape, 32 layers: 4.2 -> 3.6 GB), so it is kept for
-# deep models, whose inlined compile takes long.
+# Shared steps are 1-3% slower (each layer's weights are copied into the call) and peak memory
+# moves: W2 at 8 layers 3.9 -> 4.9 GB, but W2 shape at 16 layers 6.9 -> 6.9 GB and W1 shape at 32
+# layers 4.2 -> 3.6 GB. So it is kept for deep models, whose inlined compile takes long.
 SHARED_BLOCK_GRAPH_MIN_LAYERS = 16
 
 

@@ -5,9 +5,9 @@ the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) t
 parameter-sized tensor four times, the gradient norm twice, SwiGLU forward + backward takes
 ~8 kernels. These do each chain in one pass: AdamW (in place) and the sum of squares, each
 one call for all parameters, and RMSNorm, SwiGLU, RoPE with the head split, and the attention
-softmax, each with its gradient. They are a CPU-backend accelerator only: on other backends, without g++, or with
-train.fused_kernels: off, msllm uses the portable MindSpore-op formulation of the same maths
-(tests hold both against each other and against torch).
+softmax, each with its gradient. They are a CPU-backend accelerator only: on other backends,
+without g++, or with train.fused_kernels: off, msllm uses the portable MindSpore-op
+formulation of the same maths (tests hold both against each other and against torch).
 
 The library is compiled once per source version and CPU with the system g++ into
 $MSLLM_CACHE/kernels (default ~/.cache/msllm/kernels), written to a temp file and renamed, so

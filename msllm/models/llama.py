@@ -297,10 +297,10 @@ class FeedForward(nn.Cell):
 
 class Block(nn.Cell):
     # lazy_inline: MindSpore builds one block graph for all layers, with each layer's weights as
-    # its arguments. What happens to it is `no_inline`: False inlines it into the caller per layer
-    # in the frontend (MindSpore's policy="front"); True keeps it one sub-graph that every layer
-    # calls, compiled once (Llama.share_block_graph). Without either, MindSpore would treat it as
-    # Ascend cell reuse, which the CPU backend refuses.
+    # its arguments. `no_inline` says what happens to it: False inlines it into the caller per
+    # layer in the frontend (what lazy_inline's policy="front" sets); True keeps it one sub-graph
+    # that every layer calls, compiled once (Llama.share_block_graph). Left unset, MindSpore
+    # would treat it as Ascend cell reuse, which the CPU backend refuses.
     @ms.lazy_inline
     def __init__(self, cfg: ModelConfig):
         super().__init__()
