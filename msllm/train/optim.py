@@ -68,7 +68,8 @@ class AdamW(nn.Cell):
     with eps scaled: passing eps' = eps * sqrt(1 - b2^t) gives the torch update exactly.
     Decoupled weight decay is one multiply before it, as torch does, and grad_coef (unscale +
     clip) one more. Fused path (`fused=True`, CPU backend): the same update as one C++ pass
-    per parameter (msllm.kernels), measured ~2x faster than those four kernels.
+    over each parameter, one kernel call for all of them (msllm.kernels), measured ~2x faster
+    than those four kernels.
     """
 
     def __init__(self, params, cfg: OptimConfig, total_steps: int, fused: bool = False):
@@ -80,17 +81,17 @@ class AdamW(nn.Cell):
         self.step = Parameter(Tensor(np.array(0, np.int32)), name="optimizer.step")
         self.schedule = LRSchedule(cfg, total_steps)
         decay = [cfg.weight_decay if decays(p.name, p) else 0.0 for p in self.params]
-        self.weight_decay = tuple(Tensor(d, ms.float32) for d in decay)
         self.fused = fused
-        self.hyper_map = ops.HyperMap()  # one graph node over the tuples, cheaper to compile than a Python loop
         if fused:
             if any(p.dtype != ms.float32 for p in self.params):
                 raise ValueError("fused AdamW kernels take fp32 parameters only")
             from msllm import kernels
             self.kernel = kernels.AdamWUpdate(len(self.params))
-            self.weight_decay_vector = Tensor(np.array(decay, np.float32))
+            self.weight_decay = Tensor(np.array(decay, np.float32))  # [n], one entry per parameter
         else:
             self.adam = ops.Adam()
+            self.weight_decay = tuple(Tensor(d, ms.float32) for d in decay)
+            self.hyper_map = ops.HyperMap()  # one graph node over the tuples, cheaper to compile than a Python loop
 
     def construct(self, grads, grad_coef=None):
         step = self.step + 1
@@ -104,7 +105,7 @@ class AdamW(nn.Cell):
             coef = ops.ones((), ms.float32) if grad_coef is None else grad_coef
             scalars = ops.stack([lr_t, lr, ops.full((), self.beta1, dtype=ms.float32),
                                  ops.full((), self.beta2, dtype=ms.float32), eps, coef])
-            self.kernel(*self.params, *self.exp_avg, *self.exp_avg_sq, *grads, scalars, self.weight_decay_vector)
+            self.kernel(*self.params, *self.exp_avg, *self.exp_avg_sq, *grads, scalars, self.weight_decay)
         else:
             self.hyper_map(ops.partial(_update, self.adam, beta1_power, beta2_power, lr, self.beta1, self.beta2,
                                        eps, grad_coef),
