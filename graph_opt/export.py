@@ -82,7 +82,7 @@ def to_half(model) -> None:
 
 def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     """The three graphs via ms.export (GRAPH_MODE) with None for every dynamic dimension."""
-    from msllm.models.kv_cache import Decode, Prefill
+    from msllm.inference import Decode, Prefill
 
     cfg = model.cfg
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -133,7 +133,7 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
            force: bool = False, log=print) -> dict:
     """Export a run (or checkpoint dir) to OUT; returns the manifest. Raises ExportError / CheckpointError."""
     from msllm import device
-    from msllm.generate import find_tokenizer, load_model
+    from msllm.checkpoint import find_tokenizer, load_model
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")

@@ -1,22 +1,16 @@
-"""Inference engines over one interface: msllm Cells, MindIR GraphCells, onnxruntime sessions.
-
-Every engine answers three calls on integer ids [batch, seq] and returns fp32 numpy logits:
-  logits(ids)                 the `model` graph, input_ids -> logits
-  prefill(ids)                -> (logits, cache)
-  decode(ids, cache)          -> (logits, cache grown by seq positions)
-The cache is the engine's own (keys, values) pair, passed back unchanged. Graphs are loaded
-on first use, so generation never loads the `model` graph.
+"""Engines over exported graphs (MindIR GraphCells, onnxruntime sessions), with the interface of
+msllm.inference.Engine; and loading any engine by name for `msllm generate`.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
 
 import mindspore as ms
 import numpy as np
 
 from msllm.errors import UserError
+from msllm.inference import Engine, MindSporeEngine
 
 MANIFEST = "export.json"
 ENGINES = {"msllm": None, "mindir": "mindir", "onnxruntime": "onnx"}  # engine -> export format it runs
@@ -24,39 +18,6 @@ ENGINES = {"msllm": None, "mindir": "mindir", "onnxruntime": "onnx"}  # engine -
 
 class ExportError(UserError, RuntimeError):
     """A bad export request or a failed verification. str() is the one-line message."""
-
-
-class Engine:
-    def __init__(self, loaders: dict[str, Callable]):
-        self.loaders, self.graphs = loaders, {}
-
-    def graph(self, kind: str):
-        if kind not in self.graphs:
-            self.graphs[kind] = self.loaders[kind]()
-        return self.graphs[kind]
-
-    def run(self, kind: str, ids: np.ndarray, *cache) -> tuple:
-        raise NotImplementedError
-
-    def logits(self, ids):
-        return self.run("model", ids)[0]
-
-    def prefill(self, ids):
-        logits, *cache = self.run("prefill", ids)
-        return logits, cache
-
-    def decode(self, ids, cache):
-        logits, *cache = self.run("decode", ids, *cache)
-        return logits, cache
-
-
-class MindSporeEngine(Engine):
-    """Cells or GraphCells; input_ids int32, cache kept as MindSpore tensors."""
-
-    def run(self, kind, ids, *cache):
-        out = self.graph(kind)(ms.Tensor(np.asarray(ids, np.int32)), *cache)
-        out = out if isinstance(out, (tuple, list)) else (out,)
-        return (out[0].asnumpy(), *out[1:])
 
 
 class OnnxEngine(Engine):
@@ -67,21 +28,6 @@ class OnnxEngine(Engine):
         if cache:
             feeds["past_keys"], feeds["past_values"] = cache
         return tuple(self.graph(kind).run(None, feeds))
-
-
-def cell_engine(model) -> MindSporeEngine:
-    """The `msllm` engine: the trained model's own Cells, in whatever mode the process runs.
-    Prefill and decode declare dynamic inputs, so in GRAPH_MODE each compiles once, not per length."""
-    from msllm.models.kv_cache import Decode, Prefill
-
-    cfg = model.cfg
-    ids = ms.Tensor(shape=[None, None], dtype=ms.int32)
-    cache = ms.Tensor(shape=[cfg.num_layers, None, cfg.num_kv_heads, None, cfg.head_dim],
-                      dtype=model.compute_dtype)
-    prefill, decode = Prefill(model), Decode(model)
-    prefill.set_inputs(ids)
-    decode.set_inputs(ids, cache, cache)
-    return MindSporeEngine({"model": lambda: model, "prefill": lambda: prefill, "decode": lambda: decode})
 
 
 def read_manifest(export_dir: Path) -> dict:
@@ -103,3 +49,28 @@ def export_engine(export_dir: Path, manifest: dict) -> Engine:
 
     return OnnxEngine({kind: (lambda f=f: ort.InferenceSession(f, providers=["CPUExecutionProvider"]))
                        for kind, f in files.items()})
+
+
+def load_engine(engine: str, path: str | Path):
+    """(engine, model config, tokenizer): `msllm` reads a run/checkpoint dir, mindir/onnxruntime an export dir."""
+    from msllm.backends import specialise
+    from msllm.checkpoint import load_run
+    from msllm.config import config_from_dict
+    from msllm.data.tokenizer import load_tokenizer
+    from msllm.inference import cell_engine
+
+    if engine not in ENGINES:
+        raise ExportError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine == "msllm":
+        cfg, model, tokenizer = load_run(path)
+        specialise(model, cfg, training=False)
+        return cell_engine(model), cfg.model, tokenizer
+    manifest = read_manifest(Path(path))
+    if manifest["format"] != ENGINES[engine]:
+        raise ExportError(f"{path}: is a {manifest['format']} export; --engine {engine} runs "
+                          f"{ENGINES[engine]} exports")
+    tokenizer = Path(path) / "tokenizer.json"
+    if not tokenizer.exists():
+        raise ExportError(f"{path}: export has no tokenizer.json (its run had none)")
+    cfg = config_from_dict(manifest["config"], str(Path(path) / "export.json"))
+    return export_engine(Path(path), manifest), cfg.model, load_tokenizer(tokenizer)

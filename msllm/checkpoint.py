@@ -156,3 +156,43 @@ def load_arrays(path: Path) -> dict[str, np.ndarray]:
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
     return {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in tensors.items()}
+
+
+def find_tokenizer(ckpt_dir: Path, state: dict) -> Path | None:
+    """The checkpoint's tokenizer.json, or None if it has none.
+
+    Training records an absolute path, conversion a name inside the checkpoint dir; when a
+    run dir was moved, its own copy under data/ is used.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    for candidate in (ckpt_dir / state["tokenizer"] if state.get("tokenizer") else None,
+                      ckpt_dir.parent.parent / "data" / "tokenizer.json"):
+        if candidate is not None and candidate.is_file():
+            return candidate
+    return None
+
+
+def load_model(ckpt: str | Path):
+    """(config, eval-mode model, checkpoint dir, train state) from a run dir or a checkpoint dir."""
+    from msllm.config import config_from_dict
+    from msllm.models.llama import Llama
+
+    path = latest(Path(ckpt))
+    state = read_state(path)
+    cfg = config_from_dict(state["config"], str(path / STATE_FILE))
+    model = Llama(cfg.model)
+    load_into(model.trainable_params(), load_arrays(path / MODEL_FILE), str(path))
+    model.set_train(False)
+    return cfg, model, path, state
+
+
+def load_run(ckpt: str | Path):
+    """(config, model, tokenizer) from a run dir or a checkpoint dir."""
+    from msllm.data.tokenizer import load_tokenizer
+
+    cfg, model, path, state = load_model(ckpt)
+    tokenizer = find_tokenizer(path, state)
+    if tokenizer is None:
+        raise CheckpointError(f"{path}: no tokenizer.json (state.json 'tokenizer'); put the model's "
+                              f"tokenizer.json in the checkpoint dir to generate text")
+    return cfg, model, load_tokenizer(tokenizer)

@@ -16,10 +16,7 @@ PLANNED = {
 
 
 def cmd_train(args) -> int:
-    from graph_opt.runtime import cell_engine
     from msllm.config import load_config
-    from msllm.generate import generate_text
-    from msllm.train.trainer import Trainer
 
     overrides = list(args.set)
     if args.mode:
@@ -33,6 +30,10 @@ def cmd_train(args) -> int:
         cfg = load_config(config_path, overrides + [f"train.run_dir={args.resume}"])
     else:
         cfg = load_config(args.config, overrides)
+    from msllm.generate import generate_text  # the config is valid: now load MindSpore
+    from msllm.inference import cell_engine
+    from msllm.train.trainer import Trainer
+
     trainer = Trainer(cfg, resume=bool(args.resume))
     result = trainer.fit()
     if trainer.rank == 0 and cfg.train.sample_tokens > 0:
@@ -46,8 +47,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from graph_opt.runtime import load_engine
     from msllm import device
-    from msllm.generate import generate_text, load_engine
+    from msllm.generate import generate_text
 
     device.setup("cpu", "graph")  # prefill and decode compile once each (dynamic shapes)
     engine, model_cfg, tokenizer = load_engine(args.engine, args.ckpt)

@@ -49,28 +49,6 @@ def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level:
         ms.set_context(runtime_num_threads=threads or os.cpu_count() or 1)
 
 
-# From this depth `auto` shares the block graph on CPU. Measured on the W1 shape: inlined and
-# shared compile alike at 2 and 4 layers (~1.0 s); at 8 layers 1.7 vs 1.1 s, at 32 5.8 vs 1.8 s.
-# Shared steps are 1-3% slower (each layer's weights are copied into the call) and peak memory
-# moves: W2 at 8 layers 3.9 -> 4.9 GB, but W2 shape at 16 layers 6.9 -> 6.9 GB and W1 shape at 32
-# layers 4.2 -> 3.6 GB. So it is kept for deep models, whose inlined compile takes long.
-SHARED_BLOCK_GRAPH_MIN_LAYERS = 16
-
-
-def shares_block_graph(mode: str, num_layers: int, recompute: str = "none") -> bool:
-    """train.block_graph: whether the train step calls one compiled block graph for every layer.
-
-    shared / inlined as asked; auto: shared on CPU from SHARED_BLOCK_GRAPH_MIN_LAYERS layers
-    without recompute (MindSpore 2.10 does not recompute inside the shared graph). Other
-    backends keep the blocks inlined under auto: not measured here, and on Ascend MindSpore's
-    own cell reuse is the way to compile a block once (roadmap).
-    """
-    if mode != "auto":
-        return mode == "shared"
-    return (ms.get_context("device_target") == "CPU" and num_layers >= SHARED_BLOCK_GRAPH_MIN_LAYERS
-            and recompute == "none")
-
-
 def compute_dtype(precision: str, device: str):
     """The matmul dtype for train.precision on this device."""
     if precision == "bf16" and device == "cpu":

@@ -5,70 +5,8 @@ reference the cached path (`generate_cached`) must reproduce token for token.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import mindspore as ms
 import numpy as np
-
-from msllm import checkpoint
-from msllm.config import config_from_dict
-from msllm.data.tokenizer import load_tokenizer
-from msllm.models.llama import Llama
-
-
-def find_tokenizer(ckpt_dir: Path, state: dict) -> Path | None:
-    """The checkpoint's tokenizer.json, or None if it has none.
-
-    Training records an absolute path, conversion a name inside the checkpoint dir; when a
-    run dir was moved, its own copy under data/ is used.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    for candidate in (ckpt_dir / state["tokenizer"] if state.get("tokenizer") else None,
-                      ckpt_dir.parent.parent / "data" / "tokenizer.json"):
-        if candidate is not None and candidate.is_file():
-            return candidate
-    return None
-
-
-def load_model(ckpt: str | Path):
-    """(config, eval-mode model, checkpoint dir, train state) from a run dir or a checkpoint dir."""
-    path = checkpoint.latest(Path(ckpt))
-    state = checkpoint.read_state(path)
-    cfg = config_from_dict(state["config"], str(path / checkpoint.STATE_FILE))
-    model = Llama(cfg.model)
-    checkpoint.load_into(model.trainable_params(), checkpoint.load_arrays(path / checkpoint.MODEL_FILE), str(path))
-    model.set_train(False)
-    return cfg, model, path, state
-
-
-def load_run(ckpt: str | Path):
-    """(config, model, tokenizer) from a run dir or a checkpoint dir."""
-    cfg, model, path, state = load_model(ckpt)
-    tokenizer = find_tokenizer(path, state)
-    if tokenizer is None:
-        raise checkpoint.CheckpointError(f"{path}: no tokenizer.json (state.json 'tokenizer'); put the model's "
-                                         f"tokenizer.json in the checkpoint dir to generate text")
-    return cfg, model, load_tokenizer(tokenizer)
-
-
-def load_engine(engine: str, path: str | Path):
-    """(engine, model config, tokenizer): `msllm` reads a run/checkpoint dir, mindir/onnxruntime an export dir."""
-    from graph_opt.runtime import ENGINES, ExportError, cell_engine, export_engine, read_manifest
-
-    if engine not in ENGINES:
-        raise ExportError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    if engine == "msllm":
-        cfg, model, tokenizer = load_run(path)
-        return cell_engine(model), cfg.model, tokenizer
-    manifest = read_manifest(Path(path))
-    if manifest["format"] != ENGINES[engine]:
-        raise ExportError(f"{path}: is a {manifest['format']} export; --engine {engine} runs "
-                          f"{ENGINES[engine]} exports")
-    tokenizer = Path(path) / "tokenizer.json"
-    if not tokenizer.exists():
-        raise ExportError(f"{path}: export has no tokenizer.json (its run had none)")
-    cfg = config_from_dict(manifest["config"], str(Path(path) / "export.json"))
-    return export_engine(Path(path), manifest), cfg.model, load_tokenizer(tokenizer)
 
 
 def pick_next(logits: np.ndarray, top_k: int, temperature: float, rng: np.random.Generator) -> int:

@@ -10,6 +10,13 @@ os.environ.setdefault("GLOG_v", "3")  # MindSpore: errors only
 REPO = Path(__file__).resolve().parents[1]
 
 
+def step_config(model, optim=None, **train):
+    """A Config for msllm.train.build.build_train_step: the model and optim sections as given, train.* keywords."""
+    from msllm.config import Config, OptimConfig, TrainConfig
+
+    return Config(model=model, optim=optim or OptimConfig(), train=TrainConfig(**train))
+
+
 def tiny_overrides(run_dir: Path, corpus: Path, **extra) -> list[str]:
     """--set overrides for a seconds-long CPU run on a small corpus."""
     values = {

@@ -15,11 +15,13 @@ from graph_opt import export as export_mod
 from graph_opt.export import export
 from graph_opt.onnx_llama import build_graph
 from graph_opt.onnx_passes import clean_up
-from graph_opt.runtime import ExportError, cell_engine
+from graph_opt.runtime import ExportError
+from msllm.inference import cell_engine
 from msllm import checkpoint, device
 from msllm.config import Config, ModelConfig
 from msllm.data.tokenizer import load_tokenizer, train_tokenizer
-from msllm.generate import generate_cached, generate_ids, load_model
+from msllm.checkpoint import load_model
+from msllm.generate import generate_cached, generate_ids
 from msllm.models.llama import build_model
 from tests.conftest import REPO, run_cli
 

@@ -8,7 +8,8 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from msllm import device, kernels
-from msllm.models.llama import Rope, RMSNormCore, SoftmaxAttention, SwiGLU, scores_shape
+from msllm.backends.cpu import Rope, RMSNormCore, SoftmaxAttention
+from msllm.models.llama import SwiGLU, scores_shape
 
 
 @pytest.fixture(autouse=True)

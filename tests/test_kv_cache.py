@@ -4,7 +4,7 @@ import numpy as np
 
 from msllm import device
 from msllm.config import ModelConfig
-from msllm.models.kv_cache import Decode, Prefill
+from msllm.inference import Decode, Prefill
 from msllm.models.llama import build_model
 
 # Qwen2-style bias and tied embeddings plus llama3 rope scaling: every optional path at once.

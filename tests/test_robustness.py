@@ -9,9 +9,8 @@ import pytest
 from msllm import checkpoint, device
 from msllm.config import ModelConfig, OptimConfig
 from msllm.models.llama import build_model
-from msllm.train.optim import AdamW
-from msllm.train.step import TrainStep, apply_recompute, make_loss_scaler
-from tests.conftest import REPO, run_cli, tiny_overrides
+from msllm.train.build import build_train_step
+from tests.conftest import REPO, run_cli, step_config, tiny_overrides
 from tests.test_train import sets
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=96,
@@ -19,15 +18,15 @@ CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num
 TOKENS = np.random.default_rng(0).integers(0, 256, (4, 33)).astype(np.int32)
 
 
-def train_steps(steps=2, dtype=ms.float32, accum=1, recompute="none", scaler=None, fused=False):
+def train_steps(steps=2, precision="fp32", accum=1, recompute="none", loss_scale=2.0 ** 16, fused=False):
     device.setup("cpu", "graph")
-    model = build_model(CFG, seed=0, compute_dtype=dtype)
-    apply_recompute(model, recompute)
-    model.share_block_graph(recompute == "none")  # as train.block_graph: shared (which excludes recompute)
-    optimizer = AdamW(model.trainable_params(), OptimConfig(warmup_steps=1), 10, fused=fused)
-    step = TrainStep(model, optimizer, 1.0, accum, scaler)
-    outs = [[float(x.asnumpy()) for x in step(ms.Tensor(TOKENS))] for _ in range(steps)]
-    return outs, {p.name: p.asnumpy() for p in model.trainable_params()}
+    # block_graph shared where it may be (it excludes recompute), so both paths are exercised
+    cfg = step_config(CFG, OptimConfig(warmup_steps=1), steps=10, seed=0, precision=precision, accum_steps=accum,
+                      recompute=recompute, loss_scale=loss_scale, fused_kernels="auto" if fused else "off",
+                      block_graph="shared" if recompute == "none" else "inlined")
+    built = build_train_step(cfg)
+    outs = [[float(x.asnumpy()) for x in built.train_step(ms.Tensor(TOKENS))] for _ in range(steps)]
+    return outs, {p.name: p.asnumpy() for p in built.model.trainable_params()}
 
 
 # Each test runs with the portable ops and with msllm.kernels' fused CPU kernels.
@@ -61,7 +60,7 @@ def test_recompute_keeps_gradients(reference, fused, mode):
 
 def test_fp16_trains_close_to_fp32_with_fp32_master_weights(reference, fused):
     ref_out, _ = reference
-    out, w = train_steps(dtype=ms.float16, scaler=make_loss_scaler(2.0 ** 16, 1000), fused=fused)
+    out, w = train_steps(precision="fp16", loss_scale=2.0 ** 16, fused=fused)
     assert all(o[3] == 1.0 for o in out) and out[0][4] == 2.0 ** 16          # finite, scale kept
     np.testing.assert_allclose([o[0] for o in out], [o[0] for o in ref_out], rtol=1e-3)
     assert all(a.dtype == np.float32 for a in w.values())
@@ -69,7 +68,7 @@ def test_fp16_trains_close_to_fp32_with_fp32_master_weights(reference, fused):
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale(fused):
     before = {p.name: p.asnumpy() for p in build_model(CFG, seed=0).trainable_params()}
-    out, after = train_steps(steps=2, dtype=ms.float16, scaler=make_loss_scaler(2.0 ** 40, 1000), fused=fused)
+    out, after = train_steps(steps=2, precision="fp16", loss_scale=2.0 ** 40, fused=fused)
     assert [o[3] for o in out] == [0.0, 0.0]                          # both steps non-finite
     assert [o[4] for o in out] == [2.0 ** 40, 2.0 ** 39]              # scale halves per overflow
     assert all(np.array_equal(before[n], after[n]) for n in before)   # weights untouched

@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from msllm import device
+from msllm import backends, device
 from msllm.config import ModelConfig, OptimConfig
 from msllm.models.llama import build_model
-from msllm.train.optim import AdamW, lr_at
-from msllm.train.step import TrainStep
+from msllm.train.build import build_train_step
+from msllm.train.optim import lr_at
+from tests.conftest import step_config
 from tests.test_model import msllm_name
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=96,
@@ -30,11 +31,12 @@ def batches():
 
 def run_msllm(mode, fused, block_graph=False):
     device.setup("cpu", mode)
-    model = build_model(CFG, seed=3)
-    model.share_block_graph(block_graph)
-    step = TrainStep(model, AdamW(model.trainable_params(), OPT, TOTAL, fused=fused), OPT.grad_clip)
-    out = [tuple(float(x.asnumpy()) for x in step(ms.Tensor(b))) for b in batches()]
-    return out, {p.name: p.asnumpy() for p in model.trainable_params()}
+    cfg = step_config(CFG, OPT, steps=TOTAL, fused_kernels="auto" if fused else "off",
+                      block_graph="shared" if block_graph else "inlined")
+    built = build_train_step(cfg, build_model(CFG, seed=3))
+    assert built.spec.fused_kernels == fused
+    out = [tuple(float(x.asnumpy()) for x in built.train_step(ms.Tensor(b))) for b in batches()]
+    return out, {p.name: p.asnumpy() for p in built.model.trainable_params()}
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["portable", "fused"])
@@ -65,10 +67,14 @@ def test_block_graph_computes_the_same_step(graph_run):
 
 
 def test_block_graph_is_shared_for_deep_models_on_cpu():
-    device.setup("cpu", "graph")
-    assert [device.shares_block_graph("auto", n) for n in (2, 8, 16, 32)] == [False, False, True, True]
-    assert not device.shares_block_graph("auto", 32, recompute="full")  # recompute needs the blocks inlined
-    assert device.shares_block_graph("shared", 2) and not device.shares_block_graph("inlined", 32)
+    def shares(mode, layers, recompute="none", device="cpu"):
+        model = ModelConfig(num_layers=layers)
+        return backends.shares_block_graph(step_config(model, block_graph=mode, recompute=recompute, device=device))
+
+    assert [shares("auto", n) for n in (2, 8, 16, 32)] == [False, False, True, True]
+    assert not shares("auto", 32, recompute="full")  # recompute needs the blocks inlined
+    assert not shares("auto", 32, device="ascend")   # other backends keep them inlined under auto
+    assert shares("shared", 2) and not shares("inlined", 32)
 
 
 def test_lr_schedule_in_graph_matches_reference(graph_run):

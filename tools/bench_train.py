@@ -70,20 +70,16 @@ def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: 
                      recompute: str = "none", fused_kernels: str = "auto", block_graph: str = "auto"):
     """The benchmarked msllm step on workload w (AdamW, clip 1.0) and its batch; also used by profile_step.py."""
     import mindspore as ms
-    from msllm import device, kernels
-    from msllm.config import OptimConfig
-    from msllm.models.llama import build_model
-    from msllm.train.optim import AdamW
-    from msllm.train.step import TrainStep, apply_recompute
+    from msllm import device
+    from msllm.config import Config, OptimConfig, TrainConfig
+    from msllm.train.build import build_train_step
 
     device.setup("cpu", mode, threads, jit_level)
-    model = build_model(model_config(w), seed=0)
-    apply_recompute(model, recompute)
-    model.share_block_graph(device.shares_block_graph(block_graph, w["layers"], recompute))
-    optimizer = AdamW(model.trainable_params(), OptimConfig(warmup_steps=0), 1000,
-                      fused=kernels.enabled(fused_kernels))
-    step = TrainStep(model, optimizer, 1.0)
-    return step, ms.Tensor(tokens(w))
+    cfg = Config(model=model_config(w), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
+                 train=TrainConfig(steps=1000, batch_size=w["batch"], seed=0, mode=mode, threads=threads,
+                                   jit_level=jit_level, recompute=recompute, fused_kernels=fused_kernels,
+                                   block_graph=block_graph))
+    return build_train_step(cfg).train_step, ms.Tensor(tokens(w))
 
 
 # --ab SWITCH: the msllm_train_step keyword it flips, and its values for on and off.

@@ -28,7 +28,7 @@ from mindspore import nn, ops
 from mindspore.ops import signature as sig
 
 from msllm.errors import UserError
-from msllm.models.llama import SoftmaxAttention
+from msllm.backends.cpu import SoftmaxAttention
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 # -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
@@ -135,7 +135,7 @@ def sum_of_squares_op():
 
 
 class FusedSwiGLU(nn.Cell):
-    """silu(gate) * up as one C++ pass forward and one backward (fp32); see models.llama.SwiGLU."""
+    """silu(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.llama.SwiGLU."""
 
     def __init__(self):
         super().__init__()
@@ -151,7 +151,7 @@ class FusedSwiGLU(nn.Cell):
 
 
 class FusedRMSNormCore(nn.Cell):
-    """x [N, h] fp32, weight [h] -> x / rms(x) * weight in one C++ pass each way; see models.llama.RMSNormCore."""
+    """x [N, h] fp32, weight [h] -> x / rms(x) * weight in one C++ pass each way; see msllm.backends.cpu.RMSNormCore."""
 
     def __init__(self, eps: float):
         super().__init__()
@@ -190,7 +190,7 @@ def _heads_shape(x, cos, sin):
 
 
 class FusedRope(nn.Cell):
-    """models.llama.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
+    """msllm.backends.cpu.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
     Takes the [s, d] tables only (Llama passes them unbroadcast when this is in use)."""
 
     def __init__(self):

@@ -1,11 +1,12 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) as MindSpore Cells.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) as MindSpore Cells: plain, device-neutral maths.
 
-Each matmul, norm and the attention core is its own Cell holding its own primitive,
-so a parallel strategy can later be attached per op (e.g. `linear.matmul.shard(...)`).
-Parameter names follow torchtitan: tok_embeddings, layers.N.attention.wq, ...,
-layers.N.feed_forward.w1 (gate) / w2 (down) / w3 (up), norm, output. Linear weights
-are [out, in]. The code is shape-agnostic in batch and sequence (tables and masks
-are sliced by the runtime length), so the same Cells export with dynamic shapes.
+Each matmul, the norm core, the rope, the attention softmax and the activation is its own Cell, so
+msllm.backends can swap a device formulation in (msllm/backends/cpu.py) or attach a parallel
+strategy (msllm/backends/ascend.py) without touching this file. Parameter names follow torchtitan:
+tok_embeddings, layers.N.attention.wq, ..., layers.N.feed_forward.w1 (gate) / w2 (down) / w3 (up),
+norm, output. Linear weights are [out, in]. The code is shape-agnostic in batch and sequence, so
+the same Cells export with dynamic shapes. The KV cache is an optional input of the model's own
+forward: `model(ids, past_keys, past_values, return_cache=True)`.
 """
 from __future__ import annotations
 
@@ -53,25 +54,14 @@ class Embedding(nn.Cell):
 
 
 class RMSNormCore(nn.Cell):
-    """x [N, h] fp32, weight [h] -> x / sqrt(mean(x^2) + eps) * weight.
-
-    Written with two skinny MatMuls so every element-wise op is same-shape: the row sum of
-    squares is (x*x) @ ones and the per-element scale is rsqrt(..) @ weight, an outer product.
-    Why: MindSpore's CPU kernels run a broadcasting multiply ([N, h] * [N, 1] or * [h]) ~3.4x
-    slower than a same-shape one, and the plain formula needs several of them forward and
-    backward; measured forward+backward per norm on W1 2.0 ms instead of 4.0 ms. Training on
-    CPU swaps in msllm.kernels.FusedRMSNormCore (same maths, one pass).
-    """
+    """x [N, h] fp32, weight [h] -> x / sqrt(mean(x^2) + eps) * weight."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.dim, self.eps, self.inv_dim = dim, eps, 1.0 / dim
-        self.ones = Tensor(np.ones((dim, 1), np.float32))
-        self.matmul = ops.MatMul()
+        self.dim, self.eps = dim, eps
 
     def construct(self, x, weight):
-        inv_rms = ops.rsqrt(self.matmul(x * x, self.ones) * self.inv_dim + self.eps)  # [N, 1]
-        return x * self.matmul(inv_rms, weight.reshape(1, self.dim))                  # scale [N, h]
+        return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps) * weight
 
 
 class RMSNorm(nn.Cell):
@@ -117,39 +107,30 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
-def rotate_half_matrix(head_dim: int) -> np.ndarray:
-    """R with x @ R = concat(-x[half:], x[:half]): HF's rotate_half as a signed permutation."""
-    half = head_dim // 2
-    r = np.zeros((head_dim, head_dim), np.float32)
-    r[np.arange(half) + half, np.arange(half)] = -1.0
-    r[np.arange(half), np.arange(half) + half] = 1.0
-    return r
-
-
 def split_heads(x, head_dim: int, s: int):
     """[b*s, n*d] (or [b, s, n*d]) projection -> [b, n, s, d] heads."""
     return x.reshape(-1, s, x.shape[-1] // head_dim, head_dim).transpose(0, 2, 1, 3)
 
 
+def rotate_half(x):
+    """HF's rotate_half: concat(-x[..., half:], x[..., :half])."""
+    half = x.shape[-1] // 2
+    return ops.concat((-x[..., half:], x[..., :half]), -1)
+
+
 class Rope(nn.Cell):
     """A q or k projection [b*s, n*d] -> heads [b, n, s, d] with rotate-half RoPE applied.
 
-    cos/sin: [s, d] tables, or the same already broadcast to the heads' shape (training, see
-    Llama). The rotation is one small MatMul with a signed permutation (exact in any float
-    dtype): measured 25% faster forward+backward on CPU than slice + negate + concat and their
-    gradients. Training on CPU swaps in msllm.kernels.FusedRope (split + rotate in one pass).
+    cos/sin: [s, d] tables, or the same already broadcast to the heads' shape.
     """
 
     def __init__(self, head_dim: int):
         super().__init__()
         self.head_dim = head_dim
-        self.rotate = Tensor(rotate_half_matrix(head_dim))
-        self.matmul = ops.MatMul()
 
     def construct(self, x, cos, sin):
         x = split_heads(x, self.head_dim, cos.shape[-2])
-        rotated = self.matmul(x.reshape(-1, self.head_dim), cast(self.rotate, x.dtype)).reshape(x.shape)
-        return x * cos + rotated * sin
+        return x * cos + rotate_half(x) * sin
 
 
 class AttentionCore(nn.Cell):
@@ -179,22 +160,15 @@ def scores_shape(num_heads: int, num_kv_heads: int, b: int, s: int, t: int) -> t
 
 
 class SoftmaxAttention(nn.Cell):
-    """(out, probs) = softmax(q k^T + mask) v, with a hand-written backward.
-
-    Why: autodiff differentiates the softmax on the [.., s, t] probabilities (a multiply, a row
-    sum, a subtract and a multiply over the whole score matrix). The backward below uses
-    rowsum(dP * P) = rowsum(dO * O), a row sum over head_dim instead of over t, as FlashAttention
-    does, and folds the subtraction of it into the dP matmul. Measured on W1 (2 cores): attention
-    forward+backward 32 -> 19 ms per layer. `probs` is returned so the backward gets it without
-    recomputing; callers take [0].
-    """
+    """(out, probs) = softmax(q k^T + mask) v; `probs` is returned for backward formulations that
+    reuse it (callers take [0]). With GQA the `rep` query heads of a KV head are folded into the row
+    axis, so one BatchMatMul serves the group and K/V are never copied."""
 
     def __init__(self, num_heads: int, num_kv_heads: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.rep = num_heads, num_kv_heads, num_heads // num_kv_heads
-        self.qk = ops.BatchMatMul(transpose_b=True)   # scores = q k^T; also dP = dO v^T
-        self.pv = ops.BatchMatMul()                   # out = P v; also dq = dS k
-        self.pt_x = ops.BatchMatMul(transpose_a=True)  # dv = P^T dO, dk = dS^T q
+        self.qk = ops.BatchMatMul(transpose_b=True)   # scores = q k^T
+        self.pv = ops.BatchMatMul()                   # out = P v
         self.softmax = ops.Softmax(-1)
 
     def construct(self, q, k, v, mask):
@@ -211,31 +185,13 @@ class SoftmaxAttention(nn.Cell):
     def masked_softmax(self, scores, mask):
         return self.softmax(scores + mask)
 
-    def scores_grad(self, p, do, o, v):
-        """dS = P * (dP - delta), delta = rowsum(dO * O); p [b, nkv, rows, t], do/o [b, nkv, rows, d]."""
-        delta = ops.sum(cast(do, ms.float32) * cast(o, ms.float32), -1, keepdim=True)
-        # dP - delta as one matmul, [dO, delta] @ [v, -1]^T: a broadcast subtract over the
-        # [.., rows, t] matrix costs ~2.5x a same-shape elementwise op on CPU.
-        minus_one = ops.full(v.shape[:-1] + (1,), -1.0, dtype=v.dtype)
-        dp = self.qk(ops.concat((do, cast(delta, do.dtype)), -1), ops.concat((v, minus_one), -1))
-        return p * cast(dp, ms.float32)
-
-    def bprop(self, q, k, v, mask, out, dout):
-        o, probs = out
-        b, _, s, d = q.shape
-        t = k.shape[2]
-        rows = self.rep * s
-        do = dout[0].reshape(b, self.num_kv_heads, rows, d)
-        p = probs.reshape(b, self.num_kv_heads, rows, t)
-        dv = self.pt_x(cast(p, v.dtype), do)
-        ds = cast(self.scores_grad(p, do, o.reshape(b, self.num_kv_heads, rows, d), v), q.dtype)
-        dq = self.pv(ds, k).reshape(q.shape)
-        dk = self.pt_x(ds, q.reshape(b, self.num_kv_heads, rows, d))
-        return dq, dk, dv, ops.zeros_like(mask)
-
 
 class Attention(nn.Cell):
-    """x [..., h] (2-D [b*s, h] or 3-D [b, s, h]); the sequence length comes from the rope table."""
+    """x [b*s, h] -> (out [b*s, h], keys, values [b, nkv, t, d]).
+
+    past_k / past_v [b, nkv, t0, d]: cached keys and values of the positions before x's; the new
+    ones are appended (t = t0 + s). The sequence length comes from the rope table.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -248,36 +204,26 @@ class Attention(nn.Cell):
         self.rope = Rope(d)
         self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d)
 
-    def qkv(self, x, cos, sin):
-        """Projected heads with RoPE applied: q [b, nh, s, d], k/v [b, nkv, s, d].
-
-        cos/sin: [s, d] tables, or the same already broadcast to q's shape (training, see Llama).
-        """
+    def construct(self, x, cos, sin, mask, past_k=None, past_v=None):
         q = self.rope(self.wq(x), cos, sin)
         if cos.ndim == 4 and self.num_kv_heads != self.num_heads:  # per-head tables: take the KV heads' rows
             cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
         k = self.rope(self.wk(x), cos, sin)
-        return q, k, split_heads(self.wv(x), self.head_dim, cos.shape[-2])
-
-    def attend(self, q, k, v, mask, x_shape):
-        """Attention core and output projection back to x's shape."""
-        return self.wo(self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(x_shape))
-
-    def construct(self, x, cos, sin, mask):
-        q, k, v = self.qkv(x, cos, sin)
-        return self.attend(q, k, v, mask, x.shape)
+        v = split_heads(self.wv(x), self.head_dim, cos.shape[-2])
+        if past_k is not None:
+            k, v = ops.concat((past_k, k), 2), ops.concat((past_v, v), 2)
+        out = self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(x.shape)
+        return self.wo(out), k, v
 
 
 class SwiGLU(nn.Cell):
-    """silu(gate) * up. Training on CPU swaps in msllm.kernels.FusedSwiGLU (same maths, one pass)."""
+    """silu(gate) * up, with silu(g) = g * sigmoid(g) written out."""
 
     def __init__(self):
         super().__init__()
         self.sigmoid = ops.Sigmoid()
 
     def construct(self, gate, up):
-        # silu(g) = g * sigmoid(g) written out: measured ~20% faster forward+backward on CPU than
-        # nn.SiLU, whose kernels MindSpore expands into more element-wise passes.
         return gate * self.sigmoid(gate) * up
 
 
@@ -296,11 +242,12 @@ class FeedForward(nn.Cell):
 
 
 class Block(nn.Cell):
+    """Pre-norm transformer block; returns (x, keys, values) like Attention."""
+
     # lazy_inline: MindSpore builds one block graph for all layers, with each layer's weights as
     # its arguments. `no_inline` says what happens to it: False inlines it into the caller per
-    # layer in the frontend (what lazy_inline's policy="front" sets); True keeps it one sub-graph
-    # that every layer calls, compiled once (Llama.share_block_graph). Left unset, MindSpore
-    # would treat it as Ascend cell reuse, which the CPU backend refuses.
+    # layer; True keeps one sub-graph that every layer calls (set by msllm.backends). Left unset,
+    # MindSpore would treat it as Ascend cell reuse, which the CPU backend refuses.
     @ms.lazy_inline
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -310,14 +257,18 @@ class Block(nn.Cell):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def construct(self, x, cos, sin, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+    def construct(self, x, cos, sin, mask, past_k=None, past_v=None):
+        attn, k, v = self.attention(self.attention_norm(x), cos, sin, mask, past_k, past_v)
+        x = x + attn
+        return x + self.feed_forward(self.ffn_norm(x)), k, v
 
 
 class Llama(nn.Cell):
     """input_ids [b, s] int32 -> logits [b, s, vocab] fp32.
 
+    With return_cache=True also the keys and values [layers, b, kv_heads, t, head_dim] of every
+    position; past_keys / past_values are those of earlier positions (the new tokens sit at
+    t0 .. t0+s-1), as an engine's prefill and decode call it.
     Parameters are always fp32 (the master copy); `compute_dtype` (fp32, fp16 or bf16) is what
     matmuls and the residual stream run in. Norms, softmax and logits stay fp32.
     """
@@ -333,29 +284,14 @@ class Llama(nn.Cell):
         self.lm_matmul = ops.MatMul(transpose_b=True)
         cos, sin = rope_tables(cfg)
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)
-        causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, np.float32), k=1)
-        self.causal_mask = Tensor(causal)
-        # False when every layer takes the [s, d] rope tables and the [s, s] mask as they are
-        # (msllm.kernels' fused rope and softmax read them per row): no per-head copies are made.
-        self.broadcast_tables = True
-
-    def share_block_graph(self, shared: bool = True) -> None:
-        """True: every layer calls one compiled block graph, so compile time barely grows with depth
-        (CPU, W1 shape: 32 layers compile in 1.8x the time of 2; inlined 5.8x), at ~2% per step for
-        copying each layer's weights into the call. False (default): blocks are inlined per layer;
-        MindIR export needs that (MindSpore 2.10 fails the dynamic-shape compile of the shared
-        call: "The actor already exists"). The train step picks it: device.shares_block_graph."""
-        for block in self.layers:
-            block.no_inline = shared
+        self.causal_mask = Tensor(np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, np.float32), k=1))
+        # True: the rope tables and mask are broadcast to the heads' / scores' shapes once for all
+        # layers instead of per use (a device formulation; msllm.backends sets it).
+        self.broadcast_tables = False
 
     def embed(self, input_ids):
         """Token embeddings in the compute dtype (input_ids of any shape)."""
         return cast(self.tok_embeddings(input_ids), self.compute_dtype)
-
-    def rope_at(self, start, stop):
-        """cos, sin [stop - start, head_dim] for positions start .. stop-1, in the compute dtype."""
-        dtype = self.compute_dtype
-        return cast(self.rope_cos[start:stop], dtype), cast(self.rope_sin[start:stop], dtype)
 
     def logits(self, h):
         """Final norm + output projection; h [..., hidden] -> fp32 logits [..., vocab]."""
@@ -365,22 +301,29 @@ class Llama(nn.Cell):
             return cast(out.reshape(h.shape[:-1] + (-1,)), ms.float32)
         return cast(self.output(h), ms.float32)
 
-    def construct(self, input_ids):
+    def construct(self, input_ids, past_keys=None, past_values=None, return_cache=False):
         b, s = input_ids.shape
-        cfg = self.cfg
-        # Broadcast the rope tables and the mask once for all layers: on CPU a broadcasting
-        # element-wise op costs ~2-3x a same-shape one, and every layer applies them.
-        cos, sin = self.rope_at(0, s)
-        mask = self.causal_mask[:s, :s]
+        cfg, dtype = self.cfg, self.compute_dtype
+        t0 = 0 if past_keys is None else past_keys.shape[3]
+        cos, sin = cast(self.rope_cos[t0:t0 + s], dtype), cast(self.rope_sin[t0:t0 + s], dtype)
+        mask = self.causal_mask[t0:t0 + s, :t0 + s]  # rows of the causal mask for the new positions
         if self.broadcast_tables:
-            head_shape = (b, cfg.num_heads, s, cfg.head_dim)
-            cos, sin = ops.broadcast_to(cos, head_shape), ops.broadcast_to(sin, head_shape)
-            mask = ops.broadcast_to(mask, scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, s))
+            cos = ops.broadcast_to(cos, (b, cfg.num_heads, s, cfg.head_dim))
+            sin = ops.broadcast_to(sin, (b, cfg.num_heads, s, cfg.head_dim))
+            mask = ops.broadcast_to(mask, scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, t0 + s))
         # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
         h = self.embed(input_ids.reshape(-1))
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask)
-        return self.logits(h).reshape(b, s, -1)
+        keys, values = (), ()
+        for i, layer in enumerate(self.layers):
+            past_k = None if past_keys is None else past_keys[i]
+            past_v = None if past_values is None else past_values[i]
+            h, k, v = layer(h, cos, sin, mask, past_k, past_v)
+            keys += (k,)
+            values += (v,)
+        logits = self.logits(h).reshape(b, s, -1)
+        if return_cache:
+            return logits, ops.stack(keys), ops.stack(values)
+        return logits
 
 
 class CausalLMLoss(nn.Cell):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import amp, nn, ops
 
-from msllm.models.llama import Attention, AttentionCore, CausalLMLoss, FeedForward, RMSNorm
+from msllm.models.llama import CausalLMLoss
 
 
 class LossCell(nn.Cell):
@@ -33,14 +33,14 @@ class LossCell(nn.Cell):
 def sum_of_squares(g):
     squares = ops.square(g.astype(ms.float32))
     if g.ndim > 1:
-        # Measured: MindSpore's CPU reduce-to-scalar kernel is ~3x slower than a last-axis reduce
-        # followed by a reduce of the much smaller rest (44 -> 14 ms over 10M elements).
+        # MindSpore's CPU reduce-to-scalar kernel is slower than a last-axis reduce followed by
+        # a reduce of the much smaller rest.
         squares = ops.sum(squares, -1)
     return ops.sum(squares)
 
 
 # Per-parameter work goes through HyperMap, not Python loops / generators over the gradient
-# tuple: measured, that alone cut the 16-layer first step from 24 s to 10 s.
+# tuple, which unroll into many more graph nodes and compile far slower.
 hyper_map = ops.HyperMap()
 
 
@@ -49,42 +49,6 @@ def global_norm(grads, sum_of_squares_op=None):
     if sum_of_squares_op is None:
         return ops.sqrt(ops.addn(hyper_map(sum_of_squares, grads)))
     return ops.sqrt(sum_of_squares_op(*grads)).reshape(())
-
-
-def apply_recompute(model, mode: str) -> None:
-    """Trade compute for memory: activations of the marked Cells are recomputed in backward.
-
-    full: every transformer block. selective: the attention core (scores and probabilities,
-    the largest activations per FLOP) and the SwiGLU MLP.
-    """
-    for block in model.layers:
-        if mode == "full":
-            block.recompute()
-        elif mode == "selective":
-            block.attention.core.recompute()
-            block.feed_forward.recompute()
-
-
-def use_fused_kernels(model) -> None:
-    """Swap msllm.kernels' one-pass CPU ops into the model's RMSNorms and, with fp32 compute
-    (the kernels take fp32 activations), its SwiGLU MLPs, rope and attention softmax. Same maths as
-    the portable Cells they replace; training only (fixed shapes, see Trainer.inference_model)."""
-    from msllm import kernels
-
-    for cell in [cell for _, cell in model.cells_and_names()]:
-        if isinstance(cell, RMSNorm):  # normalises in fp32 whatever the compute dtype
-            cell.core = kernels.FusedRMSNormCore(cell.eps)
-        if model.compute_dtype != ms.float32:
-            continue
-        if isinstance(cell, FeedForward):
-            cell.act = kernels.FusedSwiGLU()
-        if isinstance(cell, AttentionCore):
-            old = cell.softmax_attention
-            cell.softmax_attention = kernels.FusedSoftmaxAttention(old.num_heads, old.num_kv_heads)
-        if isinstance(cell, Attention):
-            cell.rope = kernels.FusedRope()
-    if model.compute_dtype == ms.float32:
-        model.broadcast_tables = False  # the fused rope and softmax read the [s, d] and [s, s] tables per row
 
 
 def make_loss_scaler(initial_scale: float, window: int):
@@ -98,10 +62,9 @@ class TrainStep(nn.Cell):
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None):
         super().__init__(auto_prefix=False)
-        if optimizer.fused:  # msllm.kernels are on (CPU): the rest of the step uses them too
+        if optimizer.fused:  # msllm.kernels are on (CPU): the gradient norm uses them too
             from msllm import kernels
             self.sum_of_squares = kernels.sum_of_squares_op()
-            use_fused_kernels(model)
         else:
             self.sum_of_squares = None
         self.loss_cell = LossCell(model)

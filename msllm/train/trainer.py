@@ -15,16 +15,14 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
-from msllm import checkpoint, device, kernels
+from msllm import backends, checkpoint, device
 from msllm.config import Config, ConfigError, config_from_dict, save_config
 from msllm.data import shards
 from msllm.data.loader import make_dataset
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
-from msllm.models.llama import Llama, build_model
-from msllm.train.optim import AdamW
-from msllm.train.step import EvalStep, TrainStep, apply_recompute, make_loss_scaler
+from msllm.train.build import build_train_step
 
 # Sections that must not change when resuming: they define the weights and the data stream.
 FIXED_ON_RESUME = ("model", "data")
@@ -76,7 +74,7 @@ class Trainer:
             raise device.DeviceError(f"RANK_SIZE={self.world}: multi-process data parallel is not wired into the "
                                      f"train step yet (roadmap: msllm launch); run one process")
         device.setup(t.device, t.mode, t.threads, t.jit_level, t.compile_cache)
-        dtype = device.compute_dtype(t.precision, t.device)
+        device.compute_dtype(t.precision, t.device)  # refuse an impossible precision before writing anything
         ms.set_seed(t.seed)
         resume_from = checkpoint.latest(self.run_dir) if resume else None
         if resume_from:
@@ -87,15 +85,9 @@ class Trainer:
         self.train_tokens = shards.open_tokens(self.shard_dir, "train")
         self.val_tokens = shards.open_tokens(self.shard_dir, "val")
 
-        self.model = build_model(cfg.model, seed=t.seed, compute_dtype=dtype)
-        apply_recompute(self.model, t.recompute)
-        self.model.share_block_graph(device.shares_block_graph(t.block_graph, cfg.model.num_layers, t.recompute))
-        self.optimizer = AdamW(self.model.trainable_params(), cfg.optim, t.steps,
-                               fused=kernels.enabled(t.fused_kernels))
-        scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
-        self.train_step = TrainStep(self.model, self.optimizer, cfg.optim.grad_clip, t.accum_steps, scaler)
-        self.eval_step = EvalStep(self.model)
-        self.state_params = self.optimizer.state_parameters() + self.train_step.state_parameters()
+        built = build_train_step(cfg)
+        self.model, self.train_step, self.eval_step = built.model, built.train_step, built.eval_step
+        self.state_params = built.state_params
         self.start_step, self.skipped = 0, 0
         if resume_from:
             self._restore(resume_from)
@@ -115,15 +107,11 @@ class Trainer:
         return self.cfg.train.batch_size * self.cfg.train.accum_steps
 
     def inference_model(self):
-        """The trained weights in a model with the portable ops, for generation: msllm.kernels'
-        fused ops serve the train step's fixed shapes and do not compile with the dynamic
-        shapes of prefill / decode. The weights are shared, not copied."""
-        if not self.optimizer.fused:
-            return self.model
-        model = Llama(self.cfg.model, self.model.compute_dtype)
-        for portable, trained in zip(model.trainable_params(), self.model.trainable_params()):
-            portable.set_data(trained)
-        return model
+        """The trained model re-specialised for generation (dynamic shapes, blocks inlined, no fused
+        training kernels): the seam swaps parameter-free Cells only, so the weights are the same."""
+        backends.specialise(self.model, self.cfg, training=False)
+        self.model.set_train(False)
+        return self.model
 
     def save(self, step: int) -> Path | None:
         if self.rank != 0:

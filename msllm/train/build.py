@@ -1,0 +1,42 @@
+"""The one place a configured train step is built: model -> specialisation -> optimizer -> step.
+
+The trainer, tools/bench_train.py, tools/profile_step.py and the tests all call build_train_step,
+so what is benchmarked and tested is what trains.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from msllm import backends, device
+from msllm.backends import Specialisation
+from msllm.config import Config
+from msllm.models.llama import Llama, build_model
+from msllm.train.optim import AdamW
+from msllm.train.step import EvalStep, TrainStep, make_loss_scaler
+
+
+@dataclass
+class Built:
+    model: Llama
+    optimizer: AdamW
+    train_step: TrainStep
+    eval_step: EvalStep
+    spec: Specialisation
+
+    @property
+    def state_params(self) -> list:
+        """Everything a checkpoint holds beside the weights: optimizer and loss-scaler state."""
+        return self.optimizer.state_parameters() + self.train_step.state_parameters()
+
+
+def build_train_step(cfg: Config, model: Llama | None = None) -> Built:
+    """The configured train step on a new model (seeded by train.seed), or on `model` as given.
+    The process's device context must be set (msllm.device.setup) first."""
+    t = cfg.train
+    if model is None:
+        model = build_model(cfg.model, seed=t.seed, compute_dtype=device.compute_dtype(t.precision, t.device))
+    spec = backends.specialise(model, cfg, training=True)
+    optimizer = AdamW(model.trainable_params(), cfg.optim, t.steps, fused=spec.fused_kernels)
+    scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
+    train_step = TrainStep(model, optimizer, cfg.optim.grad_clip, t.accum_steps, scaler)
+    return Built(model, optimizer, train_step, EvalStep(model), spec)
