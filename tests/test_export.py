@@ -112,7 +112,8 @@ def test_onnx_external_data_is_written_once(qwen_run, tmp_path, monkeypatch):
     ids = INPUTS[1]
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     ref = reference_logits(qwen_run, ids)
-    np.testing.assert_allclose(session.run(None, {"input_ids": ids})[0], ref, rtol=0, atol=REORDER_RTOL * np.abs(ref).max())
+    got = session.run(None, {"input_ids": ids})[0]
+    np.testing.assert_allclose(got, ref, rtol=0, atol=REORDER_RTOL * np.abs(ref).max())
 
 
 def test_clean_up_keeps_outputs(qwen_run):

@@ -95,7 +95,7 @@ def test_dtype_conversion_verifies_at_that_precision(hf_dirs, tmp_path, dtype, w
     assert {t.dtype for t in load_file(tmp_path / "ms" / "model.safetensors").values()} == {want}
     report = verify(hf, tmp_path / "ms")
     assert report.ok and report.precision == dtype, "\n".join(report.lines())
-    assert max(report.max_rel) > REORDER_RTOL  # more than fp32 reordering: the rounding is real, and inside the tolerance
+    assert max(report.max_rel) > REORDER_RTOL  # beyond fp32 reordering: the rounding is real, and inside the tolerance
     convert(tmp_path / "ms", tmp_path / "hf_keep", progress=False)  # keep: the HF copy is bf16 / fp16 too
     assert verify(tmp_path / "hf_keep", tmp_path / "ms").precision == "fp32"  # identical weights
 
