@@ -42,9 +42,10 @@ def test_bad_override_is_reported_against_set(tmp_path):
 
 
 def test_shipped_configs_validate():
-    for path in sorted((REPO / "configs").glob("*.yaml")):
-        cfg = load_config(path)
-        assert cfg.model.hidden_size % cfg.model.num_heads == 0, path
+    paths = sorted((REPO / "configs").glob("*.yaml"))
+    assert paths  # an empty glob would pass vacuously
+    for path in paths:
+        load_config(path)  # raises ConfigError naming the key if a shipped config is invalid
 
 
 def test_cli_config_error_is_one_line_exit_2(tmp_path):

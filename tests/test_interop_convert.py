@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from interop.convert import convert
 from interop.verify import verify
 from tests.conftest import run_cli
+from tests.numerics import REORDER_RTOL
 from tests.hf_models import CASES, build, save_bin
 
 
@@ -35,7 +36,7 @@ def test_convert_then_verify_passes(hf_dirs, tmp_path, case):
     convert(hf, tmp_path / "ms", progress=False)
     report = verify(hf, tmp_path / "ms")
     assert report.ok, "\n".join(report.lines())
-    assert report.precision == "fp32" and max(report.max_rel) < 1e-5
+    assert report.precision == "fp32" and max(report.max_rel) <= REORDER_RTOL  # same weights, fp32 sums reordered
     state = json.loads((tmp_path / "ms" / "state.json").read_text())
     assert state["hf_architecture"] == CASES[case][0].__name__
     if case == "mistral_window":
@@ -94,7 +95,7 @@ def test_dtype_conversion_verifies_at_that_precision(hf_dirs, tmp_path, dtype, w
     assert {t.dtype for t in load_file(tmp_path / "ms" / "model.safetensors").values()} == {want}
     report = verify(hf, tmp_path / "ms")
     assert report.ok and report.precision == dtype, "\n".join(report.lines())
-    assert max(report.max_rel) > 1e-5  # the rounding is real, and inside the tolerance
+    assert max(report.max_rel) > REORDER_RTOL  # beyond fp32 reordering: the rounding is real, and inside the tolerance
     convert(tmp_path / "ms", tmp_path / "hf_keep", progress=False)  # keep: the HF copy is bf16 / fp16 too
     assert verify(tmp_path / "hf_keep", tmp_path / "ms").precision == "fp32"  # identical weights
 
@@ -170,4 +171,4 @@ def test_msllm_trained_run_to_hf(tmp_path):
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"] is True
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     report = verify(tmp_path / "hf", tmp_path / "run")
-    assert report.ok and max(report.max_rel) < 1e-5, "\n".join(report.lines())
+    assert report.ok and max(report.max_rel) <= REORDER_RTOL, "\n".join(report.lines())

@@ -1,6 +1,7 @@
 """Production loop: precision, accumulation, recompute, corrupt checkpoints, faults, NaN guard."""
 import json
 import shutil
+from typing import NamedTuple
 
 import mindspore as ms
 import numpy as np
@@ -11,6 +12,8 @@ from msllm.config import ModelConfig, OptimConfig
 from msllm.models.llama import build_model
 from msllm.train.build import build_train_step
 from tests.conftest import REPO, run_cli, step_config, tiny_overrides
+from tests.numerics import (FP16_RTOL, REORDER_RTOL, Recorded, assert_adamw_first_step, assert_close_to_scale,
+                            weights)
 from tests.test_train import sets
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=96,
@@ -18,15 +21,21 @@ CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num
 TOKENS = np.random.default_rng(0).integers(0, 256, (4, 33)).astype(np.int32)
 
 
-def train_steps(steps=2, precision="fp32", accum=1, recompute="none", loss_scale=2.0 ** 16, fused=False):
+class Run(NamedTuple):
+    outs: list      # per step: loss, grad norm, lr, finite, loss scale
+    grads: dict     # name -> the gradient AdamW applied at the last step (clipped, unscaled)
+    weights: dict   # name -> value after the last step
+
+
+def train_steps(steps=1, precision="fp32", accum=1, recompute="none", loss_scale=2.0 ** 16, fused=False) -> Run:
     device.setup("cpu", "graph")
     # block_graph shared where it may be (it excludes recompute), so both paths are exercised
     cfg = step_config(CFG, OptimConfig(warmup_steps=1), steps=10, seed=0, precision=precision, accum_steps=accum,
                       recompute=recompute, loss_scale=loss_scale, fused_kernels="auto" if fused else "off",
                       block_graph="shared" if recompute == "none" else "inlined")
-    built = build_train_step(cfg)
+    built = build_train_step(cfg, wrap_optimizer=Recorded)
     outs = [[float(x.asnumpy()) for x in built.train_step(ms.Tensor(TOKENS))] for _ in range(steps)]
-    return outs, {p.name: p.asnumpy() for p in built.model.trainable_params()}
+    return Run(outs, built.train_step.optimizer.gradients(), weights(built.model.trainable_params()))
 
 
 # Each test runs with the portable ops and with msllm.kernels' fused CPU kernels.
@@ -37,41 +46,50 @@ def fused(request):
 
 @pytest.fixture(scope="module")
 def reference(fused):
+    """One fp32 step on the batch of 4: its loss, gradient and updated weights."""
     return train_steps(fused=fused)
 
 
+def assert_same_step(run: Run, ref: Run, rtol: float) -> None:
+    """Same loss and gradient norm (rtol of their value), the same applied gradient (rtol of each
+    tensor's scale), and weights that differ only as AdamW's first step turns that gradient
+    difference into a weight difference (numerics.adamw_step_bound: up to 2 lr where a gradient
+    is within rounding of 0, which is what varies between CPUs)."""
+    (loss, norm, lr, finite, _), (ref_loss, ref_norm, ref_lr, *_) = run.outs[0], ref.outs[0]
+    assert finite == 1.0 and lr == ref_lr
+    np.testing.assert_allclose([loss, norm], [ref_loss, ref_norm], rtol=rtol)
+    assert_close_to_scale(run.grads, ref.grads, rtol)
+    assert_adamw_first_step(run.weights, ref.weights, run.grads, ref.grads, lr)
+
+
 def test_accumulation_equals_one_big_batch(reference, fused):
-    """2 micro-batches of 2 give the update of one batch of 4 (fp32; summation order differs)."""
-    ref_out, ref_w = reference
-    out, w = train_steps(accum=2, fused=fused)
-    np.testing.assert_allclose([o[0] for o in out], [o[0] for o in ref_out], rtol=1e-6)
-    for name in ref_w:
-        np.testing.assert_allclose(w[name], ref_w[name], atol=5e-6, err_msg=name)
+    """2 micro-batches of 2 give the step of one batch of 4. fp32; only the summation order differs
+    (two sums of 2 sequences instead of one of 4), hence numerics.REORDER_RTOL."""
+    assert_same_step(train_steps(accum=2, fused=fused), reference, REORDER_RTOL)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_recompute_keeps_gradients(reference, fused, mode):
-    ref_out, ref_w = reference
-    out, w = train_steps(recompute=mode, fused=fused)
-    np.testing.assert_allclose([o[1] for o in out], [o[1] for o in ref_out], rtol=1e-6)  # grad norms
-    for name in ref_w:
-        np.testing.assert_allclose(w[name], ref_w[name], atol=1e-6, err_msg=name)
+    """Recomputing activations in backward runs the same forward kernels again: the same step."""
+    assert_same_step(train_steps(recompute=mode, fused=fused), reference, REORDER_RTOL)
 
 
 def test_fp16_trains_close_to_fp32_with_fp32_master_weights(reference, fused):
-    ref_out, _ = reference
-    out, w = train_steps(precision="fp16", loss_scale=2.0 ** 16, fused=fused)
-    assert all(o[3] == 1.0 for o in out) and out[0][4] == 2.0 ** 16          # finite, scale kept
-    np.testing.assert_allclose([o[0] for o in out], [o[0] for o in ref_out], rtol=1e-3)
-    assert all(a.dtype == np.float32 for a in w.values())
+    """fp16 compute with loss scaling takes the fp32 step up to fp16 rounding (numerics.FP16_RTOL):
+    the scale is divided out of the gradient, and the fp32 master weights get the update."""
+    run = train_steps(precision="fp16", loss_scale=2.0 ** 16, fused=fused)
+    assert run.outs[0][4] == 2.0 ** 16                                 # finite: scale kept
+    assert_same_step(run, reference, FP16_RTOL)
+    assert all(a.dtype == np.float32 for a in run.weights.values())
 
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale(fused):
     before = {p.name: p.asnumpy() for p in build_model(CFG, seed=0).trainable_params()}
-    out, after = train_steps(steps=2, precision="fp16", loss_scale=2.0 ** 40, fused=fused)
-    assert [o[3] for o in out] == [0.0, 0.0]                          # both steps non-finite
-    assert [o[4] for o in out] == [2.0 ** 40, 2.0 ** 39]              # scale halves per overflow
-    assert all(np.array_equal(before[n], after[n]) for n in before)   # weights untouched
+    run = train_steps(steps=2, precision="fp16", loss_scale=2.0 ** 40, fused=fused)
+    assert [o[3] for o in run.outs] == [0.0, 0.0]                     # both steps non-finite
+    assert [o[4] for o in run.outs] == [2.0 ** 40, 2.0 ** 39]         # scale halves per overflow
+    assert all(np.array_equal(before[n], run.weights[n]) for n in before)  # weights untouched
+    assert not any(g.any() for g in run.grads.values())               # the optimizer was never called
 
 
 def test_bf16_is_refused_on_cpu(tmp_path, corpus):

@@ -28,7 +28,10 @@ def test_train_logs_evaluates_and_checkpoints(straight_run):
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 3, 4, 5, 6]  # step 1 is the "compile" record
     assert [r["step"] for r in records if r["kind"] == "compile"] == [1]
-    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["grad_norm"] > 0 for r in train)
+    # fp32, nothing skipped, and the logged lr is the schedule's (warmup 30 of the default config).
+    assert all(r["loss_scale"] == 1.0 and r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in train)
+    assert [r["lr"] for r in train] == pytest.approx([3e-3 * s / 30 for s in range(2, 7)], rel=1e-6)
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in train)
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [3, 6] and evals[-1]["val_loss"] < np.log(384)
     assert list((run / "tensorboard").iterdir())

@@ -9,9 +9,12 @@ softmax, each with its gradient. They are a CPU-backend accelerator only: on oth
 without g++, or with train.fused_kernels: off, msllm uses the portable MindSpore-op
 formulation of the same maths (tests hold both against each other and against torch).
 
-The library is compiled once per source version and CPU with the system g++ into
+The library is compiled once per source version, build flags and CPU with the system g++ into
 $MSLLM_CACHE/kernels (default ~/.cache/msllm/kernels), written to a temp file and renamed, so
-a crash never leaves a half-written library behind.
+a crash never leaves a half-written library behind. It targets -march=$MSLLM_KERNEL_MARCH
+(default native: AVX-512 where the CPU has it, AVX2 on e.g. AMD EPYC); the file name hashes
+the flags and the CPU's feature flags, so a home directory copied to another CPU rebuilds
+rather than loading code its CPU may not run.
 """
 from __future__ import annotations
 
@@ -32,7 +35,16 @@ from msllm.backends.cpu import SoftmaxAttention
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 # -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+FLAGS = ["-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+
+
+def march() -> str:
+    """The build's -march: $MSLLM_KERNEL_MARCH, default native (e.g. x86-64-v3 for an AVX2 build)."""
+    return os.environ.get("MSLLM_KERNEL_MARCH", "native")
+
+
+def flags(arch: str | None = None) -> list[str]:
+    return [*FLAGS, f"-march={arch or march()}"]
 
 
 class KernelBuildError(UserError, RuntimeError):
@@ -51,15 +63,21 @@ def _cpu_flags() -> bytes:
         return b""
 
 
-def library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags()).hexdigest()[:16]
+def library_path(arch: str | None = None) -> Path:
+    """Where the build for -march=`arch` (default march()) on this CPU is cached."""
+    build = " ".join(flags(arch)).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + b"\0" + build + b"\0" + _cpu_flags()).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels-{key}.so"
 
 
+def library(arch: str | None = None) -> str:
+    """Path of the compiled kernel library for -march=`arch` (default march()), built on first use."""
+    return _library(arch or march())
+
+
 @functools.lru_cache(maxsize=None)
-def library() -> str:
-    """Path of the compiled kernel library, building it on first use."""
-    target = library_path()
+def _library(arch: str) -> str:
+    target = library_path(arch)
     if target.exists():
         return str(target)
     compiler = shutil.which("g++")
@@ -69,7 +87,7 @@ def library() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags(arch), "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if done.returncode != 0:
             lines = done.stderr.strip().splitlines() or ["no output"]
             first_error = next((line for line in lines if "error" in line), lines[-1])
@@ -80,6 +98,9 @@ def library() -> str:
         if os.path.exists(tmp):
             os.remove(tmp)
     return str(target)
+
+
+library.cache_clear = _library.cache_clear  # forget the paths built or found in this process
 
 
 def enabled(mode: str = "auto") -> bool:

@@ -1,0 +1,100 @@
+"""Tolerances for comparing training numerics, derived from what is compared (not from one
+machine's numbers), and a recorder of the gradient the optimizer applies.
+
+Two fp32 evaluations of the same maths that differ only in summation order (micro-batch split,
+another CPU's GEMM blocking, graph vs eager kernels, torch vs MindSpore) each carry a rounding
+error of at most K * u * sum|terms| for a K-term sum (u = 2^-24; Higham, Accuracy and Stability
+of Numerical Algorithms, 4.2). The longest sums in the tests' tiny models have K = 256 (the
+vocabulary softmax; weight gradients sum over 4 x 32 = 128 tokens), so two such evaluations
+agree to REORDER_RTOL = 2 * 256 * u = 3.1e-5 of the compared tensor's scale. Each gradient tensor
+is compared against its own max|g|, not element by element: one element can cancel to ~0 while
+its rounding error stays at the scale of the terms that cancelled.
+
+AdamW then divides by sqrt(v): an element whose gradient is within rounding of 0 can move by up
+to 2 * lr on any machine (the sign of a rounding error decides), so weights are compared with
+adamw_step_bound, never with a fixed atol.
+"""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+
+U32 = 2.0 ** -24                  # fp32 unit roundoff
+U16 = 2.0 ** -11                  # fp16 unit roundoff
+REORDER_RTOL = 2 * 256 * U32      # see the module docstring
+# fp16 compute (fp32 master weights): every matmul, activation and residual-add output is rounded
+# to fp16 (relative error <= U16; the arithmetic inside is fp32, so this rounding dominates and is
+# the same on every CPU). Along a path through one block a value is rounded at most 10 times
+# (projection, scores, probabilities, weighted values, output projection, residual; gate / up,
+# product, down projection, residual), its gradient as often again on the way back: 40 roundings
+# in the 2-layer test models, each adding <= U16 of the tensor's scale to first order.
+FP16_RTOL = 40 * U16
+
+_hyper_map = ops.HyperMap()
+_assign = ops.Assign()
+
+
+class Recorded(nn.Cell):
+    """Wraps an AdamW for TrainStep and keeps, in `seen`, the gradient the optimizer applies:
+    grad_coef * grads (unscaled, averaged over micro-batches, clipped). The optimizer itself is
+    called with (grads, grad_coef) unchanged, so its own handling of grad_coef stays under test."""
+
+    def __init__(self, optimizer):
+        super().__init__(auto_prefix=False)
+        self.optimizer = optimizer
+        self.params = optimizer.params
+        self.fused = optimizer.fused
+        self.seen = self.params.clone(prefix="seen", init="zeros")
+
+    def construct(self, grads, grad_coef=None):
+        applied = grads if grad_coef is None else _hyper_map(ops.partial(ops.mul, grad_coef), grads)
+        _hyper_map(_assign, self.seen, applied)
+        return self.optimizer(grads, grad_coef)
+
+    def gradients(self) -> dict:
+        return {p.name: s.asnumpy().copy() for p, s in zip(self.params, self.seen)}
+
+
+def weights(params) -> dict:
+    """name -> a copy of the values (asnumpy() can share memory the next step updates in place)."""
+    return {p.name: p.asnumpy().copy() for p in params}
+
+
+def assert_close_to_scale(got: dict, want: dict, rtol: float, what: str = "gradient") -> None:
+    """Every tensor of `got` within rtol * max|want[name]| of `want`, element-wise."""
+    assert got.keys() == want.keys()
+    for name in want:
+        scale = float(np.abs(want[name]).max())
+        err = float(np.abs(got[name].astype(np.float64) - want[name]).max())
+        assert err <= rtol * scale, f"{name}: max|diff| {err:.3g} > {rtol:.3g} * max|{what}| {scale:.3g}"
+
+
+def adamw_step_bound(g_a, g_b, w, lr: float, eps: float = 1e-8):
+    """How far apart AdamW's FIRST step may put a weight when two runs start from the same weight
+    w and compute its gradient as g_a and g_b (both as applied: clipped, unscaled).
+
+    At step 1 the bias-corrected moments are m = g, v = g^2, so AdamW (torch's form; msllm's
+    portable and fused paths compute the same) sets w <- w (1 - lr wd) - lr f(g) with
+    f(x) = x / (|x| + eps). Decay is identical in both runs, and
+    |f(a) - f(b)| <= min(2, |a - b| / (min(|a|, |b|) + eps)):
+    same signs: |f(a) - f(b)| = eps |a - b| / ((|a| + eps)(|b| + eps)) <= |a - b| / (min + eps);
+    opposite signs: |f(a) - f(b)| = |a|/(|a| + eps) + |b|/(|b| + eps) <= (|a| + |b|) / (min + eps).
+    Rounding: the update is a few fp32 operations on values <= lr, subtracted from w: <= 8 u (|w| + lr).
+    So an element with a well-determined gradient agrees to ~lr * (relative gradient difference),
+    and only one whose gradient is within rounding of 0 may move by up to 2 lr.
+    """
+    a, b = np.asarray(g_a, np.float64), np.asarray(g_b, np.float64)
+    sensitivity = np.minimum(2.0, np.abs(a - b) / (np.minimum(np.abs(a), np.abs(b)) + eps))
+    return lr * sensitivity + 8 * U32 * (np.abs(w) + lr)
+
+
+def assert_adamw_first_step(w_a: dict, w_b: dict, g_a: dict, g_b: dict, lr: float, eps: float = 1e-8) -> None:
+    """Weights after one AdamW step from the same start differ only as their gradients explain."""
+    assert w_a.keys() == w_b.keys() == g_a.keys() == g_b.keys()
+    for name in w_a:
+        bound = adamw_step_bound(g_a[name], g_b[name], w_b[name], lr, eps)
+        diff = np.abs(w_a[name].astype(np.float64) - w_b[name])
+        worst = np.unravel_index(np.argmax(diff - bound), diff.shape)
+        assert np.all(diff <= bound), (f"{name}{list(worst)}: weights differ by {diff[worst]:.3g} > {bound[worst]:.3g} "
+                                       f"(gradients {g_a[name][worst]:.6g} vs {g_b[name][worst]:.6g}, lr {lr:.3g})")
