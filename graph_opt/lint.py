@@ -73,6 +73,12 @@ DEBUGGER = ("{name} cannot stop inside a compiled graph",
 STATIC_ATTRS = {"shape", "ndim", "dtype", "size", "itemsize", "nbytes", "strides"}
 TENSOR_FACTORIES = {"zeros", "ones", "full", "fill", "arange", "eye", "linspace", "zeros_like", "ones_like",
                     "full_like", "rand", "randn", "normal", "uniform", "tensor", "from_numpy"}
+# Submodules of mindspore whose lowercase functions compute tensors.
+OP_NAMESPACES = {"ops", "mint", "numpy", "functional", "operations", "composite", "nn", "amp", "communication"}
+# Calls that return compile-time values (shapes, dtypes, ranks, type tests).
+STATIC_CALLS = {"shape", "Shape", "dtype", "DType", "rank", "Rank", "typeof", "issubclass_", "isinstance",
+                "is_sequence_value_unknown", "is_sequence_shape_unknown", "is_floating_point", "is_complex",
+                "is_tensor", "get_context"}
 TO_PYTHON_METHODS = {"asnumpy", "numpy", "item", "tolist"}
 TO_PYTHON_BUILTINS = {"int", "float", "bool", "complex"}
 MUTATING_METHODS = {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "add",
@@ -80,7 +86,7 @@ MUTATING_METHODS = {"append", "extend", "insert", "pop", "remove", "clear", "upd
 # Built-ins the graph compiler maps to graph operations (mindspore/graph/_parse/resources.py).
 GRAPH_BUILTINS = {"abs", "round", "len", "bool", "map", "filter", "zip", "enumerate", "isinstance", "max", "min",
                   "sum", "getattr", "hasattr", "iter", "next", "range", "print", "int", "float", "str", "list",
-                  "tuple", "pow", "super", "partial", "breakpoint", "setattr", "delattr"}
+                  "tuple", "pow", "super", "partial", "setattr", "delattr"}
 STATIC_BUILTINS = {"len", "isinstance", "issubclass", "hasattr", "callable", "type", "id", "hash", "range", "str",
                    "repr", "format", "print", "int", "float", "bool", "complex"}
 NEVER_IN_GRAPH = {"open", "input", "eval", "exec", "compile", "globals", "locals", "vars", "exit", "quit", "help"}
@@ -100,8 +106,8 @@ class Finding:
         return f"{self.path}:{self.line}: {self.code}: {self.message}; fix: {self.fix}"
 
 
-def finding(path: str, line: int, code: str, name: str = "") -> Finding:
-    message, fix = DEBUGGER if code == "GL103" and "print" not in name else CODES[code]
+def finding(path: str, line: int, code: str, name: str = "", messages: tuple | None = None) -> Finding:
+    message, fix = messages or CODES[code]
     return Finding(path, line, code, message.format(name=name), fix)
 
 
@@ -123,6 +129,16 @@ def _self_rooted(node) -> bool:
     return isinstance(node, ast.Name) and node.id == "self"
 
 
+def is_method(func: ast.FunctionDef, cls) -> bool:
+    return cls is not None and not any(_dotted(d) == "staticmethod" for d in func.decorator_list)
+
+
+def parameters(func: ast.FunctionDef, method: bool) -> list[ast.arg]:
+    """Positional parameters, without self."""
+    params = func.args.posonlyargs + func.args.args
+    return params[1:] if method else params
+
+
 def _is_literal_default(node) -> bool:
     return isinstance(node, ast.Constant) or (isinstance(node, (ast.Tuple, ast.List)) and not node.elts)
 
@@ -132,7 +148,7 @@ class Module:
 
     def __init__(self, tree: ast.Module):
         self.numpy: set[str] = set()        # names bound to numpy or one of its functions
-        self.mindspore: set[str] = set()    # mindspore, mindspore.ops / mint / nn aliases
+        self.mindspore: set[str] = set()    # mindspore and its op namespaces (ops, mint, F, P, ...)
         self.nn: set[str] = set()
         self.pdb: set[str] = set()
         self.creators: set[str] = set()     # Parameter / nn.X names imported directly
@@ -150,6 +166,10 @@ class Module:
             elif isinstance(node, ast.Assign) and _is_container(node.value):
                 self.containers.update(t.id for t in node.targets if isinstance(t, ast.Name))
         self.cell_classes = {name for name, c in self.classes.items() if self._is_cell(c)}
+        # @constexpr / @_primexpr functions run at compile time on constants: their results are static.
+        self.compile_time = {name for name, f in self.functions.items()
+                             if any(_dotted(d.func if isinstance(d, ast.Call) else d).split(".")[-1]
+                                    in ("constexpr", "primexpr", "_primexpr", "_constexpr") for d in f.decorator_list)}
 
     def _import(self, node) -> None:
         if isinstance(node, ast.Import):
@@ -173,7 +193,8 @@ class Module:
             elif module == "mindspore" and alias.name == "nn":
                 self.nn.add(local)
             elif module.split(".")[0] == "mindspore":
-                self.mindspore.add(local)
+                if alias.name in OP_NAMESPACES:
+                    self.mindspore.add(local)
                 if alias.name in ("Parameter", "Tensor"):
                     self.tensor_makers.add(local)
                 if alias.name == "Parameter" or module in ("mindspore.nn", "mindspore.nn.layer"):
@@ -191,13 +212,13 @@ class Module:
                 return True
         return False
 
-    def methods(self, cls: ast.ClassDef) -> dict[str, ast.FunctionDef]:
+    def methods(self, cls: ast.ClassDef, seen=()) -> dict[str, ast.FunctionDef]:
         """Methods of cls and of its bases defined in this module (cls's own win)."""
         found = {}
         for base in cls.bases:
             name = _dotted(base)
-            if name in self.classes and self.classes[name] is not cls:
-                found.update(self.methods(self.classes[name]))
+            if name in self.classes and name not in seen and self.classes[name] is not cls:
+                found.update(self.methods(self.classes[name], (*seen, cls.name)))
         found.update({n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)})
         return found
 
@@ -235,6 +256,7 @@ class ClassInfo:
         self.cls = cls
         self.methods = module.methods(cls) if cls else {}
         self.tensors, self.parameters, self.containers = set(), set(), set()
+        self.assigned, self.static_callables = set(), set()  # all self.X; X = P.Shape() and the like
         for method in self.methods.values():
             for node in ast.walk(method):
                 if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
@@ -249,6 +271,9 @@ class ClassInfo:
                         if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) \
                                 and len(value.elts) == len(target.elts):
                             value = value.elts[target.elts.index(t)]
+                        self.assigned.add(t.attr)
+                        if isinstance(value, ast.Call) and _dotted(value.func).split(".")[-1] in STATIC_CALLS:
+                            self.static_callables.add(t.attr)
                         if module.makes_tensor(value):
                             self.tensors.add(t.attr)
                         if module.makes_parameter(value):
@@ -265,7 +290,7 @@ class Analysis:
         self.lines = source.splitlines()
         self.module = Module(tree)
         self.findings: dict[tuple, Finding] = {}
-        self.done: dict[tuple, bool] = {}      # (function, class, argument tensor-ness) -> returns a tensor
+        self.done: dict[tuple, tuple] = {}     # (function, class, argument tensor-ness) -> analyse()
         self.active: set[tuple] = set()
         self.compiled: set[int] = set()        # ids of the functions analysed
         self.class_info: dict[int, ClassInfo] = {}
@@ -287,39 +312,35 @@ class Analysis:
     @staticmethod
     def root_taint(func: ast.FunctionDef, bprop: bool, method: bool = True) -> tuple:
         """Arguments of a graph entry are tensors, except ones with a literal default (flags)."""
-        args = func.args.posonlyargs + func.args.args
-        args = args[1:] if method else args
-        defaults = [None] * (len(args) - len(func.args.defaults)) + list(func.args.defaults)
+        params = parameters(func, method)
+        defaults = [None] * (len(params) - len(func.args.defaults)) + list(func.args.defaults)
         return tuple(bprop or d is None or not _is_literal_default(d) for d in defaults)
 
-    def analyse(self, func: ast.FunctionDef, cls: ast.ClassDef | None, taint: tuple) -> bool:
-        """Analyse func (a method of cls, or a module function) with these arguments' tensor-ness;
-        returns whether it returns a tensor."""
+    def analyse(self, func: ast.FunctionDef, cls: ast.ClassDef | None, taint: tuple) -> tuple:
+        """Analyse func (a method of cls, or a module function) with its parameters' tensor-ness
+        (in order, after self). Returns (returns a tensor, per element when it returns tuples)."""
         key = (id(func), id(cls), taint)
         if key in self.done:
             return self.done[key]
         if key in self.active:  # recursion: assume a tensor comes back
-            return True
+            return True, None
         self.active.add(key)
         self.compiled.add(id(func))
-        names = [a.arg for a in func.args.posonlyargs + func.args.args]
-        env = {}
-        if cls is not None and names and not any(_dotted(d) == "staticmethod" for d in func.decorator_list):
-            env["self"] = False
-            names = names[1:]
-        for i, name in enumerate(names):
-            env[name] = taint[i] if i < len(taint) else True
+        method = is_method(func, cls)
+        env = {"self": False} if method else {}
+        env.update((p.arg, t) for p, t in zip(parameters(func, method), taint))
         for extra in (func.args.vararg, func.args.kwarg):
             if extra is not None:
                 env[extra.arg] = True
-        for a in func.args.kwonlyargs:
-            env[a.arg] = True
-        info = self.info(cls)
-        scope = Scope(self, info, env, cls)
+        for arg, default in zip(func.args.kwonlyargs, func.args.kw_defaults):
+            env[arg.arg] = default is None
+        scope = Scope(self, self.info(cls), env, cls)
+        if func.args.vararg is not None:  # *args: a tuple as long as the call made it
+            scope.sequences.add(func.args.vararg.arg)
         scope.block(func.body)
         self.active.discard(key)
-        self.done[key] = scope.returns
-        return scope.returns
+        self.done[key] = scope.returns, scope.return_parts or None
+        return self.done[key]
 
     def info(self, cls) -> ClassInfo:
         key = id(cls)
@@ -327,13 +348,13 @@ class Analysis:
             self.class_info[key] = ClassInfo(self.module, cls)
         return self.class_info[key]
 
-    def report(self, node, code: str, name: str = "") -> None:
+    def report(self, node, code: str, name: str = "", messages: tuple | None = None) -> None:
         line = node.lineno
         text = self.lines[line - 1] if line - 1 < len(self.lines) else ""
         match = NOQA.search(text)
         if match and code in {c.strip() for c in match.group(1).split(",")}:
             return
-        self.findings.setdefault((line, code), finding(self.path, line, code, name))
+        self.findings.setdefault((line, code), finding(self.path, line, code, name, messages))
 
 
 class Scope:
@@ -343,6 +364,8 @@ class Scope:
         self.a, self.info, self.env, self.cls = analysis, info, env, cls
         self.m = analysis.module
         self.returns = False
+        self.return_parts: list | None = None  # [tensor per element] while every return is a tuple display
+        self.parts: dict[int, tuple] = {}       # id(call node) -> its callee's return_parts
         self.taints: dict[int, bool] = {}  # id(expression node) -> tensor, as last evaluated
         self.sequences: set[str] = set()   # locals holding a tuple / list built here
 
@@ -377,16 +400,15 @@ class Scope:
         elif isinstance(node, ast.AnnAssign):
             if node.value is not None:
                 self.bind(node.target, self.expr(node.value), node.value)
-        elif isinstance(node, (ast.If, ast.While)):
-            if isinstance(node, ast.While):
-                self.repeat(node.body, test=node)
-                self.block(node.orelse)
-            else:
-                self.check_test(node)
-                self.branch(node.body, node.orelse)
+        elif isinstance(node, ast.If):
+            self.check_test(node)
+            self.branch(node.body, node.orelse)
+        elif isinstance(node, ast.While):
+            self.repeat(node.body, test=node)
+            self.block(node.orelse)
         elif isinstance(node, ast.For):
             self.loop(node)
-        elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
+        elif isinstance(node, (ast.Try, ast.TryStar)):
             self.a.report(node, "GL107")
             self.branch(node.body, *[h.body for h in node.handlers], node.orelse)
             self.block(node.finalbody)
@@ -394,8 +416,12 @@ class Scope:
             self.a.report(node, "GL108", f"`{'global' if isinstance(node, ast.Global) else 'nonlocal'} "
                                          f"{', '.join(node.names)}`")
         elif isinstance(node, ast.Return):
-            if node.value is not None and self.expr(node.value):
-                self.returns = True
+            self.returns |= self.expr(node.value)
+            parts = [self.taints[id(e)] for e in node.value.elts] if isinstance(node.value, ast.Tuple) else []
+            if self.return_parts is None or len(self.return_parts) == len(parts):
+                self.return_parts = [a or b for a, b in zip(self.return_parts or parts, parts)]
+            else:
+                self.return_parts = []
         elif isinstance(node, ast.Expr):
             self.expr(node.value)
         elif isinstance(node, ast.Assert):
@@ -412,7 +438,7 @@ class Scope:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             if any(alias.name.split(".")[0] == "pdb" for alias in node.names) or \
                     (isinstance(node, ast.ImportFrom) and node.module == "pdb"):
-                self.a.report(node, "GL103", "`import pdb`")
+                self.a.report(node, "GL103", "`import pdb`", DEBUGGER)
                 self.m.pdb.update(alias.asname or alias.name for alias in node.names)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             self.env[node.name] = False
@@ -440,7 +466,7 @@ class Scope:
         iter_tensor = self.expr(node.iter)
         if iter_tensor and not self.is_static_iterable(node.iter):
             self.a.report(node, "GL106", f"`for {ast.unparse(node.target)} in {ast.unparse(node.iter)}`")
-        self.bind(node.target, self.element_taint(node.iter, iter_tensor), node.iter)
+        self.bind_element(node.target, node.iter, iter_tensor)
         self.repeat(node.body)
         self.block(node.orelse)
 
@@ -451,10 +477,21 @@ class Scope:
             isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("zip", "enumerate", "range"))
 
-    def element_taint(self, iterable, tensor: bool) -> bool:
-        if isinstance(iterable, ast.Call) and isinstance(iterable.func, ast.Name) and iterable.func.id == "range":
-            return False
-        return tensor
+    def bind_element(self, target, iterable, tensor: bool) -> None:
+        """A loop or comprehension target: range gives ints, zip / enumerate one value per argument."""
+        call = iterable if isinstance(iterable, ast.Call) and isinstance(iterable.func, ast.Name) else None
+        kind = call.func.id if call is not None and call.func.id not in self.env else ""
+        if kind == "range":
+            return self.bind(target, False, None)
+        if kind in ("zip", "enumerate") and isinstance(target, (ast.Tuple, ast.List)) and call.args \
+                and not any(isinstance(a, ast.Starred) for a in call.args):
+            parts = [self.taints.get(id(a), tensor) for a in call.args]
+            parts = [False, parts[0]] if kind == "enumerate" else parts
+            if len(parts) == len(target.elts):
+                for t, part in zip(target.elts, parts):
+                    self.bind(t, part, None)
+                return
+        self.bind(target, tensor, None)
 
     def bind(self, target, value: bool, value_node, augmented: bool = False) -> None:
         if isinstance(target, ast.Name):
@@ -466,10 +503,15 @@ class Scope:
         elif isinstance(target, ast.Starred):
             self.bind(target.value, value, value_node)
         elif isinstance(target, (ast.Tuple, ast.List)):
-            elts = value_node.elts if isinstance(value_node, (ast.Tuple, ast.List)) else None
+            if isinstance(value_node, (ast.Tuple, ast.List)):
+                elts = value_node.elts
+                parts = [self.taints.get(id(e), value) for e in elts]
+            else:
+                parts = self.parts.get(id(value_node)) or ()
+                elts = [None] * len(parts)
             for i, t in enumerate(target.elts):
-                if elts is not None and len(elts) == len(target.elts):
-                    self.bind(t, self.taints.get(id(elts[i]), value), elts[i])
+                if len(parts) == len(target.elts):
+                    self.bind(t, parts[i], elts[i])
                 else:
                     self.bind(t, value, None)
         elif isinstance(target, ast.Attribute):
@@ -520,8 +562,9 @@ class Scope:
             return any([self.expr(v) for v in node.values])
         if isinstance(node, ast.Compare):
             tensors = [self.expr(v) for v in [node.left, *node.comparators]]
-            if all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
-                return False
+            if all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops) or any(
+                    isinstance(v, ast.Constant) and isinstance(v.value, str) for v in [node.left, *node.comparators]):
+                return False  # identity tests and comparisons with a string are decided at compile time
             return any(tensors)
         if isinstance(node, ast.IfExp):
             if self.expr(node.test):
@@ -551,7 +594,7 @@ class Scope:
             if iter_tensor and not self.is_static_iterable(gen.iter):
                 kind = {ast.GeneratorExp: "generator"}.get(type(node), "comprehension")
                 self.a.report(node, "GL106", f"the {kind} `{ast.unparse(node)[:60]}`")
-            self.bind(gen.target, self.element_taint(gen.iter, iter_tensor), gen.iter)
+            self.bind_element(gen.target, gen.iter, iter_tensor)
             for cond in gen.ifs:
                 if self.expr(cond):
                     self.a.report(cond, "GL101", f"the comprehension filter `if {ast.unparse(cond)}`")
@@ -563,20 +606,29 @@ class Scope:
         return tensor
 
     def call(self, node: ast.Call) -> bool:
-        args = [self.expr(a) for a in node.args] + [self.expr(k.value) for k in node.keywords]
-        any_tensor = any(args)
+        args = [self.expr(a) for a in node.args]
+        keywords = {k.arg: self.expr(k.value) for k in node.keywords}  # k.arg None: **kwargs
+        any_tensor = any(args) or any(keywords.values())
         func = node.func
         name = _dotted(func)
         root = name.split(".")[0] if name else ""
         text = f"`{ast.unparse(func)}()`"
+        callee = _dotted(func.func if isinstance(func, ast.Call) else func).split(".")[-1]
+        if callee in STATIC_CALLS:
+            self.expr(func)
+            return False  # ops.shape(x), self.shape(x), P.Shape()(x), ops.rank(x) ...: compile-time values
+        if callee == "scalar_cast":
+            return any_tensor
 
         if isinstance(func, ast.Name) and func.id not in self.env:
             fid = func.id
+            if fid in self.m.compile_time:
+                return False
             if fid in self.m.functions:
                 self.functions_passed(node)
-                return self.a.analyse(self.m.functions[fid], None, tuple(args[:len(node.args)]))
+                return self.returned(node, self.m.functions[fid], None, args, keywords)
             if fid in self.m.pdb:
-                self.a.report(node, "GL103", text)
+                self.a.report(node, "GL103", text, DEBUGGER)
                 return False
             if fid in self.m.numpy:
                 self.a.report(node, "GL110", text)
@@ -597,11 +649,12 @@ class Scope:
                 self.a.report(node, "GL110", text)
                 return any_tensor
             if root in self.m.pdb and root not in self.env:
-                self.a.report(node, "GL103", text)
+                self.a.report(node, "GL103", text, DEBUGGER)
                 return False
             if root not in self.env and (root in self.m.nn and func.attr[:1].isupper()
                                          or root in self.m.mindspore and func.attr == "Parameter"
-                                         or ".nn." in f".{name}." and func.attr[:1].isupper()):
+                                         or root in self.m.mindspore and ".nn." in f".{name}."
+                                         and func.attr[:1].isupper()):
                 self.a.report(node, "GL109", text)
                 return False
             if func.attr in TO_PYTHON_METHODS and (base or func.attr == "asnumpy"):
@@ -614,20 +667,41 @@ class Scope:
                 method = self.info.methods.get(func.attr)
                 if method is not None:
                     self.functions_passed(node)
-                    return self.a.analyse(method, self.cls, tuple(args[:len(node.args)]))
-                return True  # a sub-Cell or primitive
+                    return self.returned(node, method, self.cls, args, keywords)
+                if func.attr in self.info.static_callables:
+                    return False
+                # a sub-Cell or primitive set in this class; else a method inherited from another file
+                return func.attr in self.info.assigned or any_tensor
             self.functions_passed(node)
             if root in self.m.mindspore and root not in self.env:
-                return func.attr[:1].islower()  # ops.add(...) is a tensor, ops.MatMul() a primitive
+                # ops.add(...) and ms.Tensor(...) are tensors, ops.MatMul() a primitive
+                return func.attr[:1].islower() or func.attr in self.m.tensor_makers
             return base or any_tensor
 
         self.expr(func)
         return any_tensor
 
+    def returned(self, node: ast.Call, func: ast.FunctionDef, cls, args: list, keywords: dict) -> bool:
+        """Analyse a call of a function of this file; keep what each element of a returned tuple is."""
+        tensor, parts = self.a.analyse(func, cls, self.bind_call(node, func, is_method(func, cls), args, keywords))
+        if parts:
+            self.parts[id(node)] = parts
+        return tensor
+
+    @staticmethod
+    def bind_call(node: ast.Call, func: ast.FunctionDef, method: bool, args: list, keywords: dict) -> tuple:
+        """Tensor-ness of func's parameters at this call: positional, by keyword, or the default
+        (static) when not passed; anything after a *args / **kwargs at the call is a tensor."""
+        starred = next((i for i, a in enumerate(node.args) if isinstance(a, ast.Starred)), len(node.args))
+        params = parameters(func, method)
+        return tuple(args[i] if i < starred else
+                     True if i < len(node.args) or None in keywords else
+                     keywords.get(p.arg, False) for i, p in enumerate(params))
+
     def builtin(self, node: ast.Call, fid: str, args: list, any_tensor: bool) -> bool:
         first = args[0] if args else False
         if fid in ("print", "breakpoint"):
-            self.a.report(node, "GL103", f"`{fid}()`")
+            self.a.report(node, "GL103", f"`{fid}()`", None if fid == "print" else DEBUGGER)
             return False
         if fid in ("setattr", "delattr") and node.args and isinstance(node.args[0], ast.Name) \
                 and node.args[0].id == "self":
@@ -651,8 +725,7 @@ class Scope:
         for arg in node.args:
             if isinstance(arg, ast.Name) and arg.id not in self.env and arg.id in self.m.functions:
                 func = self.m.functions[arg.id]
-                n = len(func.args.posonlyargs + func.args.args)
-                self.a.analyse(func, None, (True,) * n)
+                self.a.analyse(func, None, (True,) * len(parameters(func, False)))
 
     def is_container(self, node) -> bool:
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
