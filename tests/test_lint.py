@@ -68,7 +68,7 @@ def test_msllm_lints_clean_and_noqa_is_needed_for_the_step_branch():
     done = run_cli("lint", timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     m = re.fullmatch(r"msllm lint: clean \((\d+) files, (\d+) compiled functions\)\n", done.stdout)
-    assert m and int(m.group(1)) >= 20 and int(m.group(2)) >= 35, done.stdout
+    assert m and int(m.group(1)) >= 20 and int(m.group(2)) >= 30, done.stdout
     assert "mindspore" not in done.stderr.lower()
 
     step = REPO / "msllm" / "train" / "step.py"
