@@ -10,7 +10,6 @@ from msllm.errors import UserError
 
 PLANNED = {
     "plan": "Ascend semi-auto parallel planning (roadmap)",
-    "lint": "graph_opt static-graph lint (roadmap)",
     "launch": "multi-process launch over msrun (roadmap)",
 }
 
@@ -96,6 +95,36 @@ def _print_report(hf, ckpt, args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_lint(args) -> int:
+    from graph_opt.lint import lint_paths
+    from msllm.config import load_config
+
+    cfg = load_config(args.config, args.set) if args.compile else None  # a bad config fails first
+    paths = args.paths or [str(Path(__file__).resolve().parent)]  # default: msllm's own package
+    findings, files, functions = lint_paths(paths)
+    for finding in findings:
+        print(finding)
+    if cfg is not None:
+        from graph_opt.compile_check import compile_train_step
+
+        failed = compile_train_step(cfg)
+        if failed is not None:
+            print(failed)
+            findings.append(failed)
+    where = f"{files} file{'s' if files != 1 else ''}, {functions} compiled function{'s' if functions != 1 else ''}"
+    print(f"msllm lint: {len(findings)} problem{'s' if len(findings) != 1 else ''} ({where})" if findings
+          else f"msllm lint: clean ({where})")
+    return 1 if findings else 0
+
+
+def cmd_doctor(args) -> int:
+    from msllm import doctor
+    from msllm.config import load_config
+
+    cfg = load_config(args.config, args.set) if args.config or args.set else None
+    return doctor.main(cfg, args.config)
+
+
 def _verify_options(p) -> None:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (capped at the model context)")
     p.add_argument("--batch", type=int, default=2)
@@ -157,6 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="msllm checkpoint / run dir, or MindFormers dir")
     _verify_options(p)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("lint", help="find what GRAPH_MODE rejects or silently slows in Cells, before compiling")
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help=".py files, directories or module names (default: msllm's own package)")
+    p.add_argument("--compile", action="store_true",
+                   help="also compile the train step of --config and point a compile error at its file:line")
+    p.add_argument("--config", default=None, help="YAML config for --compile (default: built-in tiny CPU config)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.set_defaults(func=cmd_lint)
+
+    p = sub.add_parser("doctor", help="versions, devices, CPU, memory and disk on one screen, problems with fixes")
+    p.add_argument("--config", default=None, help="also check what this config needs (exit 1 if something is missing)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.set_defaults(func=cmd_doctor)
 
     for name, what in PLANNED.items():
         p = sub.add_parser(name, help=f"not implemented yet: {what}")

@@ -103,7 +103,7 @@ class TrainStep(nn.Cell):
             coef = coef * ops.minimum(self.grad_clip / (norm + 1e-6), 1.0)
         if not (self.grad_clip > 0 or self.loss_scaler is not None or self.accum_steps > 1):
             coef = None  # nothing to multiply by
-        if finite:
+        if finite:  # noqa: GL101 (a run-time branch on purpose: a non-finite step skips the update)
             lr = self.optimizer(grads, coef)
         else:
             lr = ops.zeros((), ms.float32)
