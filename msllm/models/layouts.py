@@ -65,6 +65,7 @@ class Op:
     inputs: tuple
     out: tuple | None = None
     when: str | None = None   # a CONDITIONS key
+    optional: bool = False    # held only by some formulations of the Cell (applied when present)
 
     @property
     def path(self) -> str:
@@ -78,34 +79,60 @@ CONDITIONS = {
     "untied": lambda m: not m.tie_embeddings,
 }
 
-_NORM = (("tokens", None), (None, None))  # RMSNormCore: [N, h] @ ones [h, 1], then [N, 1] @ weight [1, h]
 _ROW_OUT = (("tokens", None),)
 _ATTN = "layers.*.attention.core.softmax_attention"
-OPS = (
+# RMSNorm cores: Ascend swaps in msllm.backends.ascend.RMSNormCore, whose primitives these are:
+# x [N, h] -> x * rsqrt(mean(x^2) + eps) * weight, rows cut over tokens.
+_NORM_OPS = tuple(
+    Op(cell, prim, inputs)
+    for cell in ("layers.*.attention_norm.core", "layers.*.ffn_norm.core", "norm.core")
+    for prim, inputs in (
+        ("square", (("tokens", None),)),
+        ("mean", (("tokens", None),)),
+        ("add", (("tokens", None), (None, None))),           # + eps [1, 1]
+        ("rsqrt", (("tokens", None),)),
+        ("scale", (("tokens", None), ("tokens", None))),
+        ("weigh", (("tokens", None), (None,))),
+    ))
+OPS = _NORM_OPS + (
     Op("tok_embeddings", "gather", (("vocab", None), ("batch",))),
-    Op("layers.*.attention_norm.core", "matmul", _NORM),
     Op("layers.*.attention.wq", "matmul", (("batch", None), ("heads", None))),
     Op("layers.*.attention.wk", "matmul", (("batch", None), ("kv", None))),
     Op("layers.*.attention.wv", "matmul", (("batch", None), ("kv", None))),
-    # One primitive rotates q and k; k's rows under GQA with kv < tp are resliced to match.
-    Op("layers.*.attention.rope", "matmul", (("head_rows", None), (None, None))),
-    # q is viewed [b, kv, rep*s, d] so one BatchMatMul serves a KV head's group; the same
-    # primitives run the hand-written backward (dP, dq; and pt_x: dv, dk, whose contraction over
-    # the group's rows is split by tp_rep: those partial sums are all-reduced).
+    # One primitive rotates q and k (when Rope holds one; the element-wise form has none): rows of
+    # the per-head view; k's rows under GQA with kv < tp are resliced to match.
+    Op("layers.*.attention.rope", "matmul", (("head_rows", None), (None, None)), optional=True),
+    # q is viewed [b, kv, rep*s, d] so one BatchMatMul serves a KV head's group. A hand-written
+    # backward (when present) reuses them and adds pt_x (dv, dk), whose contraction over the
+    # group's rows is cut by tp_rep: those partial sums are all-reduced.
     Op(_ATTN, "qk", (("batch", "kv", "group", None), ("batch", "kv", None, None))),
     Op(_ATTN, "pv", (("batch", "kv", "group", None), ("batch", "kv", None, None))),
-    Op(_ATTN, "pt_x", (("batch", "kv", "group", None), ("batch", "kv", "group", None))),
+    Op(_ATTN, "pt_x", (("batch", "kv", "group", None), ("batch", "kv", "group", None)), optional=True),
     Op(_ATTN, "softmax", (("batch", "heads", None, None),), when="mha"),           # [b, h, s, t]
     Op(_ATTN, "softmax", (("batch", "kv", "group", None, None),), when="gqa"),     # [b, kv, rep, s, t]
     Op("layers.*.attention.wo", "matmul", (("batch", "heads"), (None, "heads")), out=_ROW_OUT),
-    Op("layers.*.ffn_norm.core", "matmul", _NORM),
     Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None))),
     Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None))),
     Op("layers.*.feed_forward.act", "sigmoid", (("batch", "ffn"),)),
     Op("layers.*.feed_forward.w2", "matmul", (("batch", "ffn"), (None, "ffn")), out=_ROW_OUT),
-    Op("norm.core", "matmul", _NORM),
     Op("output", "matmul", (("batch", None), ("vocab", None)), when="untied"),
     Op("", "lm_matmul", (("batch", None), ("vocab", None)), when="tied"),  # logits from the embedding table
+)
+
+# The vocab-parallel loss (msllm.backends.ascend.VocabParallelCrossEntropy, its primitives by
+# attribute): logits [N, vocab] stay cut over vocab; the row max, the sum of exponentials and the
+# target logit are reduced across the shards instead of gathering the logits.
+LOSS_OPS = (
+    Op("", "row_max", (("batch", "vocab"),)),
+    Op("", "shift", (("batch", "vocab"), ("batch", None))),
+    Op("", "exp", (("batch", "vocab"),)),
+    Op("", "row_sum", (("batch", "vocab"),)),
+    Op("", "log", (("batch", None),)),
+    Op("", "one_hot", (("batch", "vocab"), (), ())),
+    Op("", "pick", (("batch", "vocab"), ("batch", "vocab"))),
+    Op("", "target_sum", (("batch", "vocab"),)),
+    Op("", "minus", (("batch", None), ("batch", None))),
+    Op("", "mean", (("batch", None),)),
 )
 
 # Cells whose pipeline stage is set: the embedding on the first stage, norm and head on the last.
@@ -225,12 +252,10 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int) -> dict[str, list[tupl
     b, s, h, d, f, v = batch, seq, m.hidden_size, m.head_dim, m.ffn_size, m.vocab_size
     nh, kv = m.num_heads, m.num_kv_heads
     n, rep = b * s, nh // kv
-    norm = [(n, h), (h, 1)]
     a = "layers.*.attention."
     c = _ATTN + "."
     shapes = {
         "tok_embeddings.gather": [(v, h), (n,)],
-        "layers.*.attention_norm.core.matmul": norm,
         a + "wq.matmul": [(n, h), (nh * d, h)],
         a + "wk.matmul": [(n, h), (kv * d, h)],
         a + "wv.matmul": [(n, h), (kv * d, h)],
@@ -240,27 +265,27 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int) -> dict[str, list[tupl
         c + "pt_x": [(b, kv, rep * s, s), (b, kv, rep * s, d)],
         c + "softmax": [(b, nh, s, s)] if rep == 1 else [(b, kv, rep, s, s)],
         a + "wo.matmul": [(n, nh * d), (h, nh * d)],
-        "layers.*.ffn_norm.core.matmul": norm,
         "layers.*.feed_forward.w1.matmul": [(n, h), (f, h)],
         "layers.*.feed_forward.w3.matmul": [(n, h), (f, h)],
         "layers.*.feed_forward.act.sigmoid": [(n, f)],
         "layers.*.feed_forward.w2.matmul": [(n, f), (h, f)],
-        "norm.core.matmul": norm,
         "output.matmul": [(n, h), (v, h)],
         "lm_matmul": [(n, h), (v, h)],
     }
+    for op in _NORM_OPS:
+        shapes[op.path] = {"square": [(n, h)], "mean": [(n, h)], "add": [(n, 1), (1, 1)], "rsqrt": [(n, 1)],
+                           "scale": [(n, h), (n, 1)], "weigh": [(n, h), (h,)]}[op.prim]
     return {op.path: shapes[op.path] for op in ops_for(m)}
 
 
 # Which input dims each matmul contracts: (dim of input 0, dim of input 1). Both must be cut alike.
-_CONTRACTS = {"matmul_tb": (1, 1), "matmul": (1, 0), "qk": (3, 3), "pv": (3, 2), "pt_x": (2, 2)}
+# Linear and the LM head: x @ W^T; rope: x @ R; the attention BatchMatMuls as named.
+_CONTRACTS = {"matmul": (1, 1), "lm_matmul": (1, 1), "qk": (3, 3), "pv": (3, 2), "pt_x": (2, 2)}
 
 
 def _contraction(op: Op) -> tuple[int, int] | None:
-    if op.prim == "matmul":
-        return _CONTRACTS["matmul" if op.cell.endswith(".core") else "matmul_tb"]  # norm matmuls: plain
-    if op.prim == "lm_matmul":
-        return _CONTRACTS["matmul_tb"]
+    if op.cell.endswith(".rope"):
+        return (1, 0)
     return _CONTRACTS.get(op.prim)
 
 

@@ -64,3 +64,21 @@ def check_parallel(cfg: Config, devices: int | None = None, source: str = "<conf
     problem = layout_problem(cfg, devices, global_batch, seq_len)
     if problem is not None:
         raise ConfigError(source, *problem)
+
+
+def check_execution(cfg: Config, source: str = "<config>") -> None:
+    """The Ascend execution profile's constraints (msllm.backends.ascend.ExecutionProfile): jit_level
+    O2 sinks the whole graph (static shapes only), data sink returns to the host every sink_size steps."""
+    t, p = cfg.train, cfg.parallel
+    if t.jit_level == "O2" and t.device != "ascend":
+        raise ConfigError(source, "train.jit_level", "O2 (whole-graph sink) exists on Ascend only; use O0 or O1")
+    if t.jit_level == "O2" and t.sample_tokens > 0:
+        raise ConfigError(source, "train.sample_tokens", "the end-of-run sample compiles prefill and decode with "
+                          "dynamic shapes, which jit_level O2 does not take; set 0 (sample with msllm generate)")
+    if p.sink_size > 0:
+        if t.device != "ascend":
+            raise ConfigError(source, "parallel.sink_size", "data sink needs Ascend; set 0")
+        for key in ("log_every", "eval_every", "ckpt_every"):
+            if getattr(t, key) % p.sink_size:
+                raise ConfigError(source, f"train.{key}", f"must be a multiple of parallel.sink_size "
+                                  f"({p.sink_size}): the host sees the step only every sink_size steps")

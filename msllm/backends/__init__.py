@@ -1,0 +1,1 @@
+"""Device backends: what a device changes on a built model (ascend.py: parallel layouts, execution profile)."""
