@@ -200,6 +200,7 @@ def estimate(cfg: Config, device: str | Device = "910b", flash: bool = False, pa
     tokens_per_step = batch * seq
     return {
         **stages[busiest], "stage": busiest, "params": counts[busiest],
+        "optimizer_by_zero1": {False: counts[busiest] * ob, True: counts[busiest] * ob / p.dp},
         "activations_by_recompute": {(r, f): activations(busiest, r, f) for r in RECOMPUTE for f in (False, True)},
         "comm": {"dp": dp_bytes, "tp": p.micro_batches * max(tp_bytes), "pp": p.micro_batches * pp_bytes},
         "time": time, "bubble": (p.pp - 1) / slots,
