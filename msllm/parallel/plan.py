@@ -241,7 +241,7 @@ def candidates(cfg: Config, devices: int, global_batch: int, seq_len: int, devic
                                    sequence_parallel=tp > 1 and seq_len % tp == 0, vocab_parallel=True)
                 laid = with_layout(cfg, p, global_batch=global_batch, seq_len=seq_len)
                 if layout_problem(laid, devices) is not None:
-                    break  # the rest of this (tp, pp) fails the same way (the check does not depend on micro)
+                    continue
                 if cache is None:
                     cache = stage_parameters(cfg.model, L.sharding(cfg.model, p))
                 for recompute in RECOMPUTE:
