@@ -1,12 +1,11 @@
-"""The layout table proven on CPU: sharded maths equal to unsharded (oracle), the checker's rules,
-and golden strategies for the shipped 7B/8B shapes, applied through MindSpore's shard API."""
+"""The layout table's maths proven on CPU: sharded forward and backward (tests/sharded_llama.py)
+equal to unsharded, pipeline stages equal to the whole model, and the oracle's one-rank model
+equal to msllm's MindSpore Llama."""
 import numpy as np
 import pytest
 
-from msllm.config import ConfigError, ModelConfig, ParallelConfig, config_from_dict, load_config
+from msllm.config import ModelConfig, ParallelConfig
 from msllm.models import layouts as L
-from msllm.parallel.check import check_parallel
-from tests.conftest import REPO
 from tests.sharded_llama import ShardedLlama, back_units, init_params, loss_and_grads, run_units
 
 
@@ -68,7 +67,7 @@ def test_sharded_forward_and_backward_equal_unsharded(kv, dp, tp, sp, vocab):
     assert k.shape[0] == m.head_dim * max(kv // tp, 1)
 
 
-@pytest.mark.parametrize("pp, micro, tp", [(2, 2, 1), (2, 4, 2)])
+@pytest.mark.parametrize("pp, micro, tp", [(2, 2, 1), (2, 4, 2), (3, 4, 1)])
 def test_pipeline_stages_in_sequence_equal_the_whole_model(pp, micro, tp):
     m = tiny(num_layers=3)
     params = init_params(m, seed=4)

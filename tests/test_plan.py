@@ -72,14 +72,13 @@ def test_execution_profile_constraints():
 def test_states_are_16_bytes_per_parameter_and_zero1_is_4_plus_12_over_n():
     for precision in ("fp32", "bf16"):
         cfg = P.with_layout(load_config(LLAMA2, [f"train.precision={precision}"]), ParallelConfig(), global_batch=8)
-        e = P.estimate(cfg, "910b")
+        e = P.estimate(cfg, device="910b")
         psi = cfg.model.num_params()
         assert e["params"] == psi
         assert e["weights"] + e["grads"] + e["optimizer"] == 16 * psi
     n = 8
-    cfg = P.with_layout(load_config(LLAMA2, ["train.precision=bf16"]),
-                        ParallelConfig(dp=n, optimizer_shard=True), global_batch=8)
-    e = P.estimate(cfg, "910b")
+    cfg = P.with_layout(load_config(LLAMA2, ["train.precision=bf16"]), ParallelConfig(), global_batch=8)
+    e = P.estimate(cfg, ParallelConfig(dp=n, optimizer_shard=True), "910b")
     assert e["weights"] + e["grads"] + e["optimizer"] == pytest.approx(4 * psi + 12 * psi / n)
     assert e["optimizer_by_zero1"] == {False: 12 * psi, True: pytest.approx(12 * psi / n)}
 
@@ -120,7 +119,7 @@ def test_pipeline_keeps_in_flight_micro_batches_on_the_first_stage():
     base = load_config(LLAMA2, ["train.precision=bf16"])
     p = ParallelConfig(pp=4, micro_batches=8)
     cfg = P.with_layout(base, p, recompute="full", global_batch=8)
-    e = P.estimate(cfg, "910b")
+    e = P.estimate(cfg, device="910b")
     sh = L.sharding(cfg.model, p)
     per_layer = P.layer_activations(cfg.model, sh, 1, 4096, 2, "full", False)
     rebuilt = P.layer_activations(cfg.model, sh, 1, 4096, 2, "none", False) - per_layer
@@ -161,7 +160,7 @@ def test_plan_prints_layouts_and_a_parallel_block_that_passes_the_checker(capsys
                                                           for k, v in kv.items()])
     check_parallel(cfg, 8)
     assert cfg.train.batch_size == 64 and cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == 8
-    e = P.estimate(cfg, "910b")
+    e = P.estimate(cfg, device="910b")
     assert e["total"] <= 0.9 * 64 * 2 ** 30
     assert f"{e['time']['step']:.2f} s/step" in out
 

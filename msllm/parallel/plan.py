@@ -134,9 +134,15 @@ def with_layout(cfg: Config, p: ParallelConfig, recompute: str | None = None, gl
     return dataclasses.replace(cfg, parallel=p, train=train, data=data)
 
 
-def estimate(cfg: Config, device: str | Device = "910b", flash: bool = False, params_per_stage=None) -> dict:
+def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | Device = "910b", flash: bool = False,
+             params_per_stage=None) -> dict:
     """Per-device memory (bytes), per-step communication (bytes sent per device) and time (s) of
-    cfg laid out as cfg.parallel with cfg.train.recompute; the busiest stage's memory."""
+    cfg laid out as `layout` (default cfg.parallel) with cfg.train.recompute, for the busiest
+    pipeline stage. Keys: weights, grads, optimizer, activations, total, stage, params,
+    optimizer_by_zero1, activations_by_recompute[(recompute, flash)], comm, time, bubble,
+    tokens_per_s_per_device, mfu."""
+    if layout is not None:
+        cfg = dataclasses.replace(cfg, parallel=layout)
     dev = DEVICES[device] if isinstance(device, str) else device
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sh = L.sharding(m, p)
@@ -246,7 +252,7 @@ def candidates(cfg: Config, devices: int, global_batch: int, seq_len: int, devic
                     cache = stage_parameters(cfg.model, L.sharding(cfg.model, p))
                 for recompute in RECOMPUTE:
                     laid_r = with_layout(laid, p, recompute=recompute)
-                    yield Candidate(laid_r, estimate(laid_r, device, flash, cache))
+                    yield Candidate(laid_r, estimate(laid_r, None, device, flash, cache))
 
 
 def plan(cfg: Config, devices: int, device: Device, memory: float, global_batch: int, seq_len: int,
@@ -333,7 +339,7 @@ def run(cfg: Config, source: str, devices: int, device: str, memory: float | Non
         laid = with_layout(cfg, cfg.parallel, global_batch=global_batch, seq_len=seq_len)
         check_parallel(laid, devices, source)
         check_execution(laid, source)
-        c = Candidate(laid, estimate(laid, dev, flash))
+        c = Candidate(laid, estimate(laid, None, dev, flash))
         e = c.est
         fits = e["total"] <= USABLE * memory
         line = (f"msllm plan: {source}: {describe(c)} is valid on {devices} devices; per device "
