@@ -272,12 +272,14 @@ class ShardedLlama:
         kv_of = [self.kv_of(r, p) for r in range(len(a))]
         att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, self.mask), q, k, v, kv_of)
         o = [merge(oi) for oi, _ in att]
-        x = [xi + yi for xi, yi in zip(x, self.row_out([oi @ wi.T for oi, wi in zip(o, self.w(p + "attention.wo.weight"))]))]
+        attn_out = self.row_out([oi @ wi.T for oi, wi in zip(o, self.w(p + "attention.wo.weight"))])
+        x = [xi + yi for xi, yi in zip(x, attn_out)]
         a2 = self.norm(x, p + "ffn_norm.weight", (b, s, i, "ffn"))
         g = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w1.weight"))]
         u = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w3.weight"))]
         hmid = [gi * sigmoid(gi) * ui for gi, ui in zip(g, u)]
-        x = [xi + yi for xi, yi in zip(x, self.row_out([hi @ wi.T for hi, wi in zip(hmid, self.w(p + "feed_forward.w2.weight"))]))]
+        mlp_out = self.row_out([hi @ wi.T for hi, wi in zip(hmid, self.w(p + "feed_forward.w2.weight"))])
+        x = [xi + yi for xi, yi in zip(x, mlp_out)]
         self.caches[(b, s, i), "block"] = (a, q, k, v, kv_of, [pi for _, pi in att], o, a2, g, u, hmid)
         return x
 

@@ -84,7 +84,7 @@ def _shard(prim, device_mesh, sh, op: L.Op):
 def apply_layout(model, cfg: Config) -> dict[str, int]:
     """Set every table op's layout on `model`'s primitives and, with pp > 1, each Cell's
     pipeline_stage. Returns {op path: primitives set}; a required op the model lacks is an error
-    (the table and the model disagree)."""
+    (the table and the model disagree). The norm rows need use_shardable_norms first (specialise)."""
     m, p = cfg.model, cfg.parallel
     sh = L.sharding(m, p)
     device_mesh = mesh(sh)

@@ -157,7 +157,8 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     def activations(stage: int, recompute: str, with_flash: bool) -> float:
         in_flight = min(p.pp - stage, p.micro_batches)
         per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash)
-        rebuilt = 0.0 if recompute == "none" else layer_activations(m, sh, micro, seq, e, "none", with_flash) - per_layer
+        full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash)
+        rebuilt = full_layer - per_layer  # one layer's dropped activations, rebuilt during its backward
         logits = 2 * 4 * tokens * m.vocab_size / (p.tp if sh.vocab_split else 1) if stage == p.pp - 1 else 0.0
         return layers[stage] * per_layer * in_flight + rebuilt + logits
 
