@@ -68,18 +68,9 @@ def compile_error_finding(error: BaseException, ir_dir: Path | None = None) -> F
 
 def _train_step(cfg: Config):
     """The configured train step (what Trainer builds, without data)."""
-    from msllm import device, kernels
-    from msllm.models.llama import build_model
-    from msllm.train.optim import AdamW
-    from msllm.train.step import TrainStep, apply_recompute, make_loss_scaler
+    from msllm.train.build import build_train_step
 
-    t = cfg.train
-    model = build_model(cfg.model, seed=t.seed, compute_dtype=device.compute_dtype(t.precision, t.device))
-    apply_recompute(model, t.recompute)
-    model.share_block_graph(device.shares_block_graph(t.block_graph, cfg.model.num_layers, t.recompute))
-    optimizer = AdamW(model.trainable_params(), cfg.optim, t.steps, fused=kernels.enabled(t.fused_kernels))
-    scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
-    return TrainStep(model, optimizer, cfg.optim.grad_clip, t.accum_steps, scaler)
+    return build_train_step(cfg).train_step
 
 
 def compile_train_step(cfg: Config, log=print) -> Finding | None:

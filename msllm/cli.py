@@ -9,7 +9,6 @@ from msllm.config import ConfigError
 from msllm.errors import UserError
 
 PLANNED = {
-    "plan": "Ascend semi-auto parallel planning (roadmap)",
     "launch": "multi-process launch over msrun (roadmap)",
 }
 
@@ -125,6 +124,18 @@ def cmd_doctor(args) -> int:
     return doctor.main(cfg, args.config)
 
 
+def cmd_plan(args) -> int:
+    from msllm.config import load_config
+    from msllm.parallel import plan
+
+    cfg = load_config(args.config, args.set)
+    device = args.device or {"ascend": "910b", "gpu": "h100", "cpu": "cpu"}[cfg.train.device]
+    memory = plan.parse_bytes(args.device_mem) if args.device_mem else None
+    return plan.run(cfg, args.config, args.devices, device, memory, args.global_batch, args.seq_len,
+                    check=args.check, top=args.top, flash=args.flash,
+                    err=lambda line: print(line, file=sys.stderr))
+
+
 def _verify_options(p) -> None:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (capped at the model context)")
     p.add_argument("--batch", type=int, default=2)
@@ -200,6 +211,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="also check what this config needs (exit 1 if something is missing)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("plan", help="lay a config out over N devices: memory, communication, step time per layout")
+    p.add_argument("--config", required=True, help="YAML config")
+    p.add_argument("--devices", type=int, required=True, help="number of devices (dp x tp x pp)")
+    p.add_argument("--device-mem", default=None, help="memory per device, e.g. 64GB (default: the device's)")
+    p.add_argument("--device", choices=["910b", "h100", "cpu"], default=None,
+                   help="device profile (default: from train.device)")
+    p.add_argument("--seq-len", type=int, default=None, help="default: data.seq_len")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (default: train.batch_size x train.accum_steps)")
+    p.add_argument("--check", action="store_true", help="validate the config's parallel section for --devices")
+    p.add_argument("--flash", action="store_true", help="activations as with a fused flash-attention kernel")
+    p.add_argument("--top", type=int, default=10, help="layouts shown")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.set_defaults(func=cmd_plan)
 
     for name, what in PLANNED.items():
         p = sub.add_parser(name, help=f"not implemented yet: {what}")

@@ -1,6 +1,6 @@
 """Typed run configuration: YAML -> dataclasses, validated, with file+key errors.
 
-A config is four sections of plain data. Every value is read here once and passed
+A config is a few sections of plain data. Every value is read here once and passed
 down; nothing else in msllm parses YAML.
 """
 from __future__ import annotations
@@ -119,11 +119,30 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How a run is laid out over devices (Ascend semi-auto parallel; see docs/layouts.md).
+
+    The global batch (sequences per optimizer step) is train.batch_size x train.accum_steps, as
+    on one device: the layout splits it dp ways and micro_batches ways in time, never changes it.
+    Recompute stays train.recompute.
+    """
+    dp: int = 1                       # data-parallel replicas
+    tp: int = 1                       # tensor-parallel group: heads, ffn and vocab split over it
+    pp: int = 1                       # pipeline stages (layers split by stage)
+    micro_batches: int = 1            # pipeline micro-batches per step (>= pp)
+    optimizer_shard: bool = False     # ZeRO-1: Adam states (and fp32 master) split over dp
+    sequence_parallel: bool = False   # norms and residual adds split over tokens within tp
+    vocab_parallel: bool = True       # embedding and LM head split over vocab (falls back to dp)
+    sink_size: int = 0                # Ascend data sink: steps per host call (0 = no sink)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -178,7 +197,7 @@ def _apply(cfg: Config, data: Any, source: str) -> None:
     if data is None:
         return
     if not isinstance(data, dict):
-        raise ConfigError(source, "<top>", "expected a mapping of sections (model, data, optim, train)")
+        raise ConfigError(source, "<top>", f"expected a mapping of sections ({', '.join(SECTIONS)})")
     for section, values in data.items():
         if section not in SECTIONS:
             raise ConfigError(source, str(section), f"unknown section; expected one of {', '.join(SECTIONS)}")
@@ -241,6 +260,9 @@ def _check(cfg: Config, source: str) -> None:
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         need(value in choices, dotted, f"must be one of {', '.join(choices)}, got {value!r}")
+    from msllm.parallel.check import check_parallel  # late: it reads Config
+
+    check_parallel(cfg, source=source)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -1,0 +1,219 @@
+"""Ascend: the Llama layout table (msllm/models/layouts.py) applied through MindSpore 2.10's
+semi-auto parallel, and the Ascend execution profile checked against the config.
+
+    specialise(model, cfg)                       # shardable norm cores, op layouts, pipeline stages
+    use_vocab_parallel_loss(causal_lm_loss, cfg) # the loss reduces across vocab shards
+    loss_net = micro_batches(loss_cell, cfg)     # Pipeline / GradAccumulation over parallel.micro_batches
+    net = parallel_wrapper(train_step, cfg, strategy_file(run_dir, rank))
+
+Generated here, executed only on Ascend (none was available to this project: tools/dryrun_ascend.sh
+compiles it with MindSpore's simulation for users with CANN). On a stand-alone CPU graph
+Primitive.shard and pipeline_stage are accepted and ignored, which is how the tests check what
+this module produces.
+"""
+from __future__ import annotations
+
+import fnmatch
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from mindspore import Layout, Tensor, nn, ops
+
+from msllm.config import Config
+from msllm.models import layouts as L
+from msllm.parallel.check import check_execution
+
+# semi_auto: every primitive the table names carries its layout; MindSpore derives the weights'
+# slices from them and inserts the collectives.
+PARALLEL_MODE = "semi_auto"
+
+
+class RMSNormCore(nn.Cell):
+    """x [N, h] fp32, weight [h] -> x * rsqrt(mean(x^2) + eps) * weight, each step its own primitive
+    so sequence parallel can cut the rows (layouts._NORM_OPS). Same maths as llama.RMSNormCore."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = Tensor(np.full((1, 1), eps, np.float32))
+        self.square, self.mean, self.add = ops.Square(), ops.ReduceMean(keep_dims=True), ops.Add()
+        self.rsqrt, self.scale, self.weigh = ops.Rsqrt(), ops.Mul(), ops.Mul()
+
+    def construct(self, x, weight):
+        return self.weigh(self.scale(x, self.rsqrt(self.add(self.mean(self.square(x), -1), self.eps))), weight)
+
+
+class VocabParallelCrossEntropy(nn.Cell):
+    """Mean cross-entropy of logits [N, vocab] cut over vocab (layouts.LOSS_OPS): the row max, the
+    sum of exponentials and the target logit are reduced across shards, never the logits gathered.
+    Drop-in for SparseSoftmaxCrossEntropyWithLogits (whose class axis MindSpore cannot split)."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.row_max, self.row_sum, self.target_sum = ops.ReduceMax(True), ops.ReduceSum(True), ops.ReduceSum(True)
+        self.shift, self.minus, self.exp, self.log = ops.Sub(), ops.Sub(), ops.Exp(), ops.Log()
+        self.one_hot, self.pick, self.mean = ops.OneHot(), ops.Mul(), ops.ReduceMean()
+        self.on, self.off = Tensor(np.float32(1.0)), Tensor(np.float32(0.0))
+
+    def construct(self, logits, labels):
+        shifted = self.shift(logits, ops.stop_gradient(self.row_max(logits, -1)))  # softmax is shift-invariant
+        log_z = self.log(self.row_sum(self.exp(shifted), -1))
+        target = self.target_sum(self.pick(shifted, self.one_hot(labels, self.vocab_size, self.on, self.off)), -1)
+        return self.mean(self.minus(log_z, target))
+
+
+def mesh(sh: L.Sharding) -> Layout:
+    return Layout(sh.mesh, L.MESH_AXES)
+
+
+def ms_layout(device_mesh: Layout, sh: L.Sharding, layout: tuple):
+    """A table layout as a MindSpore tensor layout: per dim "None", one mesh axis, or a tuple of them."""
+    return device_mesh(*["None" if not axes else axes[0] if len(axes) == 1 else axes for axes in sh.dims(layout)])
+
+
+def _shard(prim, device_mesh, sh, op: L.Op):
+    ins = tuple(ms_layout(device_mesh, sh, layout) for layout in op.inputs)
+    out = None
+    if op.out is not None and sh.sequence_parallel:
+        out = tuple(ms_layout(device_mesh, sh, layout) for layout in op.out)
+    prim.shard(ins, out)
+
+
+def apply_layout(model, cfg: Config) -> dict[str, int]:
+    """Set every table op's layout on `model`'s primitives and, with pp > 1, each Cell's
+    pipeline_stage. Returns {op path: primitives set}; a required op the model lacks is an error
+    (the table and the model disagree). The norm rows need use_shardable_norms first (specialise)."""
+    m, p = cfg.model, cfg.parallel
+    sh = L.sharding(m, p)
+    device_mesh = mesh(sh)
+    cells = dict(model.cells_and_names())
+    applied = {}
+    for op in L.ops_for(m):
+        found = [cells[name] for name in cells
+                 if fnmatch.fnmatchcase(name, op.cell) and getattr(cells[name], op.prim, None) is not None]
+        if not found and not op.optional:
+            raise KeyError(f"{op.path}: the model has no such primitive; msllm/models/layouts.py is out of date")
+        for cell in found:
+            _shard(getattr(cell, op.prim), device_mesh, sh, op)
+        applied[op.path] = len(found)
+    if p.pp > 1:
+        for name, stage in L.stage_cells(m, p.pp).items():
+            cells[name].pipeline_stage = stage
+    return applied
+
+
+def use_shardable_norms(model) -> int:
+    """Swap each RMSNorm's core for RMSNormCore above (parameter-free, same maths)."""
+    from msllm.models.llama import RMSNorm
+
+    norms = [cell for _, cell in model.cells_and_names() if isinstance(cell, RMSNorm)]
+    for norm in norms:
+        norm.core = RMSNormCore(norm.dim, norm.eps)
+    return len(norms)
+
+
+def use_vocab_parallel_loss(loss, cfg: Config) -> bool:
+    """Give a CausalLMLoss the vocab-parallel cross-entropy when the layout cuts the vocab."""
+    sh = L.sharding(cfg.model, cfg.parallel)
+    if not sh.vocab_split:
+        return False
+    loss.cross_entropy = VocabParallelCrossEntropy(cfg.model.vocab_size)
+    device_mesh = mesh(sh)
+    for op in L.LOSS_OPS:
+        _shard(getattr(loss.cross_entropy, op.prim), device_mesh, sh, op)
+    return True
+
+
+def specialise(model, cfg: Config) -> dict[str, int]:
+    """Everything Ascend changes on a built Llama for a layout (the seam in msllm.backends calls it)."""
+    execution_profile(cfg)
+    use_shardable_norms(model)
+    return apply_layout(model, cfg)
+
+
+def micro_batches(loss_net, cfg: Config):
+    """The loss network cut into parallel.micro_batches: pipelined over stages with pp > 1, else
+    accumulated. MindSpore's train step then reduces gradients with pipeline_grad_reducer."""
+    from mindspore.parallel.nn import GradAccumulation, Pipeline
+
+    p = cfg.parallel
+    if p.pp > 1:
+        return Pipeline(loss_net, p.micro_batches)
+    if p.micro_batches > 1:
+        return GradAccumulation(loss_net, p.micro_batches)
+    return loss_net
+
+
+def pipeline_grad_reducer(parameters, cfg: Config):
+    """Pipeline parallel's gradient accumulation and reduction for the train step (None without)."""
+    if cfg.parallel.pp == 1:
+        return None
+    from mindspore.parallel.nn import PipelineGradReducer
+
+    return PipelineGradReducer(parameters, opt_shard=cfg.parallel.optimizer_shard)
+
+
+def parallel_wrapper(net, cfg: Config, strategy_path: str | None = None):
+    """Wrap the outermost train Cell in AutoParallel as the config's parallel section says."""
+    from mindspore.parallel.auto_parallel import AutoParallel
+
+    p = cfg.parallel
+    wrapped = AutoParallel(net, PARALLEL_MODE)
+    # The step's one input, tokens [b, s+1]: cut over dp; the tp ranks of a replica read the same rows.
+    wrapped.dataset_strategy(((p.dp, 1),))
+    if p.optimizer_shard:
+        wrapped.hsdp(optimizer_level="level1")  # weights' fp32 copy and Adam states split over dp
+    if p.pp > 1:
+        wrapped.pipeline(stages=p.pp, scheduler="1f1b")
+    if strategy_path is not None:
+        wrapped.save_param_strategy_file(strategy_path)
+    return wrapped
+
+
+def strategy_file(run_dir: str | Path, rank: int) -> Path:
+    """Where AutoParallel writes this rank's parameter strategy at compile time."""
+    return Path(run_dir) / "strategy" / f"rank_{rank}.ckpt"
+
+
+def save_strategy_with_checkpoint(run_dir: str | Path, checkpoint_dir: str | Path, rank: int) -> Path:
+    """Copy this rank's strategy file into a checkpoint: sharded weights are unreadable without it
+    (resuming under another layout re-slices them with it)."""
+    src = strategy_file(run_dir, rank)
+    if not src.exists():
+        raise FileNotFoundError(f"{src}: no strategy file; was the train step compiled under AutoParallel?")
+    dst = Path(checkpoint_dir) / src.name.replace("rank_", "strategy_rank_")
+    shutil.copyfile(src, dst)
+    return dst
+
+
+# ---- execution profile ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExecutionProfile:
+    """How the compiled step runs on Ascend.
+
+    jit_level O2 sinks the whole graph to the device (fastest; static shapes only), O1 runs it
+    kernel by kernel with fusion, O0 without. sink_size > 0 feeds the step from the device-side data
+    queue (mindspore.data_sink) and returns to the host every sink_size steps."""
+    jit_level: str
+    sink_size: int
+
+    def context(self) -> dict:
+        return {"jit_config": {"jit_level": self.jit_level}}
+
+    def sink(self, step_fn, dataset):
+        """The step driven by the device-side data queue, or the step itself without a sink."""
+        if self.sink_size == 0:
+            return step_fn
+        import mindspore as ms
+
+        return ms.data_sink(step_fn, dataset, sink_size=self.sink_size,
+                            jit_config=ms.JitConfig(jit_level=self.jit_level))
+
+
+def execution_profile(cfg: Config, source: str = "<config>") -> ExecutionProfile:
+    """The profile, after its constraints are checked against the config (msllm.parallel.check)."""
+    check_execution(cfg, source)
+    return ExecutionProfile(cfg.train.jit_level, cfg.parallel.sink_size)

@@ -1,0 +1,362 @@
+"""How the Llama family is laid out over devices: one declarative table, beside the model.
+
+Every parameter and every primitive the model's Cells hold gets a layout: one entry per tensor
+dim, None (whole on every rank) or the name of a split. The names are resolved for one run by
+`Sharding` to axes of the device mesh (dp, tp_kv, tp_rep), so the same table gives
+
+  * MindSpore `Primitive.shard` layouts for AutoParallel "semi_auto" (msllm.backends.ascend),
+  * the slice of each weight a rank holds (the sharded-maths oracle in the tests, the planner),
+  * pipeline stages by layer (embedding first, final norm and head last).
+
+The table is data, a placement per tensor, so it can move to DTensor-style placements later.
+
+The mesh: tp = tp_kv x tp_rep. tp_kv splits the KV heads; when a model has fewer KV heads than
+tp (GQA), each KV head is held by tp_rep = tp / num_kv_heads ranks: those serving the query
+heads of its group. Rank order within a stage is (dp, tp_kv, tp_rep), tp innermost, so a tp
+group is adjacent devices (one node).
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from msllm.config import ModelConfig, ParallelConfig
+
+MESH_AXES = ("dp", "tp_kv", "tp_rep")
+
+# Split names, what they split, and over which mesh axes (see Sharding.axes):
+#   batch      sequences: rows of the [b*s, h] stream, token ids            dp
+#   tokens     rows entering norms, leaving row-parallel matmuls             dp; dp x tp with sequence_parallel
+#   heads      query heads (q projection outputs, o projection inputs)       tp
+#   kv         key / value heads                                             tp_kv
+#   group      query rows of one KV head's group, [b, kv, rep*s, d] view     tp_rep
+#   head_rows  rows of the per-head [b*heads*s, d] view (RoPE)               dp x tp
+#   ffn        MLP hidden features                                           tp
+#   vocab      vocabulary rows                                               tp, or nothing (replicated,
+#                                                                            data-parallel fallback)
+
+# name pattern (layers.N -> layers.*), split per dim, placement
+PARAMS = (
+    ("tok_embeddings.weight",            ("vocab", None), "vocab parallel"),
+    ("layers.*.attention_norm.weight",   (None,),         "replicated"),
+    ("layers.*.attention.wq.weight",     ("heads", None), "column"),
+    ("layers.*.attention.wq.bias",       ("heads",),      "column"),
+    ("layers.*.attention.wk.weight",     ("kv", None),    "column"),
+    ("layers.*.attention.wk.bias",       ("kv",),         "column"),
+    ("layers.*.attention.wv.weight",     ("kv", None),    "column"),
+    ("layers.*.attention.wv.bias",       ("kv",),         "column"),
+    ("layers.*.attention.wo.weight",     (None, "heads"), "row"),
+    ("layers.*.ffn_norm.weight",         (None,),         "replicated"),
+    ("layers.*.feed_forward.w1.weight",  ("ffn", None),   "column"),
+    ("layers.*.feed_forward.w3.weight",  ("ffn", None),   "column"),
+    ("layers.*.feed_forward.w2.weight",  (None, "ffn"),   "row"),
+    ("norm.weight",                      (None,),         "replicated"),
+    ("output.weight",                    ("vocab", None), "vocab parallel"),
+)
+
+
+@dataclass(frozen=True)
+class Op:
+    """A primitive held by a Cell: `cell` path pattern, `prim` attribute, the layout of each input,
+    and `out`: the output layout set only under sequence_parallel (a row-parallel matmul then
+    reduce-scatters its partial sums onto tokens instead of all-reducing them)."""
+    cell: str
+    prim: str
+    inputs: tuple
+    out: tuple | None = None
+    when: str | None = None   # a CONDITIONS key
+    optional: bool = False    # held only by some formulations of the Cell (applied when present)
+
+    @property
+    def path(self) -> str:
+        return f"{self.cell}.{self.prim}" if self.cell else self.prim
+
+
+CONDITIONS = {
+    "mha": lambda m: m.num_kv_heads == m.num_heads,
+    "gqa": lambda m: m.num_kv_heads != m.num_heads,
+    "tied": lambda m: m.tie_embeddings,
+    "untied": lambda m: not m.tie_embeddings,
+}
+
+_ROW_OUT = (("tokens", None),)
+_ATTN = "layers.*.attention.core.softmax_attention"
+# RMSNorm cores: Ascend swaps in msllm.backends.ascend.RMSNormCore, whose primitives these are:
+# x [N, h] -> x * rsqrt(mean(x^2) + eps) * weight, rows cut over tokens.
+_NORM_OPS = tuple(
+    Op(cell, prim, inputs)
+    for cell in ("layers.*.attention_norm.core", "layers.*.ffn_norm.core", "norm.core")
+    for prim, inputs in (
+        ("square", (("tokens", None),)),
+        ("mean", (("tokens", None),)),
+        ("add", (("tokens", None), (None, None))),           # + eps [1, 1]
+        ("rsqrt", (("tokens", None),)),
+        ("scale", (("tokens", None), ("tokens", None))),
+        ("weigh", (("tokens", None), (None,))),
+    ))
+OPS = _NORM_OPS + (
+    Op("tok_embeddings", "gather", (("vocab", None), ("batch",))),
+    Op("layers.*.attention.wq", "matmul", (("batch", None), ("heads", None))),
+    Op("layers.*.attention.wk", "matmul", (("batch", None), ("kv", None))),
+    Op("layers.*.attention.wv", "matmul", (("batch", None), ("kv", None))),
+    # One primitive rotates q and k (when Rope holds one; the element-wise form has none): rows of
+    # the per-head view; k's rows under GQA with kv < tp are resliced to match.
+    Op("layers.*.attention.rope", "matmul", (("head_rows", None), (None, None)), optional=True),
+    # q is viewed [b, kv, rep*s, d] so one BatchMatMul serves a KV head's group. A hand-written
+    # backward (when present) reuses them and adds pt_x (dv, dk), whose contraction over the
+    # group's rows is cut by tp_rep: those partial sums are all-reduced.
+    Op(_ATTN, "qk", (("batch", "kv", "group", None), ("batch", "kv", None, None))),
+    Op(_ATTN, "pv", (("batch", "kv", "group", None), ("batch", "kv", None, None))),
+    Op(_ATTN, "pt_x", (("batch", "kv", "group", None), ("batch", "kv", "group", None)), optional=True),
+    Op(_ATTN, "softmax", (("batch", "heads", None, None),), when="mha"),           # [b, h, s, t]
+    Op(_ATTN, "softmax", (("batch", "kv", "group", None, None),), when="gqa"),     # [b, kv, rep, s, t]
+    Op("layers.*.attention.wo", "matmul", (("batch", "heads"), (None, "heads")), out=_ROW_OUT),
+    Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None))),
+    Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None))),
+    Op("layers.*.feed_forward.act", "sigmoid", (("batch", "ffn"),)),
+    Op("layers.*.feed_forward.w2", "matmul", (("batch", "ffn"), (None, "ffn")), out=_ROW_OUT),
+    Op("output", "matmul", (("batch", None), ("vocab", None)), when="untied"),
+    Op("", "lm_matmul", (("batch", None), ("vocab", None)), when="tied"),  # logits from the embedding table
+)
+
+# The vocab-parallel loss (msllm.backends.ascend.VocabParallelCrossEntropy, its primitives by
+# attribute): logits [N, vocab] stay cut over vocab; the row max, the sum of exponentials and the
+# target logit are reduced across the shards instead of gathering the logits.
+LOSS_OPS = (
+    Op("", "row_max", (("batch", "vocab"),)),
+    Op("", "shift", (("batch", "vocab"), ("batch", None))),
+    Op("", "exp", (("batch", "vocab"),)),
+    Op("", "row_sum", (("batch", "vocab"),)),
+    Op("", "log", (("batch", None),)),
+    Op("", "one_hot", (("batch", "vocab"), (), ())),
+    Op("", "pick", (("batch", "vocab"), ("batch", "vocab"))),
+    Op("", "target_sum", (("batch", "vocab"),)),
+    Op("", "minus", (("batch", None), ("batch", None))),
+    Op("", "mean", (("batch", None),)),
+)
+
+# Cells whose pipeline stage is set: the embedding on the first stage, norm and head on the last.
+FIRST_STAGE, LAST_STAGE = ("tok_embeddings",), ("norm", "output")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A layout resolved for one model: the mesh axis sizes and what each split name maps to."""
+    dp: int
+    tp: int
+    pp: int
+    tp_kv: int
+    tp_rep: int
+    sequence_parallel: bool
+    vocab_split: bool
+
+    @property
+    def mesh(self) -> tuple[int, int, int]:
+        return (self.dp, self.tp_kv, self.tp_rep)
+
+    def axes(self, name: str | None) -> tuple[str, ...]:
+        tp = ("tp_kv", "tp_rep")
+        return {
+            None: (), "batch": ("dp",), "tokens": ("dp",) + tp if self.sequence_parallel else ("dp",),
+            "heads": tp, "kv": ("tp_kv",), "group": ("tp_rep",), "head_rows": ("dp",) + tp,
+            "ffn": tp, "vocab": tp if self.vocab_split else (),
+        }[name]
+
+    def ways(self, axes: tuple[str, ...]) -> int:
+        sizes = dict(zip(MESH_AXES, self.mesh))
+        out = 1
+        for a in axes:
+            out *= sizes[a]
+        return out
+
+    def dims(self, layout: tuple) -> tuple[tuple[str, ...], ...]:
+        """Split names -> mesh axes per dim."""
+        return tuple(self.axes(name) for name in layout)
+
+    def strategy(self, layout: tuple) -> tuple[int, ...]:
+        """Split names -> how many ways each dim is cut (a MindSpore in_strategy tuple)."""
+        return tuple(self.ways(axes) for axes in self.dims(layout))
+
+
+def sharding(m: ModelConfig, p: ParallelConfig) -> Sharding:
+    """Resolve the table's split names for model `m` under layout `p` (assumed checked)."""
+    kv_split = p.tp if m.num_kv_heads % p.tp == 0 else m.num_kv_heads  # GQA: kv < tp groups ranks
+    return Sharding(dp=p.dp, tp=p.tp, pp=p.pp, tp_kv=kv_split, tp_rep=p.tp // kv_split,
+                    sequence_parallel=p.sequence_parallel and p.tp > 1,
+                    vocab_split=p.vocab_parallel and p.tp > 1 and m.vocab_size % p.tp == 0)
+
+
+# ---- parameters ---------------------------------------------------------------------------------
+
+def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of Llama(m) with its shape, in the model's order (no MindSpore needed)."""
+    h, d = m.hidden_size, m.head_dim
+    q, kv = m.num_heads * d, m.num_kv_heads * d
+    shapes = {"tok_embeddings.weight": (m.vocab_size, h)}
+    for i in range(m.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "attention_norm.weight"] = (h,)
+        for name, out in (("wq", q), ("wk", kv), ("wv", kv)):
+            shapes[p + f"attention.{name}.weight"] = (out, h)
+            if m.qkv_bias:
+                shapes[p + f"attention.{name}.bias"] = (out,)
+        shapes[p + "attention.wo.weight"] = (h, q)
+        shapes[p + "ffn_norm.weight"] = (h,)
+        shapes[p + "feed_forward.w1.weight"] = (m.ffn_size, h)
+        shapes[p + "feed_forward.w2.weight"] = (h, m.ffn_size)
+        shapes[p + "feed_forward.w3.weight"] = (m.ffn_size, h)
+    shapes["norm.weight"] = (h,)
+    if not m.tie_embeddings:
+        shapes["output.weight"] = (m.vocab_size, h)
+    return shapes
+
+
+def param_entry(name: str) -> tuple[tuple, str]:
+    """(split per dim, placement) of a parameter name, from the table."""
+    for pattern, layout, placement in PARAMS:
+        if fnmatch.fnmatchcase(name, pattern):
+            return layout, placement
+    raise KeyError(f"{name}: no layout in msllm.models.layouts.PARAMS")
+
+
+def shard_shape(shape: tuple[int, ...], layout: tuple, sh: Sharding) -> tuple[int, ...]:
+    """The slice of a tensor of `shape` one rank holds."""
+    return tuple(n // k for n, k in zip(shape, sh.strategy(layout), strict=True))
+
+
+def shard_slices(shape: tuple[int, ...], layout: tuple, sh: Sharding, rank: dict[str, int]) -> tuple[slice, ...]:
+    """Index of the slice held by the rank at mesh coordinates `rank` ({"dp": i, "tp_kv": j, "tp_rep": k}).
+
+    A dim split over several axes is cut in their order, the first outermost (MindSpore's
+    tensor_map and DTensor agree on this)."""
+    sizes = dict(zip(MESH_AXES, sh.mesh))
+    out = []
+    for n, axes in zip(shape, sh.dims(layout), strict=True):
+        chunk, ways = 0, 1
+        for a in axes:
+            chunk, ways = chunk * sizes[a] + rank.get(a, 0), ways * sizes[a]
+        step = n // ways
+        out.append(slice(chunk * step, (chunk + 1) * step))
+    return tuple(out)
+
+
+# ---- ops ----------------------------------------------------------------------------------------
+
+def ops_for(m: ModelConfig) -> list[Op]:
+    return [op for op in OPS if op.when is None or CONDITIONS[op.when](m)]
+
+
+def op_input_shapes(m: ModelConfig, batch: int, seq: int) -> dict[str, list[tuple[int, ...]]]:
+    """The shapes each op's inputs have in a micro-batch of `batch` sequences of `seq` tokens
+    (the global shapes: semi-auto parallel describes the whole computation, layouts cut it)."""
+    b, s, h, d, f, v = batch, seq, m.hidden_size, m.head_dim, m.ffn_size, m.vocab_size
+    nh, kv = m.num_heads, m.num_kv_heads
+    n, rep = b * s, nh // kv
+    a = "layers.*.attention."
+    c = _ATTN + "."
+    shapes = {
+        "tok_embeddings.gather": [(v, h), (n,)],
+        a + "wq.matmul": [(n, h), (nh * d, h)],
+        a + "wk.matmul": [(n, h), (kv * d, h)],
+        a + "wv.matmul": [(n, h), (kv * d, h)],
+        a + "rope.matmul": [(b * nh * s, d), (d, d)],
+        c + "qk": [(b, kv, rep * s, d), (b, kv, s, d)],
+        c + "pv": [(b, kv, rep * s, s), (b, kv, s, d)],
+        c + "pt_x": [(b, kv, rep * s, s), (b, kv, rep * s, d)],
+        c + "softmax": [(b, nh, s, s)] if rep == 1 else [(b, kv, rep, s, s)],
+        a + "wo.matmul": [(n, nh * d), (h, nh * d)],
+        "layers.*.feed_forward.w1.matmul": [(n, h), (f, h)],
+        "layers.*.feed_forward.w3.matmul": [(n, h), (f, h)],
+        "layers.*.feed_forward.act.sigmoid": [(n, f)],
+        "layers.*.feed_forward.w2.matmul": [(n, f), (h, f)],
+        "output.matmul": [(n, h), (v, h)],
+        "lm_matmul": [(n, h), (v, h)],
+    }
+    for op in _NORM_OPS:
+        shapes[op.path] = {"square": [(n, h)], "mean": [(n, h)], "add": [(n, 1), (1, 1)], "rsqrt": [(n, 1)],
+                           "scale": [(n, h), (n, 1)], "weigh": [(n, h), (h,)]}[op.prim]
+    return {op.path: shapes[op.path] for op in ops_for(m)}
+
+
+# Which input dims each matmul contracts: (dim of input 0, dim of input 1). Both must be cut alike.
+# Linear and the LM head: x @ W^T; rope: x @ R; the attention BatchMatMuls as named.
+_CONTRACTS = {"matmul": (1, 1), "lm_matmul": (1, 1), "qk": (3, 3), "pv": (3, 2), "pt_x": (2, 2)}
+
+
+def _contraction(op: Op) -> tuple[int, int] | None:
+    if op.cell.endswith(".rope"):
+        return (1, 0)
+    return _CONTRACTS.get(op.prim)
+
+
+def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int) -> list[str]:
+    """Each op's layout against its input shapes: rank, divisibility, and contraction dims cut alike."""
+    problems = []
+    shapes = op_input_shapes(m, batch, seq)
+    for op in ops_for(m):
+        ins = shapes[op.path]
+        if len(ins) != len(op.inputs):
+            problems.append(f"{op.path}: {len(op.inputs)} input layouts for {len(ins)} inputs")
+            continue
+        for i, (shape, layout) in enumerate(zip(ins, op.inputs)):
+            if len(shape) != len(layout):
+                problems.append(f"{op.path}: input {i} layout has {len(layout)} dims, the tensor {len(shape)}")
+                continue
+            for dim, (n, k) in enumerate(zip(shape, sh.strategy(layout))):
+                if n % k:
+                    problems.append(f"{op.path}: input {i} dim {dim} of size {n} cannot be cut {k} ways")
+        pair = _contraction(op)
+        if pair is not None:
+            a, b = sh.dims(op.inputs[0])[pair[0]], sh.dims(op.inputs[1])[pair[1]]
+            if a != b:
+                problems.append(f"{op.path}: contracted dims cut differently ({a or 'whole'} vs {b or 'whole'})")
+        if op.prim in ("qk", "pv", "pt_x"):  # BatchMatMul: the batch dims [b, kv] must be cut alike
+            if sh.dims(op.inputs[0])[:2] != sh.dims(op.inputs[1])[:2]:
+                problems.append(f"{op.path}: batch dims cut differently")
+    return problems
+
+
+def op_strategies(m: ModelConfig, sh: Sharding) -> dict[str, dict]:
+    """{op path: {"in": per-input strategy tuples, "out": output strategies or None}} for model m."""
+    out = {}
+    for op in ops_for(m):
+        sp_out = op.out if (op.out is not None and sh.sequence_parallel) else None
+        out[op.path] = {"in": tuple(sh.strategy(layout) for layout in op.inputs),
+                        "out": None if sp_out is None else tuple(sh.strategy(layout) for layout in sp_out)}
+    return out
+
+
+# ---- pipeline stages ----------------------------------------------------------------------------
+
+def stage_layer_counts(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage: an even split, the remainder on the first stages (the last also runs the head)."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def stage_offsets(num_layers: int, pp: int) -> list[int]:
+    """Index of each stage's first layer."""
+    counts = stage_layer_counts(num_layers, pp)
+    return [sum(counts[:i]) for i in range(pp)]
+
+
+def stage_of(name: str, num_layers: int, pp: int) -> int:
+    """Pipeline stage of a Cell or parameter name."""
+    root = name.split(".")[0]
+    if root in FIRST_STAGE:
+        return 0
+    if root in LAST_STAGE:
+        return pp - 1
+    if root == "layers":
+        layer = int(name.split(".")[1])
+        offsets = stage_offsets(num_layers, pp)
+        return max(i for i, first in enumerate(offsets) if first <= layer)
+    raise KeyError(f"{name}: no pipeline stage in msllm.models.layouts")
+
+
+def stage_cells(m: ModelConfig, pp: int) -> dict[str, int]:
+    """{Cell name: stage} for every Cell that carries a pipeline_stage."""
+    names = list(FIRST_STAGE) + [f"layers.{i}" for i in range(m.num_layers)] + ["norm"]
+    if not m.tie_embeddings:
+        names.append("output")
+    return {name: stage_of(name, m.num_layers, pp) for name in names}

@@ -1,0 +1,84 @@
+"""The layout checker: a config's `parallel:` section against its model, batch and device count,
+before anything is compiled. The first problem found is one line naming the key (exit 2).
+
+Runs on every config load (without a device count) and as `msllm plan --check --devices N`.
+"""
+from __future__ import annotations
+
+from msllm.config import Config, ConfigError
+from msllm.models.layouts import sharding, strategy_problems
+
+
+def global_batch_of(cfg: Config) -> int:
+    """Sequences per optimizer step: what a layout splits, never changes."""
+    return cfg.train.batch_size * cfg.train.accum_steps
+
+
+def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | None = None,
+                   seq_len: int | None = None) -> tuple[str, str] | None:
+    """(key, message) of the first thing wrong with cfg.parallel, or None."""
+    m, p = cfg.model, cfg.parallel
+    batch = global_batch_of(cfg) if global_batch is None else global_batch
+    seq = cfg.data.seq_len if seq_len is None else seq_len
+    for key in ("dp", "tp", "pp", "micro_batches"):
+        if getattr(p, key) < 1:
+            return f"parallel.{key}", "must be >= 1"
+    if p.sink_size < 0:
+        return "parallel.sink_size", "must be >= 0 (0 = no data sink)"
+    if devices is not None and p.dp * p.tp * p.pp != devices:
+        return "parallel", (f"dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = {p.dp * p.tp * p.pp} "
+                            f"must equal the device count {devices}")
+    if m.num_heads % p.tp:
+        return "parallel.tp", f"must divide model.num_heads ({m.num_heads} % {p.tp} != 0)"
+    if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:
+        return "parallel.tp", (f"must divide model.num_kv_heads ({m.num_kv_heads}) or be a multiple of it "
+                               f"(each KV head then serves tp / kv ranks)")
+    if m.ffn_size % p.tp:
+        return "parallel.tp", f"must divide model.ffn_size ({m.ffn_size} % {p.tp} != 0)"
+    if p.pp > m.num_layers:
+        return "parallel.pp", f"must be <= model.num_layers ({m.num_layers})"
+    if p.pp > 1 and m.tie_embeddings:
+        return "parallel.pp", ("tied embeddings need the table on the first and the last stage; "
+                               "use pp 1 or untie (model.tie_embeddings: false)")
+    if p.pp > 1 and p.micro_batches < p.pp:
+        return "parallel.micro_batches", f"must be >= parallel.pp ({p.pp}) or stages sit idle"
+    if p.micro_batches > 1 and cfg.train.accum_steps > 1:
+        return "parallel.micro_batches", ("and train.accum_steps both split the batch in time; "
+                                          "set train.batch_size to the global batch and accum_steps 1")
+    if batch % (p.dp * p.micro_batches):
+        return "parallel", (f"the global batch {batch} (train.batch_size x train.accum_steps) must be divisible "
+                            f"by dp x micro_batches = {p.dp} x {p.micro_batches}")
+    if p.sequence_parallel and p.tp == 1:
+        return "parallel.sequence_parallel", "needs tp > 1 (it splits tokens within the tp group)"
+    if p.sequence_parallel and seq % p.tp:
+        return "parallel.sequence_parallel", f"needs data.seq_len divisible by tp ({seq} % {p.tp} != 0)"
+    problems = strategy_problems(m, sharding(m, p), batch // p.micro_batches, seq)
+    if problems:
+        return "parallel", f"layout table: {problems[0]}"
+    return None
+
+
+def check_parallel(cfg: Config, devices: int | None = None, source: str = "<config>",
+                   global_batch: int | None = None, seq_len: int | None = None) -> None:
+    """Raise ConfigError (one line, exit 2 from the CLI) for the first problem of cfg.parallel."""
+    problem = layout_problem(cfg, devices, global_batch, seq_len)
+    if problem is not None:
+        raise ConfigError(source, *problem)
+
+
+def check_execution(cfg: Config, source: str = "<config>") -> None:
+    """The Ascend execution profile's constraints (msllm.backends.ascend.ExecutionProfile): jit_level
+    O2 sinks the whole graph (static shapes only), data sink returns to the host every sink_size steps."""
+    t, p = cfg.train, cfg.parallel
+    if t.jit_level == "O2" and t.device != "ascend":
+        raise ConfigError(source, "train.jit_level", "O2 (whole-graph sink) exists on Ascend only; use O0 or O1")
+    if t.jit_level == "O2" and t.sample_tokens > 0:
+        raise ConfigError(source, "train.sample_tokens", "the end-of-run sample compiles prefill and decode with "
+                          "dynamic shapes, which jit_level O2 does not take; set 0 (sample with msllm generate)")
+    if p.sink_size > 0:
+        if t.device != "ascend":
+            raise ConfigError(source, "parallel.sink_size", "data sink needs Ascend; set 0")
+        for key in ("log_every", "eval_every", "ckpt_every"):
+            if getattr(t, key) % p.sink_size:
+                raise ConfigError(source, f"train.{key}", f"must be a multiple of parallel.sink_size "
+                                  f"({p.sink_size}): the host sees the step only every sink_size steps")

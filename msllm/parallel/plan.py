@@ -1,0 +1,387 @@
+"""msllm plan: every valid layout of a config on N devices, its per-device memory, per-step
+communication and estimated step time, ranked; the best printed as a `parallel:` block.
+
+Analytic (pure Python, instant). The model, per device, for the busiest pipeline stage:
+
+  weights, gradients, optimizer states   bytes per parameter the device holds (from the layout
+                                         table): fp32 4 + 4 + 8 (Adam m, v); fp16/bf16 2 + 2 + 12
+                                         (fp32 master, m, v), the ZeRO paper's mixed-precision
+                                         accounting, 16 bytes either way. optimizer_shard (ZeRO-1)
+                                         splits the optimizer states over dp: 4 + 12 / dp.
+  activations                            per layer and micro-batch, counted as Korthikanti et al.
+                                         ("Reducing Activation Recomputation in Large Transformer
+                                         Models", 2022) count GPT's, for this Llama (see
+                                         layer_activations); times the layers on the stage, times the
+                                         micro-batches in flight (1F1B: pp - stage), plus the one
+                                         layer rebuilt in backward under recompute, plus fp32 logits
+                                         on the last stage.
+  communication                          ring all-reduce sends 2 (g-1)/g of the buffer per device:
+                                         DP gradients once per step (fp32: MindSpore's
+                                         gradient_fp32_sync), TP 4 all-reduces per layer and
+                                         micro-batch (2 forward, 2 backward; sequence parallel's
+                                         all-gather + reduce-scatter move the same bytes), PP one
+                                         activation forward and one gradient back per micro-batch.
+  step time                              (micro_batches + pp - 1) x the slowest stage's micro-batch
+                                         (matmul FLOPs at a fraction of peak, plus its TP and PP
+                                         transfers; no overlap assumed) + the DP all-reduce + the
+                                         optimizer's pass over its states at HBM bandwidth.
+
+Links: tp ranks are adjacent (one node while tp <= devices per node), dp next, pp outermost.
+Micro-batch size does not change matmul efficiency here, and kernels' workspaces and memory
+fragmentation are left to USABLE.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+from msllm.config import Config, ParallelConfig
+from msllm.errors import UserError
+from msllm.models import layouts as L
+from msllm.parallel.check import global_batch_of, layout_problem
+
+GB = 2 ** 30  # "GB" here is 2^30 bytes, as device tools report memory
+USABLE = 0.9  # of device memory a plan may fill: the rest for the runtime, workspaces, fragmentation
+
+
+class PlanError(UserError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float   # dense matmul FLOP/s in the training dtype
+    memory: float       # bytes
+    hbm: float          # memory bandwidth, bytes/s
+    intra: float        # link bandwidth per device inside a node, bytes/s
+    inter: float        # per device across nodes, bytes/s
+    per_node: int
+    efficiency: float   # fraction of peak_flops the matmuls are assumed to reach
+
+
+# Vendor datasheet figures (16-bit dense), not measured here; cpu is this project's 2-core CI
+# machine (the fp32 GEMM rate torch reaches, as train.peak_flops' default), one process per host.
+DEVICES = {
+    "910b": Device("910b", 2.8e14, 64 * GB, 1.6e12, 1.96e11, 2.5e10, 8, 0.5),   # HCCS; 200 Gb/s RoCE
+    "h100": Device("h100", 9.89e14, 80 * GB, 3.35e12, 4.5e11, 5.0e10, 8, 0.5),  # NVLink 4; 400 Gb/s IB
+    "cpu": Device("cpu", 3.8e11, 16 * GB, 2.0e10, 5.0e9, 5.0e9, 1, 1.0),
+}
+STATE_BYTES = {"fp32": (4, 4, 8), "fp16": (2, 2, 12), "bf16": (2, 2, 12)}  # weights, grads, optimizer per parameter
+RECOMPUTE = ("none", "selective", "full")
+
+
+def parse_bytes(text: str) -> float:
+    """'64GB', '80GiB', '16000MB', '1.5TB', or a number of GB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise PlanError(f"--device-mem: expected a size like 64GB, got {text!r}")
+    unit = (match.group(2) or "G")[0].upper()
+    return float(match.group(1)) * 2 ** (10 * "KMGT".index(unit) + 10)
+
+
+# ---- memory ----------------------------------------------------------------------------------------
+
+def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, recompute: str, flash: bool) -> float:
+    """Bytes one transformer layer keeps for backward, per micro-batch of `batch` sequences, on one device.
+
+    Per token (t = tp, sp = t under sequence parallel else 1, e = act_bytes, a = heads):
+      norms       4h e / sp      the layer input, the mid residual and the two norm outputs
+      attention   (2h/t + 2 kv_local d) e   q and the output projection's input; k and v
+      mlp         3f e / t       gate, up and their SwiGLU product
+      scores      4 a s / t      fp32 softmax probabilities (msllm keeps the softmax in fp32);
+                                 a fused flash-attention kernel keeps 4 a / t (log-sum-exp) instead
+    none = all four; selective (msllm's: attention core and MLP recomputed) = norms + attention;
+    full = the layer input, h e / sp. Korthikanti et al.'s GPT count differs in its terms (dropout
+    masks, GeLU MLP, fp16 softmax) but not in the structure: with sequence parallel every term is / t,
+    full recompute keeps only the input, and flash attention or selective recompute drop the s^2 term.
+    """
+    h, d, t = m.hidden_size, m.head_dim, sh.tp
+    sp = t if sh.sequence_parallel else 1
+    tokens = batch * seq
+    kv_local = m.num_kv_heads // sh.tp_kv
+    if recompute == "full":
+        return tokens * h * act_bytes / sp
+    norms = 4 * h * act_bytes / sp
+    attention = (2 * h / t + 2 * kv_local * d) * act_bytes
+    if recompute == "selective":
+        return tokens * (norms + attention)
+    mlp = 3 * m.ffn_size * act_bytes / t
+    scores = 4 * m.num_heads / t * (1 if flash else seq)
+    return tokens * (norms + attention + mlp + scores)
+
+
+def stage_parameters(m, sh: L.Sharding) -> list[int]:
+    """Parameters one device holds on each pipeline stage, from the layout table."""
+    counts = [0] * sh.pp
+    for name, shape in L.param_shapes(m).items():
+        layout, _ = L.param_entry(name)
+        counts[L.stage_of(name, m.num_layers, sh.pp)] += math.prod(L.shard_shape(shape, layout, sh))
+    return counts
+
+
+def with_layout(cfg: Config, p: ParallelConfig, recompute: str | None = None, global_batch: int | None = None,
+                seq_len: int | None = None) -> Config:
+    """A copy of cfg laid out as p (global batch as batch_size x 1, so the layout's micro_batches cut it)."""
+    train = cfg.train
+    if global_batch is not None:
+        train = dataclasses.replace(train, batch_size=global_batch, accum_steps=1)
+    if recompute is not None:
+        train = dataclasses.replace(train, recompute=recompute)
+    data = cfg.data if seq_len is None else dataclasses.replace(cfg.data, seq_len=seq_len)
+    return dataclasses.replace(cfg, parallel=p, train=train, data=data)
+
+
+def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | Device = "910b", flash: bool = False,
+             params_per_stage=None) -> dict:
+    """Per-device memory (bytes), per-step communication (bytes sent per device) and time (s) of
+    cfg laid out as `layout` (default cfg.parallel) with cfg.train.recompute, for the busiest
+    pipeline stage. Keys: weights, grads, optimizer, activations, total, stage, params,
+    optimizer_by_zero1, activations_by_recompute[(recompute, flash)], comm, time, bubble,
+    tokens_per_s_per_device, mfu."""
+    if layout is not None:
+        cfg = dataclasses.replace(cfg, parallel=layout)
+    dev = DEVICES[device] if isinstance(device, str) else device
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    sh = L.sharding(m, p)
+    seq, batch = cfg.data.seq_len, global_batch_of(cfg)
+    micro = batch // (p.dp * p.micro_batches)  # sequences per micro-batch per replica
+    wb, gb, ob = STATE_BYTES[t.precision]
+    e = 4 if t.precision == "fp32" else 2
+    counts = params_per_stage or stage_parameters(m, sh)
+    layers = L.stage_layer_counts(m.num_layers, p.pp)
+    tokens = micro * seq
+
+    def activations(stage: int, recompute: str, with_flash: bool) -> float:
+        in_flight = min(p.pp - stage, p.micro_batches)
+        per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash)
+        full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash)
+        rebuilt = full_layer - per_layer  # one layer's dropped activations, rebuilt during its backward
+        logits = 2 * 4 * tokens * m.vocab_size / (p.tp if sh.vocab_split else 1) if stage == p.pp - 1 else 0.0
+        return layers[stage] * per_layer * in_flight + rebuilt + logits
+
+    stages = []
+    for k in range(p.pp):
+        n = counts[k]
+        mem = {"weights": n * wb, "grads": n * gb, "optimizer": n * ob / (p.dp if p.optimizer_shard else 1),
+               "activations": activations(k, t.recompute, flash)}
+        mem["total"] = sum(mem.values())
+        stages.append(mem)
+    busiest = max(range(p.pp), key=lambda k: stages[k]["total"])
+
+    # communication and time
+    def bandwidth(span: int) -> float:  # a group spanning `span` consecutive ranks
+        return dev.intra if span <= dev.per_node else dev.inter
+
+    ring = lambda g: 2 * (g - 1) / g  # noqa: E731  all-reduce bytes sent per device, per buffer byte
+    h = m.hidden_size
+    tp_allreduces = [4 * n_layers + (2 * n_layers if t.recompute == "full" else 0) for n_layers in layers]
+    if sh.vocab_split:  # embedding forward, LM-head input gradient
+        tp_allreduces[0] += 1
+        tp_allreduces[-1] += 1
+    tp_bytes = [k * ring(p.tp) * tokens * h * e for k in tp_allreduces]   # per micro-batch
+    pp_bytes = 2 * tokens * h * e / (p.tp if sh.sequence_parallel else 1) if p.pp > 1 else 0.0
+    dp_bytes = ring(p.dp) * max(counts) * 4 if p.dp > 1 else 0.0
+
+    layer_params = (m.num_params() - m.vocab_size * h * (1 if m.tie_embeddings else 2) - h) / m.num_layers
+    per_layer_flops = 6 * layer_params + 12 * h * seq
+    extra = {"none": 0.0, "selective": 4 * h * seq + 6 * h * m.ffn_size, "full": 2 * layer_params + 4 * h * seq}
+    rate = dev.peak_flops * dev.efficiency
+    stage_time = []
+    for k in range(p.pp):
+        flops = tokens * layers[k] * (per_layer_flops + extra[t.recompute])
+        if k == p.pp - 1:
+            flops += tokens * 6 * m.vocab_size * h
+        stage_time.append(flops / p.tp / rate + tp_bytes[k] / bandwidth(p.tp))
+    pp_time = pp_bytes / bandwidth(p.dp * p.tp * p.pp) if p.pp > 1 else 0.0
+    micro_time = max(stage_time) + pp_time
+    slots = p.micro_batches + p.pp - 1
+    optimizer_params = max(counts) / (p.dp if p.optimizer_shard else 1)
+    time = {"compute": p.micro_batches * micro_time, "bubble": (p.pp - 1) * micro_time,
+            "dp": dp_bytes / bandwidth(p.dp * p.tp) if p.dp > 1 else 0.0,
+            "optimizer": optimizer_params * (2 * wb + gb + 2 * ob) / dev.hbm}
+    time["step"] = sum(time.values())
+    devices = p.dp * p.tp * p.pp
+    tokens_per_step = batch * seq
+    return {
+        **stages[busiest], "stage": busiest, "params": counts[busiest],
+        "optimizer_by_zero1": {False: counts[busiest] * ob, True: counts[busiest] * ob / p.dp},
+        "activations_by_recompute": {(r, f): activations(busiest, r, f) for r in RECOMPUTE for f in (False, True)},
+        "comm": {"dp": dp_bytes, "tp": p.micro_batches * max(tp_bytes), "pp": p.micro_batches * pp_bytes},
+        "time": time, "bubble": (p.pp - 1) / slots,
+        "tokens_per_s_per_device": tokens_per_step / time["step"] / devices,
+        "mfu": m.flops_per_token(seq) * tokens_per_step / time["step"] / (devices * dev.peak_flops),
+    }
+
+
+# ---- search ----------------------------------------------------------------------------------------
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass
+class Candidate:
+    cfg: Config          # the config laid out (parallel section, train.recompute, global batch)
+    est: dict
+
+    @property
+    def key(self):
+        p = self.cfg.parallel
+        return (self.est["time"]["step"], p.micro_batches, RECOMPUTE.index(self.cfg.train.recompute), p.pp, p.tp)
+
+
+def candidates(cfg: Config, devices: int, global_batch: int, seq_len: int, device: Device, flash: bool):
+    """Every valid layout of `devices` (each passes the checker) with every recompute mode, estimated."""
+    for tp in divisors(devices):
+        for pp in divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if global_batch % dp:
+                continue
+            cache = None
+            for micro in divisors(global_batch // dp):
+                if pp > 1 and micro < pp:
+                    continue
+                p = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batches=micro, optimizer_shard=dp > 1,
+                                   sequence_parallel=tp > 1 and seq_len % tp == 0, vocab_parallel=True)
+                laid = with_layout(cfg, p, global_batch=global_batch, seq_len=seq_len)
+                if layout_problem(laid, devices) is not None:
+                    continue
+                if cache is None:
+                    cache = stage_parameters(cfg.model, L.sharding(cfg.model, p))
+                for recompute in RECOMPUTE:
+                    laid_r = with_layout(laid, p, recompute=recompute)
+                    yield Candidate(laid_r, estimate(laid_r, None, device, flash, cache))
+
+
+def plan(cfg: Config, devices: int, device: Device, memory: float, global_batch: int, seq_len: int,
+         flash: bool = False) -> tuple[list[Candidate], list[Candidate]]:
+    """(fitting candidates best first, all valid candidates)."""
+    every = list(candidates(cfg, devices, global_batch, seq_len, device, flash))
+    fits = sorted((c for c in every if c.est["total"] <= USABLE * memory), key=lambda c: c.key)
+    return fits, every
+
+
+def smallest_fit(cfg, devices, device, memory, global_batch, seq_len, flash) -> int | None:
+    """The fewest devices (among multiples of `devices` and powers of two up to 64x) where a layout fits."""
+    tried = sorted({devices * k for k in range(2, 65)} | {2 ** i for i in range(20) if 2 ** i > devices})
+    for n in tried:
+        if n > 64 * devices:
+            break
+        if any(c.est["total"] <= USABLE * memory for c in candidates(cfg, n, global_batch, seq_len, device, flash)):
+            return n
+    return None
+
+
+# ---- output ----------------------------------------------------------------------------------------
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f}"
+
+
+def describe(c: Candidate) -> str:
+    p = c.cfg.parallel
+    recompute = {"none": "no", "selective": "selective", "full": "full"}[c.cfg.train.recompute]
+    micro = f"{p.micro_batches} micro-batch" + ("es" if p.micro_batches > 1 else "")
+    return f"dp {p.dp} x tp {p.tp} x pp {p.pp}, {micro}, {recompute} recompute"
+
+
+def table(rows: list[Candidate]) -> list[str]:
+    head = (f"{'dp':>3} {'tp':>3} {'pp':>3} {'micro':>5} {'zero1':>5} {'sp':>3} {'recompute':>9} "
+            f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} "
+            f"{'comm dp/tp/pp GB':>17} {'bubble':>6} {'step s':>7} {'tok/s/dev':>9} {'MFU':>4}")
+    lines = [head]
+    for c in rows:
+        p, e = c.cfg.parallel, c.est
+        comm = "/".join(f"{e['comm'][k] / GB:.1f}" for k in ("dp", "tp", "pp"))
+        lines.append(
+            f"{p.dp:>3} {p.tp:>3} {p.pp:>3} {p.micro_batches:>5} {'y' if p.optimizer_shard else '-':>5} "
+            f"{'y' if p.sequence_parallel else '-':>3} {c.cfg.train.recompute:>9} "
+            f"{_gb(e['weights']):>7} {_gb(e['grads']):>6} {_gb(e['optimizer']):>6} {_gb(e['activations']):>6} "
+            f"{_gb(e['total']):>6} {comm:>17} {e['bubble']:>6.0%} {e['time']['step']:>7.2f} "
+            f"{e['tokens_per_s_per_device']:>9.0f} {e['mfu']:>4.0%}")
+    return lines
+
+
+def yaml_block(c: Candidate, cfg: Config) -> list[str]:
+    p = c.cfg.parallel
+    keys = ("dp", "tp", "pp", "micro_batches", "optimizer_shard", "sequence_parallel", "vocab_parallel")
+    lines = ["parallel:"] + [f"  {k}: {str(getattr(p, k)).lower()}" for k in keys]
+    lines += ["train:", f"  batch_size: {c.cfg.train.batch_size}", "  accum_steps: 1",
+              f"  recompute: {c.cfg.train.recompute}"]
+    if c.cfg.data.seq_len != cfg.data.seq_len:
+        lines += ["data:", f"  seq_len: {c.cfg.data.seq_len}"]
+    return lines
+
+
+def run(cfg: Config, source: str, devices: int, device: str, memory: float | None = None,
+        global_batch: int | None = None, seq_len: int | None = None, check: bool = False, top: int = 10,
+        flash: bool = False, out=print, err=print) -> int:
+    """msllm plan: 0 = printed a plan (or --check passed), 1 = nothing fits; bad input raises (exit 2)."""
+    from msllm.parallel.check import check_execution, check_parallel
+
+    if device not in DEVICES:
+        raise PlanError(f"--device: one of {', '.join(DEVICES)}, got {device!r}")
+    dev = DEVICES[device]
+    memory = dev.memory if memory is None else memory
+    seq = cfg.data.seq_len if seq_len is None else seq_len
+    if devices < 1:
+        raise PlanError("--devices: must be >= 1")
+    if not 1 < seq <= cfg.model.max_seq_len:
+        raise PlanError(f"--seq-len: must be in 2..model.max_seq_len ({cfg.model.max_seq_len}), got {seq}")
+    if global_batch is not None and global_batch < 1:
+        raise PlanError("--global-batch: must be >= 1")
+    batch = global_batch_of(cfg) if global_batch is None else global_batch
+    mem_text = f"{memory / GB:.0f} GB"
+
+    if check:
+        laid = with_layout(cfg, cfg.parallel, global_batch=global_batch, seq_len=seq_len)
+        check_parallel(laid, devices, source)
+        check_execution(laid, source)
+        c = Candidate(laid, estimate(laid, None, dev, flash))
+        e = c.est
+        fits = e["total"] <= USABLE * memory
+        line = (f"msllm plan: {source}: {describe(c)} is valid on {devices} devices; per device "
+                f"{_gb(e['total'])} GB (weights {_gb(e['weights'])}, grads {_gb(e['grads'])}, optimizer "
+                f"{_gb(e['optimizer'])}, activations {_gb(e['activations'])}), est. {e['time']['step']:.2f} s/step")
+        if fits:
+            out(line + f"; fits {devices} x {device} ({mem_text})")
+            return 0
+        err(line + f"; does not fit {USABLE:.0%} of {mem_text}")
+        return 1
+
+    fits, every = plan(cfg, devices, dev, memory, batch, seq, flash)
+    if not every:
+        trial = with_layout(cfg, ParallelConfig(dp=devices), global_batch=batch, seq_len=seq)
+        key, message = layout_problem(trial, devices) or ("parallel", "no layout passes the checker")
+        raise PlanError(f"no valid layout of {source} on {devices} devices (e.g. dp {devices}: {key}: {message})")
+    if not fits:
+        least = min(every, key=lambda c: c.est["total"])
+        more = smallest_fit(cfg, devices, dev, memory, batch, seq, flash)
+        more_text = f"; {more} devices of {mem_text} would fit" if more else ""
+        err(f"msllm plan: nothing fits {devices} x {device} ({mem_text}, {USABLE:.0%} usable): the smallest layout "
+            f"({describe(least)}) needs {least.est['total'] / USABLE / GB:.1f} GB per device{more_text}")
+        return 1
+
+    best_per_mesh = {}
+    for c in fits:
+        best_per_mesh.setdefault((c.cfg.parallel.dp, c.cfg.parallel.tp, c.cfg.parallel.pp), c)
+    shown = list(best_per_mesh.values())[:top]
+    best = fits[0]
+    out(f"msllm plan: {source}: {cfg.model.num_params() / 1e9:.2f}B parameters, seq {seq}, global batch {batch}, "
+        f"{cfg.train.precision}, on {devices} x {device} ({mem_text} each, plans use up to {USABLE:.0%}; GB = 2^30 B)")
+    out(f"{len(every) // len(RECOMPUTE)} valid layouts x {len(RECOMPUTE)} recompute modes, {len(fits)} of them fit; "
+        f"the best per dp x tp x pp by estimated step time{' (flash attention)' if flash else ''}:")
+    for line in table(shown):
+        out(line)
+    acts = best.est["activations_by_recompute"]
+    out("activations per device of the best, none / selective / full recompute: "
+        + " / ".join(_gb(acts[r, False]) for r in RECOMPUTE) + " GB without flash attention, "
+        + " / ".join(_gb(acts[r, True]) for r in RECOMPUTE) + " GB with")
+    out(f"# best: {describe(best)}: est. {best.est['time']['step']:.2f} s/step, "
+        f"{_gb(best.est['total'])} of {mem_text} per device")
+    for line in yaml_block(best, cfg):
+        out(line)
+    return 0

@@ -1,0 +1,427 @@
+"""The sharded-maths oracle: a numpy Llama run the way dp x tp ranks (and pipeline stages) would run
+it, with every weight and activation slice taken from msllm.models.layouts and the collectives
+written out, forward and backward.
+
+All ranks run in lockstep; an activation is a list with one array per rank. With dp = tp = 1 this
+is the plain model (held against msllm's MindSpore Llama in test_layouts.py), so "sharded equals
+unsharded" is this file against itself at two layouts.
+
+Which collective goes where is the Megatron-LM scheme the table describes: column-parallel outputs
+stay split (heads, ffn, vocab), row-parallel outputs are partial sums (all-reduce, or reduce-scatter
+onto tokens under sequence parallel), the vocab-parallel loss takes its max, sum of exponentials
+and target logit across shards, and a weight several ranks hold receives the sum of their
+partial gradients (KV heads shared by a GQA group; norms under sequence parallel; everything over dp).
+"""
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+import numpy as np
+
+from msllm.config import ModelConfig
+from msllm.models import layouts as L
+from msllm.models.llama import rope_tables, rotate_half_matrix
+
+TP = ("tp_kv", "tp_rep")
+
+
+def init_params(m: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in L.param_shapes(m).items():
+        scale = 1.0 if name.endswith("norm.weight") else 0.1
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        out[name] = (base + scale * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+class Ranks:
+    """The dp x tp ranks of the mesh, in rank order (dp, tp_kv, tp_rep)."""
+
+    def __init__(self, sh: L.Sharding):
+        self.sh = sh
+        self.coords = [{"dp": i, "tp_kv": j, "tp_rep": k}
+                       for i in range(sh.dp) for j in range(sh.tp_kv) for k in range(sh.tp_rep)]
+
+    def groups(self, axes):
+        """Ranks that differ only along `axes`, each group in chunk order."""
+        found = {}
+        for r, c in enumerate(self.coords):
+            key = tuple(v for a, v in c.items() if a not in axes)
+            found.setdefault(key, []).append(r)
+        return list(found.values())
+
+    def all_reduce(self, xs, axes=TP, op=np.add):
+        out = list(xs)
+        for g in self.groups(axes):
+            total = reduce(op, [xs[r] for r in g])
+            for r in g:
+                out[r] = total
+        return out
+
+    def all_gather(self, xs, axes=TP):
+        out = list(xs)
+        for g in self.groups(axes):
+            full = np.concatenate([xs[r] for r in g], axis=0)
+            for r in g:
+                out[r] = full
+        return out
+
+    def reduce_scatter(self, xs, axes=TP):
+        out = list(xs)
+        for g in self.groups(axes):
+            parts = np.split(reduce(np.add, [xs[r] for r in g]), len(g), axis=0)
+            for r, part in zip(g, parts):
+                out[r] = part
+        return out
+
+    def chunk(self, xs, axes=TP):
+        """Each rank keeps its own rows of a value it holds whole (no communication)."""
+        out = list(xs)
+        for g in self.groups(axes):
+            for r, part in zip(g, np.split(xs[g[0]], len(g), axis=0)):
+                out[r] = part
+        return out
+
+
+def each(fn, *lists):
+    return [fn(*args) for args in zip(*lists)]
+
+
+# ---- per-rank maths -----------------------------------------------------------------------------
+
+def rmsnorm(x, w, eps):
+    r = 1.0 / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+    return x * r * w, (x, r, w)
+
+
+def rmsnorm_back(dy, cache):
+    x, r, w = cache
+    dw = np.sum(dy * x * r, 0)
+    g = dy * w
+    return r * g - x * r ** 3 * np.mean(g * x, -1, keepdims=True), dw
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+class Rope:
+    def __init__(self, m: ModelConfig, s: int):
+        cos, sin = rope_tables(m)
+        self.cos, self.sin, self.rot = cos[:s], sin[:s], rotate_half_matrix(m.head_dim)
+
+    def __call__(self, x):  # [b, n, s, d]
+        return x * self.cos + (x @ self.rot) * self.sin
+
+    def back(self, dy):
+        return dy * self.cos + (dy * self.sin) @ self.rot.T
+
+
+def attention(q, k, v, kv_of, mask):
+    """q [b, nq, s, d] (scaled), k/v [b, nk, s, d]; query head j reads KV head kv_of[j]."""
+    p = np.stack([_softmax(q[:, j] @ k[:, kv_of[j]].transpose(0, 2, 1) + mask) for j in range(q.shape[1])], 1)
+    o = np.stack([p[:, j] @ v[:, kv_of[j]] for j in range(q.shape[1])], 1)
+    return o, p
+
+
+def attention_back(do, q, k, v, p, kv_of):
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for j in range(q.shape[1]):
+        kv = kv_of[j]
+        dv[:, kv] += p[:, j].transpose(0, 2, 1) @ do[:, j]
+        dp = do[:, j] @ v[:, kv].transpose(0, 2, 1)
+        ds = p[:, j] * (dp - np.sum(dp * p[:, j], -1, keepdims=True))
+        dq[:, j] = ds @ k[:, kv]
+        dk[:, kv] += ds.transpose(0, 2, 1) @ q[:, j]
+    return dq, dk, dv
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def heads(x, d, b, s):  # [b*s, n*d] -> [b, n, s, d]
+    return x.reshape(b, s, -1, d).transpose(0, 2, 1, 3)
+
+
+def merge(x):  # [b, n, s, d] -> [b*s, n*d]
+    b, n, s, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b * s, n * d)
+
+
+# ---- the sharded model --------------------------------------------------------------------------
+
+class ShardedLlama:
+    """Llama split as the table says over `sh`'s dp x tp ranks; pipeline stages are subsets of its
+    units (embed, block i, head) run in order. Gradients accumulate per rank in `grads`."""
+
+    def __init__(self, params: dict, m: ModelConfig, sh: L.Sharding, seq: int):
+        self.m, self.sh, self.ranks = m, sh, Ranks(sh)
+        self.rope = Rope(m, seq)
+        self.mask = np.triu(np.full((seq, seq), -1e9, np.float32), k=1)
+        self.weights, self.starts = [], []
+        for c in self.ranks.coords:
+            w, st = {}, {}
+            for name, full in params.items():
+                layout, _ = L.param_entry(name)
+                sl = L.shard_slices(full.shape, layout, sh, c)
+                w[name], st[name] = full[sl].copy(), tuple(x.start for x in sl)
+            self.weights.append(w)
+            self.starts.append(st)
+        self.grads = [{k: np.zeros_like(v) for k, v in w.items()} for w in self.weights]
+        self.caches = {}
+
+    # Weights a unit may touch; a pipeline stage restricts them to its own.
+    def w(self, name):
+        return [w[name] for w in self.weights]
+
+    def add_grad(self, name, gs):
+        for acc, g in zip(self.grads, gs):
+            acc[name] += g
+
+    def split_tokens(self):
+        return self.sh.sequence_parallel
+
+    # -- embedding: vocab-parallel lookup, summed over the tp group (fallback: every rank whole)
+    def embed(self, ids_per_rank, key):
+        name = "tok_embeddings.weight"
+        if self.sh.vocab_split:
+            parts = []
+            for ids, w, st in zip(ids_per_rank, self.w(name), self.starts):
+                local = ids - st[name][0]
+                own = (local >= 0) & (local < w.shape[0])
+                parts.append(np.where(own[:, None], w[np.clip(local, 0, w.shape[0] - 1)], 0).astype(np.float32))
+            x = self.ranks.reduce_scatter(parts) if self.split_tokens() else self.ranks.all_reduce(parts)
+        else:
+            x = [w[ids] for ids, w in zip(ids_per_rank, self.w(name))]
+            if self.split_tokens():
+                x = self.ranks.chunk(x)
+        self.caches[key, "embed"] = ids_per_rank
+        return x
+
+    def embed_back(self, dx, key):
+        name = "tok_embeddings.weight"
+        ids_per_rank = self.caches.pop((key, "embed"))
+        if self.sh.vocab_split:
+            # forward summed partials (all-reduce / reduce-scatter): backward hands every rank the whole gradient
+            full = self.ranks.all_gather(dx) if self.split_tokens() else dx
+            gs = []
+            for ids, g, w, st in zip(ids_per_rank, full, self.w(name), self.starts):
+                local = ids - st[name][0]
+                own = (local >= 0) & (local < w.shape[0])
+                dw = np.zeros_like(w)
+                np.add.at(dw, local[own], g[own])
+                gs.append(dw)
+        else:
+            rows = self.ranks.chunk(ids_per_rank) if self.split_tokens() else ids_per_rank
+            gs = []
+            for ids, g, w in zip(rows, dx, self.w(name)):
+                dw = np.zeros_like(w)
+                np.add.at(dw, ids, g)
+                gs.append(dw)
+            if self.split_tokens():  # each rank saw its own tokens: partial sums
+                gs = self.ranks.all_reduce(gs)
+        self.add_grad(name, gs)
+
+    # -- norms: replicated, or on each rank's tokens under sequence parallel
+    def norm(self, x, name, key):
+        out = each(lambda xi, w: rmsnorm(xi, w, self.m.norm_eps), x, self.w(name))
+        self.caches[key, name] = [c for _, c in out]
+        y = [yi for yi, _ in out]
+        return self.ranks.all_gather(y) if self.split_tokens() else y  # column matmuls read whole rows
+
+    def norm_back(self, dy, name, key):
+        caches = self.caches.pop((key, name))
+        out = each(rmsnorm_back, dy, caches)
+        dw = [g for _, g in out]
+        if self.split_tokens():
+            dw = self.ranks.all_reduce(dw)
+        self.add_grad(name, dw)
+        return [g for g, _ in out]
+
+    def row_out(self, parts):
+        """A row-parallel matmul's partial sums: all-reduced, or reduce-scattered onto tokens."""
+        return self.ranks.reduce_scatter(parts) if self.split_tokens() else self.ranks.all_reduce(parts)
+
+    def column_in_back(self, parts):
+        """Gradient into a column-parallel matmul's (gathered / replicated) input: partial sums."""
+        return self.ranks.reduce_scatter(parts) if self.split_tokens() else self.ranks.all_reduce(parts)
+
+    def row_out_back(self, dy):
+        """Backward of row_out: every rank needs the whole output gradient."""
+        return self.ranks.all_gather(dy) if self.split_tokens() else dy
+
+    # -- a transformer block
+    def block(self, i, x, b, s):
+        m, p = self.m, f"layers.{i}."
+        d = m.head_dim
+        a = self.norm(x, p + "attention_norm.weight", (b, s, i))
+        proj = {}
+        for name in ("wq", "wk", "wv"):
+            w = self.w(p + f"attention.{name}.weight")
+            y = [ai @ wi.T for ai, wi in zip(a, w)]
+            if m.qkv_bias:
+                y = [yi + bi for yi, bi in zip(y, self.w(p + f"attention.{name}.bias"))]
+            proj[name] = [heads(yi, d, b, s) for yi in y]
+        q = [self.rope(t) / np.float32(math.sqrt(d)) for t in proj["wq"]]
+        k = [self.rope(t) for t in proj["wk"]]
+        v = proj["wv"]
+        kv_of = [self.kv_of(r, p) for r in range(len(a))]
+        att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, self.mask), q, k, v, kv_of)
+        o = [merge(oi) for oi, _ in att]
+        attn_out = self.row_out([oi @ wi.T for oi, wi in zip(o, self.w(p + "attention.wo.weight"))])
+        x = [xi + yi for xi, yi in zip(x, attn_out)]
+        a2 = self.norm(x, p + "ffn_norm.weight", (b, s, i, "ffn"))
+        g = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w1.weight"))]
+        u = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w3.weight"))]
+        hmid = [gi * sigmoid(gi) * ui for gi, ui in zip(g, u)]
+        mlp_out = self.row_out([hi @ wi.T for hi, wi in zip(hmid, self.w(p + "feed_forward.w2.weight"))])
+        x = [xi + yi for xi, yi in zip(x, mlp_out)]
+        self.caches[(b, s, i), "block"] = (a, q, k, v, kv_of, [pi for _, pi in att], o, a2, g, u, hmid)
+        return x
+
+    def kv_of(self, r, p):
+        """Local KV head of each local query head on rank r, from where the table put their rows."""
+        d, rep = self.m.head_dim, self.m.num_heads // self.m.num_kv_heads
+        q0 = self.starts[r][p + "attention.wq.weight"][0] // d
+        k0 = self.starts[r][p + "attention.wk.weight"][0] // d
+        nq = self.weights[r][p + "attention.wq.weight"].shape[0] // d
+        return [(q0 + j) // rep - k0 for j in range(nq)]
+
+    def block_back(self, i, dx, b, s):
+        m, p = self.m, f"layers.{i}."
+        d = m.head_dim
+        a, q, k, v, kv_of, probs, o, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
+        # MLP
+        dy = self.row_out_back(dx)
+        w2 = self.w(p + "feed_forward.w2.weight")
+        self.add_grad(p + "feed_forward.w2.weight", [dyi.T @ hi for dyi, hi in zip(dy, hmid)])
+        dh = [dyi @ wi for dyi, wi in zip(dy, w2)]
+        sg = [sigmoid(gi) for gi in g]
+        dg = [dhi * ui * (si + gi * si * (1 - si)) for dhi, ui, si, gi in zip(dh, u, sg, g)]
+        du = [dhi * gi * si for dhi, gi, si in zip(dh, g, sg)]
+        self.add_grad(p + "feed_forward.w1.weight", [dgi.T @ ai for dgi, ai in zip(dg, a2)])
+        self.add_grad(p + "feed_forward.w3.weight", [dui.T @ ai for dui, ai in zip(du, a2)])
+        da2 = self.column_in_back([dgi @ w1 + dui @ w3 for dgi, dui, w1, w3 in zip(
+            dg, du, self.w(p + "feed_forward.w1.weight"), self.w(p + "feed_forward.w3.weight"))])
+        dx = [dxi + gi for dxi, gi in zip(dx, self.norm_back(da2, p + "ffn_norm.weight", (b, s, i, "ffn")))]
+        # attention
+        dy = self.row_out_back(dx)
+        wo = self.w(p + "attention.wo.weight")
+        self.add_grad(p + "attention.wo.weight", [dyi.T @ oi for dyi, oi in zip(dy, o)])
+        do = [heads(dyi @ wi, d, b, s) for dyi, wi in zip(dy, wo)]
+        back = each(attention_back, do, q, k, v, probs, kv_of)
+        dq = [self.rope.back(dqi / np.float32(math.sqrt(d))) for dqi, _, _ in back]
+        dk = [self.rope.back(dki) for _, dki, _ in back]
+        dv = [dvi for _, _, dvi in back]
+        da = [np.zeros_like(ai) for ai in a]
+        for name, grads in (("wq", dq), ("wk", dk), ("wv", dv)):
+            flat = [merge(gi) for gi in grads]
+            wg = [fi.T @ ai for fi, ai in zip(flat, a)]
+            bg = [fi.sum(0) for fi in flat] if m.qkv_bias else None
+            if name != "wq" and self.sh.tp_rep > 1:  # a KV head serves tp_rep ranks' query heads: sum them
+                wg = self.ranks.all_reduce(wg, ("tp_rep",))
+                bg = None if bg is None else self.ranks.all_reduce(bg, ("tp_rep",))
+            self.add_grad(p + f"attention.{name}.weight", wg)
+            if bg is not None:
+                self.add_grad(p + f"attention.{name}.bias", bg)
+            w = self.w(p + f"attention.{name}.weight")
+            # the input gradient needs no such sum here: column_in_back adds all ranks' shares
+            da = [dai + fi @ wi for dai, fi, wi in zip(da, flat, w)]
+        da = self.column_in_back(da)
+        return [dxi + gi for dxi, gi in zip(dx, self.norm_back(da, p + "attention_norm.weight", (b, s, i)))]
+
+    # -- final norm, LM head and the loss (vocab-parallel, or whole on every rank)
+    def head(self, x, labels_per_rank, n_total, key):
+        xf = self.norm(x, "norm.weight", key)
+        logits = [xi @ wi.T for xi, wi in zip(xf, self.w("output.weight"))]
+        if self.sh.vocab_split:
+            mx = self.ranks.all_reduce([l.max(-1, keepdims=True) for l in logits], op=np.maximum)
+            ex = [np.exp(l - mi) for l, mi in zip(logits, mx)]
+            se = self.ranks.all_reduce([e.sum(-1, keepdims=True) for e in ex])
+            onehot = []
+            for lab, l, st in zip(labels_per_rank, logits, self.starts):
+                local = lab - st["output.weight"][0]
+                oh = np.zeros_like(l)
+                own = (local >= 0) & (local < l.shape[1])
+                oh[np.nonzero(own)[0], local[own]] = 1.0
+                onehot.append(oh)
+            tgt = self.ranks.all_reduce([np.sum(l * oh, -1, keepdims=True) for l, oh in zip(logits, onehot)])
+        else:
+            mx = [l.max(-1, keepdims=True) for l in logits]
+            ex = [np.exp(l - mi) for l, mi in zip(logits, mx)]
+            se = [e.sum(-1, keepdims=True) for e in ex]
+            onehot = [np.eye(l.shape[1], dtype=np.float32)[lab] for l, lab in zip(logits, labels_per_rank)]
+            tgt = [np.sum(l * oh, -1, keepdims=True) for l, oh in zip(logits, onehot)]
+        loss_rows = [np.log(s_) + mi - t for s_, mi, t in zip(se, mx, tgt)]
+        dlogits = [(e / s_ - oh) / n_total for e, s_, oh in zip(ex, se, onehot)]
+        self.caches[key, "head"] = (xf, dlogits)
+        # the loss: every dp replica's row sum, once per replica (tp ranks hold the same value)
+        first_of_replica = [g[0] for g in self.ranks.groups(TP)]
+        return float(sum(loss_rows[r].sum() for r in first_of_replica) / n_total)
+
+    def head_back(self, key):
+        xf, dlogits = self.caches.pop((key, "head"))
+        w = self.w("output.weight")
+        self.add_grad("output.weight", [dl.T @ xi for dl, xi in zip(dlogits, xf)])
+        dxf = [dl @ wi for dl, wi in zip(dlogits, w)]
+        if self.sh.vocab_split:
+            dxf = self.column_in_back(dxf)  # partial over vocab shards
+        elif self.split_tokens():
+            dxf = self.ranks.chunk(dxf)    # every rank computed the whole, identical: keep its rows
+        return self.norm_back(dxf, "norm.weight", key)
+
+    def reduce_dp(self):
+        """Data parallel: every weight's gradient summed over the dp replicas."""
+        if self.sh.dp > 1:
+            for name in self.grads[0]:
+                for acc, g in zip(self.grads, self.ranks.all_reduce([gr[name] for gr in self.grads], ("dp",))):
+                    acc[name] = g
+
+    # -- one step over a batch
+    def rows(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Each rank's sequences (the table's batch split), flattened to token rows."""
+        b = ids.shape[0]
+        return [ids[L.shard_slices((b,), ("batch",), self.sh, c)[0]].reshape(-1) for c in self.ranks.coords]
+
+    def units(self):
+        """The model in order: ("embed",), ("block", i), ("head",)."""
+        return [("embed",)] + [("block", i) for i in range(self.m.num_layers)] + [("head",)]
+
+
+def run_units(model: ShardedLlama, units, ids, labels, n_total, key, x=None):
+    """Forward through `units` (a pipeline stage, or the whole model); returns the output activation
+    (or the loss after the head)."""
+    b_local, s = ids.shape[0] // model.sh.dp, ids.shape[1]
+    for unit in units:
+        if unit[0] == "embed":
+            x = model.embed(model.rows(ids), key)
+        elif unit[0] == "block":
+            x = model.block(unit[1], x, b_local, s)
+        else:
+            return model.head(x, model.rows(labels), n_total, key)
+    return x
+
+
+def back_units(model: ShardedLlama, units, ids, key, dx=None):
+    b_local, s = ids.shape[0] // model.sh.dp, ids.shape[1]
+    for unit in reversed(units):
+        if unit[0] == "head":
+            dx = model.head_back(key)
+        elif unit[0] == "block":
+            dx = model.block_back(unit[1], dx, b_local, s)
+        else:
+            model.embed_back(dx, key)
+    return dx
+
+
+def loss_and_grads(params, m, sh, ids, labels):
+    """One forward and backward of the whole batch on every rank; returns (loss, per-rank grads)."""
+    model = ShardedLlama(params, m, sh, ids.shape[1])
+    loss = run_units(model, model.units(), ids, labels, ids.size, "all")
+    back_units(model, model.units(), ids, "all")
+    model.reduce_dp()
+    return loss, model

@@ -1,0 +1,234 @@
+"""Golden layouts for the shipped 7B/8B shapes, and msllm.backends.ascend applying the same layouts
+through MindSpore's API on CPU-built tiny models (Primitive.shard and pipeline_stage are accepted
+and ignored on a stand-alone CPU graph; nothing here executes a parallel step)."""
+import fnmatch
+
+import numpy as np
+import pytest
+
+from msllm.config import config_from_dict, load_config
+from msllm.models import layouts as L
+from msllm.parallel.check import check_parallel
+from tests.conftest import REPO
+
+A = "layers.*.attention."
+C = A + "core.softmax_attention."
+F = "layers.*.feed_forward."
+
+
+def golden(dp, tp, tokens, kv_split, scores):
+    """Strategies of every op for a layout with sequence parallel, vocab split, tp_rep = 1."""
+    norm = {"square": ((tokens, 1),), "mean": ((tokens, 1),), "add": ((tokens, 1), (1, 1)),
+            "rsqrt": ((tokens, 1),), "scale": ((tokens, 1), (tokens, 1)), "weigh": ((tokens, 1), (1,))}
+    out = {f"{cell}.{prim}": {"in": s, "out": None} for cell in
+           ("layers.*.attention_norm.core", "layers.*.ffn_norm.core", "norm.core") for prim, s in norm.items()}
+    column, row = ((dp, 1), (tp, 1)), ((dp, tp), (1, tp))
+    heads = (dp, kv_split, 1, 1)
+    out.update({
+        "tok_embeddings.gather": {"in": ((tp, 1), (dp,)), "out": None},
+        A + "wq.matmul": {"in": column, "out": None},
+        A + "wk.matmul": {"in": ((dp, 1), (kv_split, 1)), "out": None},
+        A + "wv.matmul": {"in": ((dp, 1), (kv_split, 1)), "out": None},
+        A + "rope.matmul": {"in": ((tokens, 1), (1, 1)), "out": None},
+        C + "qk": {"in": (heads, heads), "out": None},
+        C + "pv": {"in": (heads, heads), "out": None},
+        C + "pt_x": {"in": (heads, heads), "out": None},
+        C + "softmax": {"in": (scores,), "out": None},
+        A + "wo.matmul": {"in": row, "out": ((tokens, 1),)},
+        F + "w1.matmul": {"in": column, "out": None},
+        F + "w3.matmul": {"in": column, "out": None},
+        F + "act.sigmoid": {"in": ((dp, tp),), "out": None},
+        F + "w2.matmul": {"in": row, "out": ((tokens, 1),)},
+        "output.matmul": {"in": column, "out": None},
+    })
+    return out
+
+
+# config, devices, layout, global batch, golden strategies, {param: shard shape}, layers per stage
+CASES = {
+    "llama2_7b@8": ("llama2_7b", 8, dict(dp=2, tp=4), 16,
+                    golden(2, 4, 8, 4, (2, 4, 1, 1)),                       # MHA scores [b, h, s, t]
+                    {"tok_embeddings.weight": (8000, 4096), "layers.0.attention.wq.weight": (1024, 4096),
+                     "layers.0.attention.wk.weight": (1024, 4096), "layers.0.attention.wo.weight": (4096, 1024),
+                     "layers.0.feed_forward.w2.weight": (4096, 2752), "norm.weight": (4096,)}, [32]),
+    "llama3_8b@64": ("llama3_8b", 64, dict(dp=4, tp=8, pp=2, micro_batches=8), 32,
+                     golden(4, 8, 32, 8, (4, 8, 1, 1, 1)),                  # GQA scores [b, kv, rep, s, t]
+                     {"tok_embeddings.weight": (16032, 4096), "layers.0.attention.wq.weight": (512, 4096),
+                      "layers.0.attention.wk.weight": (128, 4096), "layers.0.feed_forward.w1.weight": (1792, 4096),
+                      "output.weight": (16032, 4096)}, [16, 16]),
+    "qwen2_7b@16": ("qwen2_7b", 16, dict(dp=2, tp=4, pp=2, micro_batches=4), 8,
+                    golden(2, 4, 8, 4, (2, 4, 1, 1, 1)),
+                    {"tok_embeddings.weight": (38016, 3584), "layers.0.attention.wq.weight": (896, 3584),
+                     "layers.0.attention.wq.bias": (896,), "layers.0.attention.wk.weight": (128, 3584),
+                     "layers.0.attention.wk.bias": (128,), "layers.0.feed_forward.w3.weight": (4736, 3584)},
+                    [14, 14]),
+}
+
+# Tiny CPU models with each case's attention shape (MHA; GQA with kv = tp; GQA with bias).
+TINY = {
+    "llama2_7b@8": dict(num_heads=8, num_kv_heads=8),
+    "llama3_8b@64": dict(num_heads=16, num_kv_heads=8),
+    "qwen2_7b@16": dict(num_heads=8, num_kv_heads=4, qkv_bias=True),
+}
+
+
+def case_config(name, path=None, model=None):
+    cfg_name, devices, layout, batch, *_ = CASES[name]
+    overrides = [f"parallel.{k}={v}" for k, v in layout.items()]
+    overrides += ["parallel.sequence_parallel=true", "parallel.optimizer_shard=true", f"train.batch_size={batch}"]
+    if model is None:
+        return load_config(REPO / "configs" / f"{cfg_name}.yaml", overrides), devices
+    data = {"model": model, "data": {"seq_len": 16}, "train": {"batch_size": batch}, "parallel": layout}
+    data["parallel"] = {**layout, "sequence_parallel": True, "optimizer_shard": True}
+    return config_from_dict(data), devices
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_golden_strategies_for_the_real_shapes(name):
+    _, _, _, _, want, shard_shapes, stage_layers = CASES[name]
+    cfg, devices = case_config(name)
+    check_parallel(cfg, devices)
+    m = cfg.model
+    sh = L.sharding(m, cfg.parallel)
+    assert L.op_strategies(m, sh) == want
+    shapes = L.param_shapes(m)
+    for param, shape in shard_shapes.items():
+        assert L.shard_shape(shapes[param], L.param_entry(param)[0], sh) == shape, param
+    assert L.stage_layer_counts(m.num_layers, cfg.parallel.pp) == stage_layers
+    if cfg.parallel.pp > 1:
+        stages = L.stage_cells(m, cfg.parallel.pp)
+        assert stages["tok_embeddings"] == 0 and stages["norm"] == stages["output"] == cfg.parallel.pp - 1
+        assert [stages[f"layers.{i}"] for i in range(m.num_layers)] == sum(
+            ([k] * n for k, n in enumerate(stage_layers)), [])
+
+
+def applied_strategy(layout_attr: dict) -> tuple:
+    """Ways each dim is cut, read back from a primitive's MindSpore layout."""
+    dm = layout_attr["device_matrix"]
+    ways = []
+    for entry in layout_attr["tensor_map"]:
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        ways.append(int(np.prod([dm[len(dm) - 1 - a] for a in axes if a != -1])))
+    return tuple(ways)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_ascend_backend_applies_the_same_layouts_to_a_tiny_model(name):
+    import mindspore as ms
+
+    from msllm.backends import ascend
+    from msllm.models.llama import CausalLMLoss, Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    want = CASES[name][4]
+    tp = CASES[name][2]["tp"]
+    model_cfg = dict(vocab_size=32 * tp, hidden_size=64, num_layers=4, ffn_size=16 * tp, max_seq_len=16, **TINY[name])
+    cfg, devices = case_config(name, model=model_cfg)
+    check_parallel(cfg, devices)
+    model = Llama(cfg.model)
+    applied = ascend.specialise(model, cfg)
+    m = cfg.model
+    for op in L.ops_for(m):
+        per_layer = op.cell.startswith("layers.")
+        assert applied[op.path] == (m.num_layers if per_layer else 1), op.path
+    cells = dict(model.cells_and_names())
+    for op in L.ops_for(m):
+        cell = next(c for n, c in cells.items() if fnmatch.fnmatchcase(n, op.cell))
+        attrs = getattr(cell, op.prim).attrs
+        assert tuple(applied_strategy(x) for x in attrs["in_layout"]) == want[op.path]["in"], op.path
+        if want[op.path]["out"] is not None:
+            assert tuple(applied_strategy(x) for x in attrs["out_layout"]) == want[op.path]["out"], op.path
+    if cfg.parallel.pp > 1:
+        stages = L.stage_cells(m, cfg.parallel.pp)
+        assert sorted(set(stages.values())) == [0, 1]
+        for cell_name, stage in stages.items():
+            assert cells[cell_name].pipeline_stage == stage
+    loss = CausalLMLoss()
+    assert ascend.use_vocab_parallel_loss(loss, cfg)
+    vocab_cut = applied_strategy(loss.cross_entropy.exp.attrs["in_layout"][0])
+    assert vocab_cut == (cfg.parallel.dp, tp)
+    wrapped = ascend.parallel_wrapper(loss, cfg, "strategy.ckpt")
+    assert wrapped._dataset_strategy_config == ((cfg.parallel.dp, 1),)
+    assert wrapped._enable_parallel_optimizer and wrapped._save_strategy_file_path == "strategy.ckpt"
+    assert wrapped._pipeline_stages == cfg.parallel.pp
+
+
+def test_kv_heads_fewer_than_tp_are_grouped_in_the_layouts():
+    """GQA kv = 2 on tp = 8: each KV head is cut 2 ways over tp_kv and held by the 4 tp_rep ranks
+    whose query heads read it (the oracle in test_layouts.py checks the maths of this grouping)."""
+    import mindspore as ms
+
+    from msllm.backends import ascend
+    from msllm.models.llama import Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    cfg = config_from_dict({"model": dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2,
+                                          ffn_size=64, max_seq_len=16),
+                            "data": {"seq_len": 16}, "parallel": {"tp": 8}})
+    model = Llama(cfg.model)
+    ascend.specialise(model, cfg)
+    attn = model.layers[0].attention
+    wq, wk = attn.wq.matmul.attrs["in_layout"][1], attn.wk.matmul.attrs["in_layout"][1]
+    assert wq["device_matrix"] == wk["device_matrix"] == (1, 2, 4)
+    assert wq["tensor_map"] == ((1, 0), -1) and wk["tensor_map"] == (1, -1)   # q: tp_kv x tp_rep; k: tp_kv
+    qk = attn.core.softmax_attention.qk.attrs["in_layout"]
+    assert [x["tensor_map"] for x in qk] == [(2, 1, 0, -1), (2, 1, -1, -1)]   # q rows cut by tp_rep
+
+
+def test_table_and_model_agree():
+    """Every parameter of the model has a placement, and each op reads the weight it multiplies as
+    the parameter's placement says."""
+    import mindspore as ms
+
+    from msllm.models.llama import Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    for tied in (False, True):
+        m = config_from_dict({"model": dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                                            num_kv_heads=2, ffn_size=32, max_seq_len=16, qkv_bias=True,
+                                            tie_embeddings=tied), "data": {"seq_len": 16}}).model
+        model = Llama(m)
+        assert {n: tuple(p.shape) for n, p in model.parameters_and_names()} == L.param_shapes(m)
+        ops = {op.path: op for op in L.ops_for(m)}
+        for weight, op in (("attention.wq.weight", A + "wq.matmul"), ("attention.wk.weight", A + "wk.matmul"),
+                           ("attention.wo.weight", A + "wo.matmul"), ("feed_forward.w2.weight", F + "w2.matmul"),
+                           ("feed_forward.w1.weight", F + "w1.matmul")):
+            assert L.param_entry("layers.0." + weight)[0] == ops[op].inputs[1], weight
+        head = ops["lm_matmul" if tied else "output.matmul"]
+        assert L.param_entry("tok_embeddings.weight")[0] == head.inputs[1] == ops["tok_embeddings.gather"].inputs[0]
+        for pattern, layout, placement in L.PARAMS:
+            kind = {"column": (0,), "row": (1,), "vocab parallel": (0,), "replicated": ()}[placement]
+            assert tuple(i for i, x in enumerate(layout) if x) == kind, pattern
+
+
+def test_shardable_norm_and_vocab_parallel_loss_are_the_same_maths():
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    from msllm.backends import ascend
+    from msllm.models.llama import RMSNormCore
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((6, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    ours = ascend.RMSNormCore(64, 1e-5)(Tensor(x), Tensor(w)).asnumpy()
+    assert np.max(np.abs(ours - RMSNormCore(64, 1e-5)(Tensor(x), Tensor(w)).asnumpy())) < 1e-5
+    logits = Tensor((3 * rng.standard_normal((12, 96))).astype(np.float32))
+    labels = Tensor(rng.integers(0, 96, 12).astype(np.int32))
+    ce, ref = ascend.VocabParallelCrossEntropy(96), ops.SparseSoftmaxCrossEntropyWithLogits()
+    (l1, g1), (l2, g2) = (ms.value_and_grad(lambda z, f=f: f(z, labels))(logits) for f in (ce, ref))
+    assert abs(float(l1) - float(l2)) < 1e-5 * float(l2)
+    assert np.max(np.abs(g1.asnumpy() - g2.asnumpy())) < 1e-6
+
+
+def test_strategy_file_travels_with_the_checkpoint(tmp_path):
+    from msllm.backends import ascend
+
+    src = ascend.strategy_file(tmp_path / "run", 3)
+    with pytest.raises(FileNotFoundError, match="rank_3.ckpt"):
+        ascend.save_strategy_with_checkpoint(tmp_path / "run", tmp_path, 3)
+    src.parent.mkdir(parents=True)
+    src.write_bytes(b"strategy")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000010"
+    ckpt.mkdir(parents=True)
+    assert ascend.save_strategy_with_checkpoint(tmp_path / "run", ckpt, 3).read_bytes() == b"strategy"

@@ -1,0 +1,124 @@
+"""The layout table's maths proven on CPU: sharded forward and backward (tests/sharded_llama.py)
+equal to unsharded, pipeline stages equal to the whole model, and the oracle's one-rank model
+equal to msllm's MindSpore Llama."""
+import numpy as np
+import pytest
+
+from msllm.config import ModelConfig, ParallelConfig
+from msllm.models import layouts as L
+from tests.sharded_llama import ShardedLlama, back_units, init_params, loss_and_grads, run_units
+
+
+def tiny(**kw) -> ModelConfig:
+    values = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=4, ffn_size=48,
+                  max_seq_len=16, qkv_bias=True)
+    values.update(kw)
+    return ModelConfig(**values)
+
+
+def batch(m, b=4, s=8, seed=1):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, m.vocab_size, size=(b, s + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def assert_ranks_hold_the_reference(model, ref_grads, sh):
+    """Every rank's gradient of every weight it holds equals the unsharded gradient's slice."""
+    for coords, grads in zip(model.ranks.coords, model.grads):
+        for name, g in grads.items():
+            layout, _ = L.param_entry(name)
+            want = ref_grads[name][L.shard_slices(ref_grads[name].shape, layout, sh, coords)]
+            assert g.shape == want.shape, name
+            assert rel(g, want) <= 1e-5, (name, coords, rel(g, want))
+
+
+def reference(params, m, ids, labels):
+    loss, model = loss_and_grads(params, m, L.sharding(m, ParallelConfig()), ids, labels)
+    return loss, model.grads[0]
+
+
+@pytest.mark.parametrize("kv, dp, tp, sp, vocab", [
+    (4, 1, 2, False, 64),   # tp 2, kv heads split
+    (4, 1, 4, False, 64),   # tp 4 = kv heads
+    (2, 1, 4, False, 64),   # GQA kv < tp: each KV head held by 2 ranks
+    (1, 1, 4, True, 64),    # MQA under sequence parallel
+    (2, 2, 4, True, 64),    # dp x tp, kv < tp, sequence parallel
+    (4, 2, 2, True, 66),    # vocab not divisible by tp: embedding and head replicated (dp fallback)
+])
+def test_sharded_forward_and_backward_equal_unsharded(kv, dp, tp, sp, vocab):
+    m = tiny(num_kv_heads=kv, vocab_size=vocab)
+    params = init_params(m, seed=3)
+    ids, labels = batch(m)
+    ref_loss, ref_grads = reference(params, m, ids, labels)
+    sh = L.sharding(m, ParallelConfig(dp=dp, tp=tp, sequence_parallel=sp))
+    assert sh.vocab_split == (vocab % tp == 0)
+    assert (sh.tp_kv, sh.tp_rep) == ((tp, 1) if kv % tp == 0 else (kv, tp // kv))
+    loss, model = loss_and_grads(params, m, sh, ids, labels)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_ranks_hold_the_reference(model, ref_grads, sh)
+    # the weights really were split: a rank holds 1/tp of q, and of kv unless kv < tp
+    q = model.weights[0]["layers.0.attention.wq.weight"]
+    k = model.weights[0]["layers.0.attention.wk.weight"]
+    assert q.shape[0] == m.num_heads * m.head_dim // tp
+    assert k.shape[0] == m.head_dim * max(kv // tp, 1)
+
+
+@pytest.mark.parametrize("pp, micro, tp", [(2, 2, 1), (2, 4, 2), (3, 4, 1)])
+def test_pipeline_stages_in_sequence_equal_the_whole_model(pp, micro, tp):
+    m = tiny(num_layers=3)
+    params = init_params(m, seed=4)
+    ids, labels = batch(m, b=4)
+    ref_loss, ref_grads = reference(params, m, ids, labels)
+    sh = L.sharding(m, ParallelConfig(tp=tp, pp=pp, micro_batches=micro, sequence_parallel=tp > 1))
+    unit_cell = {"embed": "tok_embeddings", "block": "layers.{}", "head": "norm"}
+    stages = []
+    for k in range(pp):  # a stage holds only the weights the table puts on it
+        own = {n: p for n, p in params.items() if L.stage_of(n, m.num_layers, pp) == k}
+        model = ShardedLlama(own, m, sh, ids.shape[1])
+        units = [u for u in model.units()
+                 if L.stage_of(unit_cell[u[0]].format(*u[1:]), m.num_layers, pp) == k]
+        stages.append((model, units))
+    assert [len(u) for _, u in stages] == [c + (k == 0) + (k == pp - 1) for k, c in
+                                           enumerate(L.stage_layer_counts(m.num_layers, pp))]
+    loss = 0.0
+    for mb, (i, t) in enumerate(zip(np.split(ids, micro), np.split(labels, micro))):
+        x = None
+        for model, units in stages:           # forward: each stage sends its activation on
+            x = run_units(model, units, i, t, ids.size, mb, x)
+        loss += x
+        dx = None
+        for model, units in reversed(stages):  # backward: gradients flow back stage by stage
+            dx = back_units(model, units, i, mb, dx)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for model, _ in stages:
+        assert_ranks_hold_the_reference(model, ref_grads, sh)
+    assert sum(len(model.grads[0]) for model, _ in stages) == len(params)
+
+
+def test_oracle_at_one_rank_is_msllms_llama():
+    """The oracle's unsharded model is msllm's: loss and every gradient against MindSpore (PyNative)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm.models.llama import CausalLMLoss, Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    m = tiny(num_kv_heads=2)
+    params = init_params(m, seed=5)
+    ids, labels = batch(m, b=2)
+    ref_loss, ref_grads = reference(params, m, ids, labels)
+
+    model = Llama(m)
+    for name, p in model.parameters_and_names():
+        p.set_data(Tensor(params[name]))
+    loss_fn = CausalLMLoss()
+    weights = model.trainable_params()
+    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, weights)
+    loss, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
+    assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
+    for p, g in zip(weights, grads):
+        assert rel(g.asnumpy(), ref_grads[p.name]) <= 1e-5, p.name

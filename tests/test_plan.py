@@ -1,0 +1,203 @@
+"""The layout checker's rules and `msllm plan`: closed forms for memory, the CLI's table and its
+parallel: block (which must pass the checker), nothing-fits and --check. No MindSpore here."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from msllm.config import ConfigError, ParallelConfig, config_from_dict, load_config
+from msllm.models import layouts as L
+from msllm.parallel import plan as P
+from msllm.parallel.check import check_execution, check_parallel
+from tests.conftest import REPO, run_cli
+
+LLAMA2 = REPO / "configs" / "llama2_7b.yaml"
+
+
+# ---- checker -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["parallel.tp=3"], "parallel.tp", "must divide model.num_heads (32 % 3 != 0)"),
+    (["model.num_heads=28", "model.num_kv_heads=4", "model.hidden_size=3584", "parallel.tp=7"], "parallel.tp",
+     "must divide model.num_kv_heads (4) or be a multiple of it"),
+    (["model.ffn_size=11000", "parallel.tp=16"], "parallel.tp", "must divide model.ffn_size (11000 % 16 != 0)"),
+    (["parallel.pp=33", "parallel.micro_batches=33"], "parallel.pp", "must be <= model.num_layers (32)"),
+    (["parallel.pp=4", "parallel.micro_batches=2"], "parallel.micro_batches", "must be >= parallel.pp (4)"),
+    (["parallel.dp=2", "train.batch_size=3"], "parallel", "global batch 3"),
+    (["parallel.micro_batches=2", "train.batch_size=2", "train.accum_steps=2"], "parallel.micro_batches",
+     "and train.accum_steps both split the batch"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "needs tp > 1"),
+    (["parallel.tp=8", "parallel.sequence_parallel=true", "data.seq_len=1020"], "parallel.sequence_parallel",
+     "needs data.seq_len divisible by tp (1020 % 8 != 0)"),
+    (["model.tie_embeddings=true", "parallel.pp=2", "parallel.micro_batches=2", "train.batch_size=2"],
+     "parallel.pp", "tied embeddings"),
+    (["parallel.dp=0"], "parallel.dp", "must be >= 1"),
+])
+def test_checker_names_the_key_in_one_line(overrides, key, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(LLAMA2, overrides)  # every config load runs the device-free checks
+    assert err.value.key == key
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_checker_device_count_and_valid_layouts():
+    cfg = load_config(LLAMA2, ["parallel.dp=2", "parallel.tp=4", "parallel.pp=2", "parallel.micro_batches=4",
+                               "parallel.sequence_parallel=true", "train.batch_size=8"])
+    check_parallel(cfg, 16)
+    with pytest.raises(ConfigError, match=r"parallel: dp x tp x pp = 2 x 4 x 2 = 16 must equal the device count 8"):
+        check_parallel(cfg, 8, source="c.yaml")
+    # GQA with fewer KV heads than tp is valid (grouped), and a vocab tp does not divide falls back
+    g = load_config(REPO / "configs" / "llama3_8b.yaml", ["parallel.tp=16", "model.vocab_size=128250"])
+    check_parallel(g, 16)
+    sh = L.sharding(g.model, g.parallel)
+    assert (sh.tp_kv, sh.tp_rep, sh.vocab_split) == (8, 2, False)
+
+
+def test_execution_profile_constraints():
+    def cfg(**train):
+        return config_from_dict({"train": train, "parallel": {"sink_size": train.pop("sink", 0)}})
+    with pytest.raises(ConfigError, match="train.jit_level: O2 .* Ascend only"):
+        check_execution(cfg(jit_level="O2"))
+    with pytest.raises(ConfigError, match="train.sample_tokens: .*dynamic shapes"):
+        check_execution(cfg(jit_level="O2", device="ascend"))
+    with pytest.raises(ConfigError, match="train.eval_every: must be a multiple of parallel.sink_size"):
+        check_execution(cfg(device="ascend", sink=20, log_every=20, eval_every=30, ckpt_every=200))
+    check_execution(cfg(jit_level="O2", device="ascend", sample_tokens=0, sink=10, log_every=20,
+                        eval_every=100, ckpt_every=200))
+
+
+# ---- memory closed forms -------------------------------------------------------------------------
+
+def test_states_are_16_bytes_per_parameter_and_zero1_is_4_plus_12_over_n():
+    for precision in ("fp32", "bf16"):
+        cfg = P.with_layout(load_config(LLAMA2, [f"train.precision={precision}"]), ParallelConfig(), global_batch=8)
+        e = P.estimate(cfg, device="910b")
+        psi = cfg.model.num_params()
+        assert e["params"] == psi
+        assert e["weights"] + e["grads"] + e["optimizer"] == 16 * psi
+    n = 8
+    cfg = P.with_layout(load_config(LLAMA2, ["train.precision=bf16"]), ParallelConfig(), global_batch=8)
+    e = P.estimate(cfg, ParallelConfig(dp=n, optimizer_shard=True), "910b")
+    assert e["weights"] + e["grads"] + e["optimizer"] == pytest.approx(4 * psi + 12 * psi / n)
+    assert e["optimizer_by_zero1"] == {False: 12 * psi, True: pytest.approx(12 * psi / n)}
+
+
+def test_tensor_parallel_holds_the_table_slice_of_each_weight():
+    cfg = load_config(LLAMA2)
+    for tp in (2, 8):
+        sh = L.sharding(cfg.model, ParallelConfig(tp=tp))
+        h, v, L_ = cfg.model.hidden_size, cfg.model.vocab_size, cfg.model.num_layers
+        replicated = (2 * L_ + 1) * h   # the norms
+        assert P.stage_parameters(cfg.model, sh) == [(cfg.model.num_params() - replicated) // tp + replicated]
+
+
+@pytest.mark.parametrize("t, sp", [(1, False), (4, False), (4, True)])
+def test_activations_follow_korthikanti_closed_forms(t, sp):
+    """Per layer and micro-batch, bf16, MHA (kv = heads): Korthikanti et al.'s structure with this
+    Llama's terms: s b h (8 + 8/t + 6f/(h t)) + 4 a s^2 b / t; every term / t under sequence
+    parallel; full recompute keeps 2 s b h (/ t); flash attention turns the s^2 term into 4 a s b / t."""
+    m = load_config(LLAMA2).model
+    s, b, h, a, f = 4096, 2, m.hidden_size, m.num_heads, m.ffn_size
+    sh = L.sharding(m, ParallelConfig(tp=t, sequence_parallel=sp))
+    sp_div = t if sp else 1
+
+    def act(recompute, flash=False):
+        return P.layer_activations(m, sh, b, s, 2, recompute, flash)
+
+    linear = s * b * h * (8 / sp_div + 8 / t + 6 * f / (h * t))
+    assert act("none") == pytest.approx(linear + 4 * a * s * s * b / t)
+    assert act("none", flash=True) == pytest.approx(linear + 4 * a * s * b / t)
+    assert act("selective") == pytest.approx(s * b * h * (8 / sp_div + 8 / t))
+    assert act("full") == pytest.approx(2 * s * b * h / sp_div)
+    if sp:
+        assert act("none") == pytest.approx(P.layer_activations(m, L.sharding(m, ParallelConfig()), b, s, 2, "none",
+                                                                False) / t)
+
+
+def test_pipeline_keeps_in_flight_micro_batches_on_the_first_stage():
+    base = load_config(LLAMA2, ["train.precision=bf16"])
+    p = ParallelConfig(pp=4, micro_batches=8)
+    cfg = P.with_layout(base, p, recompute="full", global_batch=8)
+    e = P.estimate(cfg, device="910b")
+    sh = L.sharding(cfg.model, p)
+    per_layer = P.layer_activations(cfg.model, sh, 1, 4096, 2, "full", False)
+    rebuilt = P.layer_activations(cfg.model, sh, 1, 4096, 2, "none", False) - per_layer
+    first = 8 * per_layer * 4 + rebuilt            # 8 layers, pp = 4 micro-batches in flight
+    last = 8 * per_layer * 1 + rebuilt + 2 * 4 * 4096 * cfg.model.vocab_size
+    assert e["activations_by_recompute"]["full", False] == pytest.approx(first if e["stage"] == 0 else last)
+    assert e["bubble"] == pytest.approx(3 / 11)
+
+
+def test_parse_bytes():
+    assert P.parse_bytes("64GB") == 64 * 2 ** 30 == P.parse_bytes("64 GiB") == P.parse_bytes("64")
+    assert P.parse_bytes("512MB") == 2 ** 29 and P.parse_bytes("1.5TB") == 1.5 * 2 ** 40
+    with pytest.raises(P.PlanError, match="--device-mem"):
+        P.parse_bytes("lots")
+
+
+# ---- the CLI -------------------------------------------------------------------------------------
+
+def plan_cli(capsys, *args):
+    from msllm.cli import main
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_prints_layouts_and_a_parallel_block_that_passes_the_checker(capsys):
+    code, out, _ = plan_cli(capsys, "--config", str(LLAMA2), "--devices", "8", "--global-batch", "64",
+                            "--set", "train.precision=bf16")
+    assert code == 0
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["dp", "tp", "pp"])
+    rows = [line.split() for line in lines[head + 1:] if line[:3].strip().isdigit()]
+    assert len(rows) >= 5 and all(int(r[0]) * int(r[1]) * int(r[2]) == 8 for r in rows)
+    step_times = [float(r[-3]) for r in rows]
+    assert step_times == sorted(step_times)
+    block = yaml.safe_load(out[out.index("\nparallel:") + 1:])
+    cfg = load_config(LLAMA2, ["train.precision=bf16"] + [f"{s}.{k}={v}" for s, kv in block.items()
+                                                          for k, v in kv.items()])
+    check_parallel(cfg, 8)
+    assert cfg.train.batch_size == 64 and cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == 8
+    e = P.estimate(cfg, device="910b")
+    assert e["total"] <= 0.9 * 64 * 2 ** 30
+    assert f"{e['time']['step']:.2f} s/step" in out
+
+
+def test_plan_nothing_fits_exits_1_with_what_would(capsys):
+    code, out, err = plan_cli(capsys, "--config", str(REPO / "configs" / "llama3_8b.yaml"), "--devices", "8",
+                              "--device-mem", "16GB", "--set", "train.precision=bf16")
+    assert code == 1 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith("msllm plan: nothing fits 8 x 910b (16 GB")
+    assert "GB per device" in line and "16 devices of 16 GB would fit" in line
+
+
+def test_plan_check_mode(capsys, tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(LLAMA2.read_text().replace("  batch_size: 1\n", "  batch_size: 16\n  precision: bf16\n"
+                                               "  recompute: selective\n")
+                    + "parallel: {dp: 2, tp: 4, sequence_parallel: true}\n")
+    code, out, _ = plan_cli(capsys, "--config", str(good), "--devices", "8", "--check")
+    assert code == 0 and out.startswith(f"msllm plan: {good}: dp 2 x tp 4 x pp 1") and "fits 8 x 910b" in out
+    code, _, err = plan_cli(capsys, "--config", str(good), "--devices", "16", "--check")
+    assert code == 2
+    assert err.splitlines() == [f"msllm plan: error: {good}: parallel: dp x tp x pp = 2 x 4 x 1 = 8 "
+                                "must equal the device count 16"]
+    code, _, err = plan_cli(capsys, "--config", str(good), "--devices", "8", "--check", "--device-mem", "8GB")
+    assert code == 1 and "does not fit 90% of 8 GB" in err
+
+
+def test_plan_is_one_line_exit_2_on_bad_layout_and_never_imports_mindspore(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(LLAMA2.read_text() + "parallel: {tp: 3}\n")
+    proc = run_cli("plan", "--config", str(bad), "--devices", "3", "--check")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"msllm plan: error: {bad}: parallel.tp: must divide model.num_heads "
+                                        "(32 % 3 != 0)"]
+    code = ("import sys; from msllm.cli import main; "
+            f"rc = main(['plan', '--config', {str(LLAMA2)!r}, '--devices', '64', '--global-batch', '256']); "
+            "assert rc == 0 and 'mindspore' not in sys.modules and 'torch' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
