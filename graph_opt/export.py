@@ -40,7 +40,7 @@ def writable_tmp_dir(out: Path, force: bool) -> Path:
     tmp = out.parent / f".{out.name}.tmp"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
     except OSError as e:
         raise ExportError(f"{out}: cannot write the export here ({e.strerror})") from None
     return tmp

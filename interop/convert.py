@@ -81,7 +81,10 @@ def staged(dst: Path, force: bool):
         raise InteropError(f"{dst}: already exists (--force replaces it)")
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise InteropError(f"{dst}: cannot write here ({e.strerror})") from None
     try:
         yield tmp
     except BaseException:
