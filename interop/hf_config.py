@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
-from interop import InteropError
+from interop import InteropError, read_json
 from msllm.config import ROPE_SCALING_KEYS, ModelConfig
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -27,6 +28,14 @@ def architecture(hf: dict, source: str) -> str:
         raise InteropError(f"{source}: unsupported architecture {named or hf.get('model_type')!r}; "
                            f"supported: {', '.join(MODEL_TYPES)}")
     return arch
+
+
+def check_dir(path: str | Path) -> None:
+    """If `path` is a Hugging Face dir, refuse its config.json now: this module imports neither torch
+    nor MindSpore, so the CLI answers a config msllm cannot convert before loading them."""
+    config = Path(path) / "config.json"
+    if config.is_file():
+        to_model_config(read_json(config), str(config))
 
 
 def default_architecture(m: ModelConfig) -> str:

@@ -109,6 +109,9 @@ def cmd_convert(args) -> int:
     from msllm.preflight import check_new_dir
 
     check_new_dir(args.dst, args.force, "dst")
+    from interop.hf_config import check_dir
+
+    check_dir(args.src)
     from interop import InteropError
     from interop.convert import convert
     from interop.layouts import detect
@@ -126,6 +129,9 @@ def cmd_convert(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from interop.hf_config import check_dir
+
+    check_dir(args.hf)
     return _print_report(args.hf, args.ckpt, args)
 
 

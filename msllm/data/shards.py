@@ -76,17 +76,17 @@ def build_shard(cfg: Config, out_dir: Path) -> Path:
         raise DataError(f"data.tokenizer: {d.tokenizer} has {tok.get_vocab_size()} tokens > model.vocab_size {vocab}")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    source = "Python stdlib" if d.path is None else str(root)
-    _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
-         + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
-    try:
+    try:  # a failure or Ctrl-C anywhere in here leaves no half-built shard behind
+        tmp.mkdir(parents=True)
+        source = "Python stdlib" if d.path is None else str(root)
+        _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
+             + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
         _write_shard(cfg, tmp, texts, tok, key, source)
-    except BaseException:  # a failure or Ctrl-C leaves no half-built shard behind
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
     return out_dir
 
 
