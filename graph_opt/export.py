@@ -36,7 +36,7 @@ PROTOBUF_LIMIT = 2**31 - 2**26     # a ModelProto must stay under 2 GiB; keep 64
 
 def make_tmp_dir(out: Path, tmp: Path, force: bool) -> None:
     if out.exists() and not force:
-        raise ExportError(f"{out}: already exists; pass --force to replace it")
+        raise ExportError(f"{out}: already exists (--force replaces it)")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
