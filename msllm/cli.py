@@ -220,7 +220,8 @@ def build_parser() -> Parser:
     p = command("train", "train a model from a YAML config")
     p.add_argument("--config", default=None, help="YAML config (default: built-in tiny CPU config)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value (read as YAML; repeatable), e.g. --set optim.lr=1e-3")
+                   help="override a config value (read as YAML, text keys as written; repeatable), "
+                   "e.g. --set optim.lr=1e-3")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
     p.add_argument("--mode", choices=["graph", "pynative"], help="shorthand for --set train.mode=...")
     p.add_argument("--device", choices=["cpu", "gpu", "ascend"], help="shorthand for --set train.device=...")
