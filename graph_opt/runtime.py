@@ -102,8 +102,10 @@ def export_engine(export_dir: Path, manifest: dict) -> Engine:
                                 for kind, f in files.items()})
     import onnxruntime as ort
 
-    return OnnxEngine({kind: (lambda f=f: _load(f, lambda: ort.InferenceSession(f, providers=["CPUExecutionProvider"])))
-                       for kind, f in files.items()})
+    def session(f):
+        return ort.InferenceSession(f, providers=["CPUExecutionProvider"])
+
+    return OnnxEngine({kind: (lambda f=f: _load(f, lambda: session(f))) for kind, f in files.items()})
 
 
 def _load(path: str, load: Callable):

@@ -59,12 +59,12 @@ def _rope(hf: dict, refuse) -> tuple[float, dict | None]:
     if not _is_number(theta) or theta <= 0:
         refuse("rope_theta", f"must be a number > 0, got {theta!r}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    if partial not in (None, 1, 1.0):
         refuse("partial_rotary_factor", f"{partial!r}: msllm rotates the whole head (1.0)")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), None
-    if kind not in ROPE_SCALING_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
         refuse(key, f"rope type {kind!r} is not supported (default, {', '.join(ROPE_SCALING_KEYS)})")
     if kind == "llama3":
         params = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **params}

@@ -283,13 +283,13 @@ def _check_rope_scaling(scaling: dict, check) -> None:
     def need(ok, name, message):
         check(ok, name, message, key)
 
-    kinds = {scaling[k] for k in ("type", "rope_type") if k in scaling}
-    need(len(kinds) == 1, key, f"needs one type (type or rope_type), got {scaling!r}")
-    kind = kinds.pop()
-    need(kind in ROPE_SCALING_KEYS, f"{key}.type",
+    kinds = [scaling[k] for k in ("type", "rope_type") if k in scaling]
+    need(kinds and all(k == kinds[0] for k in kinds), key, f"needs one type (type or rope_type), got {scaling!r}")
+    kind = kinds[0]
+    need(isinstance(kind, str) and kind in ROPE_SCALING_KEYS, f"{key}.type",
          f"must be one of {', '.join(ROPE_SCALING_KEYS)}, got {kind!r} (msllm computes no other rope scaling)")
     expected = ROPE_SCALING_KEYS[kind]
-    unknown = sorted(set(scaling) - {"type", "rope_type", *expected})
+    unknown = sorted(map(str, set(scaling) - {"type", "rope_type", *expected}))
     need(not unknown, key, f"{kind} takes {', '.join(expected)}; unknown {', '.join(map(str, unknown))}")
     for name in expected:
         value = scaling.get(name)
