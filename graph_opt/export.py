@@ -34,16 +34,14 @@ ONNX_DATA = "weights.onnx.data"
 PROTOBUF_LIMIT = 2**31 - 2**26     # a ModelProto must stay under 2 GiB; keep 64 MiB for the graph itself
 
 
-def writable_tmp_dir(out: Path, force: bool) -> Path:
+def make_tmp_dir(out: Path, tmp: Path, force: bool) -> None:
     if out.exists() and not force:
-        raise ExportError(f"{out}: already exists; pass --force to replace it")
-    tmp = out.parent / f".{out.name}.tmp"
+        raise ExportError(f"{out}: already exists (--force replaces it)")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
     except OSError as e:
         raise ExportError(f"{out}: cannot write the export here ({e.strerror})") from None
-    return tmp
 
 
 def verification_inputs(vocab_size: int, max_seq_len: int) -> list[np.ndarray]:
@@ -142,8 +140,9 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
     out = Path(out)
     device.setup("cpu", "pynative")
     cfg, model, ckpt_dir, state = load_model(ckpt)
-    tmp = writable_tmp_dir(out, force)
-    try:
+    tmp = out.parent / f".{out.name}.tmp"
+    try:  # created inside: a failure or Ctrl-C at any point removes it
+        make_tmp_dir(out, tmp, force)
         inputs = verification_inputs(cfg.model.vocab_size, cfg.model.max_seq_len)
         references = [model(ms.Tensor(ids)).asnumpy() for ids in inputs]  # fp32 msllm, before any cast
         started = time.perf_counter()

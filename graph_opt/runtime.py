@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import mindspore as ms
 import numpy as np
@@ -44,11 +45,23 @@ def export_engine(export_dir: Path, manifest: dict) -> Engine:
     """A MindIR or onnxruntime engine over the graph files of an export dir."""
     files = {kind: str(Path(export_dir) / name) for kind, name in manifest["files"].items()}
     if manifest["format"] == "mindir":
-        return MindSporeEngine({kind: (lambda f=f: ms.nn.GraphCell(ms.load(f))) for kind, f in files.items()})
+        return MindSporeEngine({kind: (lambda f=f: _load(f, lambda: ms.nn.GraphCell(ms.load(f))))
+                                for kind, f in files.items()})
     import onnxruntime as ort
 
-    return OnnxEngine({kind: (lambda f=f: ort.InferenceSession(f, providers=["CPUExecutionProvider"]))
-                       for kind, f in files.items()})
+    def session(f):
+        return ort.InferenceSession(f, providers=["CPUExecutionProvider"])
+
+    return OnnxEngine({kind: (lambda f=f: _load(f, lambda: session(f))) for kind, f in files.items()})
+
+
+def _load(path: str, load: Callable):
+    """One graph file; a missing, truncated or corrupt file is one line naming it."""
+    try:
+        return load()
+    except Exception as e:  # onnxruntime and MindSpore raise their own types (InvalidProtobuf, RuntimeError)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        raise ExportError(f"{path}: cannot load this graph ({reason}); export the run again") from None
 
 
 def load_engine(engine: str, path: str | Path):

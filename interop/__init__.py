@@ -9,6 +9,9 @@ convert.py    the one conversion engine, driven by the tables
 verify.py     HF torch model vs msllm model on the same tokens, layer by layer
 """
 
+import json
+from pathlib import Path
+
 from msllm.errors import UserError
 
 
@@ -21,3 +24,13 @@ def names_line(names, most: int = 8) -> str:
     names = sorted(map(str, names))
     more = f", ... {len(names) - most} more" if len(names) > most else ""
     return f"[{', '.join(names[:most])}{more}]"
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InteropError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise InteropError(f"{path}: expected a JSON object")
+    return data

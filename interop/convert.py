@@ -81,15 +81,18 @@ def staged(dst: Path, force: bool):
         raise InteropError(f"{dst}: already exists (--force replaces it)")
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    try:  # creation inside: a Ctrl-C right after mkdir still removes it
+        try:
+            tmp.mkdir()
+        except OSError as e:
+            raise InteropError(f"{dst}: cannot write here ({e.strerror})") from None
         yield tmp
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(tmp, dst)
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -9,10 +9,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from interop import InteropError, names_line
+from interop import InteropError, names_line, read_json
 from interop.formats import MultiFileReader, TensorInfo
 from interop.formats.ms_ckpt import CkptReader, CkptWriter
 from interop.formats.safetensors import SafetensorsReader, SafetensorsWriter
@@ -43,16 +42,6 @@ class Source:
     reader: object              # lazy tensor reader (interop.formats)
     hf_config: dict | None      # the HF config.json this checkpoint came from, if any
     side_files: list[Path]
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise InteropError(f"{path}: unreadable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise InteropError(f"{path}: expected a JSON object")
-    return data
 
 
 def open_file(path: Path):

@@ -45,11 +45,17 @@ def load_into(params, arrays: dict[str, np.ndarray], source: str) -> None:
     shapes = [f"{n} {arrays[n].shape} != {tuple(params[n].shape)}" for n in params
               if n in arrays and tuple(arrays[n].shape) != tuple(params[n].shape)]
     if missing or unexpected or shapes:
-        parts = [f"missing {missing}" if missing else "", f"unexpected {unexpected}" if unexpected else "",
-                 f"shape mismatch {shapes}" if shapes else ""]
-        raise CheckpointError(f"{source}: does not match the model: " + "; ".join(p for p in parts if p))
+        parts = [f"{what} {_first(names)}" for what, names in
+                 (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)) if names]
+        raise CheckpointError(f"{source}: does not match the model: " + "; ".join(parts))
     for name, p in params.items():
         p.set_data(Tensor(arrays[name].astype(dtype_to_nptype(p.dtype), copy=False)))
+
+
+def _first(names: list, most: int = 4) -> str:
+    """A short list for a one-line error: the first few names and how many more."""
+    more = f", ... {len(names) - most} more" if len(names) > most else ""
+    return f"[{', '.join(map(str, names[:most]))}{more}]"
 
 
 def _sha256(path: Path) -> str:

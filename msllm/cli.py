@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
+import shutil
+import signal
 import sys
+import warnings
 from pathlib import Path
 
 from msllm.config import ConfigError
@@ -13,8 +19,13 @@ PLANNED = {
 }
 
 
+class UsageError(UserError, ValueError):
+    """A command-line value that is wrong only in the light of what it points at (e.g. --top-k > vocab)."""
+
+
 def cmd_train(args) -> int:
     from msllm.config import load_config
+    from msllm.preflight import check_train
 
     overrides = list(args.set)
     if args.mode:
@@ -22,17 +33,23 @@ def cmd_train(args) -> int:
     if args.device:
         overrides.append(f"train.device={args.device}")
     if args.resume:
+        if args.config:
+            raise ConfigError("--config", args.config, "not used with --resume, which reads RUN_DIR/config.yaml; "
+                                                       "change values with --set")
         config_path = Path(args.resume) / "config.yaml"
-        if not config_path.exists():
+        if not config_path.is_file():
             raise ConfigError(str(config_path), "<file>", "not found; --resume takes a run dir made by msllm train")
         cfg = load_config(config_path, overrides + [f"train.run_dir={args.resume}"])
     else:
         cfg = load_config(args.config, overrides)
-    from msllm.generate import generate_text  # the config is valid: now load MindSpore
+    check_train(cfg, resume=bool(args.resume))  # before MindSpore is imported or anything is written
+
+    from msllm.generate import generate_text
     from msllm.inference import cell_engine
     from msllm.train.trainer import Trainer
 
-    trainer = Trainer(cfg, resume=bool(args.resume))
+    with removed_on_failure(Path(cfg.train.run_dir)):
+        trainer = Trainer(cfg, resume=bool(args.resume))
     result = trainer.fit()
     if trainer.rank == 0 and cfg.train.sample_tokens > 0:
         # KV cache; in graph mode prefill and decode compile once each (dynamic shapes)
@@ -44,6 +61,23 @@ def cmd_train(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def removed_on_failure(folder: Path):
+    """Remove the directories this block creates for `folder` (it and missing parents) if it fails,
+    so a run that stops while setting up (bad corpus, Ctrl-C) leaves no run dir behind."""
+    top = None
+    for path in (folder.absolute(), *folder.absolute().parents):
+        if path.exists():
+            break
+        top = path
+    try:
+        yield
+    except BaseException:
+        if top is not None:
+            shutil.rmtree(top, ignore_errors=True)
+        raise
+
+
 def cmd_generate(args) -> int:
     from graph_opt.runtime import load_engine
     from msllm import device
@@ -51,12 +85,18 @@ def cmd_generate(args) -> int:
 
     device.setup("cpu", "graph")  # prefill and decode compile once each (dynamic shapes)
     engine, model_cfg, tokenizer = load_engine(args.engine, args.ckpt)
+    if args.top_k > model_cfg.vocab_size:
+        raise UsageError(f"--top-k {args.top_k}: above the model's vocabulary of {model_cfg.vocab_size} tokens "
+                         f"(0 = greedy)")
     print(generate_text(engine, tokenizer, args.prompt, args.max_new_tokens, top_k=args.top_k,
                         temperature=args.temperature, seed=args.seed, max_len=model_cfg.max_seq_len))
     return 0
 
 
 def cmd_export(args) -> int:
+    from msllm.preflight import check_new_dir
+
+    check_new_dir(args.out, args.force, "--out")
     from graph_opt.export import export
 
     export(args.ckpt, args.format, args.out, dtype=args.dtype, external_data=args.external_data, force=args.force,
@@ -65,6 +105,12 @@ def cmd_export(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from msllm.preflight import check_new_dir
+
+    check_new_dir(args.dst, args.force, "dst")
+    from interop.hf_config import check_dir
+
+    check_dir(args.src)
     from interop import InteropError
     from interop.convert import convert
     from interop.layouts import detect
@@ -82,6 +128,9 @@ def cmd_convert(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from interop.hf_config import check_dir
+
+    check_dir(args.hf)
     return _print_report(args.hf, args.ckpt, args)
 
 
@@ -136,63 +185,134 @@ def cmd_plan(args) -> int:
                     err=lambda line: print(line, file=sys.stderr))
 
 
+# --- argument types: a bad value is an argparse error naming the option
+
+def int_at_least(low: int):
+    def integer(text: str) -> int:
+        value = int(text)  # ValueError: argparse says "invalid integer value"
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return integer
+
+
+def number_at_least(low: float):
+    def number(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low:g}, got {text}")
+        return value
+    return number
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, `msllm <command>: error: ...`, exit 2, like every other error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+EXAMPLES = {
+    "train": """examples:
+  msllm train                                            # tiny Llama on the stdlib sources, CPU, runs/tiny
+  msllm train --config configs/tiny.yaml --set train.steps=1000 --set optim.lr=1e-3
+  msllm train --config configs/tiny.yaml --mode pynative  # same code, eager
+  msllm train --resume runs/tiny --set train.steps=800    # continue a run from its newest checkpoint""",
+    "generate": """examples:
+  msllm generate --ckpt runs/tiny --prompt "def parse(" --top-k 20 --temperature 0.8
+  msllm generate --engine onnxruntime --ckpt exports/tiny-onnx --prompt "def parse(\"""",
+    "export": """examples:
+  msllm export --ckpt runs/tiny --format onnx --out exports/tiny-onnx
+  msllm export --ckpt runs/tiny --format mindir --out exports/tiny-mindir --dtype fp16 --force""",
+    "convert": """examples:
+  msllm convert ~/models/Llama-3.2-1B runs/llama32 --verify    # HF -> msllm, then compare layer by layer
+  msllm convert runs/llama32 llama32_hf --max-shard-mb 2048    # msllm -> HF, 2 GB shards
+  msllm convert ~/models/Qwen2-0.5B qwen_mf --to mindformers --mf-format safetensors""",
+    "verify": """examples:
+  msllm verify --hf ~/models/Llama-3.2-1B --ckpt runs/llama32
+  msllm verify --hf ~/models/Llama-3.2-1B --ckpt runs/llama32 --seq-len 64 --batch 1 --tolerance 1e-3""",
+}
+
+
 def _verify_options(p) -> None:
-    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (capped at the model context)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="max_rel limit (default: by dtype, see interop/verify.py)")
+    p.add_argument("--seq-len", type=int_at_least(1), default=32, help="tokens per sequence (capped at the model "
+                                                                      "context; default 32)")
+    p.add_argument("--batch", type=int_at_least(1), default=2, help="sequences compared (default 2)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random token ids (default 0)")
+    p.add_argument("--tolerance", type=number_at_least(0), default=None,
+                   help="max_rel limit (default: by stored dtype, see interop/verify.py)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="msllm", description=__doc__)
+def build_parser() -> Parser:
+    parser = Parser(prog="msllm", description=__doc__)
+    parser.add_argument("--verbose", action="store_true",
+                        help="show MindSpore's log and Python warnings, and tracebacks of file errors")
     sub = parser.add_subparsers(dest="command", required=True)
+    commands = {}
 
-    p = sub.add_parser("train", help="train a model from a YAML config")
+    def command(name: str, help: str):
+        p = sub.add_parser(name, help=help, description=help, epilog=EXAMPLES.get(name),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="show MindSpore's log and Python warnings, and tracebacks of file errors")
+        commands[name] = p
+        return p
+
+    p = command("train", "train a model from a YAML config")
     p.add_argument("--config", default=None, help="YAML config (default: built-in tiny CPU config)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (read as YAML, text keys as written; repeatable), "
+                   "e.g. --set optim.lr=1e-3")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
     p.add_argument("--mode", choices=["graph", "pynative"], help="shorthand for --set train.mode=...")
     p.add_argument("--device", choices=["cpu", "gpu", "ascend"], help="shorthand for --set train.device=...")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("generate", help="sample text from a trained run")
+    p = command("generate", "sample text from a trained run or an export")
     p.add_argument("--ckpt", required=True, help="run dir or checkpoint dir (msllm engine), export dir (others)")
-    p.add_argument("--engine", default="msllm", help="msllm (the trained Cells) | mindir | onnxruntime")
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=0, help="0 = greedy")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=["msllm", "mindir", "onnxruntime"], default="msllm",
+                   help="msllm: the trained Cells; mindir / onnxruntime: an msllm export (default msllm)")
+    p.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
+    p.add_argument("--max-new-tokens", type=int_at_least(0), default=64, help="tokens to add (default 64)")
+    p.add_argument("--top-k", type=int_at_least(0), default=0,
+                   help="sample from the k most likely tokens; 0 = greedy (default)")
+    p.add_argument("--temperature", type=number_at_least(0), default=1.0,
+                   help="softmax temperature for --top-k sampling (default 1.0)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="sampling seed (default 0)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("export", help="export a run to MindIR or ONNX for deployment, verified on reload")
+    p = command("export", "export a run to MindIR or ONNX for deployment, verified on reload")
     p.add_argument("--ckpt", required=True, help="run dir or checkpoint dir")
-    p.add_argument("--format", required=True, help="mindir | onnx")
-    p.add_argument("--out", required=True, help="output directory (replaced only with --force)")
-    p.add_argument("--dtype", default="fp32", help="fp32 | fp16 (weights and activations; norms, softmax fp32)")
+    p.add_argument("--format", required=True, choices=["mindir", "onnx"], help="graph format")
+    p.add_argument("--out", required=True, help="output directory (its parent must exist; replaced only with "
+                                                "--force)")
+    p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
+                   help="weights and activations (norms, softmax stay fp32; default fp32)")
     p.add_argument("--external-data", action="store_true",
                    help="ONNX: weights in a separate file (automatic above 2 GB)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("convert", help="convert a checkpoint between HF, msllm and MindFormers layouts")
+    p = command("convert", "convert a checkpoint between HF, msllm and MindFormers layouts")
     p.add_argument("src", help="HF model dir, msllm checkpoint or run dir, or MindFormers dir / weights file")
-    p.add_argument("dst", help="destination dir (written under a temporary name, then renamed)")
+    p.add_argument("dst", help="destination dir; its parent must exist (written under a temporary name, "
+                               "then renamed)")
     p.add_argument("--to", choices=["msllm", "hf", "mindformers"], default=None,
                    help="destination layout (default: hf from msllm, msllm otherwise)")
-    p.add_argument("--dtype", choices=["keep", "fp32", "fp16", "bf16"], default="keep")
+    p.add_argument("--dtype", choices=["keep", "fp32", "fp16", "bf16"], default="keep",
+                   help="stored dtype of the destination (default keep)")
     p.add_argument("--mf-format", choices=["ckpt", "safetensors"], default="ckpt",
-                   help="MindFormers weights file format")
-    p.add_argument("--max-shard-mb", type=int, default=5120, help="HF destination shard size")
-    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="MindFormers weights file format (default ckpt)")
+    p.add_argument("--max-shard-mb", type=int_at_least(1), default=5120,
+                   help="HF destination shard size in MB (default 5120)")
+    p.add_argument("--max-seq-len", type=int_at_least(2), default=None,
                    help="msllm context (default: HF max_position_embeddings, capped at 8192)")
     p.add_argument("--force", action="store_true", help="replace an existing destination")
     p.add_argument("--verify", action="store_true", help="then run verify on the HF side and the msllm side")
     _verify_options(p)
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("verify", help="compare an msllm or MindFormers checkpoint with the HF model, layer by layer")
+    p = command("verify", "compare an msllm or MindFormers checkpoint with the HF model, layer by layer")
     p.add_argument("--hf", required=True, help="Hugging Face model dir")
     p.add_argument("--ckpt", required=True, help="msllm checkpoint / run dir, or MindFormers dir")
     _verify_options(p)
@@ -230,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in PLANNED.items():
         p = sub.add_parser(name, help=f"not implemented yet: {what}")
         p.set_defaults(func=lambda args, name=name: _not_yet(name))
+    parser.commands = commands
     return parser
 
 
@@ -238,12 +359,39 @@ def _not_yet(name: str) -> int:
     return 2
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def quiet(verbose: bool) -> None:
+    """Before MindSpore is imported: its log (GLOG_v, 4 = critical only) and Python deprecation
+    warnings stay off the terminal unless --verbose or GLOG_v is set."""
+    if verbose:
+        return
+    os.environ.setdefault("GLOG_v", "4")
+    for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    quiet(args.verbose)
+    # MindSpore's runtime turns SIGINT into SIGTERM (its handler kills the process with SIGTERM): make
+    # both a KeyboardInterrupt, so Ctrl-C cleans up temporary files and ends with one line, exit 130.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
     except UserError as e:  # every module's one-line error derives from it; importing it loads nothing heavy
         print(f"msllm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file problem no check foresaw: still one line (--verbose shows the traceback)
+        if args.verbose:
+            raise
+        print(f"msllm {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"msllm {args.command}: interrupted", file=sys.stderr)

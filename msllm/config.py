@@ -6,6 +6,7 @@ down; nothing else in msllm parses YAML.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,16 +177,24 @@ def _coerce(value: Any, annotation: str, source: str, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif base == "float":
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(source, key, f"must be a finite number, got {value!r}")
+            return number
     elif base == "str":
         if isinstance(value, str):
             return value
+        if isinstance(value, bool):  # YAML 1.1: off / on / no / yes are booleans
+            raise ConfigError(source, key, f"expected str, got bool {value!r} (YAML reads off/on/no/yes as "
+                                           f"booleans: quote the value)")
     elif base == "dict":
         if isinstance(value, dict):
             return value
@@ -193,7 +202,8 @@ def _coerce(value: Any, annotation: str, source: str, key: str) -> Any:
     raise ConfigError(source, key, f"expected {base}, got {got} {value!r}")
 
 
-def _apply(cfg: Config, data: Any, source: str) -> None:
+def _apply(cfg: Config, data: Any, source: str, origins: dict | None = None) -> None:
+    """Set the values in `data` (section -> key -> value) on cfg; origins[dotted key] = source."""
     if data is None:
         return
     if not isinstance(data, dict):
@@ -212,33 +222,56 @@ def _apply(cfg: Config, data: Any, source: str) -> None:
             if key not in types:
                 raise ConfigError(source, dotted, f"unknown key; known keys: {', '.join(types)}")
             setattr(obj, key, _coerce(value, types[key], source, dotted))
+            if origins is not None:
+                origins.pop(dotted, None)  # re-inserted last: dict order is application order
+                origins[dotted] = source
 
 
-def _check(cfg: Config, source: str) -> None:
-    def need(ok: bool, key: str, message: str):
+# What each rope_scaling type reads (msllm.models.llama.rope_inv_freq), besides its type.
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+MAX_VOCAB = 2**31 - 1   # token ids are int32
+MAX_SEED = 2**32 - 1    # numpy and MindSpore seeds
+
+
+def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
+    """Validate the whole config. An error is blamed on where the offending value was set: the
+    last-applied of the keys involved (--set after the file), or `source` for defaults."""
+    order = list(origins or {})
+
+    def need(ok: bool, key: str, message: str, *involved: str):
         if not ok:
-            raise ConfigError(source, key, message)
+            keys = [k for k in (key, *involved) if k in order]
+            blamed = origins[max(keys, key=order.index)] if keys else source
+            raise ConfigError(blamed, key, message)
 
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size", "max_seq_len"):
         need(getattr(m, key) > 0, f"model.{key}", "must be > 0")
+    need(m.vocab_size <= MAX_VOCAB, "model.vocab_size", f"must be <= {MAX_VOCAB} (token ids are int32)")
     need(m.hidden_size % m.num_heads == 0, "model.num_heads",
-         f"must divide model.hidden_size ({m.hidden_size} % {m.num_heads} != 0)")
+         f"must divide model.hidden_size ({m.hidden_size} % {m.num_heads} != 0)", "model.hidden_size")
     need(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
-         f"must divide model.num_heads ({m.num_heads} % {m.num_kv_heads} != 0)")
-    need(m.head_dim % 2 == 0, "model.num_heads", f"head_dim {m.head_dim} must be even for RoPE")
+         f"must divide model.num_heads ({m.num_heads} % {m.num_kv_heads} != 0)", "model.num_heads")
+    need(m.head_dim % 2 == 0, "model.num_heads", f"head_dim {m.head_dim} must be even for RoPE", "model.hidden_size")
     need(m.rope_theta > 0, "model.rope_theta", "must be > 0")
     need(m.norm_eps > 0, "model.norm_eps", "must be > 0")
     if m.rope_scaling is not None:
-        kind = m.rope_scaling.get("type", m.rope_scaling.get("rope_type"))
-        need(kind in ("llama3", "linear"), "model.rope_scaling.type", f"must be llama3 or linear, got {kind!r}")
-        need(float(m.rope_scaling.get("factor", 0)) > 0, "model.rope_scaling.factor", "must be > 0")
+        _check_rope_scaling(m.rope_scaling, need)
     need(d.seq_len > 1, "data.seq_len", "must be > 1")
-    need(d.seq_len <= m.max_seq_len, "data.seq_len", f"must be <= model.max_seq_len ({m.max_seq_len})")
+    need(d.seq_len <= m.max_seq_len, "data.seq_len", f"must be <= model.max_seq_len ({m.max_seq_len})",
+         "model.max_seq_len")
     need(0 < d.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)")
     need(d.max_bytes >= 0, "data.max_bytes", "must be >= 0")
+    need(d.glob != "", "data.glob", "must not be empty (e.g. '**/*.py')")
+    for key, value in (("data.path", d.path), ("data.tokenizer", d.tokenizer), ("train.run_dir", t.run_dir),
+                       ("train.compile_cache", t.compile_cache)):
+        need(value is None or value.strip() != "", key, "must not be an empty path" +
+             ("" if key == "train.run_dir" else " (null for none)"))
+    for key, value in (("data.seed", d.seed), ("train.seed", t.seed)):
+        need(0 <= value <= MAX_SEED, key, f"must be in [0, {MAX_SEED}]")
     need(o.lr > 0, "optim.lr", "must be > 0")
-    need(0 <= o.min_lr <= o.lr, "optim.min_lr", "must be in [0, optim.lr]")
+    need(0 <= o.min_lr <= o.lr, "optim.min_lr", "must be in [0, optim.lr]", "optim.lr")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(0 <= o.beta1 < 1, "optim.beta1", "must be in [0, 1)")
@@ -251,11 +284,12 @@ def _check(cfg: Config, source: str) -> None:
     for key in ("log_every", "eval_every", "ckpt_every", "eval_batches", "accum_steps", "loss_scale_window",
                 "max_bad_steps", "keep_checkpoints"):
         need(getattr(t, key) > 0, f"train.{key}", "must be > 0")
+    need(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips the sample)")
     need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
     need(t.loss_scale >= 1, "train.loss_scale", "must be >= 1")
     need(not (t.block_graph == "shared" and t.recompute != "none"), "train.block_graph",
          "shared cannot recompute (MindSpore 2.10 ignores recompute inside the shared block graph); "
-         "use inlined or auto with train.recompute")
+         "use inlined or auto with train.recompute", "train.recompute")
     for dotted, choices in _CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
@@ -265,37 +299,83 @@ def _check(cfg: Config, source: str) -> None:
     check_parallel(cfg, source=source)
 
 
+def _check_rope_scaling(scaling: dict, check) -> None:
+    key = "model.rope_scaling"
+
+    def need(ok, name, message):
+        check(ok, name, message, key)
+
+    kinds = [scaling[k] for k in ("type", "rope_type") if k in scaling]
+    need(kinds and all(k == kinds[0] for k in kinds), key, f"needs one type (type or rope_type), got {scaling!r}")
+    kind = kinds[0]
+    need(isinstance(kind, str) and kind in ROPE_SCALING_KEYS, f"{key}.type",
+         f"must be one of {', '.join(ROPE_SCALING_KEYS)}, got {kind!r} (msllm computes no other rope scaling)")
+    expected = ROPE_SCALING_KEYS[kind]
+    unknown = sorted(map(str, set(scaling) - {"type", "rope_type", *expected}))
+    need(not unknown, key, f"{kind} takes {', '.join(expected)}; unknown {', '.join(map(str, unknown))}")
+    for name in expected:
+        value = scaling.get(name)
+        need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+             f"{key}.{name}", f"{kind} needs a finite number > 0, got {value!r}")
+    if kind == "llama3":
+        need(scaling["high_freq_factor"] > scaling["low_freq_factor"], f"{key}.high_freq_factor",
+             f"must be > low_freq_factor ({scaling['low_freq_factor']}): the band between them is blended")
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """'train.lr=3e-4' -> ('train.lr', 0.0003). The value is read as YAML."""
+    """'optim.lr=3e-4' -> ('optim.lr', 0.0003). The value is read as YAML, except for text keys
+    (run_dir, paths, choices), which take it as written: `train.fused_kernels=off` is "off"."""
     if "=" not in text:
         raise ConfigError("--set", text, "expected SECTION.KEY=VALUE")
-    key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw)
+    key, raw = (part.strip() for part in text.split("=", 1))
+    if key.count(".") != 1:
+        raise ConfigError("--set", key, "expected SECTION.KEY=VALUE")
+    section, name = key.split(".")
+    fields = {f.name: f.type for f in dataclasses.fields(getattr(Config(), section))} if section in SECTIONS else {}
+    if fields.get(name) in ("str", "Optional[str]") and raw not in ("null", "~"):
+        return key, raw[1:-1] if len(raw) > 1 and raw[0] == raw[-1] and raw[0] in "'\"" else raw
+    try:
+        return key, yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError("--set", key, f"invalid YAML value {raw!r} ({getattr(e, 'problem', e)})") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error, not last-wins."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Defaults <- YAML file <- --set overrides, then validate the whole."""
-    cfg = Config()
+    cfg, origins = Config(), {}
     if path is not None:
         source = str(path)
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(source, "<file>", f"cannot read: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(source, "<file>", f"not UTF-8 text (byte {e.start})") from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"line {mark.line + 1}" if mark else "<file>"
             raise ConfigError(source, where, f"invalid YAML: {getattr(e, 'problem', e)}") from None
-        _apply(cfg, data, source)
+        _apply(cfg, data, source, origins)
     for text in overrides:
         key, value = parse_override(text)
-        if key.count(".") != 1:
-            raise ConfigError("--set", key, "expected SECTION.KEY=VALUE")
         section, name = key.split(".")
-        _apply(cfg, {section: {name: value}}, "--set")
-    _check(cfg, str(path) if path else "<defaults>")
+        _apply(cfg, {section: {name: value}}, "--set", origins)
+    _check(cfg, str(path) if path else "<defaults>", origins)
     return cfg
 
 

@@ -34,7 +34,7 @@ MB = 1e6
 def shape(size_mb: float) -> dict:
     """A Llama-like config (GQA 4:1, SwiGLU 2.75x, vocab 16x hidden) with layers filling size_mb of bf16."""
     h = 2048 if size_mb >= 512 else 128
-    vocab, ffn, kv = 16 * h, int(2.75 * h), h // 4
+    vocab, ffn, kv = 16 * h, int(2.75 * h), max(64, h // 4)  # at least one 64-wide kv head
     embed, layer = 2 * vocab * h * 2, (2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h) * 2
     layers = max(1, round((size_mb * MB - embed) / layer))
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": h,

@@ -46,9 +46,27 @@ def list_files(path: str | None, pattern: str, max_bytes: int) -> tuple[Path, li
     return root, chosen
 
 
-def read_texts(files: list[Path]):
+def read_text(path: Path) -> str | None:
+    """The file's text, or None if it is not UTF-8 text (undecodable, or binary with NUL bytes)."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def read_texts(files: list[Path]) -> tuple[list[str], list[Path]]:
+    """(texts of the UTF-8 text files, the files skipped as binary or not UTF-8)."""
+    texts, skipped = [], []
     for p in files:
-        yield p.read_bytes().decode("utf-8", errors="replace")
+        text = read_text(p)
+        if text is None:
+            skipped.append(p)
+        else:
+            texts.append(text)
+    return texts, skipped
 
 
 def fingerprint(root: Path, files: list[Path]) -> str:

@@ -62,30 +62,49 @@ def build_shard(cfg: Config, out_dir: Path) -> Path:
     if (out_dir / INDEX).exists() and read_index(out_dir).get("key") == key:
         return out_dir
 
-    nbytes = sum(p.stat().st_size for p in files)
-    source = "Python stdlib" if d.path is None else str(root)
-    _log(f"corpus: {len(files)} files, {nbytes / 1e6:.1f} MB from {source}")
+    where = d.path or "Python stdlib"
+    texts, skipped = corpus.read_texts(files)
+    if not texts:
+        raise DataError(f"data.path: {where}: none of its {len(files)} file(s) is UTF-8 text (binary or another "
+                        f"encoding); msllm trains on UTF-8 text files")
+    nbytes = sum(len(t) for t in texts)
+    if nbytes + len(texts) < 3 * (d.seq_len + 1):  # a token covers at least one character, plus one EOS per file
+        raise DataError(f"data.path: {where}: only {nbytes} characters of text; data.seq_len {d.seq_len} needs at "
+                        f"least {3 * (d.seq_len + 1)} tokens (two training windows and one held-out)")
+    tok = load_tokenizer(d.tokenizer) if d.tokenizer else None  # None: trained on the corpus
+    if tok is not None and tok.get_vocab_size() > vocab:
+        raise DataError(f"data.tokenizer: {d.tokenizer} has {tok.get_vocab_size()} tokens > model.vocab_size {vocab}")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:  # a failure or Ctrl-C anywhere in here leaves no half-built shard behind
+        tmp.mkdir(parents=True)
+        source = "Python stdlib" if d.path is None else str(root)
+        _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
+             + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
+        _write_shard(cfg, tmp, texts, tok, key, source)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_shard(cfg: Config, tmp: Path, texts: list[str], tok, key: dict, source: str) -> None:
+    """Tokenizer (trained unless given), train.bin, val.bin and index.json into tmp."""
+    d, vocab = cfg.data, cfg.model.vocab_size
     t0 = time.time()
-    if d.tokenizer:
-        tok = load_tokenizer(d.tokenizer)
-        if tok.get_vocab_size() > vocab:
-            raise DataError(f"data.tokenizer: {d.tokenizer} has {tok.get_vocab_size()} tokens > model.vocab_size {vocab}")
-    else:
-        tok = train_tokenizer(corpus.read_texts(files), vocab)
+    if tok is None:
+        tok = train_tokenizer(texts, vocab)
         _log(f"trained byte-level BPE, vocab {tok.get_vocab_size()} in {time.time() - t0:.1f}s")
     tok.save(str(tmp / "tokenizer.json"))
 
     eos, dtype = eos_id(tok), token_dtype(vocab)
-    chunks, done, t0 = [], 0, time.time()
-    texts = list(corpus.read_texts(files))
+    chunks, t0 = [], time.time()
     for start in range(0, len(texts), 256):
         for enc in tok.encode_batch(texts[start:start + 256]):
             chunks.append(np.asarray(enc.ids + [eos], dtype=dtype))
-        done = min(len(texts), start + 256)
-        _log(f"tokenized {done}/{len(texts)} files")
+        _log(f"tokenized {min(len(texts), start + 256)}/{len(texts)} files")
     stream = np.concatenate(chunks)
     n_val = max(d.seq_len + 1, int(len(stream) * d.val_fraction))
     if len(stream) < n_val + 2 * (d.seq_len + 1):
@@ -94,9 +113,6 @@ def build_shard(cfg: Config, out_dir: Path) -> Path:
     stream[-n_val:].tofile(tmp / "val.bin")
     index = {"dtype": np.dtype(dtype).name, "vocab_size": tok.get_vocab_size(), "eos_id": eos,
              "train_tokens": int(len(stream) - n_val), "val_tokens": int(n_val),
-             "documents": len(files), "source": source, "key": key}
+             "documents": len(texts), "source": source, "key": key}
     (tmp / INDEX).write_text(json.dumps(index, indent=1))
     _log(f"{len(stream):,} tokens ({len(stream) - n_val:,} train / {n_val:,} val) in {time.time() - t0:.1f}s")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    return out_dir

@@ -23,9 +23,11 @@ from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
 from msllm.train.build import build_train_step
+from msllm.train.compat import check_weights
 
 # Sections that must not change when resuming: they define the weights and the data stream.
 FIXED_ON_RESUME = ("model", "data")
+LOSS_SCALE = "loss_scale."  # names of the fp16 loss-scaler state (train/step.py)
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -79,8 +81,9 @@ class Trainer:
         resume_from = checkpoint.latest(self.run_dir) if resume else None
         if resume_from:
             check_resumable(cfg, checkpoint.read_state(resume_from), str(resume_from / checkpoint.STATE_FILE))
+            check_weights(cfg.model, resume_from / checkpoint.MODEL_FILE, str(resume_from))
+        self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")  # checks the corpus before writing
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
         self.train_tokens = shards.open_tokens(self.shard_dir, "train")
         self.val_tokens = shards.open_tokens(self.shard_dir, "val")
@@ -97,7 +100,12 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         checkpoint.load_into(self.model.trainable_params(), checkpoint.load_arrays(path / checkpoint.MODEL_FILE), str(path))
-        checkpoint.load_into(self.state_params, checkpoint.load_arrays(path / checkpoint.OPTIM_FILE), str(path))
+        # The loss-scaler state exists only under fp16: a resume that switches precision drops or starts it.
+        optim = checkpoint.load_arrays(path / checkpoint.OPTIM_FILE)
+        names = {p.name for p in self.state_params}
+        optim = {k: v for k, v in optim.items() if k in names or not k.startswith(LOSS_SCALE)}
+        params = [p for p in self.state_params if p.name in optim or not p.name.startswith(LOSS_SCALE)]
+        checkpoint.load_into(params, optim, str(path))
         state = checkpoint.read_state(path)
         self.start_step, self.skipped = state["step"], state.get("skipped_steps", 0)
         info(f"resumed from {path} at step {self.start_step}")

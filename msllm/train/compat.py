@@ -1,0 +1,45 @@
+"""Do a checkpoint's weights belong to the configured model? Answered from the safetensors header
+alone, before anything is built, as config values ("model.hidden_size 32, config 64") rather than
+a list of mismatched tensors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from msllm.config import ConfigError, ModelConfig
+
+
+def stored_shapes(path: Path) -> dict[str, tuple]:
+    """name -> shape from a safetensors header (8-byte length, JSON)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+
+
+def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int) -> dict:
+    """The model.* values msllm's tensor names and shapes imply. num_heads is not visible in them;
+    num_kv_heads is, given the configured head_dim, when the hidden size agrees."""
+    implied = {"qkv_bias": "layers.0.attention.wq.bias" in shapes, "tie_embeddings": "output.weight" not in shapes}
+    if "tok_embeddings.weight" in shapes:
+        implied["vocab_size"], implied["hidden_size"] = shapes["tok_embeddings.weight"]
+    layers = {int(name.split(".")[1]) for name in shapes if name.startswith("layers.")}
+    if layers:
+        implied["num_layers"] = max(layers) + 1
+    if "layers.0.feed_forward.w1.weight" in shapes:
+        implied["ffn_size"] = shapes["layers.0.feed_forward.w1.weight"][0]
+    if "layers.0.attention.wk.weight" in shapes and implied.get("hidden_size") == hidden_size:
+        implied["num_kv_heads"] = shapes["layers.0.attention.wk.weight"][0] // (hidden_size // num_heads)
+    return implied
+
+
+def check_weights(m: ModelConfig, path: Path, source: str) -> None:
+    """Refuse weights of another shape than model `m`, naming the config values that differ."""
+    try:
+        shapes = stored_shapes(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # unreadable: loading it says so
+    differ = [f"model.{key} {value!r} (config: {getattr(m, key)!r})"
+              for key, value in implied_config(shapes, m.hidden_size, m.num_heads).items() if getattr(m, key) != value]
+    if differ:
+        raise ConfigError(source, "model", f"{path.name} holds weights of another model: " + ", ".join(differ)
+                          + "; resume with the config that wrote them")
