@@ -10,6 +10,15 @@ os.environ.setdefault("GLOG_v", "3")  # MindSpore: errors only
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mindspore_runtime():
+    """Set the process's MindSpore context before any test runs a kernel: thread settings are
+    refused once the runtime is up, and tests that build Cells without msllm.device would start it."""
+    from msllm import device
+
+    device.setup("cpu", "graph")
+
+
 def step_config(model, optim=None, **train):
     """A Config for msllm.train.build.build_train_step: the model and optim sections as given, train.* keywords."""
     from msllm.config import Config, OptimConfig, TrainConfig

@@ -21,7 +21,8 @@ import numpy as np
 
 from msllm.config import ModelConfig
 from msllm.models import layouts as L
-from msllm.models.llama import rope_tables, rotate_half_matrix
+from msllm.backends.cpu import rotate_half_matrix
+from msllm.models.llama import rope_tables
 
 TP = ("tp_kv", "tp_rep")
 

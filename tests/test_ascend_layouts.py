@@ -130,10 +130,14 @@ def test_ascend_backend_applies_the_same_layouts_to_a_tiny_model(name):
     m = cfg.model
     for op in L.ops_for(m):
         per_layer = op.cell.startswith("layers.")
-        assert applied[op.path] == (m.num_layers if per_layer else 1), op.path
+        count = m.num_layers if per_layer else 1
+        # optional rows belong to other formulations (the CPU rope matmul, its softmax backward)
+        assert applied[op.path] in ((0, count) if op.optional else (count,)), op.path
     cells = dict(model.cells_and_names())
     for op in L.ops_for(m):
         cell = next(c for n, c in cells.items() if fnmatch.fnmatchcase(n, op.cell))
+        if op.optional and getattr(cell, op.prim, None) is None:
+            continue
         attrs = getattr(cell, op.prim).attrs
         assert tuple(applied_strategy(x) for x in attrs["in_layout"]) == want[op.path]["in"], op.path
         if want[op.path]["out"] is not None:
