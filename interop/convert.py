@@ -169,3 +169,4 @@ def _write_metadata(source: Source, to: str, files, folder: Path, dtype: torch.d
             "step": 0, "config": source.config.to_dict(), "tokenizer": tokenizer,
             "hf_architecture": source.architecture, "hf_config": source.hf_config,
             "converted_from": {"path": str(source.path), "layout": source.layout}})
+        checkpoint.write_manifest(folder, [checkpoint.MODEL_FILE, checkpoint.STATE_FILE])

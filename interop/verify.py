@@ -95,8 +95,9 @@ def run_msllm(source: Source, ids: np.ndarray) -> list[np.ndarray]:
     device.setup("cpu", "pynative")
     model = msllm_model(source)
     states = []
-    # Blocks carry the residual stream as [batch * seq, hidden]; compare it as HF's [batch, seq, hidden].
-    hooks = [layer.register_forward_hook(lambda cell, args, out: states.append(out.asnumpy().reshape(ids.shape + (-1,))))
+    # Blocks return (residual stream [batch * seq, hidden], keys, values); compare the stream as HF's
+    # [batch, seq, hidden].
+    hooks = [layer.register_forward_hook(lambda cell, args, out: states.append(out[0].asnumpy().reshape(ids.shape + (-1,))))
              for layer in model.layers]
     logits = model(ms.Tensor(ids, ms.int32)).asnumpy()
     for h in hooks:

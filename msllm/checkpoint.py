@@ -79,6 +79,13 @@ def _write_json(path: Path, data: dict) -> None:
     _fsync(path)
 
 
+def write_manifest(folder: Path, names: list[str]) -> None:
+    """manifest.json: size and sha256 of each named file, written last and fsynced with the dir."""
+    _write_json(folder / MANIFEST, {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+                                    for name in names})
+    _fsync(folder)
+
+
 def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep: int = 0) -> Path:
     """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all)."""
     root = Path(run_dir) / "checkpoints"
@@ -88,12 +95,9 @@ def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep
     save_file(params_to_numpy(model_params), str(tmp / MODEL_FILE))
     save_file(params_to_numpy(state_params), str(tmp / OPTIM_FILE))
     _write_json(tmp / STATE_FILE, {"step": step, **state})
-    files = [MODEL_FILE, OPTIM_FILE, STATE_FILE]
-    for name in files[:2]:
+    for name in (MODEL_FILE, OPTIM_FILE):
         _fsync(tmp / name)
-    _write_json(tmp / MANIFEST, {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-                                 for name in files})
-    _fsync(tmp)
+    write_manifest(tmp, [MODEL_FILE, OPTIM_FILE, STATE_FILE])
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync(root)
@@ -127,9 +131,13 @@ def verify(ckpt_dir: Path) -> str | None:
 
 
 def latest(path: Path) -> Path:
-    """The newest checkpoint of a run that verifies, or a checkpoint dir given directly."""
+    """The newest checkpoint of a run that verifies, or a checkpoint dir given directly (which must verify)."""
     path = Path(path)
-    if (path / MODEL_FILE).exists():
+    if (path / MODEL_FILE).exists():  # a checkpoint dir given directly is verified like any other
+        problem = verify(path)
+        if problem is not None:
+            raise CheckpointError(f"{path}: {problem}; this checkpoint is damaged or incomplete: use another "
+                                  f"checkpoint of the run, or convert / train it again")
         return path
     candidates = list_checkpoints(path)
     if not candidates:

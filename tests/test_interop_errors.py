@@ -131,3 +131,28 @@ def test_cli_prints_one_error_line(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"msllm convert: error: {tmp_path / 'nothing'}: does not exist"]
+
+
+@pytest.mark.parametrize("command", ["convert", "export", "generate"])
+def test_a_step_dir_given_directly_is_verified_against_its_manifest(tmp_path, capsys, command):
+    """Overwritten weight bytes in a checkpoint step dir are refused by every reader, not only resume."""
+    from msllm import checkpoint
+    from msllm.config import ModelConfig
+    from msllm.models.llama import build_model
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, ffn_size=48,
+                      max_seq_len=16)
+    step = checkpoint.save(tmp_path / "run", 3, build_model(cfg, seed=0).trainable_params(), [],
+                           {"config": {"model": vars(cfg), "data": {"seq_len": 8}}})
+    weights = step / checkpoint.MODEL_FILE
+    data = bytearray(weights.read_bytes())
+    data[-8:] = b"\x00\x00\x80\x7f" * 2  # two float32 +inf in place of the last weights: same size
+    weights.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    args = {"convert": ["convert", str(step), str(out)],
+            "export": ["export", "--ckpt", str(step), "--format", "onnx", "--out", str(out)],
+            "generate": ["generate", "--ckpt", str(step), "--max-new-tokens", "2"]}[command]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checksum mismatch" in err[0] and str(step) in err[0], err
+    assert not out.exists()
