@@ -11,6 +11,7 @@ newest checkpoint whose manifest verifies is used and a corrupt one is skipped.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -79,6 +80,11 @@ def _write_json(path: Path, data: dict) -> None:
     _fsync(path)
 
 
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC, also when a library wraps it (safetensors raises its own error naming os error 28)."""
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or f"os error {errno.ENOSPC})" in str(e)
+
+
 def write_manifest(folder: Path, names: list[str]) -> None:
     """manifest.json: size and sha256 of each named file, written last and fsynced with the dir."""
     _write_json(folder / MANIFEST, {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
@@ -87,20 +93,37 @@ def write_manifest(folder: Path, names: list[str]) -> None:
 
 
 def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep: int = 0) -> Path:
-    """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all)."""
+    """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all).
+
+    Non-finite weights are never saved. A failed or interrupted write removes its temporary dir,
+    so the newest complete checkpoint stays the newest valid one; a full disk is one line."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"{PREFIX}{step:07d}", root / f".tmp_{PREFIX}{step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(params_to_numpy(model_params), str(tmp / MODEL_FILE))
-    save_file(params_to_numpy(state_params), str(tmp / OPTIM_FILE))
-    _write_json(tmp / STATE_FILE, {"step": step, **state})
-    for name in (MODEL_FILE, OPTIM_FILE):
-        _fsync(tmp / name)
-    write_manifest(tmp, [MODEL_FILE, OPTIM_FILE, STATE_FILE])
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync(root)
+    weights, extra = params_to_numpy(model_params), params_to_numpy(state_params)
+    bad = next((name for name, a in weights.items() if not np.isfinite(a).all()), None)
+    if bad is not None:
+        raise CheckpointError(f"{root}: not saving step {step}: {bad} has non-finite values; the newest "
+                              f"checkpoint is kept. Lower optim.lr or use train.precision=fp32, then --resume")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(weights, str(tmp / MODEL_FILE))
+        save_file(extra, str(tmp / OPTIM_FILE))
+        _write_json(tmp / STATE_FILE, {"step": step, **state})
+        for name in (MODEL_FILE, OPTIM_FILE):
+            _fsync(tmp / name)
+        write_manifest(tmp, [MODEL_FILE, OPTIM_FILE, STATE_FILE])
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync(root)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            need = sum(a.nbytes for a in (*weights.values(), *extra.values()))
+            raise CheckpointError(f"{root}: no space left on the device writing step {step} (a checkpoint needs "
+                                  f"about {need / 1e6:.1f} MB); the newest complete checkpoint is kept: free space, "
+                                  f"then --resume") from None
+        raise
     if keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

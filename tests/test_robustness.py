@@ -147,3 +147,43 @@ def test_fault_injection_short(tmp_path):
                            "--work", str(tmp_path / "fi")], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "3/3 survived: final weights identical" in proc.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a write that does not fit fails with ENOSPC, as on a full disk."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs permission to mount a tmpfs")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_keeps_the_previous_checkpoint(small_disk):
+    """Out of space mid-checkpoint: one-line error naming the dir and the space a checkpoint needs,
+    no temporary dir left, and the previous checkpoint still the newest that verifies."""
+    from mindspore import Parameter, Tensor
+
+    params = [Parameter(Tensor(np.ones((64, 512), np.float32)), name="w")]  # 128 KiB per copy
+    first = checkpoint.save(small_disk, 1, params, [], {"config": {}})
+    free = shutil.disk_usage(small_disk).free
+    (small_disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))  # leaves half of one more checkpoint
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.save(small_disk, 2, params, [], {"config": {}})
+    message = str(e.value)
+    assert "\n" not in message and str(small_disk / "checkpoints") in message and "0.1 MB" in message
+    assert checkpoint.latest(small_disk) == first
+    assert [p.name for p in (small_disk / "checkpoints").iterdir()] == [first.name]
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    from mindspore import Parameter, Tensor
+
+    w = np.ones((4, 4), np.float32)
+    w[1, 2] = np.nan
+    with pytest.raises(checkpoint.CheckpointError, match="layers.0.w has non-finite"):
+        checkpoint.save(tmp_path, 1, [Parameter(Tensor(w), name="layers.0.w")], [], {"config": {}})
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
