@@ -116,7 +116,7 @@ def test_existing_destination_needs_force(hf, tmp_path):
     with pytest.raises(InteropError, match="already exists"):
         convert(hf, tmp_path / "out", progress=False)
     convert(hf, tmp_path / "out", progress=False, force=True)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["generation_config.json", "model.safetensors",
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["generation_config.json", "manifest.json", "model.safetensors",
                                                                     "state.json"]
 
 
