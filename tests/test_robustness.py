@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from msllm import checkpoint, device
+from msllm.staged import DiskFullError
 from msllm.config import ModelConfig, OptimConfig
 from msllm.models.llama import build_model
 from msllm.train.build import build_train_step
-from tests.conftest import REPO, run_cli, step_config, tiny_overrides
+from tests.conftest import REPO, leave_free, run_cli, step_config, tiny_overrides
 from tests.numerics import (FP16_RTOL, REORDER_RTOL, Recorded, assert_adamw_first_step, assert_close_to_scale,
                             weights)
 from tests.test_train import sets
@@ -149,19 +150,6 @@ def test_fault_injection_short(tmp_path):
     assert "3/3 survived: final weights identical" in proc.stdout
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs: a write that does not fit fails with ENOSPC, as on a full disk."""
-    import subprocess
-
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("needs permission to mount a tmpfs")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 def test_full_disk_keeps_the_previous_checkpoint(small_disk):
     """Out of space mid-checkpoint: one-line error naming the dir and the space a checkpoint needs,
     no temporary dir left, and the previous checkpoint still the newest that verifies."""
@@ -169,9 +157,8 @@ def test_full_disk_keeps_the_previous_checkpoint(small_disk):
 
     params = [Parameter(Tensor(np.ones((64, 512), np.float32)), name="w")]  # 128 KiB per copy
     first = checkpoint.save(small_disk, 1, params, [], {"config": {}})
-    free = shutil.disk_usage(small_disk).free
-    (small_disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))  # leaves half of one more checkpoint
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    leave_free(small_disk, 64 * 1024)  # half of one more checkpoint
+    with pytest.raises(DiskFullError) as e:
         checkpoint.save(small_disk, 2, params, [], {"config": {}})
     message = str(e.value)
     assert "\n" not in message and str(small_disk / "checkpoints") in message and "0.1 MB" in message

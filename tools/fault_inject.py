@@ -71,7 +71,7 @@ def run_until_killed(cmd: list[str], run_dir: Path, mode: str, rng: random.Rando
             time.sleep(0.001)
     else:  # checkpoint: kill while a temporary checkpoint dir is being written
         ckpts = run_dir / "checkpoints"
-        while proc.poll() is None and time.time() < deadline and not any(ckpts.glob(".tmp_step_*")):
+        while proc.poll() is None and time.time() < deadline and not any(ckpts.glob(".step_*.tmp")):
             time.sleep(0.0005)
     if proc.poll() is not None:
         return False, f"{mode}: finished before the kill (exit {proc.returncode})"
