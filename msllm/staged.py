@@ -145,6 +145,6 @@ def staged_dir(final: str | Path, *, need: int, then: str, replace: bool = True,
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(e):
             free = shutil.disk_usage(final.parent).free
-            raise DiskFullError(f"{final}: no space left on the device (about {size_text(need)} needed, "
+            raise DiskFullError(f"{final}: no space left on the device ({size_text(need)} needed, "
                                 f"{size_text(free)} free); {then}") from None
         raise

@@ -75,3 +75,11 @@ def leave_free(disk: Path, nbytes: int) -> None:
     import shutil
 
     (disk / "filler").write_bytes(b"\0" * max(0, shutil.disk_usage(disk).free - nbytes))
+
+
+def needed_bytes(message: str) -> float:
+    """The space a disk-full message says the output needs ("(1.2 MB needed" / "(34 kB needed")."""
+    import re
+
+    number, unit = re.search(r"\(([\d.]+) (MB|kB) needed", message).groups()
+    return float(number) * (1e6 if unit == "MB" else 1e3)

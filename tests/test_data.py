@@ -5,7 +5,8 @@ from msllm.config import load_config
 from msllm.data import shards
 from msllm.data.corpus import DataError
 from msllm.data.loader import ShardSampler, make_dataset
-from tests.conftest import tiny_overrides
+from msllm.staged import DiskFullError
+from tests.conftest import leave_free, needed_bytes, tiny_overrides
 
 
 @pytest.mark.parametrize("num_samples", [40, 41])
@@ -55,3 +56,19 @@ def test_missing_data_path_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         shards.build_shard(cfg, tmp_path / "shard")
     assert not (tmp_path / "shard").exists()
+
+
+def test_full_disk_keeps_the_previous_shard(small_disk, corpus):
+    """Out of space while rebuilding a shard: one line naming the shard dir and the space it needs
+    (at least what the shard takes), no temporary dir, the previous shard untouched."""
+    out = shards.build_shard(load_config(None, tiny_overrides(small_disk / "run", corpus)), small_disk / "shard")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    leave_free(small_disk, 32 * 1024)
+    changed = load_config(None, tiny_overrides(small_disk / "run", corpus, **{"data.val_fraction": 0.2}))
+    with pytest.raises(DiskFullError) as e:
+        shards.build_shard(changed, small_disk / "shard")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{out}: no space left on the device")
+    assert needed_bytes(message) >= sum(len(b) for b in before.values())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "shard"]

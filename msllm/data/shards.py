@@ -7,8 +7,6 @@ stream (documents are already in a hashed, i.e. shuffled, order).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ from msllm.config import Config
 from msllm.data import corpus
 from msllm.data.corpus import DataError
 from msllm.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+from msllm.staged import staged_dir
 
 INDEX = "index.json"
 
@@ -74,19 +73,14 @@ def build_shard(cfg: Config, out_dir: Path) -> Path:
     tok = load_tokenizer(d.tokenizer) if d.tokenizer else None  # None: trained on the corpus
     if tok is not None and tok.get_vocab_size() > vocab:
         raise DataError(f"data.tokenizer: {d.tokenizer} has {tok.get_vocab_size()} tokens > model.vocab_size {vocab}")
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:  # a failure or Ctrl-C anywhere in here leaves no half-built shard behind
-        tmp.mkdir(parents=True)
-        source = "Python stdlib" if d.path is None else str(root)
-        _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
-             + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
+    source = "Python stdlib" if d.path is None else str(root)
+    _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
+         + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
+    # At most one token per byte plus an EOS per file; the tokenizer's JSON takes ~100 bytes per token.
+    need = (sum(len(t.encode()) for t in texts) + len(texts)) * np.dtype(token_dtype(vocab)).itemsize + 100 * vocab
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with staged_dir(out_dir, need=need, then="free space or put train.run_dir on another disk, then run again") as tmp:
         _write_shard(cfg, tmp, texts, tok, key, source)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -109,8 +103,9 @@ def _write_shard(cfg: Config, tmp: Path, texts: list[str], tok, key: dict, sourc
     n_val = max(d.seq_len + 1, int(len(stream) * d.val_fraction))
     if len(stream) < n_val + 2 * (d.seq_len + 1):
         raise DataError(f"data.path: corpus has only {len(stream)} tokens; need more text for seq_len {d.seq_len}")
-    stream[:-n_val].tofile(tmp / "train.bin")
-    stream[-n_val:].tofile(tmp / "val.bin")
+    for name, tokens in (("train.bin", stream[:-n_val]), ("val.bin", stream[-n_val:])):
+        with open(tmp / name, "wb") as f:  # not ndarray.tofile: its short write on a full disk carries no errno
+            f.write(memoryview(tokens))
     index = {"dtype": np.dtype(dtype).name, "vocab_size": tok.get_vocab_size(), "eos_id": eos,
              "train_tokens": int(len(stream) - n_val), "val_tokens": int(n_val),
              "documents": len(texts), "source": source, "key": key}
