@@ -7,15 +7,14 @@
 3. Stream: for each msllm tensor, read its source part(s), join / transpose, cast, split into
    the destination part(s), append them to the open file. The destination's headers are written
    first from the plan, so at any time we hold a few copies of one tensor, never the model.
-4. Write config / state files into the temporary dir, then rename it to the destination.
+4. Write config / state files; all of it goes into a temporary dir beside the destination that is
+   renamed into place at the end (msllm.staged; an msllm destination also gets manifest.json).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from interop.layouts import HF_CONFIG, MF_CONFIG, WRITERS, Source, hf_index, ope
 from interop.maps import FAMILIES
 from interop.table import LAYOUTS, Entry, entries
 from msllm import checkpoint
+from msllm.staged import staged_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -74,27 +74,6 @@ def msllm_tensors(rows: list[Entry], layout: str, reader):
         yield e, e.stored[layout].gather(e, reader.read)
 
 
-@contextlib.contextmanager
-def staged(dst: Path, force: bool):
-    """A temporary dir beside `dst`, renamed to `dst` only if the block completes."""
-    if dst.exists() and not force:
-        raise InteropError(f"{dst}: already exists (--force replaces it)")
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:  # creation inside: a Ctrl-C right after mkdir still removes it
-        try:
-            tmp.mkdir()
-        except OSError as e:
-            raise InteropError(f"{dst}: cannot write here ({e.strerror})") from None
-        yield tmp
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -119,13 +98,14 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     dtypes = {e.name: out_dtype(e) for e in rows}
     infos = {name: TensorInfo(shape, dtypes[e.name]) for e in rows for name, shape in e.stored[to].shapes(e).items()}
     files = weight_files(to, infos, mf_format, max_shard_bytes)
+    written = sum(i.nbytes for i in infos.values())
     try:
-        with staged(dst, force) as tmp:
+        with staged_dir(dst, need=written, replace=force, manifest=to == "msllm",
+                        then="free space or choose another destination, then convert again") as tmp:
             _stream(rows, dtypes, source, to, files, tmp, progress)
             _write_metadata(source, to, files, tmp, dtypes[rows[0].name])
     finally:
         source.reader.close()
-    written = sum(i.nbytes for i in infos.values())
     return Result(dst, source.layout, to, len(infos), written, time.perf_counter() - start)
 
 
@@ -151,6 +131,8 @@ def _stream(rows: list[Entry], dtypes: dict, source: Source, to: str, files, fol
         writer.close()
     finally:
         bar.close()
+        if writer is not None:
+            writer.file.close()  # also after a failure: the removed temporary file would hold its space
 
 
 def _write_metadata(source: Source, to: str, files, folder: Path, dtype: torch.dtype) -> None:
@@ -169,4 +151,3 @@ def _write_metadata(source: Source, to: str, files, folder: Path, dtype: torch.d
             "step": 0, "config": source.config.to_dict(), "tokenizer": tokenizer,
             "hf_architecture": source.architecture, "hf_config": source.hf_config,
             "converted_from": {"path": str(source.path), "layout": source.layout}})
-        checkpoint.write_manifest(folder, [checkpoint.MODEL_FILE, checkpoint.STATE_FILE])

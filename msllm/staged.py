@@ -16,6 +16,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -41,7 +42,10 @@ def is_disk_full(e: BaseException) -> bool:
 
 
 def size_text(n: float) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
+    """Bytes in kB / MB / GB, rounded up: a stated need is never below the real one."""
+    for unit, scale, digits in (("GB", 1e9, 1), ("MB", 1e6, 1), ("kB", 1e3, 0)):
+        if n >= scale or unit == "kB":
+            return f"{math.ceil(n / scale * 10 ** digits) / 10 ** digits:.{digits}f} {unit}"
 
 
 def _fsync(path: Path) -> None:

@@ -8,6 +8,8 @@ import torch
 from interop import InteropError
 from interop.convert import convert
 from msllm.cli import main
+from msllm.staged import DiskFullError, OutputError
+from tests.conftest import leave_free, needed_bytes
 from tests.hf_models import build, save_bin
 
 
@@ -113,7 +115,7 @@ def test_failure_while_writing_leaves_nothing(hf, tmp_path, monkeypatch):
 def test_existing_destination_needs_force(hf, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "old").write_text("x")
-    with pytest.raises(InteropError, match="already exists"):
+    with pytest.raises(OutputError, match="already exists"):
         convert(hf, tmp_path / "out", progress=False)
     convert(hf, tmp_path / "out", progress=False, force=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["generation_config.json", "manifest.json", "model.safetensors",
@@ -156,3 +158,21 @@ def test_a_step_dir_given_directly_is_verified_against_its_manifest(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checksum mismatch" in err[0] and str(step) in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("to", ["msllm", "hf", "mindformers"])
+def test_full_disk_keeps_the_previous_output(hf, small_disk, to):
+    """Out of space mid-conversion (--force over an earlier output): one line naming the destination
+    and the space the tensors need, no temporary dir, the earlier output untouched."""
+    out = small_disk / "out"
+    convert(hf, out, to=to, dtype="bf16", progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    leave_free(small_disk, 64 * 1024)
+    with pytest.raises(DiskFullError) as e:
+        convert(hf, out, to=to, dtype="fp32", force=True, progress=False)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{out}: no space left on the device")
+    weights = sum(len(b) for name, b in before.items() if name.startswith("model."))
+    assert needed_bytes(message) >= 2 * weights * 0.99  # fp32 is twice the bf16 weights (size_text rounds)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]
