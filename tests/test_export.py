@@ -23,7 +23,8 @@ from msllm.data.tokenizer import load_tokenizer, train_tokenizer
 from msllm.checkpoint import load_model
 from msllm.generate import generate_cached, generate_ids
 from msllm.models.llama import build_model
-from tests.conftest import REPO, run_cli
+from msllm.staged import DiskFullError
+from tests.conftest import REPO, leave_free, needed_bytes, run_cli
 from tests.numerics import REORDER_RTOL
 
 LLAMA = ModelConfig(vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
@@ -213,3 +214,20 @@ def test_benchmark_script_runs_at_tiny_size(tmp_path):
     assert all(0 < r["prefill_tok_s"] < float("inf") and 0 < r["decode_tok_s"] < float("inf") for r in rows)
     table = [line.split("|")[2].strip() for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
     assert table == [r["engine"] for r in rows]  # the printed table has the same rows
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "mindir"])
+def test_full_disk_keeps_the_previous_export(llama_run, small_disk, fmt):
+    """Out of space while writing the graphs (--force over an earlier export): one line naming OUT
+    and the space three graphs of fp32 weights need, no temporary dir, the earlier export kept."""
+    out = small_disk / "out"
+    out.mkdir()
+    (out / "export.json").write_text("an earlier export")
+    leave_free(small_disk, 64 * 1024)
+    with pytest.raises(DiskFullError) as e:
+        export(llama_run, fmt, out, force=True, log=lambda line: None)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{out}: no space left on the device")
+    assert needed_bytes(message) >= 3 * 4 * LLAMA.num_params()
+    assert (out / "export.json").read_text() == "an earlier export" and len(list(out.iterdir())) == 1
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]
