@@ -22,13 +22,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from interop import InteropError, names_line
-from interop.formats import TensorInfo
+from interop import InteropError
 from interop.hf_config import to_hf_config
 from interop.layouts import HF_CONFIG, MF_CONFIG, WRITERS, Source, hf_index, open_source, weight_files
 from interop.maps import FAMILIES
 from interop.table import LAYOUTS, Entry, entries
 from msllm import checkpoint
+from msllm.errors import names_line
+from msllm.safetensors_reader import TensorInfo
 from msllm.staged import staged_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

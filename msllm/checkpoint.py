@@ -116,18 +116,10 @@ def read_state(ckpt_dir: Path) -> dict:
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
-    """name -> array. Read through torch because converted checkpoints may be bf16, which numpy
-    lacks; bf16 is widened to fp32 (exactly)."""
-    import torch
-    from safetensors.torch import load_file
+    """name -> array (converted checkpoints may be bf16: widened to fp32, exactly)."""
+    from msllm.safetensors_reader import read_arrays  # here: torch is loaded only to read weights
 
-    if not Path(path).exists():
-        raise CheckpointError(f"{path}: missing")
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-        raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
-    return {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in tensors.items()}
+    return read_arrays(path)
 
 
 def find_tokenizer(ckpt_dir: Path, state: dict) -> Path | None:

@@ -8,6 +8,7 @@ import torch
 from interop import InteropError
 from interop.convert import convert
 from msllm.cli import main
+from msllm.errors import UserError
 from msllm.staged import DiskFullError, OutputError
 from tests.conftest import leave_free, needed_bytes
 from tests.hf_models import build, save_bin
@@ -36,7 +37,7 @@ def hf(model, tmp_path):
 
 def fails(src, dst, match, **kw) -> str:
     """Conversion raises one line matching `match`, and leaves no destination or temp dir behind."""
-    with pytest.raises(InteropError, match=match) as err:
+    with pytest.raises(UserError, match=match) as err:
         convert(src, dst, progress=False, **kw)
     assert "\n" not in str(err.value)
     assert not dst.exists() and not [p for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.tmp")]
@@ -99,7 +100,7 @@ def test_missing_unexpected_and_misshaped_tensors_are_listed(model, tmp_path):
 
 
 def test_failure_while_writing_leaves_nothing(hf, tmp_path, monkeypatch):
-    from interop.formats.safetensors import SafetensorsReader
+    from msllm.safetensors_reader import SafetensorsReader
     real, calls = SafetensorsReader.read, []
 
     def flaky(self, name):
