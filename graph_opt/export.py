@@ -133,7 +133,8 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
     nbytes = sum(p.size for p in model.trainable_params()) * (2 if dtype == "fp16" else 4)
     external_data = fmt == "onnx" and (external_data or nbytes > PROTOBUF_LIMIT)
     need = nbytes * (1 if external_data else 3)  # three graphs, which share one weights file or hold a copy each
-    with staged_dir(out, need=need, replace=force, then="free space or choose another --out, then export again") as tmp:
+    with staged_dir(out, need=need, replace=force, sources=(ckpt_dir,),
+                    then="free space or choose another --out, then export again") as tmp:
         inputs = verification_inputs(cfg.model.vocab_size, cfg.model.max_seq_len)
         references = [model(ms.Tensor(ids)).asnumpy() for ids in inputs]  # fp32 msllm, before any cast
         started = time.perf_counter()

@@ -84,8 +84,8 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
             progress: bool = True) -> Result:
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise InteropError(f"{dst}: destination must not be the source or inside it")
+    if src.resolve() in dst.resolve().parents:
+        raise InteropError(f"{dst}: destination must not be inside the source")
     source = open_source(src, max_seq_len)
     to = to or ("hf" if source.layout == "msllm" else "msllm")
     if to not in LAYOUTS:
@@ -101,7 +101,7 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     files = weight_files(to, infos, mf_format, max_shard_bytes)
     written = sum(i.nbytes for i in infos.values())
     try:
-        with staged_dir(dst, need=written, replace=force, manifest=to == "msllm",
+        with staged_dir(dst, need=written, replace=force, manifest=to == "msllm", sources=(src,),
                         then="free space or choose another destination, then convert again") as tmp:
             _stream(rows, dtypes, source, to, files, tmp, progress)
             _write_metadata(source, to, files, tmp, dtypes[rows[0].name])

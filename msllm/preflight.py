@@ -24,19 +24,34 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
+def _unwritable(path: Path) -> str:
+    read_only = os.statvfs(path).f_flag & os.ST_RDONLY
+    return f"{path} is {'on a read-only file system' if read_only else 'not writable'}"
+
+
 def _creatable_dir(path: Path, what: str) -> None:
     """`path` is a directory, or can be made one (mkdir -p) by this process."""
+    fix = f"set {what} to a directory you can write"
     if path.exists():
         if not path.is_dir():
-            raise PreflightError(f"{what}: {path} is a file, not a directory")
+            raise PreflightError(f"{what}: {path} is a file, not a directory; {fix}")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise PreflightError(f"{what}: {path} is not writable")
+            raise PreflightError(f"{what}: {_unwritable(path)}; {fix}")
         return
     base = _existing_ancestor(path.absolute().parent)
     if not base.is_dir():
-        raise PreflightError(f"{what}: cannot create {path}: {base} is a file, not a directory")
+        raise PreflightError(f"{what}: cannot create {path}: {base} is a file, not a directory; {fix}")
     if not os.access(base, os.W_OK | os.X_OK):
-        raise PreflightError(f"{what}: cannot create {path}: {base} is not writable")
+        raise PreflightError(f"{what}: cannot create {path}: {_unwritable(base)}; {fix}")
+
+
+def make_dir(path: Path, what: str) -> None:
+    """mkdir -p, where the permission checks above cannot see the refusal (root on /sys, /proc)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PreflightError(f"{what}: cannot create {path} ({e.strerror}); set {what} to a directory "
+                             f"you can write") from None
 
 
 def check_new_dir(path: str | Path, force: bool, what: str) -> None:

@@ -120,11 +120,17 @@ def _put_in_place(tmp: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_dir(final: str | Path, *, need: int, then: str, replace: bool = True, manifest: bool = False):
+def staged_dir(final: str | Path, *, need: int, then: str, replace: bool = True, manifest: bool = False,
+               sources: tuple = ()):
     """A fresh temporary dir beside `final` (whose parent must exist), put in place when the block
     completes. `need`: the bytes the output takes (for the disk-full message); `then`: what the
-    user does after freeing space; replace=False refuses an existing `final` (--force)."""
+    user does after freeing space; replace=False refuses an existing `final` (--force); `sources`:
+    inputs that `final` must not be or contain (replacing it would delete them), nor may it hold
+    the current directory ("." , "..", "/")."""
     final = Path(final)
+    for what, kept in [(f"the input {s}", Path(s)) for s in sources] + [("the current directory", Path.cwd())]:
+        if final.resolve() == kept.resolve() or final.resolve() in kept.resolve().parents:
+            raise OutputError(f"{final}: holds {what}, which replacing it would delete; choose another destination")
     if not replace and (final.exists() or final.is_symlink()):
         raise OutputError(f"{final}: already exists (--force replaces it)")
     tmp = final.with_name(f".{final.name}.tmp")

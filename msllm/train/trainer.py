@@ -22,6 +22,7 @@ from msllm.data.loader import make_dataset
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
+from msllm.preflight import make_dir
 from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
 
@@ -82,8 +83,8 @@ class Trainer:
         if resume_from:
             check_resumable(cfg, checkpoint.read_state(resume_from), str(resume_from / checkpoint.STATE_FILE))
             check_weights(cfg.model, resume_from / checkpoint.MODEL_FILE, str(resume_from))
-        self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")  # checks the corpus before writing
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.run_dir, "train.run_dir")  # msllm train removes it again if anything below fails
+        self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
         self.train_tokens = shards.open_tokens(self.shard_dir, "train")
         self.val_tokens = shards.open_tokens(self.shard_dir, "val")
