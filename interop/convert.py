@@ -110,6 +110,15 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     return Result(dst, source.layout, to, len(infos), written, time.perf_counter() - start)
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype, name: str, path) -> torch.Tensor:
+    """t in `dtype`; values a narrower dtype cannot hold (fp16 beyond 65504) are refused, not turned into inf."""
+    out = t.to(dtype)
+    if out.dtype != t.dtype and t.is_floating_point() and not torch.isfinite(out).all() and torch.isfinite(t).all():
+        raise InteropError(f"{path}: {name} has values beyond the {DTYPE_NAMES.get(dtype, dtype)} range (max |x| "
+                           f"{t.abs().max().item():.4g}); choose --dtype bf16 or fp32")
+    return out
+
+
 def _stream(rows: list[Entry], dtypes: dict, source: Source, to: str, files, folder: Path, progress: bool) -> None:
     owner = {name: k for k, (_, infos) in enumerate(files) for name in infos}
     total = sum(i.nbytes for _, infos in files for i in infos.values())
@@ -118,7 +127,7 @@ def _stream(rows: list[Entry], dtypes: dict, source: Source, to: str, files, fol
     writer, current, done = None, -1, 0
     try:
         for e, t in msllm_tensors(rows, source.layout, source.reader):
-            for name, part in e.stored[to].scatter(e, t.to(dtypes[e.name])):
+            for name, part in e.stored[to].scatter(e, cast(t, dtypes[e.name], e.name, source.reader.path)):
                 if owner[name] != current:  # files are filled in order: move on to the next one
                     if writer is not None:
                         writer.close()

@@ -177,3 +177,12 @@ def test_full_disk_keeps_the_previous_output(hf, small_disk, to):
     assert needed_bytes(message) >= 2 * weights * 0.99  # fp32 is twice the bf16 weights (size_text rounds)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]
+
+
+def test_fp16_overflow_is_refused_not_written_as_inf(model, tmp_path):
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    state["model.norm.weight"][3] = 1e6  # finite in fp32 and bf16, inf in fp16
+    model.save_pretrained(tmp_path / "hf", state_dict=state)
+    message = fails(tmp_path / "hf", tmp_path / "out", "norm.weight has values beyond the float16 range", dtype="fp16")
+    assert "1e+06" in message and "--dtype bf16 or fp32" in message
+    convert(tmp_path / "hf", tmp_path / "out", dtype="bf16", progress=False)  # bf16 holds it
