@@ -30,7 +30,7 @@ from interop.table import LAYOUTS, Entry, entries
 from msllm import checkpoint
 from msllm.errors import names_line
 from msllm.safetensors_reader import TensorInfo
-from msllm.staged import staged_dir
+from msllm.staged import holds, staged_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -84,7 +84,7 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
             progress: bool = True) -> Result:
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    if src.resolve() in dst.resolve().parents:
+    if holds(src, dst.parent):
         raise InteropError(f"{dst}: destination must not be inside the source")
     source = open_source(src, max_seq_len)
     to = to or ("hf" if source.layout == "msllm" else "msllm")

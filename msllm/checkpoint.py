@@ -100,19 +100,27 @@ def latest(path: Path) -> Path:
     candidates = list_checkpoints(path)
     if not candidates:
         raise CheckpointError(f"{path}: no checkpoint found (expected {path}/checkpoints/{PREFIX}*)")
+    corrupt = []
     for ckpt in reversed(candidates):
         problem = check_manifest(ckpt)
         if problem is None:
+            for name, why in corrupt:
+                info(f"warning: skipping corrupt checkpoint {name}: {why}")
             return ckpt
-        info(f"warning: skipping corrupt checkpoint {ckpt}: {problem}")
-    raise CheckpointError(f"{path}: all {len(candidates)} checkpoints are corrupt; see warnings above")
+        corrupt.append((ckpt.name, problem))
+    raise CheckpointError(f"{path}: all {len(candidates)} checkpoints are corrupt (newest: {corrupt[0][0]}: "
+                          f"{corrupt[0][1]}); train again or restore the run from a backup")
 
 
 def read_state(ckpt_dir: Path) -> dict:
+    path = Path(ckpt_dir) / STATE_FILE
     try:
-        return json.loads((Path(ckpt_dir) / STATE_FILE).read_text())
+        state = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{Path(ckpt_dir) / STATE_FILE}: unreadable ({e})") from None
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path}: not an msllm train state (needs an integer 'step' and a 'config' object)")
+    return state
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:

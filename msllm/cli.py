@@ -343,7 +343,7 @@ def build_parser() -> Parser:
                    help="sequences per optimizer step (default: train.batch_size x train.accum_steps)")
     p.add_argument("--check", action="store_true", help="validate the config's parallel section for --devices")
     p.add_argument("--flash", action="store_true", help="activations as with a fused flash-attention kernel")
-    p.add_argument("--top", type=int, default=10, help="layouts shown")
+    p.add_argument("--top", type=int_at_least(1), default=10, help="layouts shown")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     p.set_defaults(func=cmd_plan)
 
@@ -392,6 +392,12 @@ def main(argv=None) -> int:
             raise
         print(f"msllm {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
               file=sys.stderr)
+        return 2
+    except MemoryError as e:  # a size asked for on the command line or in the config (--batch, model.*)
+        if args.verbose:
+            raise
+        print(f"msllm {args.command}: error: out of memory ({e}); ask for less (batch, sequence length, model "
+              f"size)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"msllm {args.command}: interrupted", file=sys.stderr)

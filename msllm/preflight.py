@@ -82,7 +82,13 @@ def check_train(cfg: Config, resume: bool = False) -> None:
     else:
         from msllm.data import corpus  # light: lists files, reads nothing
 
+        from msllm.data.tokenizer import MIN_VOCAB
+
         corpus.list_files(d.path, d.glob, d.max_bytes)
+        if not d.tokenizer and cfg.model.vocab_size < MIN_VOCAB:
+            raise PreflightError(f"model.vocab_size: {cfg.model.vocab_size} is below the {MIN_VOCAB} tokens a "
+                                 f"byte-level BPE trained on the corpus starts with (256 bytes and EOS); raise "
+                                 f"it or give data.tokenizer")
     if t.device == "cpu":
         _check_host_memory(cfg)
 
@@ -113,6 +119,10 @@ def _check_shard_dir(folder: Path, vocab_size: int) -> None:
         raise PreflightError(f"data.path: {folder} has shard vocab_size {shard_vocab} > model.vocab_size "
                              f"{vocab_size}; raise model.vocab_size")
     check_tokenizer(folder / "tokenizer.json", vocab_size, "data.path")
+    from msllm.data import shards
+
+    for split in ("train", "val"):
+        shards.open_tokens(folder, split)  # files of the size the index says
 
 
 def _check_host_memory(cfg: Config) -> None:

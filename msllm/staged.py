@@ -93,6 +93,12 @@ def check_manifest(folder: Path) -> str | None:
     return None
 
 
+def holds(outer: str | Path, inner: str | Path) -> bool:
+    """`outer` is `inner` or one of its parent dirs (os.path.realpath: Path.resolve raises on a symlink loop)."""
+    outer, inner = Path(os.path.realpath(outer)), Path(os.path.realpath(inner))
+    return outer == inner or outer in inner.parents
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -129,7 +135,7 @@ def staged_dir(final: str | Path, *, need: int, then: str, replace: bool = True,
     the current directory ("." , "..", "/")."""
     final = Path(final)
     for what, kept in [(f"the input {s}", Path(s)) for s in sources] + [("the current directory", Path.cwd())]:
-        if final.resolve() == kept.resolve() or final.resolve() in kept.resolve().parents:
+        if holds(final, kept):
             raise OutputError(f"{final}: holds {what}, which replacing it would delete; choose another destination")
     if not replace and (final.exists() or final.is_symlink()):
         raise OutputError(f"{final}: already exists (--force replaces it)")

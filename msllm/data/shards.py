@@ -17,6 +17,7 @@ from msllm.config import Config
 from msllm.data import corpus
 from msllm.data.corpus import DataError
 from msllm.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+from msllm.preflight import make_dir
 from msllm.staged import staged_dir
 
 INDEX = "index.json"
@@ -36,8 +37,10 @@ def read_index(shard_dir: Path) -> dict:
 def open_tokens(shard_dir: Path, split: str) -> np.ndarray:
     index = read_index(shard_dir)
     path = shard_dir / f"{split}.bin"
-    count = index[f"{split}_tokens"]
-    dtype = np.dtype(index["dtype"])
+    try:
+        count, dtype = int(index[f"{split}_tokens"]), np.dtype(index["dtype"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{shard_dir / INDEX}: bad {split}_tokens or dtype entry ({e}); rebuild the shard") from None
     if not path.exists() or path.stat().st_size != count * dtype.itemsize:
         raise DataError(f"{path}: missing or wrong size (index says {count} tokens of {dtype}); rebuild the shard")
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
@@ -73,12 +76,12 @@ def build_shard(cfg: Config, out_dir: Path) -> Path:
     tok = load_tokenizer(d.tokenizer) if d.tokenizer else None  # None: trained on the corpus
     if tok is not None and tok.get_vocab_size() > vocab:
         raise DataError(f"data.tokenizer: {d.tokenizer} has {tok.get_vocab_size()} tokens > model.vocab_size {vocab}")
+    make_dir(out_dir.parent, "train.run_dir")  # the shard is cached in the run dir
     source = "Python stdlib" if d.path is None else str(root)
     _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
          + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
     # At most one token per byte plus an EOS per file; the tokenizer's JSON takes ~100 bytes per token.
     need = (sum(len(t.encode()) for t in texts) + len(texts)) * np.dtype(token_dtype(vocab)).itemsize + 100 * vocab
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     with staged_dir(out_dir, need=need, then="free space or put train.run_dir on another disk, then run again") as tmp:
         _write_shard(cfg, tmp, texts, tok, key, source)
     return out_dir

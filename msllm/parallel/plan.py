@@ -79,7 +79,10 @@ def parse_bytes(text: str) -> float:
     if not match:
         raise PlanError(f"--device-mem: expected a size like 64GB, got {text!r}")
     unit = (match.group(2) or "G")[0].upper()
-    return float(match.group(1)) * 2 ** (10 * "KMGT".index(unit) + 10)
+    size = float(match.group(1)) * 2 ** (10 * "KMGT".index(unit) + 10)
+    if size <= 0:
+        raise PlanError(f"--device-mem: must be more than 0, got {text!r}")
+    return size
 
 
 # ---- memory ----------------------------------------------------------------------------------------

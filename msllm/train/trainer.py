@@ -83,8 +83,10 @@ class Trainer:
         if resume_from:
             check_resumable(cfg, checkpoint.read_state(resume_from), str(resume_from / checkpoint.STATE_FILE))
             check_weights(cfg.model, resume_from / checkpoint.MODEL_FILE, str(resume_from))
-        make_dir(self.run_dir, "train.run_dir")  # msllm train removes it again if anything below fails
-        self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")
+        if t.compile_cache:  # MindSpore silently compiles without a cache it cannot create
+            make_dir(Path(t.compile_cache).expanduser(), "train.compile_cache")
+        self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")  # checks the corpus before writing
+        make_dir(self.run_dir, "train.run_dir")
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
         self.train_tokens = shards.open_tokens(self.shard_dir, "train")
         self.val_tokens = shards.open_tokens(self.shard_dir, "val")
