@@ -190,7 +190,13 @@ ROWS = [
     T("train-sample-tokens-negative", "train.sample_tokens=-1", names=("--set", "train.sample_tokens")),
     T("train-run-dir-is-file", "train.run_dir={afile}", names=("train.run_dir", "{afile}")),
     T("train-run-dir-under-file", "train.run_dir={afile}/run", names=("train.run_dir", "{afile}")),
-    T("train-run-dir-unwritable", "train.run_dir=/sys/msllm-bad-input-run", names=("/sys/msllm-bad-input-run",)),
+    T("train-run-dir-unwritable", "train.run_dir=/sys/msllm-bad-input-run",
+      names=("train.run_dir", "/sys/msllm-bad-input-run")),
+    T("train-run-dir-read-only-fs", "train.run_dir={readonly}/run", names=("train.run_dir", "{readonly}", "read-only")),
+    T("train-compile-cache-uncreatable", "train.compile_cache=/sys/kernel/msllm-bad-input-cache",
+      names=("train.compile_cache", "/sys/kernel/msllm-bad-input-cache")),
+    T("model-vocab-below-bytes", "model.vocab_size=100", names=("model.vocab_size", "257")),
+    T("data-shard-train-truncated", "data.path={shardtrunc}", names=("{shardtrunc}/train.bin",)),
     T("train-run-dir-empty", "train.run_dir=''", names=("train.run_dir",)),
     T("train-compile-cache-is-file", "train.compile_cache={afile}", names=("train.compile_cache", "{afile}")),
     T("train-bf16-on-cpu", "train.precision=bf16", names=("train.precision",)),
@@ -228,6 +234,7 @@ ROWS = [
     R("resume-weights-other-shape", "train", "--resume", "{runshapes}", names=("model.hidden_size",)),
     R("resume-config-yaml-garbage", "train", "--resume", "{runbadyaml}", names=("config.yaml",)),
     R("resume-no-checkpoint", "train", "--resume", "{runnockpt}", names=("{runnockpt}",)),
+    R("resume-all-corrupt", "train", "--resume", "{runcorrupt}", names=("{runcorrupt}", "step_0000001")),
 
     # --- generate
     R("generate-ckpt-missing", "generate", "--ckpt", "{work}/nope", names=("{work}/nope",)),
@@ -257,6 +264,12 @@ ROWS = [
       names=("{afile}",)),
     R("export-out-unwritable", "export", "--ckpt", "{run}", "--format", "onnx", "--out", "/sys/msllm-bad-export",
       names=("/sys",)),
+    R("export-out-read-only-fs", "export", "--ckpt", "{run}", "--format", "onnx", "--out", "{readonly}/out",
+      names=("{readonly}",)),
+    R("export-out-is-the-run", "export", "--ckpt", "{runvictim}", "--format", "onnx", "--out", "{runvictim}", "--force",
+      names=("{runvictim}", "input")),
+    R("export-out-is-cwd", "export", "--ckpt", "{run}", "--format", "onnx", "--out", ".", "--force",
+      names=("current directory",)),
     R("export-weights-other-shape", "export", "--ckpt", "{runshapes}", "--format", "onnx", "--out", "{work}/out",
       names=("{runshapes}",)),
 
@@ -268,6 +281,10 @@ ROWS = [
     R("convert-dst-under-file", "convert", "{hf}", "{afile}/out", names=("{afile}",)),
     R("convert-dst-unwritable", "convert", "{hf}", "/sys/msllm-bad-convert", names=("/sys",)),
     R("convert-dst-inside-src", "convert", "{hf}", "{hf}/sub", names=("{hf}/sub",)),
+    R("convert-dst-holds-src", "convert", "{nested}/hf", "{nested}", "--force", names=("{nested}", "input")),
+    R("convert-dst-root", "convert", "{hf}", "/", "--force", names=("current directory",)),
+    R("convert-src-symlink-loop", "convert", "{loop}", "{work}/out", names=("{loop}",)),
+    R("convert-fp16-overflow", "convert", "{hf_huge}", "{work}/out", "--dtype", "fp16", names=("float16", "norm.weight")),
     R("convert-verify-without-hf", "convert", "{run}", "{work}/out", "--to", "mindformers", "--verify",
       names=("--verify",)),
     hf_row("hf-rope-parameters-yarn", "yarn", "yarn"),
@@ -331,6 +348,7 @@ HF_EDITS = {  # variant -> config.json keys to set (None deletes), or raw text
 def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
     """Everything the rows point at, built in-process once: runs, exports, HF dirs, corpora."""
     import numpy as np
+    from safetensors.torch import load_file, save_file
 
     from graph_opt.export import export
     from msllm import checkpoint, device
@@ -368,6 +386,11 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
     f["runbadyaml"] = root / "runbadyaml"
     shutil.copytree(f["run"], f["runbadyaml"])
     (f["runbadyaml"] / "config.yaml").write_text("model: [\n")
+    f["runcorrupt"] = root / "runcorrupt"
+    shutil.copytree(f["run"], f["runcorrupt"])
+    (f["runcorrupt"] / "checkpoints" / "step_0000001" / checkpoint.MODEL_FILE).write_bytes(b"garbage")
+    f["runvictim"] = root / "runvictim"  # export --out RUN --force must refuse, not replace it
+    shutil.copytree(f["run"], f["runvictim"])
     f["runnockpt"] = root / "runnockpt"
     f["runnockpt"].mkdir()
     shutil.copy(f["run"] / "config.yaml", f["runnockpt"] / "config.yaml")
@@ -408,13 +431,14 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
     assert tok512.get_vocab_size() == 512
     f["tokgarbage"] = root / "tokgarbage.json"
     f["tokgarbage"].write_text("{not a tokenizer")
-    for name, tok in (("shard512", f["tok512"]), ("shardnotok", None)):
+    for name, tok in (("shard512", f["tok512"]), ("shardnotok", None), ("shardtrunc", tokenizer)):
         f[name] = root / name
         f[name].mkdir()
         np.arange(4000, dtype=np.uint16).tofile(f[name] / "train.bin")
         np.arange(400, dtype=np.uint16).tofile(f[name] / "val.bin")
-        (f[name] / "index.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 512 if tok else 300,
-                                                        "eos_id": 0, "train_tokens": 4000, "val_tokens": 400}))
+        (f[name] / "index.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 512 if name == "shard512" else 300,
+                                                        "eos_id": 0, "val_tokens": 400,
+                                                        "train_tokens": 5000 if name == "shardtrunc" else 4000}))
         if tok:
             shutil.copy(tok, f[name] / "tokenizer.json")
 
@@ -438,6 +462,15 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
     f["hf_bin_garbage"].mkdir()
     shutil.copy(f["hf"] / "config.json", f["hf_bin_garbage"])
     (f["hf_bin_garbage"] / "pytorch_model.bin").write_bytes(b"\x80\x02garbage" * 10)
+    f["hf_huge"] = root / "hf_huge"
+    shutil.copytree(f["hf"], f["hf_huge"])
+    huge = load_file(f["hf_huge"] / "model.safetensors")
+    huge["model.norm.weight"][0] = 1e6  # beyond fp16
+    save_file(huge, f["hf_huge"] / "model.safetensors", metadata={"format": "pt"})
+    f["nested"] = root / "nested"
+    shutil.copytree(f["hf"], f["nested"] / "hf")
+    f["loop"] = root / "loop"
+    f["loop"].symlink_to(f["loop"])
     f["hf_no_weights"] = root / "hf_no_weights"
     f["hf_no_weights"].mkdir()
     shutil.copy(f["hf"] / "config.json", f["hf_no_weights"])
@@ -447,7 +480,13 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("bad_inputs")
-    return root, _fixtures(root / "fixtures", corpus)
+    paths = _fixtures(root / "fixtures", corpus)
+    readonly = root / "fixtures" / "readonly"  # a read-only file system: as root, permission bits stop nothing
+    readonly.mkdir()
+    mounted = not subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(readonly)]).returncode
+    yield root, {**paths, "readonly": str(readonly) if mounted else None}
+    if mounted:
+        subprocess.run(["umount", str(readonly)], check=True)
 
 
 def snapshot(root: Path) -> dict:
@@ -488,6 +527,8 @@ def run_row(row: Row, root: Path, paths: dict) -> tuple[subprocess.CompletedProc
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 def test_bad_input_is_one_line_exit_2_nothing_written(row, fixtures):
     root, paths = fixtures
+    if paths["readonly"] is None and any("{readonly}" in a for a in row.args):
+        pytest.skip("needs permission to mount a read-only tmpfs")
     proc, before, after, values = run_row(row, root, paths)
     lines = proc.stderr.splitlines()
     command = row.args[0] if row.args and row.args[0] in ("train", "generate", "export", "convert", "verify") else ""
@@ -500,7 +541,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(row, fixtures):
     assert proc.stdout == ""
     changed = sorted(set(before.items()) ^ set(after.items()))
     assert not changed, changed[:10]
-    assert not Path("/sys/msllm-bad-input-run").exists()
+    assert not Path("/sys/msllm-bad-input-run").exists() and not Path("/sys/kernel/msllm-bad-input-cache").exists()
 
 
 def test_row_ids_are_unique_and_many():
