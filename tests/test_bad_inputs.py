@@ -282,7 +282,7 @@ ROWS = [
     R("convert-dst-unwritable", "convert", "{hf}", "/sys/msllm-bad-convert", names=("/sys",)),
     R("convert-dst-inside-src", "convert", "{hf}", "{hf}/sub", names=("{hf}/sub",)),
     R("convert-dst-holds-src", "convert", "{nested}/hf", "{nested}", "--force", names=("{nested}", "input")),
-    R("convert-dst-root", "convert", "{hf}", "/", "--force", names=("current directory",)),
+    R("convert-dst-root", "convert", "{hf}", "/", "--force", names=("/: holds", "would delete")),
     R("convert-src-symlink-loop", "convert", "{loop}", "{work}/out", names=("{loop}",)),
     R("convert-verify-without-hf", "convert", "{run}", "{work}/out", "--to", "mindformers", "--verify",
       names=("--verify",)),
