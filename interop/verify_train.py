@@ -50,8 +50,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import mindspore as ms
 import numpy as np
 import torch
+from mindspore import nn, ops
 
 from interop.convert import plan
 from interop.layouts import open_source
@@ -63,34 +65,28 @@ TENSOR_GATE, SCALAR_GATE = 1e-4, 1e-5
 VERIFY_OPTIM = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, decay="cosine", weight_decay=0.1, grad_clip=1.0)
 
 
-def recorded_gradients_cell():
-    """The RecordGradients Cell class (built on first use, so importing this module needs no MindSpore)."""
-    import mindspore as ms  # noqa: F401
-    from mindspore import nn, ops
+_hyper_map, _assign = ops.HyperMap(), ops.Assign()
 
-    hyper_map, assign = ops.HyperMap(), ops.Assign()
 
-    class RecordGradients(nn.Cell):
-        """Wraps an AdamW for TrainStep (build_train_step's wrap_optimizer) and keeps, in `seen`, the
-        gradient the optimizer applies: grad_coef * grads (unscaled, averaged over micro-batches,
-        clipped). The optimizer itself is called with (grads, grad_coef) unchanged."""
+class RecordGradients(nn.Cell):
+    """Wraps an AdamW for TrainStep (build_train_step's wrap_optimizer) and keeps, in `seen`, the
+    gradient the optimizer applies: grad_coef * grads (unscaled, averaged over micro-batches,
+    clipped). The optimizer itself is called with (grads, grad_coef) unchanged."""
 
-        def __init__(self, optimizer):
-            super().__init__(auto_prefix=False)
-            self.optimizer = optimizer
-            self.params = optimizer.params
-            self.fused = optimizer.fused
-            self.seen = self.params.clone(prefix="seen", init="zeros")
+    def __init__(self, optimizer):
+        super().__init__(auto_prefix=False)
+        self.optimizer = optimizer
+        self.params = optimizer.params
+        self.fused = optimizer.fused
+        self.seen = self.params.clone(prefix="seen", init="zeros")
 
-        def construct(self, grads, grad_coef=None):
-            applied = grads if grad_coef is None else hyper_map(ops.partial(ops.mul, grad_coef), grads)
-            hyper_map(assign, self.seen, applied)
-            return self.optimizer(grads, grad_coef)
+    def construct(self, grads, grad_coef=None):
+        applied = grads if grad_coef is None else _hyper_map(ops.partial(ops.mul, grad_coef), grads)
+        _hyper_map(_assign, self.seen, applied)
+        return self.optimizer(grads, grad_coef)
 
-        def gradients(self) -> dict:
-            return {p.name: s.asnumpy().copy() for p, s in zip(self.params, self.seen)}
-
-    return RecordGradients
+    def gradients(self) -> dict:
+        return {p.name: s.asnumpy().copy() for p, s in zip(self.params, self.seen)}
 
 
 @dataclasses.dataclass
@@ -229,8 +225,6 @@ class TorchSide:
 def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int = 3, seq_len: int = 32,
                  batch: int = 2, seed: int = 0, tolerance: float | None = None,
                  optim: OptimConfig = VERIFY_OPTIM) -> TrainReport:
-    import mindspore as ms
-
     from msllm import device
     from msllm.train.build import build_train_step
     from msllm.train.optim import lr_at
@@ -250,7 +244,7 @@ def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int 
     model = load_msllm(source)
     cfg = Config(model=source.config.model, optim=optim,
                  train=TrainConfig(steps=steps, batch_size=batch, seed=seed, device="cpu", mode="graph"))
-    built = build_train_step(cfg, model, wrap_optimizer=recorded_gradients_cell())
+    built = build_train_step(cfg, model, wrap_optimizer=RecordGradients)
     recorder, adamw = built.train_step.optimizer, built.optimizer
     theirs = TorchSide(Path(hf_dir), rows, optim)
     names = [e.name for e in rows]

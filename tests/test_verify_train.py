@@ -1,0 +1,95 @@
+"""msllm verify --train: the compiled train step against HF + torch AdamW, and faults it must name."""
+import mindspore as ms
+import numpy as np
+import pytest
+
+from interop import verify_train as vt
+from msllm.cli import main
+from msllm.train import optim
+from tests.hf_models import build
+
+STEPS, SEQ = 2, 16
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_train")
+    out = {}
+    for case in ("llama2_mha", "llama3_gqa_rope_scaling", "qwen2_bias_tied"):
+        build(case).save_pretrained(root / case)
+        out[case] = root / case
+    return out
+
+
+@pytest.mark.parametrize("case", ["llama3_gqa_rope_scaling", "qwen2_bias_tied"])
+def test_train_steps_match_torch(hf_dirs, case):
+    report = vt.verify_train(hf_dirs[case], steps=STEPS, seq_len=SEQ)
+    assert report.ok, "\n".join(report.lines())
+    names = {c.name for c in report.checks if c.kind == "grad"}
+    assert ("output.weight" in names) == (case != "qwen2_bias_tied")  # tied: the embedding is the head
+    assert ("layers.1.attention.wk.bias" in names) == (case == "qwen2_bias_tied")
+    # Real training happened: the weights moved by ~lr and the schedule ran.
+    lrs = [c.ours for c in report.checks if c.kind == "lr"]
+    assert lrs == pytest.approx([optim.lr_at(s, vt.VERIFY_OPTIM, STEPS) for s in (1, 2)], rel=1e-6)
+    assert lrs[0] > lrs[1]
+    # Clipping is on (norm > clip) and the two sides agree far inside the gates.
+    assert all(c.ours > vt.VERIFY_OPTIM.grad_clip for c in report.checks if c.kind == "grad_norm")
+    assert report.worst("grad") < vt.TENSOR_GATE / 10 and report.worst("loss") < vt.SCALAR_GATE / 10
+
+
+def test_cli_verify_train_without_ckpt(hf_dirs, capsys):
+    assert main(["verify", "--train", "--hf", str(hf_dirs["llama2_mha"]), "--steps", "2", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("msllm verify --train: Hugging Face") and "converted in memory" in out[0]
+    assert out[-1].startswith("PASS")
+    assert any(line.startswith("layers.1.feed_forward.w2.weight ") for line in out)  # per-parameter rows
+
+
+def faulty(monkeypatch, fault):
+    """Apply `fault` to the msllm model verify_train builds (the torch side is untouched)."""
+    load = vt.load_msllm
+
+    def load_with_fault(source):
+        model = load(source)
+        fault(model)
+        return model
+    monkeypatch.setattr(vt, "load_msllm", load_with_fault)
+
+
+def test_mis_scaled_attention_is_named_at_its_layer(hf_dirs, monkeypatch):
+    def scale(model):
+        # Every layer: the blocks share one compiled graph (lazy_inline), built from layer 0's attributes.
+        for layer in model.layers:
+            layer.attention.core.scale *= 1.25
+    faulty(monkeypatch, scale)
+    report = vt.verify_train(hf_dirs["llama2_mha"], steps=1, seq_len=SEQ)
+    bad = report.first_failure
+    assert (bad.step, bad.kind, bad.name) == (1, "layer", "layer 0"), "\n".join(report.lines())
+    assert "FAIL: step 1: forward diverges at layer 0" in report.lines()[-1]
+
+
+def test_swapped_norm_is_named_at_its_layer(hf_dirs, monkeypatch):
+    def swap(model):
+        block = model.layers[1]
+        a, b = block.attention_norm.weight, block.ffn_norm.weight
+        a_value, b_value = a.asnumpy().copy(), b.asnumpy().copy()
+        a.set_data(ms.Tensor(b_value))
+        b.set_data(ms.Tensor(a_value))
+    faulty(monkeypatch, swap)
+    report = vt.verify_train(hf_dirs["llama2_mha"], steps=1, seq_len=SEQ)
+    bad = report.first_failure
+    assert (bad.kind, bad.name) == ("layer", "layer 1"), "\n".join(report.lines())
+    layer0 = next(c for c in report.checks if c.name == "layer 0")
+    assert layer0.ok and bad.rel > 100 * vt.TENSOR_GATE
+
+
+def test_wrong_weight_decay_is_named_at_the_parameter(hf_dirs, monkeypatch, capsys):
+    monkeypatch.setattr(optim, "decays", lambda name, param: True)  # decays the norms too
+    assert main(["verify", "--train", "--hf", str(hf_dirs["llama2_mha"]), "--steps", "1", "--seq-len", "16"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("FAIL: step 1: updated weight layers.0.attention_norm.weight (the optimizer)")
+    row = next(line for line in out if line.startswith("layers.0.attention_norm.weight "))
+    grad_rel, weight_rel = map(float, row.split()[1:])
+    # Forward and gradients still agree; the norm weight moved by lr * wd = 1e-3 of itself.
+    assert grad_rel < vt.TENSOR_GATE and weight_rel == pytest.approx(1e-3, rel=0.3)
+    assert np.isfinite(weight_rel)
