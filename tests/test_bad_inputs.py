@@ -299,6 +299,11 @@ ROWS = [
     R("verify-hf-not-hf", "verify", "--hf", "{run}", "--ckpt", "{run}", names=("--hf",)),
     R("verify-other-model", "verify", "--hf", "{hf}", "--ckpt", "{run}", names=("{run}", "vocab_size")),
     R("verify-rope-yarn", "verify", "--hf", "{hf_yarn}", "--ckpt", "{run}", names=("config.json", "yarn")),
+    R("verify-no-ckpt", "verify", "--hf", "{hf}", names=("--ckpt",)),
+    R("verify-train-family", "verify", "--train", "--hf", "{hf_gpt2}", names=("config.json", "GPT2LMHeadModel")),
+    R("verify-train-steps-zero", "verify", "--train", "--hf", "{hf}", "--steps", "0", names=("--steps",)),
+    R("verify-train-hf-missing", "verify", "--train", "--hf", "{work}/nope", names=("{work}/nope",)),
+    R("verify-train-other-model", "verify", "--train", "--hf", "{hf}", "--ckpt", "{run}", names=("{run}", "vocab_size")),
 ]
 
 HF_EDITS = {  # variant -> config.json keys to set (None deletes), or raw text
