@@ -15,8 +15,9 @@ piece that is wrong:
 
   forward    each layer's output and the logits (msllm's model run eagerly, hooks on the layers),
              then the loss of the compiled step
-  backward   the global gradient norm, then each parameter's clipped gradient, from the loss
-             towards the embeddings
+  backward   each parameter's gradient before clipping, from the loss towards the embeddings (the
+             first that differs is the closest to the fault), then the global norm and the clip
+             coefficient (clipping scales all gradients by one factor, so it is checked once)
   optimizer  the learning rate, then each parameter's updated weight
 
 Gates, on max_rel = max|msllm - torch| / max|torch| per tensor (as interop/verify.py). Both sides
@@ -33,12 +34,17 @@ not one machine's measurement:
                     Weights: one AdamW update from the same weights, moments and gradient is a
                     dozen fp32 operations per element, <= 8 u (|w| + lr) apart (tests/numerics.py):
                     ~1e-6 of the tensor's scale.
-  SCALAR_GATE 1e-5  loss, gradient norm, LR. The loss is a mean of log-sum-exps over positive
-                    terms (relative error <= K u each, K = vocab) and the logits' error enters it
-                    at most twice, relative to ln(vocab) ~ 5: <= 300 u + 2 * 1e-4 max|logits| / 5,
-                    with |logits| ~ 1 in a random model: 4e-6 worst case. The norm is a square root
-                    of a sum of squares (positive terms): <= K u / 2 relative. The LR is a few fp32
-                    operations against Python's double: ~u.
+  SCALAR_GATE 1e-5  loss, gradient norm, clip coefficient, LR. The loss is a mean of log-sum-exp
+                    minus the label's logit: it moves by <= 2 max|d logits| plus the log-sum-exp's
+                    own rounding (<= K u, K = vocab, 1.8e-5 absolute at 300). A logit is a dot
+                    product over hidden (64 in the tests: 2 * 64 u sum|h w| ~ 1e-5 absolute for
+                    a normed h and 0.02-scale weights), so for an untrained model (loss ~ ln vocab
+                    = 5.7) the loss agrees to ~1e-5 relative worst case, ~sqrt(K) u typically
+                    (measured 2.5e-7). A trained checkpoint with a loss of ~2 and logits of ~20
+                    has less margin: pass --tolerance. The norm is a square root of a sum of
+                    squares (positive terms): <= K u / 2 relative. The LR is a few fp32 operations
+                    against Python's double: ~u; the clip coefficient clip / (norm + 1e-6) is as
+                    close as the norm.
 
 The verification optimizer (VERIFY_OPTIM) is chosen so a wrong piece is visible: lr 1e-2 with weight
 decay 0.1 moves weights by lr * wd = 1e-3 of their scale per step, 10x the gate; warmup 1 and
@@ -53,7 +59,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 import torch
-from mindspore import nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 
 from interop.convert import plan
 from interop.layouts import open_source
@@ -69,30 +75,40 @@ _hyper_map, _assign = ops.HyperMap(), ops.Assign()
 
 
 class RecordGradients(nn.Cell):
-    """Wraps an AdamW for TrainStep (build_train_step's wrap_optimizer) and keeps, in `seen`, the
-    gradient the optimizer applies: grad_coef * grads (unscaled, averaged over micro-batches,
-    clipped). The optimizer itself is called with (grads, grad_coef) unchanged."""
+    """Wraps an AdamW for TrainStep (build_train_step's wrap_optimizer) and keeps what the optimizer is
+    given: the summed gradients (`raw`, loss-scaled) and grad_coef (unscale, micro-batch mean and clip
+    in one factor). The optimizer itself is called with (grads, grad_coef) unchanged."""
 
     def __init__(self, optimizer):
         super().__init__(auto_prefix=False)
         self.optimizer = optimizer
         self.params = optimizer.params
         self.fused = optimizer.fused
-        self.seen = self.params.clone(prefix="seen", init="zeros")
+        self.raw = self.params.clone(prefix="seen", init="zeros")
+        self.coef = Parameter(Tensor(np.ones((), np.float32)), name="seen.coef")
 
     def construct(self, grads, grad_coef=None):
-        applied = grads if grad_coef is None else _hyper_map(ops.partial(ops.mul, grad_coef), grads)
-        _hyper_map(_assign, self.seen, applied)
+        _hyper_map(_assign, self.raw, grads)
+        if grad_coef is not None:
+            _assign(self.coef, grad_coef)
         return self.optimizer(grads, grad_coef)
 
+    def coefficient(self) -> float:
+        return float(self.coef.asnumpy())
+
+    def raw_gradients(self) -> dict:
+        return {p.name: g.asnumpy().copy() for p, g in zip(self.params, self.raw)}
+
     def gradients(self) -> dict:
-        return {p.name: s.asnumpy().copy() for p, s in zip(self.params, self.seen)}
+        """The gradients applied: grad_coef * grads, the same fp32 product the optimizer forms."""
+        coef = self.coef.asnumpy()
+        return {name: g * coef for name, g in self.raw_gradients().items()}
 
 
 @dataclasses.dataclass
 class Check:
     step: int
-    kind: str        # "layer" | "loss" | "grad_norm" | "grad" | "lr" | "weight"
+    kind: str        # "layer" | "loss" | "grad" | "grad_norm" | "clip" | "lr" | "weight"
     name: str        # "layer 1", "logits", "loss", a parameter's msllm name
     ours: float | None
     theirs: float | None
@@ -152,7 +168,8 @@ class TrainReport:
 def _what(c: Check) -> str:
     return {"layer": f"forward diverges at {c.name}", "loss": "the loss differs (the layer outputs of the eager "
             "model agree: the compiled step computes something else)", "grad_norm": "the gradient norm differs",
-            "grad": f"gradient of {c.name} (the first in backward order)", "lr": "the learning rate differs",
+            "grad": f"gradient of {c.name} (the first in backward order)",
+            "clip": "the clipping coefficient differs", "lr": "the learning rate differs",
             "weight": f"updated weight {c.name} (the optimizer)"}[c.kind]
 
 
@@ -199,17 +216,18 @@ class TorchSide:
                                                        "exp_avg_sq": second[name].clone()}
 
     def forward_backward(self, tokens: np.ndarray):
-        """(layer outputs + logits, loss, norm before clipping, clipped gradients by msllm name)."""
+        """(layer outputs + logits, loss, gradients by msllm name, norm, clip coefficient)."""
         self.adamw.zero_grad()
         states = []
         logits = hf_states(self.model, tokens[:, :-1], states)
         labels = torch.from_numpy(tokens[:, 1:]).long()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
         loss.backward()
+        grads = to_msllm(self.rows, {n: p.grad.clone() for n, p in self.params.items()})
         clip = self.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.params.values(), clip if clip > 0 else float("inf"))
-        grads = to_msllm(self.rows, {n: p.grad for n, p in self.params.items()})
-        return states + [logits.detach().numpy()], loss.item(), norm.item(), grads
+        norm = torch.nn.utils.clip_grad_norm_(self.params.values(), clip if clip > 0 else float("inf")).item()
+        coef = min(clip / (norm + 1e-6), 1.0) if clip > 0 else 1.0  # what clip_grad_norm_ multiplied by
+        return states + [logits.detach().numpy()], loss.item(), grads, norm, coef
 
     def update(self, grads: dict, lr: float) -> dict:
         """torch AdamW applied to `grads` (msllm names, already clipped) at `lr`; the new weights."""
@@ -260,14 +278,18 @@ def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int 
         our_states = msllm_states(model, tokens[:, :-1])
         ms.set_context(mode=ms.GRAPH_MODE)
         loss, norm, lr, finite, _ = (float(x.asnumpy()) for x in built.train_step(ms.Tensor(tokens)))
-        their_states, their_loss, their_norm, their_grads = theirs.forward_backward(tokens)
+        their_states, their_loss, their_grads, their_norm, their_coef = theirs.forward_backward(tokens)
         layer_names = [f"layer {k}" for k in range(m.num_layers)] + ["logits"]
         checks += [Check(step, "layer", n, None, None, max_rel(a, b)[1], tensor_gate)
                    for n, a, b in zip(layer_names, our_states, their_states)]
         checks.append(Check(step, "loss", "loss", loss, their_loss, rel(loss, their_loss), scalar_gate))
+        # Before clipping: clipping scales every gradient by one factor, which would blur where a fault is.
+        ours = recorder.raw_gradients() if finite else {n: np.full_like(g, np.nan) for n, g in their_grads.items()}
+        checks += tensor_checks(step, "grad", backward_order, ours, their_grads, tensor_gate)
         checks.append(Check(step, "grad_norm", "grad_norm", norm, their_norm, rel(norm, their_norm), scalar_gate))
-        our_grads = recorder.gradients() if finite else {n: np.full_like(g, np.nan) for n, g in their_grads.items()}
-        checks += tensor_checks(step, "grad", backward_order, our_grads, their_grads, tensor_gate)
+        coef = recorder.coefficient() if finite else float("nan")
+        checks.append(Check(step, "clip", "clip", coef, their_coef, rel(coef, their_coef), scalar_gate))
+        our_grads = recorder.gradients()
         want_lr = lr_at(step, optim, steps)
         checks.append(Check(step, "lr", "lr", lr, want_lr, rel(lr, want_lr), scalar_gate))
         their_weights = theirs.update(our_grads, want_lr)

@@ -2,6 +2,7 @@
 import mindspore as ms
 import numpy as np
 import pytest
+from mindspore import nn, ops
 
 from interop import verify_train as vt
 from msllm.cli import main
@@ -93,3 +94,34 @@ def test_wrong_weight_decay_is_named_at_the_parameter(hf_dirs, monkeypatch, caps
     # Forward and gradients still agree; the norm weight moved by lr * wd = 1e-3 of itself.
     assert grad_rel < vt.TENSOR_GATE and weight_rel == pytest.approx(1e-3, rel=0.3)
     assert np.isfinite(weight_rel)
+
+
+class GateGradientTimes(nn.Cell):
+    """SwiGLU whose backward scales the gate's gradient: the forward is right, only w1 (and what lies
+    below it) gets a wrong gradient."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+        self.sigmoid = ops.Sigmoid()
+
+    def construct(self, gate, up):
+        return gate * self.sigmoid(gate) * up
+
+    def bprop(self, gate, up, out, dout):
+        s = self.sigmoid(gate)
+        return dout * up * (s + gate * s * (1 - s)) * self.factor, dout * gate * s
+
+
+def test_wrong_backward_is_named_at_the_first_parameter_it_reaches(hf_dirs, monkeypatch):
+    from msllm import kernels
+
+    monkeypatch.setattr(kernels, "FusedSwiGLU", lambda: GateGradientTimes(1.01))  # what the CPU backend swaps in
+    report = vt.verify_train(hf_dirs["llama2_mha"], steps=1, seq_len=SEQ)
+    bad = report.first_failure
+    # Backward order in layer 1: w3 and w2 are untouched (w2 sees the right activation), w1 is not.
+    assert (bad.kind, bad.name) == ("grad", "layers.1.feed_forward.w1.weight"), "\n".join(report.lines())
+    grads = {c.name: c for c in report.checks if c.kind == "grad"}
+    assert grads["layers.1.feed_forward.w3.weight"].ok and grads["layers.1.feed_forward.w2.weight"].ok
+    assert all(c.ok for c in report.checks if c.kind in ("layer", "loss"))
+    assert bad.rel == pytest.approx(0.01, rel=0.2)
