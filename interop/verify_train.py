@@ -160,7 +160,7 @@ class TrainReport:
         verdict = "PASS" if bad is None else (
             f"FAIL: step {bad.step}: {_what(bad)} (max_rel {bad.rel:.3e} > {bad.gate:.0e})")
         out.append(f"{verdict}  [{self.steps} steps of {self.tokens[0]}x{self.tokens[1]} tokens, fp32; gates "
-                   f"max_rel <= {SCALAR_GATE:.0e} loss / grad norm / lr, <= {TENSOR_GATE:.0e} layers / gradients / "
+                   f"max_rel <= {SCALAR_GATE:.0e} loss / grad norm / clip / lr, <= {TENSOR_GATE:.0e} layers / gradients / "
                    f"weights]")
         return out
 
