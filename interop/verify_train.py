@@ -1,7 +1,8 @@
 """Does msllm's compiled train step compute what Hugging Face + torch compute? `msllm verify --train`.
 
-Both sides start from the same weights (the HF checkpoint; msllm's converted in memory through the
-family table, or --ckpt) and train in fp32 on the same random token batches with the same AdamW,
+Both sides start from the same weights (the HF checkpoint, msllm's converted in memory through the
+family table; or --ckpt, an msllm / MindFormers checkpoint of the same model, e.g. a trained run, whose
+weights torch is given) and train in fp32 on the same random token batches with the same AdamW,
 LR schedule (msllm's lr_at, set per step on torch) and global-norm clip:
 
   msllm   the GRAPH train step from build_train_step (fused CPU kernels and all); the gradient
@@ -126,6 +127,8 @@ class TrainReport:
     steps: int
     tokens: tuple[int, int]
     source: str
+    tensor_gate: float = TENSOR_GATE
+    scalar_gate: float = SCALAR_GATE
 
     @property
     def first_failure(self) -> Check | None:
@@ -151,7 +154,8 @@ class TrainReport:
                        f"{norm.theirs:11.6f} {norm.rel:8.1e}  {lr.ours:8.2e}  {worst['layer']:8.1e} "
                        f"{worst['grad']:8.1e} {worst['weight']:8.1e}")
         names = [c.name for c in self.checks if c.step == 1 and c.kind == "weight"]
-        out.append(f"{'max_rel per parameter':40} {'gradient, steps 1..':>20}{self.steps:<4} weight, steps 1..{self.steps}")
+        span = f"steps 1..{self.steps}"
+        out.append(f"{'max_rel per parameter':40} {'gradient, ' + span:>24}  weight, {span}")
         for n in names:
             g = " ".join(f"{by[(s, 'grad', n)].rel:7.1e}" if (s, "grad", n) in by else f"{'-':>7}" for s in steps)
             w = " ".join(f"{by[(s, 'weight', n)].rel:7.1e}" if (s, "weight", n) in by else f"{'-':>7}" for s in steps)
@@ -159,9 +163,9 @@ class TrainReport:
         bad = self.first_failure
         verdict = "PASS" if bad is None else (
             f"FAIL: step {bad.step}: {_what(bad)} (max_rel {bad.rel:.3e} > {bad.gate:.0e})")
-        out.append(f"{verdict}  [{self.steps} steps of {self.tokens[0]}x{self.tokens[1]} tokens, fp32; gates "
-                   f"max_rel <= {SCALAR_GATE:.0e} loss / grad norm / clip / lr, <= {TENSOR_GATE:.0e} layers / gradients / "
-                   f"weights]")
+        out.append(f"{verdict}  [{self.steps} steps of {self.tokens[0]}x{self.tokens[1]} tokens, fp32; gates max_rel "
+                   f"<= {self.scalar_gate:.0e} loss / grad norm / clip / lr, <= {self.tensor_gate:.0e} layers / "
+                   f"gradients / weights]")
         return out
 
 
@@ -271,7 +275,10 @@ def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int 
     checks = []
     for step in range(1, steps + 1):
         tokens = rng.integers(0, m.vocab_size, (batch, seq + 1)).astype(np.int32)
-        if step > 1:  # lockstep: the torch side starts this step from msllm's weights and moments
+        # Lockstep: the torch side starts each step from msllm's weights and moments; at step 1 too
+        # when they come from --ckpt (without it, both loaded the HF dir: the in-memory conversion
+        # is checked by step 1's forward).
+        if step > 1 or ckpt is not None:
             theirs.load(_arrays(adamw.params), _arrays(adamw.exp_avg, adamw.params),
                         _arrays(adamw.exp_avg_sq, adamw.params), step - 1)
         ms.set_context(mode=ms.PYNATIVE_MODE)  # the layer outputs: the same model, eagerly, with hooks
@@ -289,13 +296,13 @@ def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int 
         checks.append(Check(step, "grad_norm", "grad_norm", norm, their_norm, rel(norm, their_norm), scalar_gate))
         coef = recorder.coefficient() if finite else float("nan")
         checks.append(Check(step, "clip", "clip", coef, their_coef, rel(coef, their_coef), scalar_gate))
-        our_grads = recorder.gradients()
+        our_grads = recorder.gradients() if finite else ours
         want_lr = lr_at(step, optim, steps)
         checks.append(Check(step, "lr", "lr", lr, want_lr, rel(lr, want_lr), scalar_gate))
         their_weights = theirs.update(our_grads, want_lr)
         checks += tensor_checks(step, "weight", names, _arrays(adamw.params), their_weights, tensor_gate)
     where = f"{ckpt}" if ckpt is not None else "msllm (converted in memory)"
-    return TrainReport(checks, steps, (batch, seq), where)
+    return TrainReport(checks, steps, (batch, seq), where, tensor_gate, scalar_gate)
 
 
 def load_msllm(source):

@@ -326,7 +326,8 @@ def build_parser() -> Parser:
     p = command("verify", "compare an msllm or MindFormers checkpoint with the HF model, layer by layer")
     p.add_argument("--hf", required=True, help="Hugging Face model dir")
     p.add_argument("--ckpt", default=None, help="msllm checkpoint / run dir, or MindFormers dir (optional with "
-                                                "--train: the --hf weights converted in memory)")
+                                                "--train: without it the --hf weights are converted in memory; "
+                                                "with it both sides train from its weights)")
     p.add_argument("--train", action="store_true", help="compare train steps (loss, gradients, updated weights) "
                                                         "with HF + torch AdamW + clip_grad_norm_")
     p.add_argument("--steps", type=int_at_least(1), default=3, help="train steps compared with --train (default 3)")

@@ -303,7 +303,8 @@ ROWS = [
     R("verify-train-family", "verify", "--train", "--hf", "{hf_gpt2}", names=("config.json", "GPT2LMHeadModel")),
     R("verify-train-steps-zero", "verify", "--train", "--hf", "{hf}", "--steps", "0", names=("--steps",)),
     R("verify-train-hf-missing", "verify", "--train", "--hf", "{work}/nope", names=("{work}/nope",)),
-    R("verify-train-other-model", "verify", "--train", "--hf", "{hf}", "--ckpt", "{run}", names=("{run}", "vocab_size")),
+    R("verify-train-other-model", "verify", "--train", "--hf", "{hf}", "--ckpt", "{run}",
+      names=("{run}", "vocab_size")),
 ]
 
 HF_EDITS = {  # variant -> config.json keys to set (None deletes), or raw text

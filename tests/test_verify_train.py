@@ -125,3 +125,22 @@ def test_wrong_backward_is_named_at_the_first_parameter_it_reaches(hf_dirs, monk
     assert grads["layers.1.feed_forward.w3.weight"].ok and grads["layers.1.feed_forward.w2.weight"].ok
     assert all(c.ok for c in report.checks if c.kind in ("layer", "loss"))
     assert bad.rel == pytest.approx(0.01, rel=0.2)
+
+
+def test_ckpt_weights_are_given_to_both_sides(hf_dirs, tmp_path):
+    """--ckpt: a checkpoint of the same model whose weights differ from the HF dir (as after training)
+    is checked as a train step from its own weights."""
+    from safetensors.numpy import load_file, save_file
+
+    from interop.convert import convert
+    from msllm import checkpoint
+
+    convert(hf_dirs["llama2_mha"], tmp_path / "ms", progress=False)
+    weights = tmp_path / "ms" / checkpoint.MODEL_FILE
+    tensors = load_file(weights)
+    tensors["layers.1.feed_forward.w2.weight"] *= 1.5
+    save_file(tensors, weights)
+    checkpoint.write_manifest(tmp_path / "ms", [checkpoint.MODEL_FILE, checkpoint.STATE_FILE])
+    report = vt.verify_train(hf_dirs["llama2_mha"], tmp_path / "ms", steps=1, seq_len=SEQ)
+    assert report.ok, "\n".join(report.lines())
+    assert report.source == str(tmp_path / "ms")

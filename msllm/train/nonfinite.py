@@ -101,7 +101,8 @@ def locate(model, tokens: np.ndarray, scale: float = 1.0) -> dict | None:
     handles = [cell.register_forward_hook(forward(name)) for name, cell in cells]
     handles += [cell.register_backward_hook(backward(name)) for name, cell in cells]
     try:
-        _, grads = ops.value_and_grad(loss_cell, None, params)(ms.Tensor(tokens, ms.int32), ms.Tensor(scale, ms.float32))
+        grad_fn = ops.value_and_grad(loss_cell, None, params)
+        _, grads = grad_fn(ms.Tensor(tokens, ms.int32), ms.Tensor(scale, ms.float32))
     finally:
         for h in handles:
             h.remove()
