@@ -184,6 +184,7 @@ ROWS = [
     T("train-loss-scale-inf", "train.loss_scale=.inf", names=("--set", "train.loss_scale")),
     T("train-loss-scale-window-zero", "train.loss_scale_window=0", names=("--set", "train.loss_scale_window")),
     T("train-max-bad-steps-zero", "train.max_bad_steps=0", names=("--set", "train.max_bad_steps")),
+    T("train-debug-nonfinite-word", "train.debug_nonfinite=maybe", names=("--set", "train.debug_nonfinite")),
     T("train-keep-zero", "train.keep_checkpoints=0", names=("--set", "train.keep_checkpoints")),
     T("train-log-every-zero", "train.log_every=0", names=("--set", "train.log_every")),
     T("train-peak-flops-nan", "train.peak_flops=.nan", names=("--set", "train.peak_flops")),

@@ -30,7 +30,8 @@ def test_forward_overflow_names_the_layer_and_writes_a_reproduction(tmp_path, ca
     *_, finite, scale = built.train_step(ms.Tensor(TOKENS))
     assert not bool(finite.asnumpy())  # the compiled step saw it and skipped the update
     result = nonfinite.report(cfg.train.run_dir, 7, built.model, TOKENS, float(scale.asnumpy()), cfg)
-    assert ms.get_context("mode") == ms.GRAPH_MODE  # restored
+    assert ms.get_context("mode") == ms.GRAPH_MODE  # restored: training goes on with the compiled step
+    assert not bool(built.train_step(ms.Tensor(TOKENS))[3].asnumpy())
     assert (result["phase"], result["cell"], result["layer"], result["type"]) == ("forward", "layers.1.attention.wv",
                                                                                    1, "Linear")
     (inputs,) = result["inputs"]  # the normed residual stream: finite and small
