@@ -64,10 +64,19 @@ def test_fp16_backward_overflow_is_located_after_the_loss(tmp_path):
     assert result["loss_scale"] == 2.0 ** 100 and "loss scale 1.26765e+30" in result["summary"]
 
 
-def test_finite_step_reports_nothing(tmp_path):
+def test_finite_step_reports_nothing_and_a_non_finite_weight_is_named_first(tmp_path):
     cfg, built = failing_step(tmp_path)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
         assert nonfinite.locate(built.model, TOKENS) is None
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)
+    norm = built.model.layers[0].ffn_norm.weight
+    values = norm.asnumpy().copy()
+    values[3] = np.nan
+    norm.set_data(ms.Tensor(values))
+    result = nonfinite.report(cfg.train.run_dir, 2, built.model, TOKENS, 1.0, cfg)
+    assert (result["phase"], result["cell"], result["tensor"]) == ("weights", "layers.0.ffn_norm",
+                                                                   "layers.0.ffn_norm.weight")
+    assert result["params"]["layers.0.ffn_norm.weight"]["nonfinite"] == 1
+    assert result["reproduce"]["checkpoint"] is None and "non-finite" in result["reproduce"]["why"]

@@ -120,6 +120,7 @@ def summary(step: int, found: dict | None) -> str:
     if found is None:
         return f"step {step}: the non-finite step is finite when re-run eagerly (a compiled-graph difference)"
     where = f"{found['cell']} ({found['type']}{'' if found['layer'] is None else ', layer ' + str(found['layer'])})"
+
     def ranges(items):
         return ", ".join(f"{name}[{s['min']:.3g}, {s['max']:.3g}] absmax {s['absmax']:.3g}" for name, s in items
                          if s["absmax"] is not None)
