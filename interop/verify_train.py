@@ -2,7 +2,7 @@
 
 Both sides start from the same weights (the HF checkpoint, msllm's converted in memory through the
 family table; or --ckpt, an msllm / MindFormers checkpoint of the same model, e.g. a trained run, whose
-weights torch is given) and train in fp32 on the same random token batches with the same AdamW,
+weights torch is given) and train in fp32 on the same token batches (random, or --data) with the same AdamW,
 LR schedule (msllm's lr_at, set per step on torch) and global-norm clip:
 
   msllm   the GRAPH train step from build_train_step (fused CPU kernels and all); the gradient
@@ -62,6 +62,7 @@ import numpy as np
 import torch
 from mindspore import Parameter, Tensor, nn, ops
 
+from interop import InteropError
 from interop.convert import plan
 from interop.layouts import open_source
 from interop.table import Entry
@@ -245,7 +246,7 @@ class TorchSide:
 
 
 def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int = 3, seq_len: int = 32,
-                 batch: int = 2, seed: int = 0, tolerance: float | None = None,
+                 batch: int = 2, seed: int = 0, tolerance: float | None = None, data: str | Path | None = None,
                  optim: OptimConfig = VERIFY_OPTIM) -> TrainReport:
     from msllm import device
     from msllm.train.build import build_train_step
@@ -262,6 +263,7 @@ def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int 
         hf.reader.close()
     m = hf.config.model
     seq = min(seq_len, m.max_seq_len - 1, source.config.model.max_seq_len - 1)
+    batches = token_batches(data, m.vocab_size, batch, seq, steps, seed)
     device.setup("cpu", "graph")
     model = load_msllm(source)
     cfg = Config(model=source.config.model, optim=optim,
@@ -271,10 +273,8 @@ def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int 
     theirs = TorchSide(Path(hf_dir), rows, optim)
     names = [e.name for e in rows]
     backward_order = names[::-1]  # from the loss towards the embeddings
-    rng = np.random.default_rng(seed)
     checks = []
-    for step in range(1, steps + 1):
-        tokens = rng.integers(0, m.vocab_size, (batch, seq + 1)).astype(np.int32)
+    for step, tokens in enumerate(batches, 1):
         # Lockstep: the torch side starts each step from msllm's weights and moments; at step 1 too
         # when they come from --ckpt (without it, both loaded the HF dir: the in-memory conversion
         # is checked by step 1's forward).
@@ -303,6 +303,28 @@ def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int 
         checks += tensor_checks(step, "weight", names, _arrays(adamw.params), their_weights, tensor_gate)
     where = f"{ckpt}" if ckpt is not None else "msllm (converted in memory)"
     return TrainReport(checks, steps, (batch, seq), where, tensor_gate, scalar_gate)
+
+
+def token_batches(data: str | Path | None, vocab: int, batch: int, seq: int, steps: int, seed: int) -> list:
+    """`steps` batches [batch, seq + 1] of int32 tokens: random (seeded), or consecutive windows from the
+    start of a pretokenized shard dir's train split (what msllm train writes to RUN_DIR/data)."""
+    if data is None:
+        rng = np.random.default_rng(seed)
+        return [rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32) for _ in range(steps)]
+    from msllm.data import shards
+
+    folder = Path(data)
+    index = shards.read_index(folder)
+    if index.get("vocab_size", 0) > vocab:
+        raise InteropError(f"{folder / shards.INDEX}: vocab_size {index['vocab_size']} > the model's {vocab}")
+    tokens = shards.open_tokens(folder, "train")
+    need = steps * batch * seq + 1
+    if len(tokens) < need:
+        raise InteropError(f"{folder}: {len(tokens)} train tokens, --train needs {need} "
+                           f"(--steps x --batch x --seq-len + 1)")
+    starts = np.arange(steps * batch) * seq
+    windows = np.stack([tokens[k:k + seq + 1] for k in starts]).astype(np.int32)
+    return list(windows.reshape(steps, batch, seq + 1))
 
 
 def load_msllm(source):

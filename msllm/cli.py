@@ -138,7 +138,7 @@ def cmd_verify(args) -> int:
     from interop.verify_train import verify_train
 
     report = verify_train(args.hf, args.ckpt, steps=args.steps, seq_len=args.seq_len, batch=args.batch,
-                          seed=args.seed, tolerance=args.tolerance)
+                          seed=args.seed, tolerance=args.tolerance, data=args.data)
     print(f"msllm verify --train: Hugging Face {args.hf} + torch AdamW vs {report.source}, GRAPH train step")
     print("\n".join(report.lines()))
     return 0 if report.ok else 1
@@ -331,6 +331,8 @@ def build_parser() -> Parser:
     p.add_argument("--train", action="store_true", help="compare train steps (loss, gradients, updated weights) "
                                                         "with HF + torch AdamW + clip_grad_norm_")
     p.add_argument("--steps", type=int_at_least(1), default=3, help="train steps compared with --train (default 3)")
+    p.add_argument("--data", default=None, metavar="SHARD_DIR",
+                   help="--train batches from a pretokenized shard (e.g. RUN_DIR/data) instead of random tokens")
     _verify_options(p)
     p.set_defaults(func=cmd_verify)
 

@@ -304,6 +304,10 @@ ROWS = [
     R("verify-train-family", "verify", "--train", "--hf", "{hf_gpt2}", names=("config.json", "GPT2LMHeadModel")),
     R("verify-train-steps-zero", "verify", "--train", "--hf", "{hf}", "--steps", "0", names=("--steps",)),
     R("verify-train-hf-missing", "verify", "--train", "--hf", "{work}/nope", names=("{work}/nope",)),
+    R("verify-train-data-missing", "verify", "--train", "--hf", "{hf}", "--data", "{work}/nope",
+      names=("{work}/nope",)),
+    R("verify-train-data-vocab", "verify", "--train", "--hf", "{hf}", "--data", "{shard512}",
+      names=("{shard512}/index.json", "vocab_size 512")),
     R("verify-train-other-model", "verify", "--train", "--hf", "{hf}", "--ckpt", "{run}",
       names=("{run}", "vocab_size")),
 ]

@@ -1,9 +1,12 @@
 """msllm verify --train: the compiled train step against HF + torch AdamW, and faults it must name."""
+import json
+
 import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import nn, ops
 
+from interop import InteropError
 from interop import verify_train as vt
 from msllm.cli import main
 from msllm.train import optim
@@ -38,8 +41,31 @@ def test_train_steps_match_torch(hf_dirs, case):
     assert report.worst("grad") < vt.TENSOR_GATE / 10 and report.worst("loss") < vt.SCALAR_GATE / 10
 
 
-def test_cli_verify_train_without_ckpt(hf_dirs, capsys):
-    assert main(["verify", "--train", "--hf", str(hf_dirs["llama2_mha"]), "--steps", "2", "--seq-len", "16"]) == 0
+def shard(folder, tokens, vocab_size=300):
+    """A pretokenized shard dir as msllm train writes one."""
+    folder.mkdir()
+    np.asarray(tokens, np.uint16).tofile(folder / "train.bin")
+    np.arange(10, dtype=np.uint16).tofile(folder / "val.bin")
+    (folder / "index.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": vocab_size, "eos_id": 0,
+                                                   "train_tokens": len(tokens), "val_tokens": 10}))
+    return folder
+
+
+def test_token_batches_are_consecutive_windows_of_the_shard(tmp_path):
+    tokens = np.arange(1000) % 300
+    batches = vt.token_batches(shard(tmp_path / "s", tokens), 300, batch=2, seq=16, steps=3, seed=0)
+    assert [b.shape for b in batches] == [(2, 17)] * 3 and batches[0].dtype == np.int32
+    assert np.array_equal(batches[1][1], tokens[3 * 16:4 * 16 + 1])  # step 2, row 2: the 4th window
+    with pytest.raises(InteropError, match="vocab_size 512 > the model's 300"):
+        vt.token_batches(shard(tmp_path / "big", tokens, 512), 300, 2, 16, 3, 0)
+    with pytest.raises(InteropError, match="1000 train tokens, --train needs 1601"):
+        vt.token_batches(tmp_path / "s", 300, 2, 16, 50, 0)
+
+
+def test_cli_verify_train_without_ckpt_on_data(hf_dirs, tmp_path, capsys):
+    data = shard(tmp_path / "data", np.random.default_rng(1).integers(0, 300, 200))
+    assert main(["verify", "--train", "--hf", str(hf_dirs["llama2_mha"]), "--steps", "2", "--seq-len", "16",
+                 "--data", str(data)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("msllm verify --train: Hugging Face") and "converted in memory" in out[0]
     assert out[-1].startswith("PASS")
