@@ -54,10 +54,9 @@ def test_forward_overflow_names_the_layer_and_writes_a_reproduction(tmp_path, ca
 
 
 def test_fp16_backward_overflow_is_located_after_the_loss(tmp_path):
+    # (the compiled step's skip on this overflow is tested in test_robustness.py)
     cfg, built = failing_step(tmp_path, "fp16", loss_scale=2.0 ** 100)
-    loss, _, _, finite, scale = built.train_step(ms.Tensor(TOKENS))
-    assert np.isfinite(loss.asnumpy()) and not bool(finite.asnumpy())  # forward fine, backward overflowed
-    result = nonfinite.report(cfg.train.run_dir, 1, built.model, TOKENS, float(scale.asnumpy()), cfg)
+    result = nonfinite.report(cfg.train.run_dir, 1, built.model, TOKENS, 2.0 ** 100, cfg)
     # The loss gradient times 2^100 is finite in fp32 and overflows when cast to fp16 for the LM head.
     assert (result["phase"], result["cell"]) == ("backward", "output")
     assert result["tensor"].endswith("already non-finite after loss: the ops between them overflowed")
