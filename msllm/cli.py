@@ -130,8 +130,18 @@ def cmd_convert(args) -> int:
 def cmd_verify(args) -> int:
     from interop.hf_config import check_dir
 
+    if args.ckpt is None and not args.train:
+        raise UsageError("--ckpt is required (only --train converts the --hf weights itself)")
     check_dir(args.hf)
-    return _print_report(args.hf, args.ckpt, args)
+    if not args.train:
+        return _print_report(args.hf, args.ckpt, args)
+    from interop.verify_train import verify_train
+
+    report = verify_train(args.hf, args.ckpt, steps=args.steps, seq_len=args.seq_len, batch=args.batch,
+                          seed=args.seed, tolerance=args.tolerance, data=args.data)
+    print(f"msllm verify --train: Hugging Face {args.hf} + torch AdamW vs {report.source}, GRAPH train step")
+    print("\n".join(report.lines()))
+    return 0 if report.ok else 1
 
 
 def _print_report(hf, ckpt, args) -> int:
@@ -230,7 +240,8 @@ EXAMPLES = {
   msllm convert ~/models/Qwen2-0.5B qwen_mf --to mindformers --mf-format safetensors""",
     "verify": """examples:
   msllm verify --hf ~/models/Llama-3.2-1B --ckpt runs/llama32
-  msllm verify --hf ~/models/Llama-3.2-1B --ckpt runs/llama32 --seq-len 64 --batch 1 --tolerance 1e-3""",
+  msllm verify --hf ~/models/Llama-3.2-1B --ckpt runs/llama32 --seq-len 64 --batch 1 --tolerance 1e-3
+  msllm verify --train --hf ~/models/Llama-3.2-1B --steps 3   # train steps vs HF + torch AdamW""",
 }
 
 
@@ -314,7 +325,14 @@ def build_parser() -> Parser:
 
     p = command("verify", "compare an msllm or MindFormers checkpoint with the HF model, layer by layer")
     p.add_argument("--hf", required=True, help="Hugging Face model dir")
-    p.add_argument("--ckpt", required=True, help="msllm checkpoint / run dir, or MindFormers dir")
+    p.add_argument("--ckpt", default=None, help="msllm checkpoint / run dir, or MindFormers dir (optional with "
+                                                "--train: without it the --hf weights are converted in memory; "
+                                                "with it both sides train from its weights)")
+    p.add_argument("--train", action="store_true", help="compare train steps (loss, gradients, updated weights) "
+                                                        "with HF + torch AdamW + clip_grad_norm_")
+    p.add_argument("--steps", type=int_at_least(1), default=3, help="train steps compared with --train (default 3)")
+    p.add_argument("--data", default=None, metavar="SHARD_DIR",
+                   help="--train batches from a pretokenized shard (e.g. RUN_DIR/data) instead of random tokens")
     _verify_options(p)
     p.set_defaults(func=cmd_verify)
 

@@ -184,6 +184,7 @@ ROWS = [
     T("train-loss-scale-inf", "train.loss_scale=.inf", names=("--set", "train.loss_scale")),
     T("train-loss-scale-window-zero", "train.loss_scale_window=0", names=("--set", "train.loss_scale_window")),
     T("train-max-bad-steps-zero", "train.max_bad_steps=0", names=("--set", "train.max_bad_steps")),
+    T("train-debug-nonfinite-word", "train.debug_nonfinite=maybe", names=("--set", "train.debug_nonfinite")),
     T("train-keep-zero", "train.keep_checkpoints=0", names=("--set", "train.keep_checkpoints")),
     T("train-log-every-zero", "train.log_every=0", names=("--set", "train.log_every")),
     T("train-peak-flops-nan", "train.peak_flops=.nan", names=("--set", "train.peak_flops")),
@@ -315,6 +316,16 @@ ROWS = [
     R("verify-hf-not-hf", "verify", "--hf", "{run}", "--ckpt", "{run}", names=("--hf",)),
     R("verify-other-model", "verify", "--hf", "{hf}", "--ckpt", "{run}", names=("{run}", "vocab_size")),
     R("verify-rope-yarn", "verify", "--hf", "{hf_yarn}", "--ckpt", "{run}", names=("config.json", "yarn")),
+    R("verify-no-ckpt", "verify", "--hf", "{hf}", names=("--ckpt",)),
+    R("verify-train-family", "verify", "--train", "--hf", "{hf_gpt2}", names=("config.json", "GPT2LMHeadModel")),
+    R("verify-train-steps-zero", "verify", "--train", "--hf", "{hf}", "--steps", "0", names=("--steps",)),
+    R("verify-train-hf-missing", "verify", "--train", "--hf", "{work}/nope", names=("{work}/nope",)),
+    R("verify-train-data-missing", "verify", "--train", "--hf", "{hf}", "--data", "{work}/nope",
+      names=("{work}/nope",)),
+    R("verify-train-data-vocab", "verify", "--train", "--hf", "{hf}", "--data", "{shard512}",
+      names=("{shard512}/index.json", "vocab_size 512")),
+    R("verify-train-other-model", "verify", "--train", "--hf", "{hf}", "--ckpt", "{run}",
+      names=("{run}", "vocab_size")),
 ]
 
 HF_EDITS = {  # variant -> config.json keys to set (None deletes), or raw text

@@ -138,6 +138,11 @@ def test_nonfinite_guard_stops_with_a_checkpoint(tmp_path, corpus):
     last = proc.stderr.strip().splitlines()[-1]
     assert "2 consecutive non-finite steps (last at step 2)" in last and "--resume" in last
     assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_0000002"]
+    # Located when the guard stopped the run: the fp16 gradient overflows after the loss.
+    report = json.loads((run / "nonfinite" / "report.json").read_text())
+    assert (report["step"], report["phase"], report["cell"]) == (2, "backward", "output")
+    assert [line for line in proc.stderr.splitlines() if line.startswith("non-finite:")] == [
+        f"non-finite: {report['summary']}; report {run}/nonfinite/report.json"]
 
 
 def test_fault_injection_short(tmp_path):

@@ -23,6 +23,7 @@ from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
 from msllm.preflight import make_dir
+from msllm.train import nonfinite
 from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
 
@@ -95,6 +96,7 @@ class Trainer:
         self.model, self.train_step, self.eval_step = built.model, built.train_step, built.eval_step
         self.state_params = built.state_params
         self.start_step, self.skipped = 0, 0
+        self.nonfinite_report = None  # the first non-finite step, located (train/nonfinite.py)
         if resume_from:
             self._restore(resume_from)
         if self.rank == 0:
@@ -167,10 +169,15 @@ class Trainer:
                 info(f"step {step}: non-finite gradients (loss {loss}); update skipped"
                      + (f", loss scale now {float(self.train_step.loss_scaler.scale_value.asnumpy()):g}"
                         if self.train_step.loss_scaler is not None else ""))
-                if bad_run >= t.max_bad_steps:
+                stopping = bad_run >= t.max_bad_steps
+                if self.rank == 0 and self.nonfinite_report is None and (t.debug_nonfinite or stopping):
+                    self.nonfinite_report = nonfinite.report(self.run_dir, step, self.model, batch.asnumpy(),
+                                                             float(scale.asnumpy()), cfg, t.accum_steps)
+                if stopping:
                     path = self.save(step)
                     raise NonFiniteError(
-                        f"{bad_run} consecutive non-finite steps (last at step {step}); checkpoint {path}. "
+                        f"{bad_run} consecutive non-finite steps (last at step {step}); checkpoint {path}; where "
+                        f"it started: {self.run_dir / nonfinite.REPORT_DIR / nonfinite.REPORT_FILE}. "
                         f"Lower optim.lr, raise optim.warmup_steps or tighten optim.grad_clip, or use "
                         f"train.precision=fp32, then resume with --resume {self.run_dir}")
             if window_steps and (step % t.log_every == 0 or step == t.steps):
