@@ -1,0 +1,88 @@
+"""Data parallel on CPU, executed: msrun with 2 workers, through tests/dp_worker.py (the compiled step)
+and through `msllm launch` (the whole trainer: data order, checkpoints, resume, faults, several nodes)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from msllm.models.llama import build_model
+from tests.conftest import REPO, tiny_overrides
+from tests.dp_worker import CFG, STEPS
+from tests.numerics import REORDER_RTOL, U32, assert_close_to_scale
+
+VARIANTS = ("dp", "dp_portable", "zero", "overflow")
+ENV = {**os.environ, "GLOG_v": "3", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+       "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """variant -> [rank 0's results, rank 1's results] of tests/dp_worker.py under msrun."""
+    out = tmp_path_factory.mktemp("dp")
+    from msllm.parallel.launch import free_port
+    cmd = [str(Path(sys.executable).with_name("msrun")), "--worker_num", "2", "--local_worker_num", "2",
+           "--master_port", str(free_port()), "--log_dir", str(out / "logs"), "--join", "True",
+           "--cluster_time_out", "60", str(REPO / "tests" / "dp_worker.py"), str(out)]
+    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (out / "logs" / "worker_1.log").read_text()[-3000:]
+    return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in VARIANTS}
+
+
+def picked(result: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in result.items() if k.startswith(prefix)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ranks_stay_bitwise_equal(ranks, variant):
+    zero, one = ranks[variant]
+    assert zero.keys() == one.keys()
+    differ = [k for k in zero if k != "outs" and not np.array_equal(zero[k], one[k])]
+    assert not differ
+    # loss, grad norm, lr, finite (under overflow the loss and norm are each rank's own scale's inf / nan)
+    columns = [2, 3] if variant == "overflow" else [0, 1, 2, 3]
+    np.testing.assert_array_equal(zero["outs"][:, columns], one["outs"][:, columns])
+
+
+def test_two_workers_at_b_equal_one_worker_at_2b(ranks):
+    """The all-reduced step on 2 x 2 rows is the one-process step on 4 rows up to summation order
+    (two means of 2 sequences summed instead of one mean of 4): tests.numerics.REORDER_RTOL."""
+    from tests.test_robustness import Run, assert_same_step, train_steps
+
+    reference = train_steps(fused=True)
+    got = ranks["dp"][0]
+    assert_same_step(Run([got["outs"][0].tolist()], picked(got, "grad1/"), picked(got, "weight1/")), reference,
+                     REORDER_RTOL)
+
+
+def test_zero1_equals_plain_data_parallel(ranks):
+    """ZeRO-1 applies the same all-reduced gradient (bitwise) with AdamW's arithmetic done chunk by
+    chunk in MindSpore ops rather than by the fused kernel: the updated weights differ only by the
+    rounding of that arithmetic, a few ulps of the weight and of the lr-sized update."""
+    dp, zero = ranks["dp"][0], ranks["zero"][0]
+    for name, g in picked(dp, "grad1/").items():
+        np.testing.assert_array_equal(zero[f"grad1/{name}"], g)
+    lr = dp["outs"][0][2]
+    for name, w in picked(dp, "weight1/").items():
+        bound = 8 * U32 * (np.abs(w) + lr)
+        assert (np.abs(zero[f"weight1/{name}"] - w) <= bound).all(), name
+    np.testing.assert_allclose(zero["outs"][:, 0], dp["outs"][:, 0], rtol=REORDER_RTOL)  # the losses of all steps
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ranks):
+    """Rank 1's loss scale (2^40) overflows fp16, rank 0's (2^10) does not: the summed gradient is
+    non-finite on both, so both skip every step, keep their weights and halve their scales."""
+    initial = {p.name: p.asnumpy() for p in build_model(CFG, seed=0).trainable_params()}
+    for rank, start in ((0, 2.0 ** 10), (1, 2.0 ** 40)):
+        result = ranks["overflow"][rank]
+        assert result["outs"][:, 3].tolist() == [0.0] * STEPS
+        assert result["outs"][:, 4].tolist() == [start / 2 ** i for i in range(STEPS)]
+        for name, w in initial.items():
+            np.testing.assert_array_equal(result[f"weight/{name}"], w)
