@@ -86,3 +86,98 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ranks):
         assert result["outs"][:, 4].tolist() == [start / 2 ** i for i in range(STEPS)]
         for name, w in initial.items():
             np.testing.assert_array_equal(result[f"weight/{name}"], w)
+
+
+# --- msllm launch: the whole trainer on 2 workers -------------------------------------------------
+
+def launch_cmd(run_dir: Path, corpus: Path, *train_args, nproc=2, extra=()) -> list[str]:
+    sets = tiny_overrides(run_dir, corpus, **{"train.steps": 120, "train.ckpt_every": 20, "train.eval_every": 120,
+                                              "train.log_every": 20, "train.batch_size": 2,
+                                              "train.keep_checkpoints": 10})
+    return [sys.executable, "-m", "msllm.cli", "launch", "--nproc", str(nproc), "--timeout", "30", *extra,
+            "--", "train", *[a for s in sets for a in ("--set", s)], *train_args]
+
+
+def resume_cmd(run_dir: Path, *train_args, nproc=2) -> list[str]:
+    return [sys.executable, "-m", "msllm.cli", "launch", "--nproc", str(nproc), "--timeout", "30",
+            "--", "train", "--resume", str(run_dir), *train_args]
+
+
+def run(cmd, **kw) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, **kw)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def final_weights(run_dir: Path, step: int = 120) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:07d}" / "model.safetensors"))
+
+
+def losses(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r.get("kind") == "train"}
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, corpus):
+    """120 uninterrupted steps on 2 workers at micro-batch 2 (global batch 4), checkpoints every 20."""
+    run_dir = tmp_path_factory.mktemp("launch") / "ref"
+    run(launch_cmd(run_dir, corpus))
+    return run_dir
+
+
+def test_launch_names_a_killed_worker_and_the_resumed_run_is_exact(tmp_path, corpus, reference_run):
+    run_dir = tmp_path / "faulty"
+    proc = subprocess.Popen(launch_cmd(run_dir, corpus), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pid_file = run_dir / "logs" / "rank_1.pid"
+    deadline = time.time() + 240
+    while not (run_dir / "checkpoints" / "step_0000040").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    killed = time.time()
+    _, err = proc.communicate(timeout=120)
+    assert time.time() - killed < 60
+    assert proc.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert "rank 1 was killed by SIGKILL" in last and str(run_dir / "logs" / "worker_1.log") in last, err[-2000:]
+    assert list((run_dir / "checkpoints").glob("step_*"))       # at least the step-40 checkpoint survived
+
+    run(resume_cmd(run_dir))
+    want, got = final_weights(reference_run), final_weights(run_dir)
+    assert all(np.array_equal(got[k], want[k]) for k in want)   # bit for bit
+
+
+def copy_run_until(src: Path, dst: Path, step: int) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("logs"))
+    for ckpt in (dst / "checkpoints").glob("step_*"):
+        if int(ckpt.name.split("_")[1]) > step:
+            shutil.rmtree(ckpt)
+    return dst
+
+
+def test_resume_at_another_world_size(tmp_path, reference_run):
+    """2 workers at b = 2 -> 1 worker at 4, and (via a 1-worker start) 1 -> 2 workers with ZeRO-1: the same
+    samples in the same steps, so the loss curve continues as the reference's up to summation order."""
+    want = losses(reference_run)
+    one = copy_run_until(reference_run, tmp_path / "one", 60)
+    run([sys.executable, "-m", "msllm.cli", "train", "--resume", str(one), "--set", "train.batch_size=4"])
+    two = copy_run_until(one, tmp_path / "two", 80)      # step 80 was written by the 1-worker run
+    run(resume_cmd(two, "--set", "train.batch_size=2", "--set", "parallel.optimizer_shard=true"))
+    for run_dir in (one, two):
+        got = losses(run_dir)
+        steps = [s for s in got if s > 60]
+        np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-4)
+    optim = load_file(str(two / "checkpoints" / "step_0000120" / "optim.safetensors"))
+    weights = final_weights(two)
+    assert all(optim[f"exp_avg.{k}"].shape == w.shape for k, w in weights.items())   # saved whole, not sharded
+
+
+def test_resume_refuses_another_global_batch(tmp_path, reference_run):
+    run_dir = copy_run_until(reference_run, tmp_path / "r", 20)
+    done = subprocess.run([sys.executable, "-m", "msllm.cli", "train", "--resume", str(run_dir)], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "global batch" in done.stderr and "train.batch_size=4" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

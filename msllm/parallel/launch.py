@@ -24,6 +24,8 @@ from msllm.errors import UserError
 
 WORKER_SCRIPT = Path(__file__).with_name("entry") / "msllm_worker.py"
 DIED = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+MSLLM_ERROR = re.compile(r"^msllm \w+: (error|interrupted)")
+EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
 MINDSPORE_LOG = re.compile(r"^\[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] |^Start (scheduler|worker) process")
 
 
@@ -97,12 +99,16 @@ def describe(code: int) -> str:
 
 
 def last_line(path: Path) -> str:
-    """The worker's own last word (an msllm one-line error), skipping MindSpore's log lines."""
+    """What the worker said last: its msllm one-line error, else the exception a traceback ended with."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines()]
     except OSError:
         return ""
-    return next((line.strip() for line in reversed(lines) if line.strip() and not MINDSPORE_LOG.match(line)), "")
+    for pattern in (MSLLM_ERROR, EXCEPTION):
+        said = next((line for line in reversed(lines) if pattern.match(line)), None)
+        if said:
+            return said
+    return ""
 
 
 def rank_of(pid: int, log_dir: Path) -> int | None:

@@ -99,7 +99,8 @@ class ShardedAdamW(nn.Cell):
         gather = _GatherMoments(self.sizes, self.shapes)
         state = {self.step.name: self.step.asnumpy()}
         for moment in MOMENTS:
-            for p, whole in zip(self.params, gather(getattr(self, moment))):
+            chunks = tuple(Tensor(c.asnumpy()) for c in getattr(self, moment))  # graph inputs, not Parameters
+            for p, whole in zip(self.params, gather(chunks)):
                 state[f"{moment}.{p.name}"] = whole.asnumpy()
         return state
 
