@@ -168,7 +168,8 @@ def test_resume_at_another_world_size(tmp_path, reference_run):
     for run_dir in (one, two):
         got = losses(run_dir)
         steps = [s for s in got if s > 60]
-        np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-4)
+        # measured: 2.3e-7 after 60 steps; another data order would differ by ~1e-2
+        np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
     optim = load_file(str(two / "checkpoints" / "step_0000120" / "optim.safetensors"))
     weights = final_weights(two)
     assert all(optim[f"exp_avg.{k}"].shape == w.shape for k, w in weights.items())   # saved whole, not sharded
@@ -181,3 +182,41 @@ def test_resume_refuses_another_global_batch(tmp_path, reference_run):
     assert done.returncode == 2
     assert "global batch" in done.stderr and "train.batch_size=4" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def second_host():
+    """A network namespace with its own address, 10.77.0.2, reaching this host at 10.77.0.1: a second
+    node on this machine. (msrun starts a scheduler on every node whose own address is --master, so
+    two "nodes" that both have 127.0.0.1 cannot be simulated with loopback alone.)"""
+    ns, here, there = f"msllm{os.getpid()}", f"msa{os.getpid()}", f"msb{os.getpid()}"
+    steps = [["ip", "netns", "add", ns], ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+             ["ip", "link", "set", there, "netns", ns], ["ip", "addr", "add", "10.77.0.1/24", "dev", here],
+             ["ip", "link", "set", here, "up"],
+             ["ip", "netns", "exec", ns, "ip", "addr", "add", "10.77.0.2/24", "dev", there],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", there, "up"],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot simulate a second host here ({' '.join(step)}: {done.stderr.strip()})")
+        yield ["ip", "netns", "exec", ns]
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_nodes_train_as_the_one_node_run(tmp_path, corpus, reference_run, second_host):
+    from msllm.parallel.launch import free_port
+
+    run_dir, master = tmp_path / "nodes", f"10.77.0.1:{free_port()}"
+    nodes = [launch_cmd(run_dir, corpus, nproc=1, extra=("--nnodes", "2", "--node-rank", str(rank), "--master", master))
+             for rank in (0, 1)]
+    node1 = subprocess.Popen(second_host + nodes[1], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    run(nodes[0])
+    _, err = node1.communicate(timeout=120)
+    assert node1.returncode == 0, err[-2000:]
+    want, got = final_weights(reference_run), final_weights(run_dir)
+    assert all(np.array_equal(got[k], want[k]) for k in want)   # the same ranks, the same sums
