@@ -86,11 +86,15 @@ def cmd_launch(args) -> int:
     if rest[:1] != ["train"]:
         raise UsageError(f"launch runs `msllm train` on every worker: give `-- train ARGS...` "
                          f"(got {' '.join(rest) or 'nothing'})")
+    layout = Layout(args.nproc, args.nnodes, args.node_rank, args.master or "")
+    layout.check()
     train_args = build_parser().commands["train"].parse_args(rest[1:])
     train_args.command, train_args.verbose = "train", args.verbose
     cfg = train_config(train_args)  # a bad config fails here, once, before any worker starts
-    layout = Layout(args.nproc, args.nnodes, args.node_rank, args.master or "")
-    layout.check()
+    if cfg.parallel.dp not in (1, layout.world):
+        raise ConfigError("--set" if any(s.startswith("parallel.dp=") for s in train_args.set) else "config",
+                          "parallel.dp", f"is {cfg.parallel.dp} but this launch starts {layout.world} workers; "
+                          f"set it to {layout.world} or leave it at 1 (data parallel over all workers)")
     log_dir = Path(cfg.train.run_dir) / "logs"
     return launch(layout, (["--verbose"] if args.verbose else []) + rest, log_dir, args.timeout, args.verbose)
 
@@ -362,7 +366,7 @@ def build_parser() -> Parser:
                    help="device profile (default: from train.device)")
     p.add_argument("--seq-len", type=int, default=None, help="default: data.seq_len")
     p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step (default: train.batch_size x train.accum_steps)")
+                   help="sequences per optimizer step (default: train.batch_size x accum_steps x parallel.dp)")
     p.add_argument("--check", action="store_true", help="validate the config's parallel section for --devices")
     p.add_argument("--flash", action="store_true", help="activations as with a fused flash-attention kernel")
     p.add_argument("--top", type=int, default=10, help="layouts shown")

@@ -59,6 +59,8 @@ class Layout:
             raise LaunchError(f"--node-rank {self.node_rank}: must be in [0, {self.nnodes}) for --nnodes {self.nnodes}")
         if self.nnodes > 1 and not self.master:
             raise LaunchError("--nnodes > 1 needs --master ADDR:PORT, the address of node 0 that every node reaches")
+        if self.master:
+            self.address()
 
 
 def free_port() -> int:
@@ -154,13 +156,14 @@ def kill_tree(proc: subprocess.Popen, log_dir: Path) -> None:
 def launch(layout: Layout, args: list[str], log_dir: Path, timeout: int = 60, verbose: bool = False) -> int:
     """Run `msllm ARGS` on this node's workers; the exit code of the job (non-zero: one line on stderr)."""
     layout.check()
+    command = msrun_command(layout, log_dir, timeout, args)
     log_dir.mkdir(parents=True, exist_ok=True)
     for stale in log_dir.glob("rank_*.pid"):
         stale.unlink()
     first = layout.node_rank * layout.nproc
     print(f"msllm launch: ranks {first}-{first + layout.nproc - 1} of {layout.world} on this node, logs in {log_dir}",
           file=sys.stderr, flush=True)
-    proc = subprocess.Popen(msrun_command(layout, log_dir, timeout, args), env=worker_env(layout, log_dir, timeout),
+    proc = subprocess.Popen(command, env=worker_env(layout, log_dir, timeout),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     failure = None
     try:
