@@ -88,6 +88,8 @@ def worker_env(layout: Layout, log_dir: Path, timeout: int) -> dict:
     env["MSLLM_LOCAL_WORKERS"] = str(layout.nproc)
     env["MSLLM_PID_DIR"] = str(log_dir)
     env.setdefault("MS_NODE_TIMEOUT", str(timeout))
+    # msrun reports a dead worker as a MindSpore ERROR log line, which launch reads (and hides)
+    env["GLOG_v"] = str(min(3, int(env.get("GLOG_v", "3")))) if env.get("GLOG_v", "3").isdigit() else "3"
     return env
 
 
