@@ -39,16 +39,21 @@ def load_into(params, arrays: dict[str, np.ndarray], source: str) -> None:
     from mindspore import Tensor, dtype_to_nptype  # here, so interop can use this module without MindSpore
 
     params = {p.name: p for p in params}
-    missing = sorted(set(params) - set(arrays))
-    unexpected = sorted(set(arrays) - set(params))
-    shapes = [f"{n} {arrays[n].shape} != {tuple(params[n].shape)}" for n in params
-              if n in arrays and tuple(arrays[n].shape) != tuple(params[n].shape)]
-    if missing or unexpected or shapes:
-        parts = [f"{what} {_first(names)}" for what, names in
-                 (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)) if names]
-        raise CheckpointError(f"{source}: does not match the model: " + "; ".join(parts))
+    check_arrays({name: tuple(p.shape) for name, p in params.items()}, arrays, source)
     for name, p in params.items():
         p.set_data(Tensor(arrays[name].astype(dtype_to_nptype(p.dtype), copy=False)))
+
+
+def check_arrays(shapes: dict[str, tuple], arrays: dict[str, np.ndarray], source: str) -> None:
+    """Raise unless `arrays` has exactly the names of `shapes`, each with that shape."""
+    missing = sorted(set(shapes) - set(arrays))
+    unexpected = sorted(set(arrays) - set(shapes))
+    wrong = [f"{n} {arrays[n].shape} != {shapes[n]}" for n in shapes
+             if n in arrays and tuple(arrays[n].shape) != shapes[n]]
+    if missing or unexpected or wrong:
+        parts = [f"{what} {_first(names)}" for what, names in
+                 (("missing", missing), ("unexpected", unexpected), ("shape mismatch", wrong)) if names]
+        raise CheckpointError(f"{source}: does not match the model: " + "; ".join(parts))
 
 
 def _first(names: list, most: int = 4) -> str:
@@ -59,11 +64,13 @@ def _first(names: list, most: int = 4) -> str:
 
 def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep: int = 0) -> Path:
     """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all).
+    state_params: Parameters, or a name -> array dict (state gathered from data-parallel ranks).
 
     Non-finite weights are never saved. A failed or interrupted write leaves no trace, so the
     newest complete checkpoint stays the newest valid one; a full disk is one line."""
     root = Path(run_dir) / "checkpoints"
-    weights, extra = params_to_numpy(model_params), params_to_numpy(state_params)
+    weights = params_to_numpy(model_params)
+    extra = state_params if isinstance(state_params, dict) else params_to_numpy(state_params)
     bad = next((name for name, a in weights.items() if not np.isfinite(a).all()), None)
     if bad is not None:
         raise CheckpointError(f"{root}: not saving step {step}: {bad} has non-finite values; the newest "

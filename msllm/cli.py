@@ -14,16 +14,12 @@ from pathlib import Path
 from msllm.config import ConfigError
 from msllm.errors import UserError
 
-PLANNED = {
-    "launch": "multi-process launch over msrun (roadmap)",
-}
-
-
 class UsageError(UserError, ValueError):
     """A command-line value that is wrong only in the light of what it points at (e.g. --top-k > vocab)."""
 
 
-def cmd_train(args) -> int:
+def train_config(args):
+    """The run's Config from `msllm train` arguments, checked before MindSpore is imported or anything written."""
     from msllm.config import load_config
     from msllm.preflight import check_train
 
@@ -42,7 +38,12 @@ def cmd_train(args) -> int:
         cfg = load_config(config_path, overrides + [f"train.run_dir={args.resume}"])
     else:
         cfg = load_config(args.config, overrides)
-    check_train(cfg, resume=bool(args.resume))  # before MindSpore is imported or anything is written
+    check_train(cfg, resume=bool(args.resume))
+    return cfg
+
+
+def cmd_train(args) -> int:
+    cfg = train_config(args)
 
     from msllm.generate import generate_text
     from msllm.inference import cell_engine
@@ -76,6 +77,26 @@ def removed_on_failure(folder: Path):
         if top is not None:
             shutil.rmtree(top, ignore_errors=True)
         raise
+
+
+def cmd_launch(args) -> int:
+    from msllm.parallel.launch import Layout, launch
+
+    rest = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    if rest[:1] != ["train"]:
+        raise UsageError(f"launch runs `msllm train` on every worker: give `-- train ARGS...` "
+                         f"(got {' '.join(rest) or 'nothing'})")
+    layout = Layout(args.nproc, args.nnodes, args.node_rank, args.master or "")
+    layout.check()
+    train_args = build_parser().commands["train"].parse_args(rest[1:])
+    train_args.command, train_args.verbose = "train", args.verbose
+    cfg = train_config(train_args)  # a bad config fails here, once, before any worker starts
+    if cfg.parallel.dp not in (1, layout.world):
+        raise ConfigError("--set" if any(s.startswith("parallel.dp=") for s in train_args.set) else "config",
+                          "parallel.dp", f"is {cfg.parallel.dp} but this launch starts {layout.world} workers; "
+                          f"set it to {layout.world} or leave it at 1 (data parallel over all workers)")
+    log_dir = Path(cfg.train.run_dir) / "logs"
+    return launch(layout, (["--verbose"] if args.verbose else []) + rest, log_dir, args.timeout, args.verbose)
 
 
 def cmd_generate(args) -> int:
@@ -223,6 +244,11 @@ class Parser(argparse.ArgumentParser):
 
 
 EXAMPLES = {
+    "launch": """examples:
+  msllm launch --nproc 2 -- train --config configs/tiny.yaml          # 2 data-parallel workers, one node
+  msllm launch --nproc 2 -- train --resume runs/tiny                   # continue (any world size, same global batch)
+  msllm launch --nproc 8 --nnodes 2 --node-rank 0 --master 10.0.0.1:8118 -- train --config C   # on node 0
+  msllm launch --nproc 8 --nnodes 2 --node-rank 1 --master 10.0.0.1:8118 -- train --config C   # on node 1""",
     "train": """examples:
   msllm train                                            # tiny Llama on the stdlib sources, CPU, runs/tiny
   msllm train --config configs/tiny.yaml --set train.steps=1000 --set optim.lr=1e-3
@@ -358,23 +384,27 @@ def build_parser() -> Parser:
                    help="device profile (default: from train.device)")
     p.add_argument("--seq-len", type=int, default=None, help="default: data.seq_len")
     p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step (default: train.batch_size x train.accum_steps)")
+                   help="sequences per optimizer step (default: train.batch_size x accum_steps x parallel.dp)")
     p.add_argument("--check", action="store_true", help="validate the config's parallel section for --devices")
     p.add_argument("--flash", action="store_true", help="activations as with a fused flash-attention kernel")
     p.add_argument("--top", type=int_at_least(1), default=10, help="layouts shown")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     p.set_defaults(func=cmd_plan)
 
-    for name, what in PLANNED.items():
-        p = sub.add_parser(name, help=f"not implemented yet: {what}")
-        p.set_defaults(func=lambda args, name=name: _not_yet(name))
+    p = command("launch", "train on several worker processes (and nodes) through MindSpore's msrun")
+    p.add_argument("--nproc", type=int_at_least(1), required=True, help="worker processes on this node")
+    p.add_argument("--nnodes", type=int_at_least(1), default=1, help="nodes in the job (default 1)")
+    p.add_argument("--node-rank", type=int_at_least(0), default=0, help="this node's index, 0 .. nnodes-1")
+    p.add_argument("--master", default=None, metavar="ADDR:PORT",
+                   help="node 0's address and a free port (default: 127.0.0.1 and a free port, one node only)")
+    p.add_argument("--timeout", type=int_at_least(5), default=60,
+                   help="seconds to wait for every worker to join, and for a silent one (default 60)")
+    p.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ARGS",
+                   help="the msllm train command every worker runs")
+    p.set_defaults(func=cmd_launch)
+
     parser.commands = commands
     return parser
-
-
-def _not_yet(name: str) -> int:
-    print(f"msllm {name}: not implemented yet ({PLANNED[name]})", file=sys.stderr)
-    return 2
 
 
 def _interrupt(signum, frame):

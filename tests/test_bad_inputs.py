@@ -326,6 +326,19 @@ ROWS = [
       names=("{shard512}/index.json", "vocab_size 512")),
     R("verify-train-other-model", "verify", "--train", "--hf", "{hf}", "--ckpt", "{run}",
       names=("{run}", "vocab_size")),
+    # --- launch: refused before any worker starts
+    R("launch-no-command", "launch", "--nproc", "2", names=("-- train",)),
+    R("launch-not-train", "launch", "--nproc", "2", "--", "generate", "{run}", names=("-- train",)),
+    R("launch-nproc-zero", "launch", "--nproc", "0", "--", "train", names=("--nproc",)),
+    R("launch-timeout-small", "launch", "--nproc", "1", "--timeout", "1", "--", "train", names=("--timeout",)),
+    R("launch-node-rank-out-of-range", "launch", "--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--master",
+      "127.0.0.1:8118", "--", *T("x").args, names=("--node-rank",)),
+    R("launch-nodes-without-master", "launch", "--nproc", "1", "--nnodes", "2", "--", *T("x").args,
+      names=("--master",)),
+    R("launch-master-without-port", "launch", "--nproc", "1", "--master", "10.0.0.1", "--", *T("x").args,
+      names=("--master",)),
+    R("launch-bad-config", "launch", "--nproc", "2", "--", *T("x", "optim.lr=.inf").args, names=("optim.lr",)),
+    R("launch-dp-mismatch", "launch", "--nproc", "2", "--", *T("x", "parallel.dp=4").args, names=("parallel.dp",)),
 ]
 
 HF_EDITS = {  # variant -> config.json keys to set (None deletes), or raw text
@@ -535,7 +548,8 @@ def test_bad_input_is_one_line_exit_2_nothing_written(row, fixtures):
         pytest.skip("needs permission to mount a read-only tmpfs")
     proc, before, after, values = run_row(row, root, paths)
     lines = proc.stderr.splitlines()
-    command = row.args[0] if row.args and row.args[0] in ("train", "generate", "export", "convert", "verify") else ""
+    commands = ("train", "generate", "export", "convert", "verify", "launch")
+    command = row.args[0] if row.args and row.args[0] in commands else ""
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert len(lines) == 1, proc.stderr[-3000:]
