@@ -71,11 +71,12 @@ class GradAllReduce(nn.Cell):
     def construct(self, grads, loss):
         reduced = ()
         last = len(self.buckets) - 1
-        for b in range(len(self.buckets)):
+        done = loss
+        for b in range(len(self.buckets)):  # one bucket after the other: one bucket's buffers alive at a time
             bucket = self.buckets[b]
             flat = ()
             for i in bucket:
-                flat = flat + (grads[i].reshape(-1),)
+                flat = flat + (ops.depend(grads[i], done).reshape(-1),)
             sizes = ()
             for i in bucket:
                 sizes = sizes + (self.sizes[i],)
@@ -85,6 +86,7 @@ class GradAllReduce(nn.Cell):
             parts = ops.split(self.all_reduce(ops.concat(flat)), sizes)
             for j in range(len(bucket)):
                 reduced = reduced + (parts[j].reshape(self.shapes[bucket[j]]),)
+            done = parts[0]
             if b == last:
                 loss = parts[len(bucket)].reshape(())
         return reduced, loss

@@ -19,10 +19,12 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from msllm.config import OptimConfig
-from msllm.parallel.dp import BUCKET_BYTES, plan_buckets
+from msllm.parallel.dp import plan_buckets
 from msllm.train.optim import LRSchedule, decays
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# Gathered buckets are smaller than the all-reduce's: each one's update temporaries are alive at once.
+GATHER_BUCKET_BYTES = 8 << 20
 
 
 class ShardedAdamW(nn.Cell):
@@ -31,7 +33,7 @@ class ShardedAdamW(nn.Cell):
     fused = False  # the fused CPU kernel updates whole parameters in place; chunks use MindSpore ops
 
     def __init__(self, params, cfg: OptimConfig, total_steps: int, *, rank: int, world: int,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = GATHER_BUCKET_BYTES):
         super().__init__()
         self.params = ParameterTuple(params)
         self.rank, self.world = rank, world
@@ -68,26 +70,27 @@ class ShardedAdamW(nn.Cell):
         bias1, bias2 = 1.0 - ops.pow(self.beta1, t), 1.0 - ops.pow(self.beta2, t)
         step_size = lr * ops.sqrt(bias2) / bias1
         eps = self.eps * ops.sqrt(bias2)  # torch's eps, moved inside the bias correction
-        updated = ()
-        for i in range(len(self.params)):
-            g = self._chunk(grads[i], i)
-            if grad_coef is not None:
-                g = g * grad_coef
-            m = self.beta1 * self.exp_avg[i] + (1.0 - self.beta1) * g
-            v = self.beta2 * self.exp_avg_sq[i] + (1.0 - self.beta2) * g * g
-            ops.assign(self.exp_avg[i], m)
-            ops.assign(self.exp_avg_sq[i], v)
-            w = self._chunk(self.params[i], i) * (1.0 - lr * self.weight_decay[i])  # torch AdamW: decay first
-            updated = updated + (w - step_size * m / (ops.sqrt(v) + eps),)
+        # Bucket by bucket: update this rank's chunks, gather them, write the weights back, and only
+        # then start the next bucket, so one bucket's temporaries are alive at a time.
+        done = lr
         for bucket in self.buckets:
-            flat = ()
+            updated = ()
             for i in bucket:
-                flat = flat + (updated[i],)
-            gathered = self.all_gather(ops.concat(flat).reshape(1, -1))  # [world, sum of chunks]
+                g = self._chunk(ops.depend(grads[i], done), i)
+                if grad_coef is not None:
+                    g = g * grad_coef
+                m = self.beta1 * self.exp_avg[i] + (1.0 - self.beta1) * g
+                v = self.beta2 * self.exp_avg_sq[i] + (1.0 - self.beta2) * g * g
+                ops.assign(self.exp_avg[i], m)
+                ops.assign(self.exp_avg_sq[i], v)
+                w = self._chunk(self.params[i], i) * (1.0 - lr * self.weight_decay[i])  # torch AdamW: decay first
+                updated = updated + (w - step_size * m / (ops.sqrt(v) + eps),)
+            gathered = self.all_gather(ops.concat(updated).reshape(1, -1))  # [world, sum of the bucket's chunks]
             offset = 0
-            for i in bucket:
+            for j in range(len(bucket)):
+                i = bucket[j]
                 whole = gathered[:, offset:offset + self.chunks[i]].reshape(-1)[:self.sizes[i]]
-                ops.assign(self.params[i], whole.reshape(self.shapes[i]))
+                done = ops.assign(self.params[i], whole.reshape(self.shapes[i]))
                 offset += self.chunks[i]
         return lr
 
