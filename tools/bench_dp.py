@@ -27,7 +27,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-SETTINGS = [("1 worker", 1, False), ("2 workers", 2, False), ("2 workers, ZeRO-1", 2, True)]
+# (label, workers, ZeRO-1, accum_steps): accumulation shows how the all-reduce cost amortizes
+SETTINGS = [("1 worker", 1, False, 1), ("2 workers", 2, False, 1), ("2 workers, ZeRO-1", 2, True, 1),
+            ("1 worker, accum 4", 1, False, 4), ("2 workers, accum 4", 2, False, 4)]
+
+
+def rss_now_mb() -> float:
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
 
 
 def worker(args) -> None:
@@ -44,13 +51,14 @@ def worker(args) -> None:
     device.setup("cpu", "graph", 1)
     rank, world = dp.init_process_group()
     cfg = Config(model=model_config(w), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
-                 train=TrainConfig(steps=1000, batch_size=w["batch"], seed=0, threads=1),
+                 train=TrainConfig(steps=1000, batch_size=w["batch"], accum_steps=args.accum, seed=0, threads=1),
                  parallel=ParallelConfig(optimizer_shard=args.zero1))
     built = build_train_step(cfg, world=world, rank=rank)
-    batch = ms.Tensor(tokens(w, seed=rank))
+    batch = ms.Tensor(np.concatenate([tokens(w, seed=rank * 100 + i) for i in range(args.accum)]))
     timing = time_steps(lambda: built.train_step(batch)[0].asnumpy(), args.steps, args.warmup)
     result = {"rank": rank, "world": world, "zero": args.zero1, **timing,
-              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # compile included
+              "rss_after_steps_mb": rss_now_mb(),
               "optimizer_state_mb": sum(p.nbytes for p in built.optimizer.state_parameters()) / 2 ** 20}
     if world > 1:  # the all-reduce alone, on gradient-shaped tensors
         reducer = dp.GradAllReduce(built.optimizer.params)
@@ -67,7 +75,7 @@ def worker(args) -> None:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run_setting(nproc: int, zero: bool, args) -> list[dict]:
+def run_setting(nproc: int, zero: bool, accum: int, args) -> list[dict]:
     from msllm.parallel.launch import free_port
 
     out = Path(tempfile.mkdtemp(prefix="bench_dp_"))
@@ -76,7 +84,7 @@ def run_setting(nproc: int, zero: bool, args) -> list[dict]:
     cmd = [str(Path(sys.executable).with_name("msrun")), "--worker_num", str(nproc), "--local_worker_num", str(nproc),
            "--master_port", str(free_port()), "--log_dir", str(out / "logs"), "--join", "True",
            "--cluster_time_out", "120", str(Path(__file__).resolve()), "--as-worker", "--out", str(out), "--workload", args.workload,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--zero1"] if zero else [])
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--accum", str(accum)] + (["--zero1"] if zero else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"bench_dp: {nproc} workers failed; see {out}/logs\n{done.stdout[-2000:]}")
@@ -101,6 +109,7 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print only; no file under benchmarks/")
     p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)  # msrun would take --worker
     p.add_argument("--zero1", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.as_worker:
@@ -109,29 +118,30 @@ def main() -> None:
     from bench_train import WORKLOADS
     w = WORKLOADS[args.workload]
     rows = []
-    for label, nproc, zero in SETTINGS:
-        ranks = run_setting(nproc, zero, args)
+    for label, nproc, zero, accum in SETTINGS:
+        ranks = run_setting(nproc, zero, accum, args)
         step_s = max(r["step_s"] for r in ranks)  # the ranks wait for each other in the all-reduce
-        rows.append({"setting": label, "workers": nproc, "zero": zero, "step_s": step_s,
-                     "tokens_per_s": nproc * w["batch"] * w["seq"] / step_s,
+        rows.append({"setting": label, "workers": nproc, "zero": zero, "accum": accum, "step_s": step_s,
+                     "tokens_per_s": nproc * accum * w["batch"] * w["seq"] / step_s,
                      "first_step_s": max(r["first_step_s"] for r in ranks),
                      "peak_rss_mb_per_worker": max(r["peak_rss_mb"] for r in ranks),
+                     "rss_after_steps_mb_per_worker": max(r["rss_after_steps_mb"] for r in ranks),
                      "optimizer_state_mb_per_worker": ranks[0]["optimizer_state_mb"],
                      "allreduce_s": ranks[0].get("allreduce_s"), "allreduce_mb": ranks[0].get("allreduce_mb")})
         print(json.dumps(rows[-1]), flush=True)
-    base = rows[0]["tokens_per_s"]
+    base = {r["accum"]: r["tokens_per_s"] for r in rows if r["workers"] == 1}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     today = datetime.date.today().isoformat()
     lines = [f"# Data parallel on CPU: {args.workload}, 1 vs 2 workers (one core each), plain DP vs ZeRO-1", "",
              f"- Date: {today}", f"- Commit: {commit}", f"- Machine: {cpu_name()}",
              f"- Command: `python tools/bench_dp.py --workload {args.workload} --steps {args.steps} --warmup {args.warmup}`",
              f"- Workload: {w}; micro-batch {w['batch']} per worker, fp32, fused CPU kernels, 1 thread per worker", "",
-             "| setting | step s | tokens/s | vs 1 worker | first step s | peak RSS MB / worker | optimizer state MB / worker | all-reduce s/step |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| setting | step s | tokens/s | vs 1 worker (same accum) | first step s | peak RSS MB / worker | RSS after steps MB / worker | optimizer state MB / worker | all-reduce s/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ar = f"{r['allreduce_s']:.3f} ({r['allreduce_mb']:.0f} MB)" if r["allreduce_s"] else "-"
-        lines.append(f"| {r['setting']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x | "
-                     f"{r['first_step_s']:.1f} | {r['peak_rss_mb_per_worker']:.0f} | "
+        lines.append(f"| {r['setting']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base[r['accum']]:.2f}x | "
+                     f"{r['first_step_s']:.1f} | {r['peak_rss_mb_per_worker']:.0f} | {r['rss_after_steps_mb_per_worker']:.0f} | "
                      f"{r['optimizer_state_mb_per_worker']:.0f} | {ar} |")
     print("\n".join(lines))
     if not args.no_write:
