@@ -71,6 +71,10 @@ def check_new_dir(path: str | Path, force: bool, what: str) -> None:
 def check_train(cfg: Config, resume: bool = False) -> None:
     """Everything about a train config that can be known before building: paths, tokenizer, memory."""
     d, t = cfg.data, cfg.train
+    world = os.environ.get("RANK_SIZE", "1")
+    if world not in ("", "1") and "MS_SCHED_HOST" not in os.environ:  # msrun exports MS_SCHED_HOST
+        raise PreflightError(f"RANK_SIZE={world} is set but msrun did not start this process: run "
+                             f"`msllm launch --nproc {world} -- train ...`, or unset RANK_SIZE for one process")
     if not resume:
         _creatable_dir(Path(t.run_dir).expanduser(), "train.run_dir")
     if t.compile_cache:
