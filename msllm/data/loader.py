@@ -12,6 +12,8 @@ import mindspore.dataset as ds
 
 
 class PackedWindows:
+    columns = ["tokens"]
+
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
         self.count = (len(tokens) - 1) // seq_len
@@ -55,12 +57,18 @@ class ShardSampler:
         return self.length
 
 
-def make_dataset(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, shuffle: bool = True,
+def windows_of(data, seq_len: int):
+    """Samples of a split: fixed windows over a token stream, or an SFT shard's packed windows as they are."""
+    return data if hasattr(data, "columns") else PackedWindows(data, seq_len)
+
+
+def make_dataset(tokens, seq_len: int, batch_size: int, *, seed: int, shuffle: bool = True,
                  num_shards: int = 1, shard_id: int = 0, start_batch: int = 0, num_batches: int | None = None):
-    """A mindspore.dataset pipeline yielding int32 [batch, seq_len + 1] batches."""
-    windows = PackedWindows(tokens, seq_len)
+    """A mindspore.dataset pipeline yielding int32 [batch, seq_len + 1] batches (SFT windows: also
+    mask, segments and positions [batch, seq_len], msllm.data.sft)."""
+    windows = windows_of(tokens, seq_len)
     sampler = ShardSampler(len(windows), num_shards, shard_id, seed, shuffle, start=start_batch * batch_size,
                            length=None if num_batches is None else num_batches * batch_size)
-    dataset = ds.GeneratorDataset(windows, column_names=["tokens"], sampler=sampler,
+    dataset = ds.GeneratorDataset(windows, column_names=windows.columns, sampler=sampler,
                                   num_parallel_workers=1, python_multiprocessing=False)
     return dataset.batch(batch_size, drop_remainder=True)

@@ -18,7 +18,7 @@ import numpy as np
 from msllm import backends, checkpoint, device
 from msllm.config import Config, ConfigError, config_from_dict, save_config
 from msllm.data import shards
-from msllm.data.loader import make_dataset
+from msllm.data.loader import make_dataset, windows_of
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
@@ -41,11 +41,11 @@ def rank_and_world() -> tuple[int, int]:
 
 def evaluate(eval_step, val_tokens, cfg: Config) -> float:
     """Mean loss over the first eval_batches windows of the held-out split (fixed order)."""
-    windows = (len(val_tokens) - 1) // cfg.data.seq_len
+    windows = len(windows_of(val_tokens, cfg.data.seq_len))
     batch = min(cfg.train.batch_size, windows)
     data = make_dataset(val_tokens, cfg.data.seq_len, batch, seed=0, shuffle=False,
                         num_batches=min(cfg.train.eval_batches, windows // batch))
-    losses = [float(eval_step(b).asnumpy()) for (b,) in data.create_tuple_iterator(num_epochs=1)]
+    losses = [float(eval_step(*b).asnumpy()) for b in data.create_tuple_iterator(num_epochs=1)]
     return float(np.mean(losses))
 
 
@@ -85,8 +85,8 @@ class Trainer:
         self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")  # checks the corpus before writing
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
-        self.train_tokens = shards.open_tokens(self.shard_dir, "train")
-        self.val_tokens = shards.open_tokens(self.shard_dir, "val")
+        self.train_tokens = shards.open_split(self.shard_dir, "train")
+        self.val_tokens = shards.open_split(self.shard_dir, "val")
 
         built = build_train_step(cfg)
         self.model, self.train_step, self.eval_step = built.model, built.train_step, built.eval_step
@@ -145,9 +145,9 @@ class Trainer:
              f"{t.device}, {t.precision}; {remaining} steps of {tokens_per_step} tokens")
         step, last, bad_run = self.start_step, {}, 0
         window_t, window_steps = time.perf_counter(), 0
-        for (batch,) in data.create_tuple_iterator(num_epochs=1):
+        for batch in data.create_tuple_iterator(num_epochs=1):
             t0 = time.perf_counter()
-            loss, norm, lr, finite, scale = self.train_step(batch)
+            loss, norm, lr, finite, scale = self.train_step(*batch)
             loss = float(loss.asnumpy())  # also synchronises
             step += 1
             window_steps += 1
