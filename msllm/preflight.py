@@ -60,6 +60,12 @@ def check_train(cfg: Config, resume: bool = False) -> None:
         _creatable_dir(Path(t.run_dir).expanduser(), "train.run_dir")
     if t.compile_cache:
         _creatable_dir(Path(t.compile_cache).expanduser(), "train.compile_cache")
+    if t.init_from and not d.tokenizer:
+        raise PreflightError(f"train.init_from: {t.init_from} has no tokenizer.json; set data.tokenizer to the "
+                             f"model's tokenizer.json (a new tokenizer would not match its embeddings)")
+    if d.path and Path(d.path).suffix == ".jsonl" and not d.tokenizer:
+        raise PreflightError(f"data.path: {d.path} holds SFT rows, which need the model's tokenizer: set "
+                             f"train.init_from (or data.tokenizer)")
     if d.tokenizer:
         check_tokenizer(Path(d.tokenizer).expanduser(), cfg.model.vocab_size, "data.tokenizer")
     if d.path and (Path(d.path).expanduser() / "index.json").is_file():

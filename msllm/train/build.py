@@ -29,13 +29,17 @@ class Built:
         return self.optimizer.state_parameters() + self.train_step.state_parameters()
 
 
-def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=None) -> Built:
+def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=None, load_weights=None) -> Built:
     """The configured train step on a new model (seeded by train.seed), or on `model` as given.
     wrap_optimizer(optimizer) -> a Cell with the optimizer's call, `params` and `fused` (tests use it
-    to record the applied gradients). The process's device context must be set (msllm.device.setup) first."""
+    to record the applied gradients). load_weights(params): pretrained weights into the new model
+    before it is specialised (train.init_from). The process's device context must be set
+    (msllm.device.setup) first."""
     t = cfg.train
     if model is None:
         model = build_model(cfg.model, seed=t.seed, compute_dtype=device.compute_dtype(t.precision, t.device))
+        if load_weights is not None:
+            load_weights(model.trainable_params())
     spec = backends.specialise(model, cfg, training=True)
     optimizer = AdamW(model.trainable_params(), cfg.optim, t.steps, fused=spec.fused_kernels)
     scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None

@@ -26,7 +26,7 @@ from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
 
 # Sections that must not change when resuming: they define the weights and the data stream.
-FIXED_ON_RESUME = ("model", "data")
+FIXED_ON_RESUME = ("model", "data", "lora")
 LOSS_SCALE = "loss_scale."  # names of the fp16 loss-scaler state (train/step.py)
 
 
@@ -65,8 +65,11 @@ def check_resumable(cfg: Config, state: dict, source: str) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False):
-        self.cfg = cfg
+    """`pretrained` (train.init_from, read by the CLI through interop): load_base(params),
+    load_adapter(params), identity() and check(recorded, what); see interop/pretrained.py InitFrom."""
+
+    def __init__(self, cfg: Config, resume: bool = False, pretrained=None):
+        self.cfg, self.pretrained = cfg, pretrained
         t = cfg.train
         self.run_dir = Path(t.run_dir)
         self.rank, self.world = rank_and_world()
@@ -79,17 +82,25 @@ class Trainer:
         device.compute_dtype(t.precision, t.device)  # refuse an impossible precision before writing anything
         ms.set_seed(t.seed)
         resume_from = checkpoint.latest(self.run_dir) if resume else None
+        lora = cfg.lora.rank > 0  # checkpoints hold the adapters; the base is read from init_from every time
         if resume_from:
-            check_resumable(cfg, checkpoint.read_state(resume_from), str(resume_from / checkpoint.STATE_FILE))
-            check_weights(cfg.model, resume_from / checkpoint.MODEL_FILE, str(resume_from))
+            state = checkpoint.read_state(resume_from)
+            check_resumable(cfg, state, str(resume_from / checkpoint.STATE_FILE))
+            if lora:
+                pretrained.check(state.get("lora_base", {}), str(resume_from))
+            else:
+                check_weights(cfg.model, resume_from / checkpoint.MODEL_FILE, str(resume_from))
         self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")  # checks the corpus before writing
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
         self.train_tokens = shards.open_split(self.shard_dir, "train")
         self.val_tokens = shards.open_split(self.shard_dir, "val")
 
-        built = build_train_step(cfg)
+        load_base = pretrained.load_base if pretrained is not None and (lora or not resume_from) else None
+        built = build_train_step(cfg, load_weights=load_base)
         self.model, self.train_step, self.eval_step = built.model, built.train_step, built.eval_step
+        if lora and not resume_from:
+            pretrained.load_adapter(self.model.trainable_params())
         self.state_params = built.state_params
         self.start_step, self.skipped = 0, 0
         if resume_from:
@@ -127,6 +138,8 @@ class Trainer:
         state = {"data_position": step * self.samples_per_step, "skipped_steps": self.skipped,
                  "world": self.world, "seed": self.cfg.train.seed, "data_seed": self.cfg.data.seed,
                  "tokenizer": str(self.shard_dir / "tokenizer.json"), "config": self.cfg.to_dict()}
+        if self.cfg.lora.rank > 0:  # the checkpoint holds the adapters: name the base they belong to
+            state["lora_base"] = self.pretrained.identity()
         return checkpoint.save(self.run_dir, step, self.model.trainable_params(), self.state_params, state,
                                keep=self.cfg.train.keep_checkpoints)
 
