@@ -407,8 +407,7 @@ def _adopt(cfg: Config, origins: dict, pretrained: Pretrained) -> None:
                 raise ConfigError(origins[dotted], dotted, f"{mine!r} contradicts {value!r} of {where}; leave it unset")
             setattr(obj, key, value)
 
-    adopt("model", {k: v for k, v in dataclasses.asdict(pretrained.model).items()
-                    if not (k == "max_seq_len" and "model.max_seq_len" in origins)}, pretrained.source)
+    adopt("model", dataclasses.asdict(pretrained.model), pretrained.source)
     if pretrained.lora is not None:
         adopt("lora", pretrained.lora, str(cfg.train.lora_from))
     if cfg.data.tokenizer is None:
