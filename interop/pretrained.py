@@ -107,6 +107,8 @@ class InitFrom:
     def __init__(self, cfg: Config):
         self.cfg, self.base = cfg, PretrainedWeights(cfg.train.init_from)
         self.adapter = PeftAdapter(cfg.train.lora_from) if cfg.train.lora_from else None
+        if self.adapter is not None:
+            self.adapter.check_base(self.base)  # before anything is built or written
 
     def load_base(self, params) -> None:
         self.base.load(params)
@@ -194,13 +196,17 @@ class PeftAdapter:
         self.reader = SafetensorsReader(weights)
         self.base_sha256 = self.reader.metadata.get(BASE_SHA)
 
+    def check_base(self, base: PretrainedWeights) -> None:
+        """An adapter msllm exported names its base's sha256; one from elsewhere is trusted."""
+        if self.base_sha256 and self.base_sha256 != base.sha256:
+            raise InteropError(f"{self.path}: adapter trained on another base (sha256 {self.base_sha256[:12]}...) "
+                               f"than {base.path} ({base.sha256[:12]}...)")
+
     def load(self, params, arch: str, cfg: Config, base: PretrainedWeights) -> None:
         """Copy the adapter into the model's lora_a / lora_b Parameters."""
         from mindspore import Tensor
 
-        if self.base_sha256 and self.base_sha256 != base.sha256:
-            raise InteropError(f"{self.path}: adapter trained on another base (sha256 {self.base_sha256[:12]}...) "
-                               f"than {base.path} ({base.sha256[:12]}...)")
+        self.check_base(base)
         keys = peft_keys(arch, cfg)
         missing = [k for k in keys.values() if k not in self.reader.infos]
         if missing:

@@ -53,11 +53,14 @@ def cmd_train(args) -> int:
         from interop.pretrained import InitFrom
         pretrained = InitFrom(cfg)
 
-    from msllm.generate import generate_text
-    from msllm.inference import cell_engine
-    from msllm.train.trainer import Trainer
+    from msllm.data.shards import build_shard
 
     with removed_on_failure(Path(cfg.train.run_dir)):
+        build_shard(cfg, Path(cfg.train.run_dir) / "data")  # a bad corpus or SFT row fails before MindSpore loads
+        from msllm.generate import generate_text
+        from msllm.inference import cell_engine
+        from msllm.train.trainer import Trainer
+
         trainer = Trainer(cfg, resume=bool(args.resume), pretrained=pretrained)
     result = trainer.fit()
     if trainer.rank == 0 and cfg.train.sample_tokens > 0:
@@ -432,22 +435,23 @@ def main(argv=None) -> int:
     if extra:
         parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     quiet(args.verbose)
+    command = " ".join(filter(None, (args.command, getattr(args, "lora_command", None))))
     # MindSpore's runtime turns SIGINT into SIGTERM (its handler kills the process with SIGTERM): make
     # both a KeyboardInterrupt, so Ctrl-C cleans up temporary files and ends with one line, exit 130.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
     except UserError as e:  # every module's one-line error derives from it; importing it loads nothing heavy
-        print(f"msllm {args.command}: error: {e}", file=sys.stderr)
+        print(f"msllm {command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a file problem no check foresaw: still one line (--verbose shows the traceback)
         if args.verbose:
             raise
-        print(f"msllm {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
+        print(f"msllm {command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"msllm {args.command}: interrupted", file=sys.stderr)
+        print(f"msllm {command}: interrupted", file=sys.stderr)
         return 130
 
 

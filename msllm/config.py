@@ -254,9 +254,9 @@ MAX_VOCAB = 2**31 - 1   # token ids are int32
 MAX_SEED = 2**32 - 1    # numpy and MindSpore seeds
 
 
-def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
-    """Validate the whole config. An error is blamed on where the offending value was set: the
-    last-applied of the keys involved (--set after the file), or `source` for defaults."""
+def _needs(source: str, origins: dict | None):
+    """need(ok, key, message, *involved): an error is blamed on where the offending value was set:
+    the last-applied of the keys involved (--set after the file), or `source` for defaults."""
     order = list(origins or {})
 
     def need(ok: bool, key: str, message: str, *involved: str):
@@ -264,7 +264,28 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
             keys = [k for k in (key, *involved) if k in order]
             blamed = origins[max(keys, key=order.index)] if keys else source
             raise ConfigError(blamed, key, message)
+    return need
 
+
+def _check_lora(cfg: Config, need) -> None:
+    """The lora section on its own (checked before train.init_from is read, too)."""
+    lora, t = cfg.lora, cfg.train
+    need(lora.rank >= 0, "lora.rank", "must be >= 0 (0 = off)")
+    need(lora.alpha > 0, "lora.alpha", "must be > 0")
+    need(0 <= lora.dropout < 1, "lora.dropout", "must be in [0, 1)")
+    unknown = [x for x in lora.targets if x not in LORA_TARGETS]
+    need(not unknown, "lora.targets", f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(LORA_TARGETS)}")
+    need(bool(lora.targets) and len(set(lora.targets)) == len(lora.targets), "lora.targets",
+         f"needs distinct names of {', '.join(LORA_TARGETS)}, got {lora.targets!r}")
+    need(lora.rank == 0 or t.init_from is not None, "lora.rank",
+         "LoRA adapts pretrained weights: set train.init_from (or --init-from)", "train.init_from")
+    need(t.lora_from is None or t.init_from is not None, "train.lora_from",
+         "a PEFT adapter needs its base model: set train.init_from", "train.init_from")
+
+
+def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
+    """Validate the whole config, blaming each error on where its value was set (_needs)."""
+    need = _needs(source, origins)
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size", "max_seq_len"):
         need(getattr(m, key) > 0, f"model.{key}", "must be > 0")
@@ -308,17 +329,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips the sample)")
     need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
     need(t.loss_scale >= 1, "train.loss_scale", "must be >= 1")
-    need(cfg.lora.rank >= 0, "lora.rank", "must be >= 0 (0 = off)")
-    need(cfg.lora.alpha > 0, "lora.alpha", "must be > 0")
-    need(0 <= cfg.lora.dropout < 1, "lora.dropout", "must be in [0, 1)")
-    unknown = [x for x in cfg.lora.targets if x not in LORA_TARGETS]
-    need(not unknown, "lora.targets", f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(LORA_TARGETS)}")
-    need(bool(cfg.lora.targets) and len(set(cfg.lora.targets)) == len(cfg.lora.targets), "lora.targets",
-         f"needs distinct names of {', '.join(LORA_TARGETS)}, got {cfg.lora.targets!r}")
-    need(cfg.lora.rank == 0 or t.init_from is not None, "lora.rank",
-         "LoRA adapts pretrained weights: set train.init_from (or --init-from)", "train.init_from")
-    need(t.lora_from is None or t.init_from is not None, "train.lora_from",
-         "a PEFT adapter needs its base model: set train.init_from", "train.init_from")
+    _check_lora(cfg, need)
     need(not (t.block_graph == "shared" and t.recompute != "none"), "train.block_graph",
          "shared cannot recompute (MindSpore 2.10 ignores recompute inside the shared block graph); "
          "use inlined or auto with train.recompute", "train.recompute")
@@ -439,6 +450,7 @@ def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[st
         section, name = key.split(".")
         _apply(cfg, {section: {name: value}}, "--set", origins)
     if pretrained is not None and cfg.train.init_from is not None:
+        _check_lora(cfg, _needs(str(path) if path else "<defaults>", origins))  # before the source is read
         _adopt(cfg, origins, pretrained(cfg.train.init_from, cfg.train.lora_from))
     _check(cfg, str(path) if path else "<defaults>", origins)
     return cfg

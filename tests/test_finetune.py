@@ -148,7 +148,7 @@ def test_peft_adapter_continues_and_wrong_base_is_refused(base, lora_run, tmp_pa
     build("qwen2_bias_tied", seed=1).save_pretrained(other)
     cfg.train.init_from = str(other)
     with pytest.raises(InteropError, match="adapter trained on another base"):
-        InitFrom(cfg).load_adapter(adapter_params(model))
+        InitFrom(cfg)
 
 
 def test_full_finetune_from_hf_converts_back_and_verifies(base, corpus, tmp_path):

@@ -144,8 +144,8 @@ def pack(samples: list[tuple[list[int], list[int]]], seq_len: int, pad: int):
             current = []
         current.append((ids, resp))
     rows.append(current)
-    tokens = np.full((len(rows), width), pad, np.int64)
-    seg_full = np.zeros((len(rows), width), np.int64)
+    tokens = np.full((len(rows), width), pad, np.int32)
+    seg_full = np.zeros((len(rows), width), np.int32)
     resp_full = np.zeros((len(rows), width), np.uint8)
     for r, row in enumerate(rows):
         at = 0
@@ -165,11 +165,8 @@ def positions(segments: np.ndarray) -> np.ndarray:
     return (idx - np.maximum.accumulate(np.where(first, idx, 0), axis=-1)).astype(np.int32)
 
 
-def write_shard(path: Path, tokenizer_json: Path, seq_len: int, val_fraction: float, vocab: int, tmp: Path,
-                key: dict, log) -> None:
-    """Render, pack and write the SFT shard of the JSONL file `path` into tmp."""
-    from msllm.data.shards import INDEX, token_dtype
-
+def encode(path: Path, tokenizer_json: Path, seq_len: int):
+    """(renderer, packed windows) of the JSONL file; every bad row is refused before anything is written."""
     renderer = Renderer(tokenizer_json)
     samples = []
     for number, row in read_rows(path):
@@ -180,11 +177,19 @@ def write_shard(path: Path, tokenizer_json: Path, seq_len: int, val_fraction: fl
         if not any(resp[1:]):
             raise DataError(f"data.path: {path}:{number}: no response tokens to learn from")
         samples.append((ids, resp))
-    pad = renderer.eos if renderer.eos is not None else 0
-    tokens, mask, segments = pack(samples, seq_len, pad)
+    tokens, mask, segments = pack(samples, seq_len, renderer.eos if renderer.eos is not None else 0)
     if len(tokens) < 2:
         raise DataError(f"data.path: {path}: {len(samples)} samples fill only {len(tokens)} window of data.seq_len "
                         f"{seq_len}; need at least 2 (one is held out)")
+    return renderer, len(samples), (tokens, mask, segments)
+
+
+def write_shard(tmp: Path, renderer: Renderer, samples: int, packed, val_fraction: float, vocab: int, key: dict,
+                source: Path, log) -> None:
+    """The packed windows, the tokenizer files and index.json into tmp."""
+    from msllm.data.shards import INDEX, token_dtype
+
+    tokens, mask, segments = packed
     n_val = max(1, int(len(tokens) * val_fraction))
     dtype = token_dtype(vocab)
     split = {"train": slice(0, len(tokens) - n_val), "val": slice(len(tokens) - n_val, len(tokens))}
@@ -192,15 +197,17 @@ def write_shard(path: Path, tokenizer_json: Path, seq_len: int, val_fraction: fl
         tokens[rows].astype(dtype).tofile(tmp / f"{name}.bin")
         mask[rows].tofile(tmp / f"{name}.mask.bin")
         segments[rows].astype(np.uint16).tofile(tmp / f"{name}.segments.bin")
+    tokenizer_json = renderer.tokenizer_json
     shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
     for side in ("tokenizer_config.json", "chat_template.jinja"):
         if tokenizer_json.with_name(side).is_file():
             shutil.copyfile(tokenizer_json.with_name(side), tmp / side)
+    seq_len = tokens.shape[1] - 1
     index = {"kind": KIND, "dtype": np.dtype(dtype).name, "vocab_size": renderer.tok.get_vocab_size(),
              "eos_id": renderer.eos, "seq_len": seq_len, "train_windows": len(tokens) - n_val, "val_windows": n_val,
-             "samples": len(samples), "response_tokens": int(mask.sum()), "source": str(path), "key": key}
+             "samples": samples, "response_tokens": int(mask.sum()), "source": str(source), "key": key}
     (tmp / INDEX).write_text(json.dumps(index, indent=1))
-    log(f"{len(samples)} SFT samples packed into {len(tokens)} windows of {seq_len} ({len(tokens) - n_val} train / "
+    log(f"{samples} SFT samples packed into {len(tokens)} windows of {seq_len} ({len(tokens) - n_val} train / "
         f"{n_val} val), {int(mask.sum()):,} response tokens")
 
 
@@ -246,5 +253,6 @@ def prepare(path: Path, tokenizer: str | None, out_dir: Path, seq_len: int, val_
            "tokenizer": str(tokenizer_json.resolve()), "seq_len": seq_len, "val_fraction": val_fraction}
     if (out_dir / INDEX).exists() and read_index(out_dir).get("key") == key:
         return out_dir
-    return replace_dir(out_dir, lambda tmp: write_shard(path, tokenizer_json, seq_len, val_fraction, vocab, tmp,
-                                                        key, log))
+    renderer, samples, packed = encode(path, tokenizer_json, seq_len)
+    return replace_dir(out_dir, lambda tmp: write_shard(tmp, renderer, samples, packed, val_fraction, vocab, key,
+                                                        path, log))
