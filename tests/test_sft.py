@@ -14,6 +14,14 @@ from msllm.models.llama import MaskedCausalLMLoss, build_model
 from msllm.train.step import LossCell
 from tests.hf_models import save_tokenizer
 
+@pytest.fixture
+def eager():
+    """PYNATIVE for these few tiny forward / backward calls: no graph compile per shape."""
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    yield
+    ms.set_context(mode=ms.GRAPH_MODE)
+
+
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
                     max_seq_len=32)
 
@@ -38,7 +46,7 @@ def logits_np(model, ids, segments=None):
     return model(ids, None, None, False, Tensor(seg), Tensor(sft.positions(seg))).asnumpy()[0]
 
 
-def test_packed_samples_equal_the_samples_run_one_by_one():
+def test_packed_samples_equal_the_samples_run_one_by_one(eager):
     rng = np.random.default_rng(0)
     samples = [rng.integers(0, 64, n).tolist() for n in (7, 11)]
     model = specialised()
@@ -71,7 +79,7 @@ def grads(model, tokens, mask, segments):
     return float(loss.asnumpy()), [x.asnumpy() for x in g]
 
 
-def test_masked_tokens_contribute_exactly_zero_gradient():
+def test_masked_tokens_contribute_exactly_zero_gradient(eager):
     rng = np.random.default_rng(1)
     model = specialised()
     tokens = rng.integers(0, 64, (2, 25))
