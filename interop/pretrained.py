@@ -10,6 +10,7 @@ Face PEFT's layout (names derived from the same table), `PeftAdapter` reads such
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 from pathlib import Path
@@ -106,7 +107,7 @@ class InitFrom:
 
     def __init__(self, cfg: Config):
         self.cfg, self.base = cfg, PretrainedWeights(cfg.train.init_from)
-        self.adapter = PeftAdapter(cfg.train.lora_from) if cfg.train.lora_from else None
+        self.adapter = PeftAdapter(cfg.train.lora_from, self.base.architecture) if cfg.train.lora_from else None
         if self.adapter is not None:
             self.adapter.check_base(self.base)  # before anything is built or written
 
@@ -127,7 +128,7 @@ class InitFrom:
 def describe(init_from: str, lora_from: str | None) -> Pretrained:
     """load_config's view of train.init_from (and train.lora_from)."""
     base = PretrainedWeights(init_from)
-    lora = PeftAdapter(lora_from).lora if lora_from else None
+    lora = PeftAdapter(lora_from, base.architecture).lora if lora_from else None
     tokenizer = base.tokenizer
     return Pretrained(str(init_from), base.model, str(tokenizer) if tokenizer else None, lora)
 
@@ -161,25 +162,25 @@ def peft_keys(arch: str, cfg: Config) -> dict[str, str]:
     return keys
 
 
-def target_modules(arch: str, cfg: Config) -> list[str]:
-    """PEFT's target_modules: the HF leaf names of the adapted projections (q_proj, ...)."""
+def hf_leaves(arch: str) -> dict[str, str]:
+    """lora.targets name -> the HF module leaf PEFT's target_modules names (q -> q_proj, ...)."""
     from msllm.lora import TARGETS
 
-    leaves = {m.split(".", 2)[-1]: hf.rsplit(".", 1)[-1] for m, hf in hf_module_names(arch, cfg).items()}
-    return [leaves[TARGETS[t]] for t in cfg.lora.targets]
+    one_layer = Config(model=dataclasses.replace(Config().model, num_layers=1))
+    leaves = {m.split(".", 2)[-1]: hf.rsplit(".", 1)[-1] for m, hf in hf_module_names(arch, one_layer).items()}
+    return {target: leaves[module] for target, module in TARGETS.items()}
 
 
 class PeftAdapter:
     """A PEFT LoRA adapter dir: adapter_config.json + adapter_model.safetensors."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, arch: str):
         self.path = Path(path).expanduser()
         config = read_json(self.path / PEFT_CONFIG)
         if config.get("peft_type", "LORA") != "LORA":
             raise InteropError(f"{self.path / PEFT_CONFIG}: peft_type {config.get('peft_type')!r}; msllm trains LORA")
         modules = config.get("target_modules")
-        leaf_to_target = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
-                          "up_proj": "up", "down_proj": "down"}
+        leaf_to_target = {leaf: target for target, leaf in hf_leaves(arch).items()}
         if isinstance(modules, str) or not isinstance(modules, list) or not all(m in leaf_to_target for m in modules):
             raise InteropError(f"{self.path / PEFT_CONFIG}: target_modules {modules!r}: msllm adapts a list of "
                                f"{', '.join(leaf_to_target)}")
@@ -238,8 +239,6 @@ def _lora_run(run: str | Path, base: str | Path | None):
 
 def merge(run: str | Path, out: str | Path, base: str | Path | None = None, force: bool = False) -> Path:
     """A full msllm checkpoint dir: base + scale * B A folded into each adapted weight."""
-    import dataclasses
-
     from msllm.lora import adapter_params, apply_lora, merge_lora
     from msllm.models.llama import Llama
 
@@ -274,7 +273,8 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
     ckpt, state, cfg, weights, adapters = _lora_run(run, base)
     keys = peft_keys(weights.architecture, cfg)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
-              "lora_dropout": cfg.lora.dropout, "target_modules": target_modules(weights.architecture, cfg),
+              "lora_dropout": cfg.lora.dropout,
+              "target_modules": [hf_leaves(weights.architecture)[t] for t in cfg.lora.targets],
               "base_model_name_or_path": str(weights.path.resolve()), "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
               "use_dora": False}
