@@ -188,3 +188,29 @@ def test_config_follows_the_source(base):
         load_config(None, [f"train.init_from={hf}", "data.seq_len=32", "model.hidden_size=32"], pretrained=describe)
     with pytest.raises(ConfigError, match=r"model.max_seq_len: 128 contradicts 64"):
         load_config(None, [f"train.init_from={hf}", "model.max_seq_len=128"], pretrained=describe)
+
+
+def test_every_source_layout_loads_the_same_weights(base, tmp_path):
+    """HF safetensors (one file, shards), .bin (sharded), an msllm checkpoint and a MindFormers dir
+    all stream the same tensors into the model's Parameters."""
+    from interop.convert import convert
+    from interop.pretrained import PretrainedWeights
+    from msllm.models.llama import Llama
+    from tests.hf_models import save_bin
+
+    model = build("qwen2_bias_tied")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    save_bin(model, tmp_path / "bin", shards=2)
+    convert(base / "hf", tmp_path / "msllm", progress=False)
+    convert(base / "hf", tmp_path / "mf", to="mindformers", progress=False)
+    loaded = []
+    for source in (base / "hf", tmp_path / "sharded", tmp_path / "bin", tmp_path / "msllm", tmp_path / "mf"):
+        weights = PretrainedWeights(source)
+        target = Llama(weights.model)
+        weights.load(target.trainable_params())
+        loaded.append({p.name: p.asnumpy() for p in target.trainable_params()})
+    hf = model.state_dict()
+    assert np.array_equal(loaded[0]["layers.1.attention.wk.bias"], hf["model.layers.1.self_attn.k_proj.bias"].numpy())
+    assert np.array_equal(loaded[0]["norm.weight"], hf["model.norm.weight"].numpy())
+    for other in loaded[1:]:
+        assert other.keys() == loaded[0].keys() and all(np.array_equal(other[n], loaded[0][n]) for n in other)
