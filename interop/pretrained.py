@@ -130,7 +130,7 @@ def describe(init_from: str, lora_from: str | None) -> Pretrained:
     base = PretrainedWeights(init_from)
     lora = PeftAdapter(lora_from, base.architecture).lora if lora_from else None
     tokenizer = base.tokenizer
-    return Pretrained(str(init_from), base.model, str(tokenizer) if tokenizer else None, lora)
+    return Pretrained(str(init_from), base.model, str(tokenizer.resolve()) if tokenizer else None, lora)
 
 
 # --- PEFT names, from the family table

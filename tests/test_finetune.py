@@ -75,6 +75,14 @@ def test_lora_run_learns_the_responses_with_a_frozen_base(base, lora_run):
     assert sorted(optim) == sorted(["optimizer.step"] + [f"exp_avg{s}.{n}" for s in ("", "_sq") for n in adapters])
     state = json.loads((ckpt / "state.json").read_text())
     assert state["lora_base"]["path"] == str((base / "hf").resolve()) and len(state["lora_base"]["sha256"]) == 64
+    # what needs a full model says to merge first
+    from interop import InteropError
+    from interop.convert import convert
+    from msllm.checkpoint import CheckpointError, load_model
+    with pytest.raises(CheckpointError, match="lora merge"):
+        load_model(lora_run)
+    with pytest.raises(InteropError, match="lora merge"):
+        convert(lora_run, base / "never", progress=False)
 
 
 def test_lora_resume_is_exact(base, lora_run, tmp_path):
@@ -183,7 +191,7 @@ def test_config_follows_the_source(base):
     cfg = load_config(None, [f"train.init_from={hf}", "data.seq_len=32", "model.max_seq_len=32"], pretrained=describe)
     assert (cfg.model.hidden_size, cfg.model.qkv_bias, cfg.model.tie_embeddings, cfg.model.max_seq_len) == \
         (64, True, True, 32)
-    assert cfg.data.tokenizer == str(base / "hf" / "tokenizer.json")
+    assert cfg.data.tokenizer == str((base / "hf" / "tokenizer.json").resolve())
     with pytest.raises(ConfigError, match=r"--set: model.hidden_size: 32 contradicts 64 of .*hf"):
         load_config(None, [f"train.init_from={hf}", "data.seq_len=32", "model.hidden_size=32"], pretrained=describe)
     with pytest.raises(ConfigError, match=r"model.max_seq_len: 128 contradicts 64"):
