@@ -53,14 +53,11 @@ def cmd_train(args) -> int:
         from interop.pretrained import InitFrom
         pretrained = InitFrom(cfg)
 
-    from msllm.data.shards import build_shard
+    from msllm.generate import generate_text
+    from msllm.inference import cell_engine
+    from msllm.train.trainer import Trainer
 
     with removed_on_failure(Path(cfg.train.run_dir)):
-        build_shard(cfg, Path(cfg.train.run_dir) / "data")  # a bad corpus or SFT row fails before MindSpore loads
-        from msllm.generate import generate_text
-        from msllm.inference import cell_engine
-        from msllm.train.trainer import Trainer
-
         trainer = Trainer(cfg, resume=bool(args.resume), pretrained=pretrained)
     result = trainer.fit()
     if trainer.rank == 0 and cfg.train.sample_tokens > 0:

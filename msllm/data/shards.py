@@ -101,9 +101,12 @@ def build_shard(cfg: Config, out_dir: Path) -> Path:
     if tok is not None and tok.get_vocab_size() > vocab:
         raise DataError(f"data.tokenizer: {d.tokenizer} has {tok.get_vocab_size()} tokens > model.vocab_size {vocab}")
     source = "Python stdlib" if d.path is None else str(root)
-    _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
-         + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
-    return replace_dir(out_dir, lambda tmp: _write_shard(cfg, tmp, texts, tok, key, source))
+
+    def write(tmp: Path) -> None:  # logs only once the dir could be made
+        _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
+             + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
+        _write_shard(cfg, tmp, texts, tok, key, source)
+    return replace_dir(out_dir, write)
 
 
 def _write_shard(cfg: Config, tmp: Path, texts: list[str], tok, key: dict, source: str) -> None:
