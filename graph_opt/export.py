@@ -1,7 +1,7 @@
 """msllm export: a trained run -> MindIR or ONNX graphs for deployment, verified before they are kept.
 
-OUT/ is assembled under a temporary name next to it and renamed into place only after the
-files reload and match the msllm model, so a failure never leaves a half-written export:
+OUT/ is assembled under a temporary name next to it (msllm.staged) and renamed into place only
+after the files reload and match the msllm model, so a failure never leaves a half-written export:
   model.<ext>       input_ids [batch, seq] -> logits [batch, seq, vocab] fp32
   prefill.<ext>     input_ids -> logits, keys, values [layers, batch, kv_heads, seq, head_dim]
   decode.<ext>      input_ids, keys, values -> logits, keys, values grown by seq positions
@@ -14,7 +14,6 @@ vocab are fixed by the model. input_ids are int32 in MindIR (msllm's dtype), int
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import mindspore as ms
 import numpy as np
 
 from graph_opt.runtime import MANIFEST, ExportError, export_engine
+from msllm.staged import staged_dir
 
 FORMATS = ("mindir", "onnx")
 DTYPES = ("fp32", "fp16")
@@ -32,16 +32,6 @@ VERIFY_SHAPES = ((2, 5), (1, 11))  # (batch, seq): two batches and lengths run t
 DECODE_STEPS = 3                   # the last tokens of the longest case are fed one at a time
 ONNX_DATA = "weights.onnx.data"
 PROTOBUF_LIMIT = 2**31 - 2**26     # a ModelProto must stay under 2 GiB; keep 64 MiB for the graph itself
-
-
-def make_tmp_dir(out: Path, tmp: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise ExportError(f"{out}: already exists (--force replaces it)")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise ExportError(f"{out}: cannot write the export here ({e.strerror})") from None
 
 
 def verification_inputs(vocab_size: int, max_seq_len: int) -> list[np.ndarray]:
@@ -140,9 +130,11 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
     out = Path(out)
     device.setup("cpu", "pynative")
     cfg, model, ckpt_dir, state = load_model(ckpt)
-    tmp = out.parent / f".{out.name}.tmp"
-    try:  # created inside: a failure or Ctrl-C at any point removes it
-        make_tmp_dir(out, tmp, force)
+    nbytes = sum(p.size for p in model.trainable_params()) * (2 if dtype == "fp16" else 4)
+    external_data = fmt == "onnx" and (external_data or nbytes > PROTOBUF_LIMIT)
+    need = nbytes * (1 if external_data else 3)  # three graphs, which share one weights file or hold a copy each
+    with staged_dir(out, need=need, replace=force, sources=(ckpt_dir,),
+                    then="free space or choose another --out, then export again") as tmp:
         inputs = verification_inputs(cfg.model.vocab_size, cfg.model.max_seq_len)
         references = [model(ms.Tensor(ids)).asnumpy() for ids in inputs]  # fp32 msllm, before any cast
         started = time.perf_counter()
@@ -150,8 +142,7 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
             files = write_mindir(model, dtype, tmp, log)
         else:
             arrays = {p.name: p.asnumpy() for p in model.trainable_params()}
-            nbytes = sum(a.size for a in arrays.values()) * (2 if dtype == "fp16" else 4)
-            files = write_onnx(cfg.model, arrays, dtype, tmp, external_data or nbytes > PROTOBUF_LIMIT, log)
+            files = write_onnx(cfg.model, arrays, dtype, tmp, external_data, log)
         export_seconds = time.perf_counter() - started
         manifest = {"format": fmt, "dtype": dtype, "checkpoint": str(ckpt_dir), "step": state.get("step"),
                     "files": files, "config": cfg.to_dict(), "export_seconds": round(export_seconds, 3)}
@@ -168,13 +159,6 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
         tokenizer = find_tokenizer(ckpt_dir, state)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-        if out.is_dir():
-            shutil.rmtree(out)
-        elif out.exists():
-            out.unlink()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"exported {fmt} ({dtype}) in {export_seconds:.1f}s to {out}")
     return manifest
 

@@ -4,6 +4,7 @@ A static trace would bake batch and sequence lengths into Reshape nodes, so the 
 built directly (onnx_ir) and mirror msllm/models/llama.py line for line:
   * the residual stream is kept as rows [batch*seq, hidden], so every linear is one
     Gemm(x, W, b, transB=1) on the checkpoint's own [out, in] weight, under its own name;
+    which parameter is which comes from the family table (interop/maps), not from a copy here;
   * rotate-half RoPE with the cos/sin tables of `rope_tables` (llama3/linear scaling
     included) gathered at the token positions;
   * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax.
@@ -20,7 +21,11 @@ import math
 
 import numpy as np
 import onnx_ir as ir
+import torch
 
+from interop.hf_config import default_architecture
+from interop.maps import FAMILIES
+from interop.table import Table, entries
 from msllm.config import ModelConfig
 from msllm.models.llama import rope_tables
 
@@ -31,23 +36,32 @@ DTYPES = {"fp32": (np.float32, ir.DataType.FLOAT), "fp16": (np.float16, ir.DataT
 MASKED = -1e9  # the additive causal mask value msllm uses
 
 
-def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str, np.ndarray] | None]:
-    """Role -> (name, array) for layer i: the one place that knows msllm's parameter layout.
+# The graph is written in Hugging Face's names for the Llama family's tensors; the family table
+# (interop/maps) maps them to msllm's parameters. Per layer, relative to the table's HF layer prefix:
+NORMS = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
-    Linear weights are [out, in]; a missing bias is None. A fused QKV or gate/up layout
-    would be split here and nowhere else.
-    """
-    prefix = f"layers.{i}."
 
-    def get(name):
-        return (prefix + name, weights[prefix + name]) if prefix + name in weights else None
+def hf_weights(table: Table, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, tuple[str, np.ndarray]]:
+    """Hugging Face name -> (initializer name, array) through the family table, the one place that knows
+    msllm's parameter names and how HF stores each ([out, in], as Gemm(transB=1) reads it). A tensor HF
+    stores as it is keeps its msllm name; one stored otherwise (fused, transposed) is cut by the table."""
+    out = {}
+    for e in entries(table, cfg):
+        whole = torch.from_numpy(weights[e.name])
+        parts = e.stored["hf"].scatter(e, whole)
+        for name, part in parts:
+            out[name] = (e.name if len(parts) == 1 and part is whole else name, part.numpy())
+    return out
 
-    roles = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
-             "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
-    out = {"attention_norm": get("attention_norm.weight"), "ffn_norm": get("ffn_norm.weight")}
-    for role, module in roles.items():
-        out[role] = get(module + ".weight")
-        out[role + "_bias"] = get(module + ".bias")
+
+def layer_weights(hf: dict[str, tuple[str, np.ndarray]], prefix: str) -> dict[str, tuple[str, np.ndarray] | None]:
+    """Role -> (name, array) for the layer under `prefix`; a missing bias is None."""
+    out = {role: hf[f"{prefix}{name}.weight"] for role, name in NORMS.items()}
+    for role, name in LINEARS.items():
+        out[role], out[role + "_bias"] = hf[f"{prefix}{name}.weight"], hf.get(f"{prefix}{name}.bias")
     return out
 
 
@@ -55,7 +69,8 @@ class LlamaGraph:
     """Records the nodes and initializers of one graph on an onnx_ir tape."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype: str):
-        self.cfg, self.weights = cfg, weights
+        self.cfg, self.table = cfg, FAMILIES[default_architecture(cfg)]
+        self.weights = hf_weights(self.table, cfg, weights)
         self.np_dtype, self.dtype = DTYPES[dtype]
         self.tape = ir.tape.Tape()
         self.initializers: dict[str, ir.Value] = {}
@@ -149,11 +164,11 @@ class LlamaGraph:
         sin = self.op("Gather", self.param(("rope_sin", sin_table)), positions)
         mask = self.causal_mask(positions, total)
 
-        embed = ("tok_embeddings.weight", self.weights["tok_embeddings.weight"])
+        embed = self.weights[EMBED]
         x = self.op("Reshape", self.op("Gather", self.param(embed), input_ids), self.shape(-1, cfg.hidden_size))
         keys, values = [], []
         for i in range(cfg.num_layers):
-            w = layer_weights(self.weights, i)
+            w = layer_weights(self.weights, self.table.layer_prefix["hf"].format(i=i))
             past_k = past_v = None
             if past_keys is not None:
                 past_k = self.op("Gather", past_keys, self.const(i))
@@ -164,8 +179,7 @@ class LlamaGraph:
             keys.append(self.op("Unsqueeze", k, self.const([0])))
             values.append(self.op("Unsqueeze", v, self.const([0])))
         # Tied: the embedding table is the output projection (Gemm transB reads it in place).
-        head = ("output.weight", self.weights["output.weight"]) if "output.weight" in self.weights else embed
-        logits = self.linear(self.rms_norm(x, ("norm.weight", self.weights["norm.weight"])), head)
+        logits = self.linear(self.rms_norm(x, self.weights[FINAL_NORM]), self.weights.get(HEAD, embed))
         logits = self.op("Reshape", logits, self.shape(-1, seq, cfg.vocab_size))
         logits = self.op("Cast", logits, to=ir.DataType.FLOAT)
         return logits, self.op("Concat", *keys, axis=0), self.op("Concat", *values, axis=0)
@@ -181,6 +195,9 @@ def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dty
         inputs += [ir.val(name, g.dtype, cache_shape[:3] + ["past_sequence"] + cache_shape[4:])
                    for name in ("past_keys", "past_values")]
     logits, keys, values = g.forward(*inputs)
+    unused = sorted({name for name, _ in g.weights.values()} - set(g.initializers))
+    if unused:  # a table row the graph does not compute: refuse rather than export another model
+        raise ValueError(f"the ONNX builder does not use {unused} of the {default_architecture(cfg)} table")
     logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape(["batch", "sequence", cfg.vocab_size])
     outputs = [logits]
     if kind != "model":

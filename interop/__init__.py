@@ -19,13 +19,6 @@ class InteropError(UserError, RuntimeError):
     """A checkpoint that cannot be converted. str() is one line naming the file and tensors."""
 
 
-def names_line(names, most: int = 8) -> str:
-    """Tensor names for a one-line error, sorted and cut after `most`."""
-    names = sorted(map(str, names))
-    more = f", ... {len(names) - most} more" if len(names) > most else ""
-    return f"[{', '.join(names[:most])}{more}]"
-
-
 def read_json(path: Path) -> dict:
     try:
         data = json.loads(Path(path).read_text())

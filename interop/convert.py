@@ -7,15 +7,14 @@
 3. Stream: for each msllm tensor, read its source part(s), join / transpose, cast, split into
    the destination part(s), append them to the open file. The destination's headers are written
    first from the plan, so at any time we hold a few copies of one tensor, never the model.
-4. Write config / state files into the temporary dir, then rename it to the destination.
+4. Write config / state files; all of it goes into a temporary dir beside the destination that is
+   renamed into place at the end (msllm.staged; an msllm destination also gets manifest.json).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,13 +22,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from interop import InteropError, names_line
-from interop.formats import TensorInfo
+from interop import InteropError
 from interop.hf_config import to_hf_config
 from interop.layouts import HF_CONFIG, MF_CONFIG, WRITERS, Source, hf_index, open_source, weight_files
 from interop.maps import FAMILIES
 from interop.table import LAYOUTS, Entry, entries
 from msllm import checkpoint
+from msllm.errors import names_line
+from msllm.safetensors_reader import TensorInfo
+from msllm.staged import holds, staged_dir
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -74,27 +75,6 @@ def msllm_tensors(rows: list[Entry], layout: str, reader):
         yield e, e.stored[layout].gather(e, reader.read)
 
 
-@contextlib.contextmanager
-def staged(dst: Path, force: bool):
-    """A temporary dir beside `dst`, renamed to `dst` only if the block completes."""
-    if dst.exists() and not force:
-        raise InteropError(f"{dst}: already exists (--force replaces it)")
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:  # creation inside: a Ctrl-C right after mkdir still removes it
-        try:
-            tmp.mkdir()
-        except OSError as e:
-            raise InteropError(f"{dst}: cannot write here ({e.strerror})") from None
-        yield tmp
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -104,8 +84,8 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
             progress: bool = True) -> Result:
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise InteropError(f"{dst}: destination must not be the source or inside it")
+    if holds(src, dst.parent):
+        raise InteropError(f"{dst}: destination must not be inside the source")
     source = open_source(src, max_seq_len)
     to = to or ("hf" if source.layout == "msllm" else "msllm")
     if to not in LAYOUTS:
@@ -119,14 +99,24 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     dtypes = {e.name: out_dtype(e) for e in rows}
     infos = {name: TensorInfo(shape, dtypes[e.name]) for e in rows for name, shape in e.stored[to].shapes(e).items()}
     files = weight_files(to, infos, mf_format, max_shard_bytes)
+    written = sum(i.nbytes for i in infos.values())
     try:
-        with staged(dst, force) as tmp:
+        with staged_dir(dst, need=written, replace=force, manifest=to == "msllm", sources=(src,),
+                        then="free space or choose another destination, then convert again") as tmp:
             _stream(rows, dtypes, source, to, files, tmp, progress)
             _write_metadata(source, to, files, tmp, dtypes[rows[0].name])
     finally:
         source.reader.close()
-    written = sum(i.nbytes for i in infos.values())
     return Result(dst, source.layout, to, len(infos), written, time.perf_counter() - start)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype, name: str, path) -> torch.Tensor:
+    """t in `dtype`; values a narrower dtype cannot hold (fp16 beyond 65504) are refused, not turned into inf."""
+    out = t.to(dtype)
+    if out.dtype != t.dtype and t.is_floating_point() and not torch.isfinite(out).all() and torch.isfinite(t).all():
+        raise InteropError(f"{path}: {name} has values beyond the {DTYPE_NAMES.get(dtype, dtype)} range (max |x| "
+                           f"{t.abs().max().item():.4g}); choose --dtype bf16 or fp32")
+    return out
 
 
 def _stream(rows: list[Entry], dtypes: dict, source: Source, to: str, files, folder: Path, progress: bool) -> None:
@@ -137,7 +127,7 @@ def _stream(rows: list[Entry], dtypes: dict, source: Source, to: str, files, fol
     writer, current, done = None, -1, 0
     try:
         for e, t in msllm_tensors(rows, source.layout, source.reader):
-            for name, part in e.stored[to].scatter(e, t.to(dtypes[e.name])):
+            for name, part in e.stored[to].scatter(e, cast(t, dtypes[e.name], e.name, source.reader.path)):
                 if owner[name] != current:  # files are filled in order: move on to the next one
                     if writer is not None:
                         writer.close()
@@ -151,6 +141,8 @@ def _stream(rows: list[Entry], dtypes: dict, source: Source, to: str, files, fol
         writer.close()
     finally:
         bar.close()
+        if writer is not None:
+            writer.file.close()  # also after a failure: the removed temporary file would hold its space
 
 
 def _write_metadata(source: Source, to: str, files, folder: Path, dtype: torch.dtype) -> None:
@@ -169,4 +161,3 @@ def _write_metadata(source: Source, to: str, files, folder: Path, dtype: torch.d
             "step": 0, "config": source.config.to_dict(), "tokenizer": tokenizer,
             "hf_architecture": source.architecture, "hf_config": source.hf_config,
             "converted_from": {"path": str(source.path), "layout": source.layout}})
-        checkpoint.write_manifest(folder, [checkpoint.MODEL_FILE, checkpoint.STATE_FILE])

@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from interop import InteropError, names_line, read_json
-from interop.formats import MultiFileReader, TensorInfo
+from interop import InteropError, read_json
+from interop.formats import MultiFileReader
 from interop.formats.ms_ckpt import CkptReader, CkptWriter
-from interop.formats.safetensors import SafetensorsReader, SafetensorsWriter
+from interop.formats.safetensors import SafetensorsWriter
 from interop.formats.torch_bin import TorchBinReader
 from interop.hf_config import architecture, default_architecture, to_model_config
 from msllm import checkpoint
 from msllm.config import Config, config_from_dict
+from msllm.errors import names_line
+from msllm.safetensors_reader import SafetensorsReader, TensorInfo
 
 HF_CONFIG, MF_CONFIG = "config.json", "model_config.json"
 # (sharded index, single file), in order of preference

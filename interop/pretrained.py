@@ -19,12 +19,14 @@ import numpy as np
 import torch
 
 from interop import InteropError, read_json
-from interop.convert import msllm_tensors, plan, staged, write_json
+from interop.convert import msllm_tensors, plan, write_json
 from interop.layouts import Source, open_source
 from interop.maps import FAMILIES
 from interop.table import entries
 from msllm import checkpoint
 from msllm.config import Config, LoraConfig, Pretrained
+from msllm.safetensors_reader import SafetensorsReader
+from msllm.staged import staged_dir
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModel wraps the HF model: its names sit under this prefix
@@ -192,8 +194,6 @@ class PeftAdapter:
         weights = self.path / PEFT_WEIGHTS
         if not weights.is_file():
             raise InteropError(f"{weights}: missing (msllm reads safetensors adapters)")
-        from interop.formats.safetensors import SafetensorsReader
-
         self.reader = SafetensorsReader(weights)
         self.base_sha256 = self.reader.metadata.get(BASE_SHA)
 
@@ -252,8 +252,10 @@ def merge(run: str | Path, out: str | Path, base: str | Path | None = None, forc
                                                                                   lora_from=None))
     from safetensors.numpy import save_file
 
-    with staged(Path(out), force) as tmp:
-        save_file(checkpoint.params_to_numpy(model.trainable_params()), str(tmp / checkpoint.MODEL_FILE))
+    arrays = checkpoint.params_to_numpy(model.trainable_params())
+    with staged_dir(out, need=sum(a.nbytes for a in arrays.values()), replace=force, manifest=True,
+                    sources=(run, weights.path), then="free space or choose another OUT, then merge again") as tmp:
+        save_file(arrays, str(tmp / checkpoint.MODEL_FILE))
         tokenizer = checkpoint.find_tokenizer(ckpt, state)
         for side in weights.side_files + ([tokenizer] if tokenizer else []):
             shutil.copyfile(side, tmp / side.name)
@@ -262,7 +264,6 @@ def merge(run: str | Path, out: str | Path, base: str | Path | None = None, forc
             "tokenizer": "tokenizer.json" if (tmp / "tokenizer.json").is_file() else None,
             "hf_architecture": weights.architecture, "hf_config": weights.hf_config,
             "merged_from": {"run": str(ckpt.resolve()), "step": state["step"], "base": weights.identity()}})
-        checkpoint.write_manifest(tmp, [checkpoint.MODEL_FILE, checkpoint.STATE_FILE])
     return Path(out)
 
 
@@ -278,7 +279,8 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
               "base_model_name_or_path": str(weights.path.resolve()), "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
               "use_dora": False}
-    with staged(Path(out), force) as tmp:
+    with staged_dir(out, need=sum(a.nbytes for a in adapters.values()), replace=force, sources=(run,),
+                    then="free space or choose another OUT, then export again") as tmp:
         save_file({keys[n]: np.ascontiguousarray(a) for n, a in adapters.items()}, str(tmp / PEFT_WEIGHTS),
                   metadata={"format": "pt", BASE_SHA: weights.sha256})
         write_json(tmp / PEFT_CONFIG, config)

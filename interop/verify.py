@@ -14,6 +14,7 @@ the weights differ by the rounding of the lower-precision dtype: that dtype's to
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
 from pathlib import Path
@@ -87,22 +88,47 @@ def msllm_model(source: Source):
     return model
 
 
-def run_msllm(source: Source, ids: np.ndarray) -> list[np.ndarray]:
-    """Each layer's output, then the logits."""
-    import mindspore as ms
-    from msllm import device
+@contextlib.contextmanager
+def recording(layers, record):
+    """While inside, record(output) runs after each layer's forward (torch and MindSpore Cells alike)."""
+    hooks = [layer.register_forward_hook(lambda cell, args, out: record(out)) for layer in layers]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
-    device.setup("cpu", "pynative")
-    model = msllm_model(source)
+
+def msllm_states(model, ids: np.ndarray) -> list[np.ndarray]:
+    """Each layer's output, then the logits, of an msllm model run eagerly (PYNATIVE)."""
+    import mindspore as ms
+
     states = []
     # Blocks return (residual stream [batch * seq, hidden], keys, values); compare the stream as HF's
     # [batch, seq, hidden].
-    hooks = [layer.register_forward_hook(lambda cell, args, out: states.append(out[0].asnumpy().reshape(ids.shape + (-1,))))
-             for layer in model.layers]
-    logits = model(ms.Tensor(ids, ms.int32)).asnumpy()
-    for h in hooks:
-        h.remove()
+    with recording(model.layers, lambda out: states.append(out[0].asnumpy().reshape(ids.shape + (-1,)))):
+        logits = model(ms.Tensor(ids, ms.int32)).asnumpy()
     return states + [logits]
+
+
+def hf_states(model, ids: np.ndarray, states: list) -> torch.Tensor:
+    """The logits of a Hugging Face model; each layer's output is appended to `states`."""
+    record = lambda out: states.append((out[0] if isinstance(out, tuple) else out).detach().numpy())  # noqa: E731
+    with recording(model.model.layers, record):
+        return model(torch.from_numpy(ids).long()).logits
+
+
+def max_rel(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(max |got - ref|, that relative to max |ref|)."""
+    diff = float(np.abs(np.asarray(got, np.float64) - ref).max())
+    return diff, diff / max(float(np.abs(ref).max()), 1e-30)
+
+
+def run_msllm(source: Source, ids: np.ndarray) -> list[np.ndarray]:
+    from msllm import device
+
+    device.setup("cpu", "pynative")
+    return msllm_states(msllm_model(source), ids)
 
 
 def run_hf(hf_dir: Path, ids: np.ndarray) -> list[np.ndarray]:
@@ -110,34 +136,39 @@ def run_hf(hf_dir: Path, ids: np.ndarray) -> list[np.ndarray]:
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     states = []
-    hooks = [layer.register_forward_hook(
-        lambda mod, args, out: states.append((out[0] if isinstance(out, tuple) else out).numpy()))
-        for layer in model.model.layers]
     with torch.no_grad():
-        logits = model(torch.from_numpy(ids).long()).logits.float().numpy()
-    for h in hooks:
-        h.remove()
+        logits = hf_states(model, ids, states).float().numpy()
     return states + [logits]
 
 
-def verify(hf_dir: str | Path, ckpt: str | Path, seq_len: int = 32, batch: int = 2, seed: int = 0,
-           tolerance: float | None = None) -> Report:
-    hf, ours = open_source(hf_dir), open_source(ckpt)
-    if hf.layout != "hf":
-        raise InteropError(f"{hf_dir}: --hf must be a Hugging Face model dir (config.json + weights)")
+def same_model(hf: Source, ours: Source) -> None:
+    """Refuse a checkpoint of another model than the HF dir (the context may differ)."""
     a, b = hf.config.model, dataclasses.replace(ours.config.model, max_seq_len=hf.config.model.max_seq_len)
     if a != b:
         diff = [f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in dataclasses.fields(a)
                 if getattr(a, f.name) != getattr(b, f.name)]
-        raise InteropError(f"{ckpt}: a different model than {hf_dir}: {', '.join(diff)}")
+        raise InteropError(f"{ours.path}: a different model than {hf.path}: {', '.join(diff)}")
+
+
+def open_hf(hf_dir: str | Path) -> Source:
+    hf = open_source(hf_dir)
+    if hf.layout != "hf":
+        raise InteropError(f"{hf_dir}: --hf must be a Hugging Face model dir (config.json + weights)")
+    return hf
+
+
+def verify(hf_dir: str | Path, ckpt: str | Path, seq_len: int = 32, batch: int = 2, seed: int = 0,
+           tolerance: float | None = None) -> Report:
+    hf, ours = open_hf(hf_dir), open_source(ckpt)
+    same_model(hf, ours)
+    a = hf.config.model
     precisions = {stored_precision(hf), stored_precision(ours)}
     precision = max(precisions, key=ORDER.index) if len(precisions) > 1 else "fp32"
     hf.reader.close()
     seq = min(seq_len, a.max_seq_len, ours.config.model.max_seq_len)
     ids = np.random.default_rng(seed).integers(0, a.vocab_size, (batch, seq))
     ref, got = run_hf(Path(hf_dir), ids), run_msllm(ours, ids)
-    max_abs = [float(np.abs(x - y).max()) for x, y in zip(got, ref)]
-    max_rel = [d / max(float(np.abs(y).max()), 1e-30) for d, y in zip(max_abs, ref)]
+    max_abs, rel = zip(*(max_rel(x, y) for x, y in zip(got, ref)))
     names = [f"layer {k}" for k in range(a.num_layers)] + ["logits"]
-    return Report(names, max_abs, max_rel, precision,
+    return Report(names, list(max_abs), list(rel), precision,
                   TOLERANCES[precision] if tolerance is None else tolerance, (batch, seq))

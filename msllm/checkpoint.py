@@ -5,16 +5,13 @@ run_dir/checkpoints/step_0000400/
     optim.safetensors   AdamW step and moments, loss-scaler state
     state.json          step, data position, config
     manifest.json       size and sha256 of each file above, written last
-Each file is fsynced, the dir is written under a temporary name and renamed into place,
+Written through msllm.staged (temporary dir, fsync, rename, manifest),
 so a crash never leaves a half-written checkpoint that looks complete; on resume the
 newest checkpoint whose manifest verifies is used and a corrupt one is skipped.
 """
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -23,8 +20,9 @@ from safetensors.numpy import save_file
 
 from msllm.errors import UserError
 from msllm.metrics import info
+from msllm.staged import check_manifest, staged_dir
 
-MODEL_FILE, OPTIM_FILE, STATE_FILE, MANIFEST = "model.safetensors", "optim.safetensors", "state.json", "manifest.json"
+MODEL_FILE, OPTIM_FILE, STATE_FILE = "model.safetensors", "optim.safetensors", "state.json"
 PREFIX = "step_"
 
 
@@ -41,16 +39,21 @@ def load_into(params, arrays: dict[str, np.ndarray], source: str) -> None:
     from mindspore import Tensor, dtype_to_nptype  # here, so interop can use this module without MindSpore
 
     params = {p.name: p for p in params}
-    missing = sorted(set(params) - set(arrays))
-    unexpected = sorted(set(arrays) - set(params))
-    shapes = [f"{n} {arrays[n].shape} != {tuple(params[n].shape)}" for n in params
-              if n in arrays and tuple(arrays[n].shape) != tuple(params[n].shape)]
-    if missing or unexpected or shapes:
-        parts = [f"{what} {_first(names)}" for what, names in
-                 (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)) if names]
-        raise CheckpointError(f"{source}: does not match the model: " + "; ".join(parts))
+    check_arrays({name: tuple(p.shape) for name, p in params.items()}, arrays, source)
     for name, p in params.items():
         p.set_data(Tensor(arrays[name].astype(dtype_to_nptype(p.dtype), copy=False)))
+
+
+def check_arrays(shapes: dict[str, tuple], arrays: dict[str, np.ndarray], source: str) -> None:
+    """Raise unless `arrays` has exactly the names of `shapes`, each with that shape."""
+    missing = sorted(set(shapes) - set(arrays))
+    unexpected = sorted(set(arrays) - set(shapes))
+    wrong = [f"{n} {arrays[n].shape} != {shapes[n]}" for n in shapes
+             if n in arrays and tuple(arrays[n].shape) != shapes[n]]
+    if missing or unexpected or wrong:
+        parts = [f"{what} {_first(names)}" for what, names in
+                 (("missing", missing), ("unexpected", unexpected), ("shape mismatch", wrong)) if names]
+        raise CheckpointError(f"{source}: does not match the model: " + "; ".join(parts))
 
 
 def _first(names: list, most: int = 4) -> str:
@@ -59,71 +62,27 @@ def _first(names: list, most: int = 4) -> str:
     return f"[{', '.join(map(str, names[:most]))}{more}]"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=1))
-    _fsync(path)
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """ENOSPC, also when a library wraps it (safetensors raises its own error naming os error 28)."""
-    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or f"os error {errno.ENOSPC})" in str(e)
-
-
-def write_manifest(folder: Path, names: list[str]) -> None:
-    """manifest.json: size and sha256 of each named file, written last and fsynced with the dir."""
-    _write_json(folder / MANIFEST, {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-                                    for name in names})
-    _fsync(folder)
-
-
 def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep: int = 0) -> Path:
     """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all).
+    state_params: Parameters, or a name -> array dict (state gathered from data-parallel ranks).
 
-    Non-finite weights are never saved. A failed or interrupted write removes its temporary dir,
-    so the newest complete checkpoint stays the newest valid one; a full disk is one line."""
+    Non-finite weights are never saved. A failed or interrupted write leaves no trace, so the
+    newest complete checkpoint stays the newest valid one; a full disk is one line."""
     root = Path(run_dir) / "checkpoints"
-    final, tmp = root / f"{PREFIX}{step:07d}", root / f".tmp_{PREFIX}{step:07d}"
-    weights, extra = params_to_numpy(model_params), params_to_numpy(state_params)
+    weights = params_to_numpy(model_params)
+    extra = state_params if isinstance(state_params, dict) else params_to_numpy(state_params)
     bad = next((name for name, a in weights.items() if not np.isfinite(a).all()), None)
     if bad is not None:
         raise CheckpointError(f"{root}: not saving step {step}: {bad} has non-finite values; the newest "
                               f"checkpoint is kept. Lower optim.lr or use train.precision=fp32, then --resume")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:07d}"
+    need = sum(a.nbytes for a in (*weights.values(), *extra.values()))
+    with staged_dir(final, need=need, manifest=True,
+                    then="the newest complete checkpoint is kept: free space, then --resume") as tmp:
         save_file(weights, str(tmp / MODEL_FILE))
         save_file(extra, str(tmp / OPTIM_FILE))
-        _write_json(tmp / STATE_FILE, {"step": step, **state})
-        for name in (MODEL_FILE, OPTIM_FILE):
-            _fsync(tmp / name)
-        write_manifest(tmp, [MODEL_FILE, OPTIM_FILE, STATE_FILE])
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync(root)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(e):
-            need = sum(a.nbytes for a in (*weights.values(), *extra.values()))
-            raise CheckpointError(f"{root}: no space left on the device writing step {step} (a checkpoint needs "
-                                  f"about {need / 1e6:.1f} MB); the newest complete checkpoint is kept: free space, "
-                                  f"then --resume") from None
-        raise
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
     if keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -136,28 +95,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir()) if root.is_dir() else []
 
 
-def verify(ckpt_dir: Path) -> str | None:
-    """None if every file matches the manifest, else what is wrong."""
-    try:
-        manifest = json.loads((ckpt_dir / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return f"no readable {MANIFEST}"
-    for name, want in manifest.items():
-        path = ckpt_dir / name
-        if not path.exists():
-            return f"{name} is missing"
-        if path.stat().st_size != want["size"]:
-            return f"{name} has {path.stat().st_size} bytes, manifest says {want['size']}"
-        if _sha256(path) != want["sha256"]:
-            return f"{name} checksum mismatch"
-    return None
-
-
 def latest(path: Path) -> Path:
     """The newest checkpoint of a run that verifies, or a checkpoint dir given directly (which must verify)."""
     path = Path(path)
     if (path / MODEL_FILE).exists():  # a checkpoint dir given directly is verified like any other
-        problem = verify(path)
+        problem = check_manifest(path)
         if problem is not None:
             raise CheckpointError(f"{path}: {problem}; this checkpoint is damaged or incomplete: use another "
                                   f"checkpoint of the run, or convert / train it again")
@@ -165,34 +107,34 @@ def latest(path: Path) -> Path:
     candidates = list_checkpoints(path)
     if not candidates:
         raise CheckpointError(f"{path}: no checkpoint found (expected {path}/checkpoints/{PREFIX}*)")
+    corrupt = []
     for ckpt in reversed(candidates):
-        problem = verify(ckpt)
+        problem = check_manifest(ckpt)
         if problem is None:
+            for name, why in corrupt:
+                info(f"warning: skipping corrupt checkpoint {name}: {why}")
             return ckpt
-        info(f"warning: skipping corrupt checkpoint {ckpt}: {problem}")
-    raise CheckpointError(f"{path}: all {len(candidates)} checkpoints are corrupt; see warnings above")
+        corrupt.append((ckpt.name, problem))
+    raise CheckpointError(f"{path}: all {len(candidates)} checkpoints are corrupt (newest: {corrupt[0][0]}: "
+                          f"{corrupt[0][1]}); train again or restore the run from a backup")
 
 
 def read_state(ckpt_dir: Path) -> dict:
+    path = Path(ckpt_dir) / STATE_FILE
     try:
-        return json.loads((Path(ckpt_dir) / STATE_FILE).read_text())
+        state = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{Path(ckpt_dir) / STATE_FILE}: unreadable ({e})") from None
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path}: not an msllm train state (needs an integer 'step' and a 'config' object)")
+    return state
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
-    """name -> array. Read through torch because converted checkpoints may be bf16, which numpy
-    lacks; bf16 is widened to fp32 (exactly)."""
-    import torch
-    from safetensors.torch import load_file
+    """name -> array (converted checkpoints may be bf16: widened to fp32, exactly)."""
+    from msllm.safetensors_reader import read_arrays  # here: torch is loaded only to read weights
 
-    if not Path(path).exists():
-        raise CheckpointError(f"{path}: missing")
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-        raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
-    return {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy() for name, t in tensors.items()}
+    return read_arrays(path)
 
 
 def find_tokenizer(ckpt_dir: Path, state: dict) -> Path | None:

@@ -14,16 +14,12 @@ from pathlib import Path
 from msllm.config import ConfigError
 from msllm.errors import UserError
 
-PLANNED = {
-    "launch": "multi-process launch over msrun (roadmap)",
-}
-
-
 class UsageError(UserError, ValueError):
     """A command-line value that is wrong only in the light of what it points at (e.g. --top-k > vocab)."""
 
 
-def cmd_train(args) -> int:
+def train_config(args):
+    """The run's Config from `msllm train` arguments, checked before MindSpore is imported or anything written."""
     from msllm.config import load_config
     from msllm.preflight import check_train
 
@@ -47,7 +43,12 @@ def cmd_train(args) -> int:
         cfg = load_config(config_path, overrides + [f"train.run_dir={args.resume}"])
     else:
         cfg = load_config(args.config, overrides, pretrained=_describe_pretrained)
-    check_train(cfg, resume=bool(args.resume))  # before MindSpore is imported or anything is written
+    check_train(cfg, resume=bool(args.resume))
+    return cfg
+
+
+def cmd_train(args) -> int:
+    cfg = train_config(args)
     pretrained = None
     if cfg.train.init_from and (cfg.lora.rank > 0 or not args.resume):  # a LoRA run re-reads its base on resume
         from interop.pretrained import InitFrom
@@ -111,6 +112,26 @@ def removed_on_failure(folder: Path):
         raise
 
 
+def cmd_launch(args) -> int:
+    from msllm.parallel.launch import Layout, launch
+
+    rest = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    if rest[:1] != ["train"]:
+        raise UsageError(f"launch runs `msllm train` on every worker: give `-- train ARGS...` "
+                         f"(got {' '.join(rest) or 'nothing'})")
+    layout = Layout(args.nproc, args.nnodes, args.node_rank, args.master or "")
+    layout.check()
+    train_args = build_parser().commands["train"].parse_args(rest[1:])
+    train_args.command, train_args.verbose = "train", args.verbose
+    cfg = train_config(train_args)  # a bad config fails here, once, before any worker starts
+    if cfg.parallel.dp not in (1, layout.world):
+        raise ConfigError("--set" if any(s.startswith("parallel.dp=") for s in train_args.set) else "config",
+                          "parallel.dp", f"is {cfg.parallel.dp} but this launch starts {layout.world} workers; "
+                          f"set it to {layout.world} or leave it at 1 (data parallel over all workers)")
+    log_dir = Path(cfg.train.run_dir) / "logs"
+    return launch(layout, (["--verbose"] if args.verbose else []) + rest, log_dir, args.timeout, args.verbose)
+
+
 def cmd_generate(args) -> int:
     from graph_opt.runtime import load_engine
     from msllm import device
@@ -163,8 +184,18 @@ def cmd_convert(args) -> int:
 def cmd_verify(args) -> int:
     from interop.hf_config import check_dir
 
+    if args.ckpt is None and not args.train:
+        raise UsageError("--ckpt is required (only --train converts the --hf weights itself)")
     check_dir(args.hf)
-    return _print_report(args.hf, args.ckpt, args)
+    if not args.train:
+        return _print_report(args.hf, args.ckpt, args)
+    from interop.verify_train import verify_train
+
+    report = verify_train(args.hf, args.ckpt, steps=args.steps, seq_len=args.seq_len, batch=args.batch,
+                          seed=args.seed, tolerance=args.tolerance, data=args.data)
+    print(f"msllm verify --train: Hugging Face {args.hf} + torch AdamW vs {report.source}, GRAPH train step")
+    print("\n".join(report.lines()))
+    return 0 if report.ok else 1
 
 
 def _print_report(hf, ckpt, args) -> int:
@@ -246,6 +277,11 @@ class Parser(argparse.ArgumentParser):
 
 
 EXAMPLES = {
+    "launch": """examples:
+  msllm launch --nproc 2 -- train --config configs/tiny.yaml          # 2 data-parallel workers, one node
+  msllm launch --nproc 2 -- train --resume runs/tiny                   # continue (any world size, same global batch)
+  msllm launch --nproc 8 --nnodes 2 --node-rank 0 --master 10.0.0.1:8118 -- train --config C   # on node 0
+  msllm launch --nproc 8 --nnodes 2 --node-rank 1 --master 10.0.0.1:8118 -- train --config C   # on node 1""",
     "train": """examples:
   msllm train                                            # tiny Llama on the stdlib sources, CPU, runs/tiny
   msllm train --config configs/tiny.yaml --set train.steps=1000 --set optim.lr=1e-3
@@ -267,7 +303,8 @@ EXAMPLES = {
   msllm convert ~/models/Qwen2-0.5B qwen_mf --to mindformers --mf-format safetensors""",
     "verify": """examples:
   msllm verify --hf ~/models/Llama-3.2-1B --ckpt runs/llama32
-  msllm verify --hf ~/models/Llama-3.2-1B --ckpt runs/llama32 --seq-len 64 --batch 1 --tolerance 1e-3""",
+  msllm verify --hf ~/models/Llama-3.2-1B --ckpt runs/llama32 --seq-len 64 --batch 1 --tolerance 1e-3
+  msllm verify --train --hf ~/models/Llama-3.2-1B --steps 3   # train steps vs HF + torch AdamW""",
 }
 
 
@@ -353,7 +390,14 @@ def build_parser() -> Parser:
 
     p = command("verify", "compare an msllm or MindFormers checkpoint with the HF model, layer by layer")
     p.add_argument("--hf", required=True, help="Hugging Face model dir")
-    p.add_argument("--ckpt", required=True, help="msllm checkpoint / run dir, or MindFormers dir")
+    p.add_argument("--ckpt", default=None, help="msllm checkpoint / run dir, or MindFormers dir (optional with "
+                                                "--train: without it the --hf weights are converted in memory; "
+                                                "with it both sides train from its weights)")
+    p.add_argument("--train", action="store_true", help="compare train steps (loss, gradients, updated weights) "
+                                                        "with HF + torch AdamW + clip_grad_norm_")
+    p.add_argument("--steps", type=int_at_least(1), default=3, help="train steps compared with --train (default 3)")
+    p.add_argument("--data", default=None, metavar="SHARD_DIR",
+                   help="--train batches from a pretokenized shard (e.g. RUN_DIR/data) instead of random tokens")
     _verify_options(p)
     p.set_defaults(func=cmd_verify)
 
@@ -393,23 +437,27 @@ def build_parser() -> Parser:
                    help="device profile (default: from train.device)")
     p.add_argument("--seq-len", type=int, default=None, help="default: data.seq_len")
     p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step (default: train.batch_size x train.accum_steps)")
+                   help="sequences per optimizer step (default: train.batch_size x accum_steps x parallel.dp)")
     p.add_argument("--check", action="store_true", help="validate the config's parallel section for --devices")
     p.add_argument("--flash", action="store_true", help="activations as with a fused flash-attention kernel")
-    p.add_argument("--top", type=int, default=10, help="layouts shown")
+    p.add_argument("--top", type=int_at_least(1), default=10, help="layouts shown")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     p.set_defaults(func=cmd_plan)
 
-    for name, what in PLANNED.items():
-        p = sub.add_parser(name, help=f"not implemented yet: {what}")
-        p.set_defaults(func=lambda args, name=name: _not_yet(name))
+    p = command("launch", "train on several worker processes (and nodes) through MindSpore's msrun")
+    p.add_argument("--nproc", type=int_at_least(1), required=True, help="worker processes on this node")
+    p.add_argument("--nnodes", type=int_at_least(1), default=1, help="nodes in the job (default 1)")
+    p.add_argument("--node-rank", type=int_at_least(0), default=0, help="this node's index, 0 .. nnodes-1")
+    p.add_argument("--master", default=None, metavar="ADDR:PORT",
+                   help="node 0's address and a free port (default: 127.0.0.1 and a free port, one node only)")
+    p.add_argument("--timeout", type=int_at_least(5), default=60,
+                   help="seconds to wait for every worker to join, and for a silent one (default 60)")
+    p.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ARGS",
+                   help="the msllm train command every worker runs")
+    p.set_defaults(func=cmd_launch)
+
     parser.commands = commands
     return parser
-
-
-def _not_yet(name: str) -> int:
-    print(f"msllm {name}: not implemented yet ({PLANNED[name]})", file=sys.stderr)
-    return 2
 
 
 def _interrupt(signum, frame):
@@ -446,6 +494,12 @@ def main(argv=None) -> int:
             raise
         print(f"msllm {command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
               file=sys.stderr)
+        return 2
+    except MemoryError as e:  # a size asked for on the command line or in the config (--batch, model.*)
+        if args.verbose:
+            raise
+        print(f"msllm {command}: error: out of memory ({e}); ask for less (batch, sequence length, model "
+              f"size)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"msllm {command}: interrupted", file=sys.stderr)

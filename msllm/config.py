@@ -108,6 +108,8 @@ class TrainConfig:
     loss_scale: float = 65536.0       # initial dynamic loss scale (fp16 only)
     loss_scale_window: int = 1000     # finite steps before the scale doubles
     max_bad_steps: int = 5            # consecutive non-finite steps before the run stops
+    debug_nonfinite: bool = False     # re-run the first non-finite step eagerly, name the Cell (docs/debugging.md);
+                                      # always done when max_bad_steps stops a run
     keep_checkpoints: int = 3         # newest K checkpoints kept
     log_every: int = 20
     eval_every: int = 100

@@ -7,3 +7,10 @@ each module defines its own subclass next to the code that raises it.
 
 class UserError(Exception):
     """str(e) is one line naming the file / key and what to do; the CLI prints it and exits 2."""
+
+
+def names_line(names, most: int = 8) -> str:
+    """Names (tensors, keys) for a one-line error, sorted and cut after `most`."""
+    names = sorted(map(str, names))
+    more = f", ... {len(names) - most} more" if len(names) > most else ""
+    return f"[{', '.join(names[:most])}{more}]"

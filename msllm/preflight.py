@@ -24,19 +24,34 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
+def _unwritable(path: Path) -> str:
+    read_only = os.statvfs(path).f_flag & os.ST_RDONLY
+    return f"{path} is {'on a read-only file system' if read_only else 'not writable'}"
+
+
 def _creatable_dir(path: Path, what: str) -> None:
     """`path` is a directory, or can be made one (mkdir -p) by this process."""
+    fix = f"set {what} to a directory you can write"
     if path.exists():
         if not path.is_dir():
-            raise PreflightError(f"{what}: {path} is a file, not a directory")
+            raise PreflightError(f"{what}: {path} is a file, not a directory; {fix}")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise PreflightError(f"{what}: {path} is not writable")
+            raise PreflightError(f"{what}: {_unwritable(path)}; {fix}")
         return
     base = _existing_ancestor(path.absolute().parent)
     if not base.is_dir():
-        raise PreflightError(f"{what}: cannot create {path}: {base} is a file, not a directory")
+        raise PreflightError(f"{what}: cannot create {path}: {base} is a file, not a directory; {fix}")
     if not os.access(base, os.W_OK | os.X_OK):
-        raise PreflightError(f"{what}: cannot create {path}: {base} is not writable")
+        raise PreflightError(f"{what}: cannot create {path}: {_unwritable(base)}; {fix}")
+
+
+def make_dir(path: Path, what: str) -> None:
+    """mkdir -p, where the permission checks above cannot see the refusal (root on /sys, /proc)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PreflightError(f"{what}: cannot create {path} ({e.strerror}); set {what} to a directory "
+                             f"you can write") from None
 
 
 def check_new_dir(path: str | Path, force: bool, what: str) -> None:
@@ -73,7 +88,13 @@ def check_train(cfg: Config, resume: bool = False) -> None:
     else:
         from msllm.data import corpus  # light: lists files, reads nothing
 
+        from msllm.data.tokenizer import MIN_VOCAB
+
         corpus.list_files(d.path, d.glob, d.max_bytes)
+        if not d.tokenizer and cfg.model.vocab_size < MIN_VOCAB:
+            raise PreflightError(f"model.vocab_size: {cfg.model.vocab_size} is below the {MIN_VOCAB} tokens a "
+                                 f"byte-level BPE trained on the corpus starts with (256 bytes and EOS); raise "
+                                 f"it or give data.tokenizer")
     if t.device == "cpu":
         _check_host_memory(cfg)
 
@@ -104,6 +125,10 @@ def _check_shard_dir(folder: Path, vocab_size: int) -> None:
         raise PreflightError(f"data.path: {folder} has shard vocab_size {shard_vocab} > model.vocab_size "
                              f"{vocab_size}; raise model.vocab_size")
     check_tokenizer(folder / "tokenizer.json", vocab_size, "data.path")
+    from msllm.data import shards
+
+    for split in ("train", "val"):
+        shards.open_tokens(folder, split)  # files of the size the index says
 
 
 def _check_host_memory(cfg: Config) -> None:

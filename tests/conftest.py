@@ -57,3 +57,29 @@ def corpus(tmp_path_factory) -> Path:
 def run_cli(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "msllm.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env={**os.environ, "GLOG_v": "3"})
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a write that does not fit fails with ENOSPC, as on a full disk."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs permission to mount a tmpfs")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def leave_free(disk: Path, nbytes: int) -> None:
+    """Fill `disk` with a file so that only about `nbytes` stay free."""
+    import shutil
+
+    (disk / "filler").write_bytes(b"\0" * max(0, shutil.disk_usage(disk).free - nbytes))
+
+
+def needed_bytes(message: str) -> float:
+    """The space a disk-full message says the output needs ("(1.2 MB needed" / "(34 kB needed")."""
+    import re
+
+    number, unit = re.search(r"\(([\d.]+) (MB|kB) needed", message).groups()
+    return float(number) * (1e6 if unit == "MB" else 1e3)

@@ -16,9 +16,9 @@ adamw_step_bound, never with a fixed atol.
 """
 from __future__ import annotations
 
-import mindspore as ms
 import numpy as np
-from mindspore import nn, ops
+
+from interop.verify_train import RecordGradients
 
 U32 = 2.0 ** -24                  # fp32 unit roundoff
 U16 = 2.0 ** -11                  # fp16 unit roundoff
@@ -31,29 +31,7 @@ REORDER_RTOL = 2 * 256 * U32      # see the module docstring
 # in the 2-layer test models, each adding <= U16 of the tensor's scale to first order.
 FP16_RTOL = 40 * U16
 
-_hyper_map = ops.HyperMap()
-_assign = ops.Assign()
-
-
-class Recorded(nn.Cell):
-    """Wraps an AdamW for TrainStep and keeps, in `seen`, the gradient the optimizer applies:
-    grad_coef * grads (unscaled, averaged over micro-batches, clipped). The optimizer itself is
-    called with (grads, grad_coef) unchanged, so its own handling of grad_coef stays under test."""
-
-    def __init__(self, optimizer):
-        super().__init__(auto_prefix=False)
-        self.optimizer = optimizer
-        self.params = optimizer.params
-        self.fused = optimizer.fused
-        self.seen = self.params.clone(prefix="seen", init="zeros")
-
-    def construct(self, grads, grad_coef=None):
-        applied = grads if grad_coef is None else _hyper_map(ops.partial(ops.mul, grad_coef), grads)
-        _hyper_map(_assign, self.seen, applied)
-        return self.optimizer(grads, grad_coef)
-
-    def gradients(self) -> dict:
-        return {p.name: s.asnumpy().copy() for p, s in zip(self.params, self.seen)}
+Recorded = RecordGradients  # the applied-gradient recorder verify --train uses
 
 
 def weights(params) -> dict:

@@ -196,13 +196,20 @@ ROWS = [
     T("train-loss-scale-inf", "train.loss_scale=.inf", names=("--set", "train.loss_scale")),
     T("train-loss-scale-window-zero", "train.loss_scale_window=0", names=("--set", "train.loss_scale_window")),
     T("train-max-bad-steps-zero", "train.max_bad_steps=0", names=("--set", "train.max_bad_steps")),
+    T("train-debug-nonfinite-word", "train.debug_nonfinite=maybe", names=("--set", "train.debug_nonfinite")),
     T("train-keep-zero", "train.keep_checkpoints=0", names=("--set", "train.keep_checkpoints")),
     T("train-log-every-zero", "train.log_every=0", names=("--set", "train.log_every")),
     T("train-peak-flops-nan", "train.peak_flops=.nan", names=("--set", "train.peak_flops")),
     T("train-sample-tokens-negative", "train.sample_tokens=-1", names=("--set", "train.sample_tokens")),
     T("train-run-dir-is-file", "train.run_dir={afile}", names=("train.run_dir", "{afile}")),
     T("train-run-dir-under-file", "train.run_dir={afile}/run", names=("train.run_dir", "{afile}")),
-    T("train-run-dir-unwritable", "train.run_dir=/sys/msllm-bad-input-run", names=("/sys/msllm-bad-input-run",)),
+    T("train-run-dir-unwritable", "train.run_dir=/sys/msllm-bad-input-run",
+      names=("train.run_dir", "/sys/msllm-bad-input-run")),
+    T("train-run-dir-read-only-fs", "train.run_dir={readonly}/run", names=("train.run_dir", "{readonly}", "read-only")),
+    T("train-compile-cache-uncreatable", "train.compile_cache=/sys/kernel/msllm-bad-input-cache",
+      names=("train.compile_cache", "/sys/kernel/msllm-bad-input-cache")),
+    T("model-vocab-below-bytes", "model.vocab_size=100", names=("model.vocab_size", "257")),
+    T("data-shard-train-truncated", "data.path={shardtrunc}", names=("{shardtrunc}/train.bin",)),
     T("train-run-dir-empty", "train.run_dir=''", names=("train.run_dir",)),
     T("train-compile-cache-is-file", "train.compile_cache={afile}", names=("train.compile_cache", "{afile}")),
     T("train-bf16-on-cpu", "train.precision=bf16", names=("train.precision",)),
@@ -240,6 +247,7 @@ ROWS = [
     R("resume-weights-other-shape", "train", "--resume", "{runshapes}", names=("model.hidden_size",)),
     R("resume-config-yaml-garbage", "train", "--resume", "{runbadyaml}", names=("config.yaml",)),
     R("resume-no-checkpoint", "train", "--resume", "{runnockpt}", names=("{runnockpt}",)),
+    R("resume-all-corrupt", "train", "--resume", "{runcorrupt}", names=("{runcorrupt}", "step_0000001")),
 
     # --- fine-tuning: --init-from, SFT rows, LoRA
     FT("init-from-unsupported-arch", init="{hf_gpt2}", names=("{hf_gpt2}/config.json", "GPT2LMHeadModel")),
@@ -286,6 +294,12 @@ ROWS = [
       names=("{afile}",)),
     R("export-out-unwritable", "export", "--ckpt", "{run}", "--format", "onnx", "--out", "/sys/msllm-bad-export",
       names=("/sys",)),
+    R("export-out-read-only-fs", "export", "--ckpt", "{run}", "--format", "onnx", "--out", "{readonly}/out",
+      names=("{readonly}",)),
+    R("export-out-is-the-run", "export", "--ckpt", "{runvictim}", "--format", "onnx", "--out", "{runvictim}", "--force",
+      names=("{runvictim}", "input")),
+    R("export-out-is-cwd", "export", "--ckpt", "{run}", "--format", "onnx", "--out", ".", "--force",
+      names=("current directory",)),
     R("export-weights-other-shape", "export", "--ckpt", "{runshapes}", "--format", "onnx", "--out", "{work}/out",
       names=("{runshapes}",)),
 
@@ -297,6 +311,9 @@ ROWS = [
     R("convert-dst-under-file", "convert", "{hf}", "{afile}/out", names=("{afile}",)),
     R("convert-dst-unwritable", "convert", "{hf}", "/sys/msllm-bad-convert", names=("/sys",)),
     R("convert-dst-inside-src", "convert", "{hf}", "{hf}/sub", names=("{hf}/sub",)),
+    R("convert-dst-holds-src", "convert", "{nested}/hf", "{nested}", "--force", names=("{nested}", "input")),
+    R("convert-dst-root", "convert", "{hf}", "/", "--force", names=("/: holds", "would delete")),
+    R("convert-src-symlink-loop", "convert", "{loop}", "{work}/out", names=("{loop}",)),
     R("convert-verify-without-hf", "convert", "{run}", "{work}/out", "--to", "mindformers", "--verify",
       names=("--verify",)),
     hf_row("hf-rope-parameters-yarn", "yarn", "yarn"),
@@ -328,6 +345,29 @@ ROWS = [
     R("verify-hf-not-hf", "verify", "--hf", "{run}", "--ckpt", "{run}", names=("--hf",)),
     R("verify-other-model", "verify", "--hf", "{hf}", "--ckpt", "{run}", names=("{run}", "vocab_size")),
     R("verify-rope-yarn", "verify", "--hf", "{hf_yarn}", "--ckpt", "{run}", names=("config.json", "yarn")),
+    R("verify-no-ckpt", "verify", "--hf", "{hf}", names=("--ckpt",)),
+    R("verify-train-family", "verify", "--train", "--hf", "{hf_gpt2}", names=("config.json", "GPT2LMHeadModel")),
+    R("verify-train-steps-zero", "verify", "--train", "--hf", "{hf}", "--steps", "0", names=("--steps",)),
+    R("verify-train-hf-missing", "verify", "--train", "--hf", "{work}/nope", names=("{work}/nope",)),
+    R("verify-train-data-missing", "verify", "--train", "--hf", "{hf}", "--data", "{work}/nope",
+      names=("{work}/nope",)),
+    R("verify-train-data-vocab", "verify", "--train", "--hf", "{hf}", "--data", "{shard512}",
+      names=("{shard512}/index.json", "vocab_size 512")),
+    R("verify-train-other-model", "verify", "--train", "--hf", "{hf}", "--ckpt", "{run}",
+      names=("{run}", "vocab_size")),
+    # --- launch: refused before any worker starts
+    R("launch-no-command", "launch", "--nproc", "2", names=("-- train",)),
+    R("launch-not-train", "launch", "--nproc", "2", "--", "generate", "{run}", names=("-- train",)),
+    R("launch-nproc-zero", "launch", "--nproc", "0", "--", "train", names=("--nproc",)),
+    R("launch-timeout-small", "launch", "--nproc", "1", "--timeout", "1", "--", "train", names=("--timeout",)),
+    R("launch-node-rank-out-of-range", "launch", "--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--master",
+      "127.0.0.1:8118", "--", *T("x").args, names=("--node-rank",)),
+    R("launch-nodes-without-master", "launch", "--nproc", "1", "--nnodes", "2", "--", *T("x").args,
+      names=("--master",)),
+    R("launch-master-without-port", "launch", "--nproc", "1", "--master", "10.0.0.1", "--", *T("x").args,
+      names=("--master",)),
+    R("launch-bad-config", "launch", "--nproc", "2", "--", *T("x", "optim.lr=.inf").args, names=("optim.lr",)),
+    R("launch-dp-mismatch", "launch", "--nproc", "2", "--", *T("x", "parallel.dp=4").args, names=("parallel.dp",)),
 ]
 
 HF_EDITS = {  # variant -> config.json keys to set (None deletes), or raw text
@@ -397,6 +437,11 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
     f["runbadyaml"] = root / "runbadyaml"
     shutil.copytree(f["run"], f["runbadyaml"])
     (f["runbadyaml"] / "config.yaml").write_text("model: [\n")
+    f["runcorrupt"] = root / "runcorrupt"
+    shutil.copytree(f["run"], f["runcorrupt"])
+    (f["runcorrupt"] / "checkpoints" / "step_0000001" / checkpoint.MODEL_FILE).write_bytes(b"garbage")
+    f["runvictim"] = root / "runvictim"  # export --out RUN --force must refuse, not replace it
+    shutil.copytree(f["run"], f["runvictim"])
     f["runnockpt"] = root / "runnockpt"
     f["runnockpt"].mkdir()
     shutil.copy(f["run"] / "config.yaml", f["runnockpt"] / "config.yaml")
@@ -437,13 +482,14 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
     assert tok512.get_vocab_size() == 512
     f["tokgarbage"] = root / "tokgarbage.json"
     f["tokgarbage"].write_text("{not a tokenizer")
-    for name, tok in (("shard512", f["tok512"]), ("shardnotok", None)):
+    for name, tok in (("shard512", f["tok512"]), ("shardnotok", None), ("shardtrunc", tokenizer)):
         f[name] = root / name
         f[name].mkdir()
         np.arange(4000, dtype=np.uint16).tofile(f[name] / "train.bin")
         np.arange(400, dtype=np.uint16).tofile(f[name] / "val.bin")
-        (f[name] / "index.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 512 if tok else 300,
-                                                        "eos_id": 0, "train_tokens": 4000, "val_tokens": 400}))
+        (f[name] / "index.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 512 if name == "shard512" else 300,
+                                                        "eos_id": 0, "val_tokens": 400,
+                                                        "train_tokens": 5000 if name == "shardtrunc" else 4000}))
         if tok:
             shutil.copy(tok, f[name] / "tokenizer.json")
 
@@ -467,6 +513,10 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
     f["hf_bin_garbage"].mkdir()
     shutil.copy(f["hf"] / "config.json", f["hf_bin_garbage"])
     (f["hf_bin_garbage"] / "pytorch_model.bin").write_bytes(b"\x80\x02garbage" * 10)
+    f["nested"] = root / "nested"
+    shutil.copytree(f["hf"], f["nested"] / "hf")
+    f["loop"] = root / "loop"
+    f["loop"].symlink_to(f["loop"])
     f["hf_no_weights"] = root / "hf_no_weights"
     f["hf_no_weights"].mkdir()
     shutil.copy(f["hf"] / "config.json", f["hf_no_weights"])
@@ -516,7 +566,13 @@ def _finetune_fixtures(root: Path, f: dict, texts: list[str]) -> None:
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("bad_inputs")
-    return root, _fixtures(root / "fixtures", corpus)
+    paths = _fixtures(root / "fixtures", corpus)
+    readonly = root / "fixtures" / "readonly"  # a read-only file system: as root, permission bits stop nothing
+    readonly.mkdir()
+    mounted = not subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(readonly)]).returncode
+    yield root, {**paths, "readonly": str(readonly) if mounted else None}
+    if mounted:
+        subprocess.run(["umount", str(readonly)], check=True)
 
 
 def snapshot(root: Path) -> dict:
@@ -557,9 +613,12 @@ def run_row(row: Row, root: Path, paths: dict) -> tuple[subprocess.CompletedProc
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 def test_bad_input_is_one_line_exit_2_nothing_written(row, fixtures):
     root, paths = fixtures
+    if paths["readonly"] is None and any("{readonly}" in a for a in row.args):
+        pytest.skip("needs permission to mount a read-only tmpfs")
     proc, before, after, values = run_row(row, root, paths)
     lines = proc.stderr.splitlines()
-    command = row.args[0] if row.args and row.args[0] in ("train", "generate", "export", "convert", "verify") else ""
+    commands = ("train", "generate", "export", "convert", "verify", "launch")
+    command = row.args[0] if row.args and row.args[0] in commands else ""
     if row.args[:1] == ("lora",):
         command = " ".join(row.args[:2])
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -571,7 +630,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(row, fixtures):
     assert proc.stdout == ""
     changed = sorted(set(before.items()) ^ set(after.items()))
     assert not changed, changed[:10]
-    assert not Path("/sys/msllm-bad-input-run").exists()
+    assert not Path("/sys/msllm-bad-input-run").exists() and not Path("/sys/kernel/msllm-bad-input-cache").exists()
 
 
 def test_row_ids_are_unique_and_many():

@@ -4,25 +4,32 @@ import pytest
 from msllm.config import load_config
 from msllm.data import shards
 from msllm.data.corpus import DataError
-from msllm.data.loader import ShardSampler, make_dataset
-from tests.conftest import tiny_overrides
+from msllm.data.loader import RankSampler, make_dataset
+from msllm.staged import DiskFullError
+from tests.conftest import leave_free, needed_bytes, tiny_overrides
 
 
-@pytest.mark.parametrize("num_samples", [40, 41])
-def test_two_shards_are_disjoint_and_complete(num_samples):
-    per_rank = [list(ShardSampler(num_samples, 2, r, seed=5)) for r in range(2)]
-    assert len(per_rank[0]) == len(per_rank[1]) == num_samples // 2
-    assert not set(per_rank[0]) & set(per_rank[1])
-    union = set(per_rank[0]) | set(per_rank[1])
-    assert len(union) == num_samples - num_samples % 2       # an odd sample out is dropped, never duplicated
-    assert union <= set(range(num_samples))
+def positions(world, per_rank, steps, **kw):
+    """The samples each step reads, as one list per step (ranks' slices concatenated in rank order)."""
+    ranks = [list(RankSampler(10, per_rank, world=world, rank=r, seed=3, steps=steps, **kw)) for r in range(world)]
+    return [sum((rank[s * per_rank:(s + 1) * per_rank] for rank in ranks), []) for s in range(steps)]
 
 
-def test_epochs_reshuffle_and_start_resumes_the_stream():
-    full = list(ShardSampler(10, 1, 0, seed=3, length=30))
-    assert sorted(full[:10]) == sorted(full[10:20]) == list(range(10))
-    assert full[:10] != full[10:20]                           # a new permutation each epoch
-    assert list(ShardSampler(10, 1, 0, seed=3, start=13, length=17)) == full[13:]
+def test_global_order_does_not_depend_on_the_world_size():
+    one = positions(1, 4, steps=7)                      # 28 samples: crosses two epoch boundaries
+    assert positions(2, 2, steps=7) == one == positions(4, 1, steps=7)
+    flat = sum(one, [])
+    assert sorted(flat[:10]) == sorted(flat[10:20]) == list(range(10))
+    assert flat[:10] != flat[10:20]                     # a new permutation each epoch
+    ranks = [set(RankSampler(10, 2, world=2, rank=r, seed=3, steps=2)) for r in range(2)]
+    assert not ranks[0] & ranks[1]                      # within an epoch the ranks read disjoint samples
+
+
+def test_start_resumes_the_stream_at_any_world_size():
+    flat = sum(positions(1, 4, steps=7), [])
+    assert list(RankSampler(10, 4, seed=3, start=12, steps=4)) == flat[12:28]
+    resumed = sum(positions(2, 1, steps=8, start=12), [])    # saved by 1 rank at 4, resumed by 2 at 1
+    assert resumed == flat[12:28]
 
 
 def test_dataset_batches_are_windows_of_the_stream():
@@ -55,3 +62,19 @@ def test_missing_data_path_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         shards.build_shard(cfg, tmp_path / "shard")
     assert not (tmp_path / "shard").exists()
+
+
+def test_full_disk_keeps_the_previous_shard(small_disk, corpus):
+    """Out of space while rebuilding a shard: one line naming the shard dir and the space it needs
+    (at least what the shard takes), no temporary dir, the previous shard untouched."""
+    out = shards.build_shard(load_config(None, tiny_overrides(small_disk / "run", corpus)), small_disk / "shard")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    leave_free(small_disk, 32 * 1024)
+    changed = load_config(None, tiny_overrides(small_disk / "run", corpus, **{"data.val_fraction": 0.2}))
+    with pytest.raises(DiskFullError) as e:
+        shards.build_shard(changed, small_disk / "shard")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{out}: no space left on the device")
+    assert needed_bytes(message) >= sum(len(b) for b in before.values())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "shard"]

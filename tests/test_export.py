@@ -23,7 +23,8 @@ from msllm.data.tokenizer import load_tokenizer, train_tokenizer
 from msllm.checkpoint import load_model
 from msllm.generate import generate_cached, generate_ids
 from msllm.models.llama import build_model
-from tests.conftest import REPO, run_cli
+from msllm.staged import DiskFullError
+from tests.conftest import REPO, leave_free, needed_bytes, run_cli
 from tests.numerics import REORDER_RTOL
 
 LLAMA = ModelConfig(vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
@@ -134,6 +135,31 @@ def test_clean_up_keeps_outputs(qwen_run):
         np.testing.assert_allclose(a, b, rtol=0, atol=REORDER_RTOL * np.abs(a).max())
 
 
+def test_onnx_parameters_come_from_the_family_table(qwen_run, monkeypatch):
+    """The ONNX initializers are the checkpoint's parameters by the names the family table gives them;
+    a renamed parameter follows the table, and a table row the graph does not compute is refused."""
+    from graph_opt import onnx_llama
+    from interop.maps import QWEN2
+    from interop.table import Row
+
+    _, model, _, _ = load_model(qwen_run)
+    weights = {p.name: p.asnumpy() for p in model.trainable_params()}
+    assert set(build_graph(QWEN, weights, "model").graph.initializers) == set(weights) | {"rope_cos", "rope_sin"}
+
+    renamed = QWEN2._replace(after=[r._replace(msllm="final_norm.weight") if r.msllm == "norm.weight" else r
+                                    for r in QWEN2.after])
+    monkeypatch.setitem(onnx_llama.FAMILIES, "Qwen2ForCausalLM", renamed)
+    weights["final_norm.weight"] = weights.pop("norm.weight")
+    assert "final_norm.weight" in build_graph(QWEN, weights, "model").graph.initializers
+
+    qk_norm = renamed._replace(per_layer=renamed.per_layer + [
+        Row("attention.q_norm.weight", "hidden", "self_attn.q_norm.weight", "attention.q_norm.weight")])
+    monkeypatch.setitem(onnx_llama.FAMILIES, "Qwen2ForCausalLM", qk_norm)
+    weights.update({f"layers.{i}.attention.q_norm.weight": np.ones(64, np.float32) for i in range(2)})
+    with pytest.raises(ValueError, match=r"does not use \['layers.0.attention.q_norm.weight'"):
+        build_graph(QWEN, weights, "model")
+
+
 def test_cached_generation_equals_full_recompute(qwen_run):
     """Greedy and top-k, through the point where the cache is full and the window slides."""
     device.setup("cpu", "pynative")
@@ -213,3 +239,20 @@ def test_benchmark_script_runs_at_tiny_size(tmp_path):
     assert all(0 < r["prefill_tok_s"] < float("inf") and 0 < r["decode_tok_s"] < float("inf") for r in rows)
     table = [line.split("|")[2].strip() for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
     assert table == [r["engine"] for r in rows]  # the printed table has the same rows
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "mindir"])
+def test_full_disk_keeps_the_previous_export(llama_run, small_disk, fmt):
+    """Out of space while writing the graphs (--force over an earlier export): one line naming OUT
+    and the space three graphs of fp32 weights need, no temporary dir, the earlier export kept."""
+    out = small_disk / "out"
+    out.mkdir()
+    (out / "export.json").write_text("an earlier export")
+    leave_free(small_disk, 64 * 1024)
+    with pytest.raises(DiskFullError) as e:
+        export(llama_run, fmt, out, force=True, log=lambda line: None)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{out}: no space left on the device")
+    assert needed_bytes(message) >= 3 * 4 * LLAMA.num_params()
+    assert (out / "export.json").read_text() == "an earlier export" and len(list(out.iterdir())) == 1
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]

@@ -108,9 +108,9 @@ def test_verify_names_the_first_divergent_layer(hf_dirs, tmp_path):
     tensors["layers.1.feed_forward.w2.weight"] *= 1.01
     from safetensors.torch import save_file
 
-    from msllm import checkpoint
+    from msllm.staged import write_manifest
     save_file(tensors, path)
-    checkpoint.write_manifest(tmp_path / "ms", [checkpoint.MODEL_FILE, checkpoint.STATE_FILE])  # a deliberate edit
+    write_manifest(tmp_path / "ms")  # a deliberate edit
     report = verify(hf, tmp_path / "ms")
     assert not report.ok and report.names[report.first_failure] == "layer 1"
     assert "FAIL: first divergence at layer 1" in report.lines()[-1]

@@ -8,6 +8,9 @@ import torch
 from interop import InteropError
 from interop.convert import convert
 from msllm.cli import main
+from msllm.errors import UserError
+from msllm.staged import DiskFullError, OutputError
+from tests.conftest import leave_free, needed_bytes
 from tests.hf_models import build, save_bin
 
 
@@ -34,7 +37,7 @@ def hf(model, tmp_path):
 
 def fails(src, dst, match, **kw) -> str:
     """Conversion raises one line matching `match`, and leaves no destination or temp dir behind."""
-    with pytest.raises(InteropError, match=match) as err:
+    with pytest.raises(UserError, match=match) as err:
         convert(src, dst, progress=False, **kw)
     assert "\n" not in str(err.value)
     assert not dst.exists() and not [p for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.tmp")]
@@ -97,7 +100,7 @@ def test_missing_unexpected_and_misshaped_tensors_are_listed(model, tmp_path):
 
 
 def test_failure_while_writing_leaves_nothing(hf, tmp_path, monkeypatch):
-    from interop.formats.safetensors import SafetensorsReader
+    from msllm.safetensors_reader import SafetensorsReader
     real, calls = SafetensorsReader.read, []
 
     def flaky(self, name):
@@ -113,7 +116,7 @@ def test_failure_while_writing_leaves_nothing(hf, tmp_path, monkeypatch):
 def test_existing_destination_needs_force(hf, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "old").write_text("x")
-    with pytest.raises(InteropError, match="already exists"):
+    with pytest.raises(OutputError, match="already exists"):
         convert(hf, tmp_path / "out", progress=False)
     convert(hf, tmp_path / "out", progress=False, force=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["generation_config.json", "manifest.json", "model.safetensors",
@@ -156,3 +159,30 @@ def test_a_step_dir_given_directly_is_verified_against_its_manifest(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checksum mismatch" in err[0] and str(step) in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("to", ["msllm", "hf", "mindformers"])
+def test_full_disk_keeps_the_previous_output(hf, small_disk, to):
+    """Out of space mid-conversion (--force over an earlier output): one line naming the destination
+    and the space the tensors need, no temporary dir, the earlier output untouched."""
+    out = small_disk / "out"
+    convert(hf, out, to=to, dtype="bf16", progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    leave_free(small_disk, 64 * 1024)
+    with pytest.raises(DiskFullError) as e:
+        convert(hf, out, to=to, dtype="fp32", force=True, progress=False)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{out}: no space left on the device")
+    weights = sum(len(b) for name, b in before.items() if name.startswith("model."))
+    assert needed_bytes(message) >= 2 * weights * 0.99  # fp32 is twice the bf16 weights (size_text rounds)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]
+
+
+def test_fp16_overflow_is_refused_not_written_as_inf(model, tmp_path):
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    state["model.norm.weight"][3] = 1e6  # finite in fp32 and bf16, inf in fp16
+    model.save_pretrained(tmp_path / "hf", state_dict=state)
+    message = fails(tmp_path / "hf", tmp_path / "out", "norm.weight has values beyond the float16 range", dtype="fp16")
+    assert "1e+06" in message and "--dtype bf16 or fp32" in message
+    convert(tmp_path / "hf", tmp_path / "out", dtype="bf16", progress=False)  # bf16 holds it

@@ -9,7 +9,7 @@ import yaml
 from msllm.config import ConfigError, ParallelConfig, config_from_dict, load_config
 from msllm.models import layouts as L
 from msllm.parallel import plan as P
-from msllm.parallel.check import check_execution, check_parallel
+from msllm.parallel.check import check_execution, check_parallel, global_batch_of
 from tests.conftest import REPO, run_cli
 
 LLAMA2 = REPO / "configs" / "llama2_7b.yaml"
@@ -24,7 +24,7 @@ LLAMA2 = REPO / "configs" / "llama2_7b.yaml"
     (["model.ffn_size=11000", "parallel.tp=16"], "parallel.tp", "must divide model.ffn_size (11000 % 16 != 0)"),
     (["parallel.pp=33", "parallel.micro_batches=33"], "parallel.pp", "must be <= model.num_layers (32)"),
     (["parallel.pp=4", "parallel.micro_batches=2"], "parallel.micro_batches", "must be >= parallel.pp (4)"),
-    (["parallel.dp=2", "train.batch_size=3"], "parallel", "global batch 3"),
+    (["parallel.dp=2", "parallel.micro_batches=2", "train.batch_size=3"], "parallel", "global batch 6"),
     (["parallel.micro_batches=2", "train.batch_size=2", "train.accum_steps=2"], "parallel.micro_batches",
      "and train.accum_steps both split the batch"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "needs tp > 1"),
@@ -159,7 +159,7 @@ def test_plan_prints_layouts_and_a_parallel_block_that_passes_the_checker(capsys
     cfg = load_config(LLAMA2, ["train.precision=bf16"] + [f"{s}.{k}={v}" for s, kv in block.items()
                                                           for k, v in kv.items()])
     check_parallel(cfg, 8)
-    assert cfg.train.batch_size == 64 and cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == 8
+    assert global_batch_of(cfg) == 64 and cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == 8
     e = P.estimate(cfg, device="910b")
     assert e["total"] <= 0.9 * 64 * 2 ** 30
     assert f"{e['time']['step']:.2f} s/step" in out
@@ -176,7 +176,7 @@ def test_plan_nothing_fits_exits_1_with_what_would(capsys):
 
 def test_plan_check_mode(capsys, tmp_path):
     good = tmp_path / "good.yaml"
-    good.write_text(LLAMA2.read_text().replace("  batch_size: 1\n", "  batch_size: 16\n  precision: bf16\n"
+    good.write_text(LLAMA2.read_text().replace("  batch_size: 1\n", "  batch_size: 8\n  precision: bf16\n"
                                                "  recompute: selective\n")
                     + "parallel: {dp: 2, tp: 4, sequence_parallel: true}\n")
     code, out, _ = plan_cli(capsys, "--config", str(good), "--devices", "8", "--check")

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from msllm import checkpoint, device
+from msllm.staged import DiskFullError
 from msllm.config import ModelConfig, OptimConfig
 from msllm.models.llama import build_model
 from msllm.train.build import build_train_step
-from tests.conftest import REPO, run_cli, step_config, tiny_overrides
+from tests.conftest import REPO, leave_free, needed_bytes, run_cli, step_config, tiny_overrides
 from tests.numerics import (FP16_RTOL, REORDER_RTOL, Recorded, assert_adamw_first_step, assert_close_to_scale,
                             weights)
 from tests.test_train import sets
@@ -137,6 +138,11 @@ def test_nonfinite_guard_stops_with_a_checkpoint(tmp_path, corpus):
     last = proc.stderr.strip().splitlines()[-1]
     assert "2 consecutive non-finite steps (last at step 2)" in last and "--resume" in last
     assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_0000002"]
+    # Located when the guard stopped the run: the fp16 gradient overflows after the loss.
+    report = json.loads((run / "nonfinite" / "report.json").read_text())
+    assert (report["step"], report["phase"], report["cell"]) == (2, "backward", "output")
+    assert [line for line in proc.stderr.splitlines() if line.startswith("non-finite:")] == [
+        f"non-finite: {report['summary']}; report {run}/nonfinite/report.json"]
 
 
 def test_fault_injection_short(tmp_path):
@@ -149,19 +155,6 @@ def test_fault_injection_short(tmp_path):
     assert "3/3 survived: final weights identical" in proc.stdout
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs: a write that does not fit fails with ENOSPC, as on a full disk."""
-    import subprocess
-
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("needs permission to mount a tmpfs")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 def test_full_disk_keeps_the_previous_checkpoint(small_disk):
     """Out of space mid-checkpoint: one-line error naming the dir and the space a checkpoint needs,
     no temporary dir left, and the previous checkpoint still the newest that verifies."""
@@ -169,12 +162,12 @@ def test_full_disk_keeps_the_previous_checkpoint(small_disk):
 
     params = [Parameter(Tensor(np.ones((64, 512), np.float32)), name="w")]  # 128 KiB per copy
     first = checkpoint.save(small_disk, 1, params, [], {"config": {}})
-    free = shutil.disk_usage(small_disk).free
-    (small_disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))  # leaves half of one more checkpoint
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    leave_free(small_disk, 64 * 1024)  # half of one more checkpoint
+    with pytest.raises(DiskFullError) as e:
         checkpoint.save(small_disk, 2, params, [], {"config": {}})
     message = str(e.value)
-    assert "\n" not in message and str(small_disk / "checkpoints") in message and "0.1 MB" in message
+    assert "\n" not in message and message.startswith(f"{small_disk / 'checkpoints' / 'step_0000002'}: no space left")
+    assert needed_bytes(message) >= 64 * 512 * 4
     assert checkpoint.latest(small_disk) == first
     assert [p.name for p in (small_disk / "checkpoints").iterdir()] == [first.name]
 

@@ -90,16 +90,6 @@ def test_resume_without_run_dir_is_one_line(tmp_path):
     assert proc.returncode == 2 and "not found; --resume takes a run dir" in proc.stderr
 
 
-def test_multi_process_is_refused_until_gradients_are_reduced(tmp_path, corpus):
-    import os
-    import subprocess
-    import sys
-    from tests.conftest import REPO
-    proc = subprocess.run([sys.executable, "-m", "msllm.cli", "train", *sets(tiny_overrides(tmp_path / "r", corpus))],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "RANK_SIZE": "2", "RANK_ID": "1"})
-    assert proc.returncode == 2 and "multi-process data parallel is not wired" in proc.stderr
-
-
 def test_compile_cache_is_filled_and_reused(tmp_path, corpus):
     cache = tmp_path / "cache"
     runs = [run_cli("train", *sets(tiny_overrides(tmp_path / f"r{i}", corpus, **{

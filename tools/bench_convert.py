@@ -47,7 +47,7 @@ def generate(folder: Path, config: dict, shard_mb: int) -> None:
     """Random bf16 weights, in HF's file layout, written with our streaming writer."""
     import torch
 
-    from interop.formats import TensorInfo
+    from msllm.safetensors_reader import TensorInfo
     from interop.layouts import hf_index, weight_files
     from interop.maps import FAMILIES
     from interop.table import entries

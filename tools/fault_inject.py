@@ -6,11 +6,17 @@ checkpoint dir exists) -- and resumed, --kills times; then it runs to the end. I
 weights must equal the reference bit for bit.
 
     python tools/fault_inject.py --kills 20            # report "20/20 survived"
+    python tools/fault_inject.py --kills 9 --workers 2 # msllm launch: kill -9 one random worker each time
+
+With --workers N the run is `msllm launch --nproc N`; each kill hits one random worker, and
+launch must then exit non-zero within 60 s naming that rank.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import signal
 import shutil
 import subprocess
 import sys
@@ -36,8 +42,10 @@ def tiny_settings(run_dir: Path, steps: int, ckpt_every: int, corpus: str | None
     return [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
 
 
-def command(run_dir: Path, settings: list[str]) -> list[str]:
+def command(run_dir: Path, settings: list[str], workers: int = 1) -> list[str]:
     base = [sys.executable, "-m", "msllm.cli", "train"]
+    if workers > 1:
+        base = [sys.executable, "-m", "msllm.cli", "launch", "--nproc", str(workers), "--timeout", "30", "--", "train"]
     if any((run_dir / "checkpoints").glob("step_*")):
         return base + ["--resume", str(run_dir)]
     return base + settings
@@ -47,17 +55,20 @@ def final_weights(run_dir: Path, steps: int) -> dict:
     return load_file(str(run_dir / "checkpoints" / f"step_{steps:07d}" / "model.safetensors"))
 
 
-def run_until_killed(cmd: list[str], run_dir: Path, mode: str, rng: random.Random) -> tuple[bool, str]:
-    """Start cmd and SIGKILL it according to mode. Returns (killed, how)."""
+def run_until_killed(cmd: list[str], run_dir: Path, mode: str, rng: random.Random,
+                     workers: int = 1) -> tuple[bool, str]:
+    """Start cmd and SIGKILL it (or one of its workers) according to mode. Returns (killed, how)."""
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # Training kills land after a random number of logged steps (log_every is 1), not a random
     # time: a step takes a few ms here, so a time would often outlast the whole run.
     kill_after_steps = rng.randint(1, 12)
     trained = threading.Event()
+    output = []
 
     def watch():
         steps = 0
         for line in proc.stdout:
+            output.append(line)
             steps += line.startswith("step ")
             if steps >= kill_after_steps:
                 trained.set()
@@ -71,13 +82,30 @@ def run_until_killed(cmd: list[str], run_dir: Path, mode: str, rng: random.Rando
             time.sleep(0.001)
     else:  # checkpoint: kill while a temporary checkpoint dir is being written
         ckpts = run_dir / "checkpoints"
-        while proc.poll() is None and time.time() < deadline and not any(ckpts.glob(".tmp_step_*")):
+        while proc.poll() is None and time.time() < deadline and not any(ckpts.glob(".step_*.tmp")):
             time.sleep(0.0005)
     if proc.poll() is not None:
         return False, f"{mode}: finished before the kill (exit {proc.returncode})"
-    proc.kill()
-    proc.wait()
-    return True, mode
+    if workers == 1:
+        proc.kill()
+        proc.wait()
+        return True, mode
+    rank = rng.randrange(workers)
+    pid_file = run_dir / "logs" / f"rank_{rank}.pid"
+    while not pid_file.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)  # a start-up kill lands once the worker exists
+    if proc.poll() is not None:
+        return False, f"{mode}: finished before the kill (exit {proc.returncode})"
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    killed = time.time()
+    proc.wait(timeout=120)
+    took = time.time() - killed
+    time.sleep(0.2)  # the watcher thread reads the last lines
+    named = any(f"rank {rank} was killed by SIGKILL" in line for line in output[-5:])
+    if proc.returncode == 0 or took > 60 or not named:
+        raise SystemExit(f"launch did not report the killed rank {rank} within 60 s (exit {proc.returncode} "
+                         f"after {took:.0f} s): {''.join(output[-3:])}")
+    return True, f"{mode}, rank {rank}; launch named it and exited after {took:.0f} s"
 
 
 def main(argv=None) -> int:
@@ -88,13 +116,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus", default=None, help="data.path (default: stdlib, capped at 300 KB)")
     parser.add_argument("--work", default="runs/fault_inject")
+    parser.add_argument("--workers", type=int, default=1, help="run through msllm launch with this many workers")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     work = Path(args.work).resolve()
     shutil.rmtree(work, ignore_errors=True)
     ref_dir, run_dir = work / "reference", work / "faulty"
 
-    ref = subprocess.run(command(ref_dir, tiny_settings(ref_dir, args.steps, args.ckpt_every, args.corpus)),
+    ref = subprocess.run(command(ref_dir, tiny_settings(ref_dir, args.steps, args.ckpt_every, args.corpus), args.workers),
                          cwd=REPO, capture_output=True, text=True)
     if ref.returncode != 0:
         print(ref.stdout[-2000:], ref.stderr[-2000:])
@@ -103,14 +132,14 @@ def main(argv=None) -> int:
     killed, survived = 0, 0
     while killed < args.kills:
         mode = MODES[killed % len(MODES)]
-        ok, how = run_until_killed(command(run_dir, settings), run_dir, mode, rng)
+        ok, how = run_until_killed(command(run_dir, settings, args.workers), run_dir, mode, rng, args.workers)
         if not ok:
             print(f"  {how}; the run is complete, stopping early")
             break
         killed += 1
         newest = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if run_dir.exists() else []
         print(f"kill {killed}/{args.kills} ({how}); newest checkpoint: {newest[-1] if newest else 'none'}", flush=True)
-    final = subprocess.run(command(run_dir, settings), cwd=REPO, capture_output=True, text=True)
+    final = subprocess.run(command(run_dir, settings, args.workers), cwd=REPO, capture_output=True, text=True)
     if final.returncode != 0:
         print(final.stdout[-2000:], final.stderr[-2000:])
         print(f"0/{killed} survived: the final resume failed")

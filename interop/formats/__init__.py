@@ -7,23 +7,11 @@ tensors one at a time in that order, so nothing holds more than one tensor.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from interop import InteropError
-
-
-class TensorInfo(NamedTuple):
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+from msllm.safetensors_reader import TensorInfo
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

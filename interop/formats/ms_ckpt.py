@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
-from interop import InteropError, names_line
-from interop.formats import TensorInfo, Writer, tensor_bytes
+from interop import InteropError
+from interop.formats import Writer, tensor_bytes
+from msllm.errors import names_line
+from msllm.safetensors_reader import TensorInfo
 
 DTYPES = {"Float64": torch.float64, "Float32": torch.float32, "Float16": torch.float16,
           "BFloat16": torch.bfloat16, "Int64": torch.int64, "Int32": torch.int32, "Int16": torch.int16,

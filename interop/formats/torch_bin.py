@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from interop import InteropError
-from interop.formats import TensorInfo
+from msllm.safetensors_reader import TensorInfo
 
 
 def _reason(e: Exception) -> str:

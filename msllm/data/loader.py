@@ -1,9 +1,11 @@
-"""Fixed-length windows over a token stream, sharded per rank, fed by mindspore.dataset.
+"""Fixed-length windows over a token stream, split across data-parallel ranks, fed by mindspore.dataset.
 
-Sample i is tokens[i*L : i*L + L + 1] (inputs plus the shifted labels). Each epoch is a
-seeded permutation of all samples; rank r takes every num_shards-th entry of it, cut to
-an equal length for all ranks (so at most num_shards-1 samples per epoch go unused).
-The stream position is a plain sample count, which makes resuming a matter of `start`.
+Sample i is tokens[i*L : i*L + L + 1] (inputs plus the shifted labels). The *global* stream is
+an endless sequence of seeded epoch permutations of all samples; position p is sample
+perm_{p // n}[p % n]. Each optimizer step consumes the next `global_batch` positions, and rank
+r of `world` takes the r-th contiguous slice of them. So the samples a step sees do not depend
+on the world size: 2 ranks at micro-batch b see exactly what 1 rank at 2b sees, and a run can
+resume at another world size from its position, a plain count of consumed samples.
 """
 from __future__ import annotations
 
@@ -26,35 +28,40 @@ class PackedWindows:
         return (np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32),)
 
 
-class ShardSampler:
-    """Indices for one rank: positions start .. start+length-1 of its endless epoch stream."""
+def global_order(num_samples: int, seed: int, shuffle: bool, epoch: int) -> np.ndarray:
+    if not shuffle:
+        return np.arange(num_samples)
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
-    def __init__(self, num_samples: int, num_shards: int = 1, shard_id: int = 0, seed: int = 0,
-                 shuffle: bool = True, start: int = 0, length: int | None = None):
-        if not 0 <= shard_id < num_shards:
-            raise ValueError(f"shard_id {shard_id} not in [0, {num_shards})")
-        self.num_samples, self.num_shards, self.shard_id = num_samples, num_shards, shard_id
+
+class RankSampler:
+    """Sample indices rank `rank` of `world` reads for `steps` steps from global position `start`."""
+
+    def __init__(self, num_samples: int, per_rank: int, *, world: int = 1, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True, start: int = 0, steps: int | None = None):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} not in [0, {world})")
+        if num_samples < 1:
+            raise ValueError("no samples")
+        self.num_samples, self.per_rank, self.world, self.rank = num_samples, per_rank, world, rank
         self.seed, self.shuffle, self.start = seed, shuffle, start
-        self.per_epoch = num_samples // num_shards
-        if self.per_epoch == 0:
-            raise ValueError(f"{num_samples} samples cannot feed {num_shards} shards")
-        self.length = self.per_epoch if length is None else length
+        self.steps = steps if steps is not None else max(1, num_samples // (per_rank * world))
 
-    def epoch_indices(self, epoch: int) -> np.ndarray:
-        order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-                 if self.shuffle else np.arange(self.num_samples))
-        return order[self.shard_id::self.num_shards][:self.per_epoch]
+    def global_positions(self, step: int) -> range:
+        first = self.start + step * self.per_rank * self.world + self.rank * self.per_rank
+        return range(first, first + self.per_rank)
 
     def __iter__(self):
-        pos, end = self.start, self.start + self.length
-        while pos < end:
-            epoch, offset = divmod(pos, self.per_epoch)
-            take = self.epoch_indices(epoch)[offset:offset + (end - pos)]
-            yield from (int(i) for i in take)
-            pos += len(take)
+        epoch, order = -1, None
+        for step in range(self.steps):
+            for pos in self.global_positions(step):
+                e, i = divmod(pos, self.num_samples)
+                if e != epoch:
+                    epoch, order = e, global_order(self.num_samples, self.seed, self.shuffle, e)
+                yield int(order[i])
 
     def __len__(self):
-        return self.length
+        return self.steps * self.per_rank
 
 
 def windows_of(data, seq_len: int):
@@ -63,12 +70,13 @@ def windows_of(data, seq_len: int):
 
 
 def make_dataset(tokens, seq_len: int, batch_size: int, *, seed: int, shuffle: bool = True,
-                 num_shards: int = 1, shard_id: int = 0, start_batch: int = 0, num_batches: int | None = None):
-    """A mindspore.dataset pipeline yielding int32 [batch, seq_len + 1] batches (SFT windows: also
-    mask, segments and positions [batch, seq_len], msllm.data.sft)."""
+                 world: int = 1, rank: int = 0, start: int = 0, num_batches: int | None = None):
+    """A mindspore.dataset pipeline yielding this rank's int32 [batch_size, seq_len + 1] batches, starting
+    at global sample position `start` (batch_size is per rank; a step consumes batch_size * world).
+    SFT windows (msllm.data.sft) also yield mask, segments and positions [batch_size, seq_len]."""
     windows = windows_of(tokens, seq_len)
-    sampler = ShardSampler(len(windows), num_shards, shard_id, seed, shuffle, start=start_batch * batch_size,
-                           length=None if num_batches is None else num_batches * batch_size)
+    sampler = RankSampler(len(windows), batch_size, world=world, rank=rank, seed=seed, shuffle=shuffle,
+                          start=start, steps=num_batches)
     dataset = ds.GeneratorDataset(windows, column_names=windows.columns, sampler=sampler,
                                   num_parallel_workers=1, python_multiprocessing=False)
     return dataset.batch(batch_size, drop_remainder=True)

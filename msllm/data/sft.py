@@ -242,7 +242,9 @@ class SFTWindows:
 def prepare(path: Path, tokenizer: str | None, out_dir: Path, seq_len: int, val_fraction: float, vocab: int,
             log) -> Path:
     """The shard of an SFT JSONL file in out_dir, (re)built when its inputs changed."""
-    from msllm.data.shards import INDEX, read_index, replace_dir
+    from msllm.data.shards import INDEX, read_index
+    from msllm.preflight import make_dir
+    from msllm.staged import staged_dir
 
     if tokenizer is None:
         raise DataError(f"data.path: {path} holds SFT rows, which need the model's tokenizer: set train.init_from "
@@ -254,5 +256,8 @@ def prepare(path: Path, tokenizer: str | None, out_dir: Path, seq_len: int, val_
     if (out_dir / INDEX).exists() and read_index(out_dir).get("key") == key:
         return out_dir
     renderer, samples, packed = encode(path, tokenizer_json, seq_len)
-    return replace_dir(out_dir, lambda tmp: write_shard(tmp, renderer, samples, packed, val_fraction, vocab, key,
-                                                        path, log))
+    make_dir(out_dir.parent, "train.run_dir")  # the shard is cached in the run dir
+    need = sum(a.size * 4 for a in packed) + 2 * tokenizer_json.stat().st_size  # tokens (<= 4 bytes), mask, segments
+    with staged_dir(out_dir, need=need, then="free space or put train.run_dir on another disk, then run again") as tmp:
+        write_shard(tmp, renderer, samples, packed, val_fraction, vocab, key, path, log)
+    return out_dir

@@ -7,8 +7,6 @@ stream (documents are already in a hashed, i.e. shuffled, order).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,6 +17,8 @@ from msllm.config import Config
 from msllm.data import corpus, sft
 from msllm.data.corpus import DataError
 from msllm.data.tokenizer import eos_id, load_tokenizer, tokenizer_config, train_tokenizer
+from msllm.preflight import make_dir
+from msllm.staged import staged_dir
 
 INDEX = "index.json"
 
@@ -37,8 +37,10 @@ def read_index(shard_dir: Path) -> dict:
 def open_tokens(shard_dir: Path, split: str) -> np.ndarray:
     index = read_index(shard_dir)
     path = shard_dir / f"{split}.bin"
-    count = index[f"{split}_tokens"]
-    dtype = np.dtype(index["dtype"])
+    try:
+        count, dtype = int(index[f"{split}_tokens"]), np.dtype(index["dtype"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{shard_dir / INDEX}: bad {split}_tokens or dtype entry ({e}); rebuild the shard") from None
     if not path.exists() or path.stat().st_size != count * dtype.itemsize:
         raise DataError(f"{path}: missing or wrong size (index says {count} tokens of {dtype}); rebuild the shard")
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
@@ -54,22 +56,6 @@ def open_split(shard_dir: Path, split: str):
     if index.get("kind") == sft.KIND:
         return sft.SFTWindows(shard_dir, split, index)
     return open_tokens(shard_dir, split)
-
-
-def replace_dir(out_dir: Path, write) -> Path:
-    """write(tmp) into a fresh dir beside out_dir, then rename it to out_dir: a failure or Ctrl-C
-    anywhere in write leaves no half-built shard behind."""
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        write(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
 
 
 def build_shard(cfg: Config, out_dir: Path) -> Path:
@@ -100,13 +86,15 @@ def build_shard(cfg: Config, out_dir: Path) -> Path:
     tok = load_tokenizer(d.tokenizer) if d.tokenizer else None  # None: trained on the corpus
     if tok is not None and tok.get_vocab_size() > vocab:
         raise DataError(f"data.tokenizer: {d.tokenizer} has {tok.get_vocab_size()} tokens > model.vocab_size {vocab}")
+    make_dir(out_dir.parent, "train.run_dir")  # the shard is cached in the run dir
     source = "Python stdlib" if d.path is None else str(root)
-
-    def write(tmp: Path) -> None:  # logs only once the dir could be made
-        _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
-             + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
+    _log(f"corpus: {len(texts)} files, {sum(p.stat().st_size for p in files) / 1e6:.1f} MB from {source}"
+         + (f"; skipped {len(skipped)} that are not UTF-8 text (e.g. {skipped[0]})" if skipped else ""))
+    # At most one token per byte plus an EOS per file; the tokenizer's JSON takes ~100 bytes per token.
+    need = (sum(len(t.encode()) for t in texts) + len(texts)) * np.dtype(token_dtype(vocab)).itemsize + 100 * vocab
+    with staged_dir(out_dir, need=need, then="free space or put train.run_dir on another disk, then run again") as tmp:
         _write_shard(cfg, tmp, texts, tok, key, source)
-    return replace_dir(out_dir, write)
+    return out_dir
 
 
 def _write_shard(cfg: Config, tmp: Path, texts: list[str], tok, key: dict, source: str) -> None:
@@ -131,8 +119,9 @@ def _write_shard(cfg: Config, tmp: Path, texts: list[str], tok, key: dict, sourc
     n_val = max(d.seq_len + 1, int(len(stream) * d.val_fraction))
     if len(stream) < n_val + 2 * (d.seq_len + 1):
         raise DataError(f"data.path: corpus has only {len(stream)} tokens; need more text for seq_len {d.seq_len}")
-    stream[:-n_val].tofile(tmp / "train.bin")
-    stream[-n_val:].tofile(tmp / "val.bin")
+    for name, tokens in (("train.bin", stream[:-n_val]), ("val.bin", stream[-n_val:])):
+        with open(tmp / name, "wb") as f:  # not ndarray.tofile: its short write on a full disk carries no errno
+            f.write(memoryview(tokens))
     index = {"dtype": np.dtype(dtype).name, "vocab_size": tok.get_vocab_size(), "eos_id": eos,
              "train_tokens": int(len(stream) - n_val), "val_tokens": int(n_val),
              "documents": len(texts), "source": source, "key": key}

@@ -8,6 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
+MIN_VOCAB = 257  # a trained tokenizer starts with the 256 byte tokens and EOS
 
 
 def train_tokenizer(texts, vocab_size: int) -> Tokenizer:

@@ -10,8 +10,8 @@ from msllm.models.layouts import sharding, strategy_problems
 
 
 def global_batch_of(cfg: Config) -> int:
-    """Sequences per optimizer step: what a layout splits, never changes."""
-    return cfg.train.batch_size * cfg.train.accum_steps
+    """Sequences per optimizer step: train.batch_size per data-parallel replica x accum_steps x dp."""
+    return cfg.train.batch_size * cfg.train.accum_steps * cfg.parallel.dp
 
 
 def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | None = None,
@@ -44,9 +44,9 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
         return "parallel.micro_batches", f"must be >= parallel.pp ({p.pp}) or stages sit idle"
     if p.micro_batches > 1 and cfg.train.accum_steps > 1:
         return "parallel.micro_batches", ("and train.accum_steps both split the batch in time; "
-                                          "set train.batch_size to the global batch and accum_steps 1")
+                                          "set train.accum_steps 1 (micro_batches cuts train.batch_size)")
     if batch % (p.dp * p.micro_batches):
-        return "parallel", (f"the global batch {batch} (train.batch_size x train.accum_steps) must be divisible "
+        return "parallel", (f"the global batch {batch} (train.batch_size x accum_steps x dp) must be divisible "
                             f"by dp x micro_batches = {p.dp} x {p.micro_batches}")
     if p.sequence_parallel and p.tp == 1:
         return "parallel.sequence_parallel", "needs tp > 1 (it splits tokens within the tp group)"

@@ -79,7 +79,10 @@ def parse_bytes(text: str) -> float:
     if not match:
         raise PlanError(f"--device-mem: expected a size like 64GB, got {text!r}")
     unit = (match.group(2) or "G")[0].upper()
-    return float(match.group(1)) * 2 ** (10 * "KMGT".index(unit) + 10)
+    size = float(match.group(1)) * 2 ** (10 * "KMGT".index(unit) + 10)
+    if size <= 0:
+        raise PlanError(f"--device-mem: must be more than 0, got {text!r}")
+    return size
 
 
 # ---- memory ----------------------------------------------------------------------------------------
@@ -124,10 +127,11 @@ def stage_parameters(m, sh: L.Sharding) -> list[int]:
 
 def with_layout(cfg: Config, p: ParallelConfig, recompute: str | None = None, global_batch: int | None = None,
                 seq_len: int | None = None) -> Config:
-    """A copy of cfg laid out as p (global batch as batch_size x 1, so the layout's micro_batches cut it)."""
+    """A copy of cfg laid out as p (the global batch as batch_size per replica x accum 1 x dp, so the
+    layout's micro_batches cut each replica's batch)."""
     train = cfg.train
     if global_batch is not None:
-        train = dataclasses.replace(train, batch_size=global_batch, accum_steps=1)
+        train = dataclasses.replace(train, batch_size=global_batch // p.dp, accum_steps=1)
     if recompute is not None:
         train = dataclasses.replace(train, recompute=recompute)
     data = cfg.data if seq_len is None else dataclasses.replace(cfg.data, seq_len=seq_len)

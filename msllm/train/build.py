@@ -11,6 +11,8 @@ from msllm import backends, device
 from msllm.backends import Specialisation
 from msllm.config import Config
 from msllm.models.llama import Llama, build_model
+from msllm.parallel.dp import GradAllReduce
+from msllm.parallel.zero import ShardedAdamW
 from msllm.train.optim import AdamW
 from msllm.train.step import EvalStep, TrainStep, make_loss_scaler
 
@@ -29,7 +31,8 @@ class Built:
         return self.optimizer.state_parameters() + self.train_step.state_parameters()
 
 
-def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=None, load_weights=None) -> Built:
+def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=None, world: int = 1,
+                     rank: int = 0, load_weights=None) -> Built:
     """The configured train step on a new model (seeded by train.seed), or on `model` as given.
     wrap_optimizer(optimizer) -> a Cell with the optimizer's call, `params` and `fused` (tests use it
     to record the applied gradients). load_weights(params): pretrained weights into the new model
@@ -41,8 +44,12 @@ def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=Non
         if load_weights is not None:
             load_weights(model.trainable_params())
     spec = backends.specialise(model, cfg, training=True)
-    optimizer = AdamW(model.trainable_params(), cfg.optim, t.steps, fused=spec.fused_kernels)
+    if cfg.parallel.optimizer_shard and world > 1:
+        optimizer = ShardedAdamW(model.trainable_params(), cfg.optim, t.steps, rank=rank, world=world)
+    else:
+        optimizer = AdamW(model.trainable_params(), cfg.optim, t.steps, fused=spec.fused_kernels)
     scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
     stepped = wrap_optimizer(optimizer) if wrap_optimizer else optimizer
-    train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler)
+    reducer = GradAllReduce(optimizer.params) if world > 1 else None
+    train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world)
     return Built(model, optimizer, train_step, EvalStep(model), spec)

@@ -3,17 +3,17 @@ alone, before anything is built, as config values ("model.hidden_size 32, config
 a list of mismatched tensors."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from msllm.config import ConfigError, ModelConfig
+from msllm.errors import UserError
 
 
 def stored_shapes(path: Path) -> dict[str, tuple]:
-    """name -> shape from a safetensors header (8-byte length, JSON)."""
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    """name -> shape from a safetensors header."""
+    from msllm.safetensors_reader import SafetensorsReader
+
+    return {name: info.shape for name, info in SafetensorsReader(path).infos.items()}
 
 
 def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int) -> dict:
@@ -36,7 +36,7 @@ def check_weights(m: ModelConfig, path: Path, source: str) -> None:
     """Refuse weights of another shape than model `m`, naming the config values that differ."""
     try:
         shapes = stored_shapes(path)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, UserError):
         return  # unreadable: loading it says so
     differ = [f"model.{key} {value!r} (config: {getattr(m, key)!r})"
               for key, value in implied_config(shapes, m.hidden_size, m.num_heads).items() if getattr(m, key) != value]

@@ -115,3 +115,11 @@ class AdamW(nn.Cell):
     def state_parameters(self):
         """Everything needed to resume the optimizer exactly."""
         return [self.step, *self.exp_avg, *self.exp_avg_sq]
+
+    def full_state(self) -> dict[str, np.ndarray]:
+        """The state as checkpoints hold it (the same for the sharded optimizer, msllm.parallel.zero)."""
+        return {p.name: p.asnumpy() for p in self.state_parameters()}
+
+    def load_full_state(self, arrays: dict[str, np.ndarray], source: str) -> None:
+        from msllm.checkpoint import load_into
+        load_into(self.state_parameters(), arrays, source)

@@ -7,6 +7,7 @@ PYNATIVE_MODE the same Cell runs eagerly for debugging.
 One call consumes `accum_steps` micro-batches stacked along the batch axis. The micro-batch
 loop is unrolled in the graph (compile time grows with accum_steps), each micro-batch made
 to wait for the previous one's gradients so only one set of activations is alive at a time.
+Under data parallel the gradients are summed over the ranks before the norm (msllm.parallel.dp).
 A step whose gradients are not finite (fp16 overflow, or a NaN/Inf in any precision) leaves
 weights and optimizer untouched; with a loss scaler the scale is lowered instead.
 """
@@ -68,7 +69,8 @@ class TrainStep(nn.Cell):
     """tokens [accum_steps * b, s+1] (and for SFT mask, segments, positions [accum_steps * b, s])
     -> (loss, grad_norm before clipping, lr, finite, loss_scale)."""
 
-    def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None):
+    def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
+                 grad_reducer=None, world: int = 1):
         super().__init__(auto_prefix=False)
         if optimizer.fused:  # msllm.kernels are on (CPU): the gradient norm uses them too
             from msllm import kernels
@@ -80,6 +82,8 @@ class TrainStep(nn.Cell):
         self.grad_clip = grad_clip
         self.accum_steps = accum_steps
         self.loss_scaler = loss_scaler
+        self.grad_reducer = grad_reducer  # data parallel: sums gradients and loss over the ranks
+        self.world = world
         self.value_and_grad = ops.value_and_grad(self.loss_cell, None, optimizer.params)
 
     def state_parameters(self):
@@ -97,7 +101,10 @@ class TrainStep(nn.Cell):
             more_loss, more_grads = self.value_and_grad(chunk, scale, *[x[i * micro:(i + 1) * micro] for x in sft])
             loss = loss + more_loss
             grads = hyper_map(ops.add, grads, more_grads)
-        inv = 1.0 / (scale * self.accum_steps)  # gradients are summed and loss-scaled until here
+        if self.grad_reducer is not None:
+            grads, loss = self.grad_reducer(grads, loss)
+        # Gradients are summed over micro-batches and ranks and loss-scaled until here.
+        inv = 1.0 / (scale * self.accum_steps * self.world)
 
         # One read of the raw gradients gives the norm; a NaN/Inf anywhere makes it non-finite,
         # so no separate all-finite pass is needed. Unscaling and clipping are one coefficient
@@ -109,7 +116,7 @@ class TrainStep(nn.Cell):
         coef = inv
         if self.grad_clip > 0:
             coef = coef * ops.minimum(self.grad_clip / (norm + 1e-6), 1.0)
-        if not (self.grad_clip > 0 or self.loss_scaler is not None or self.accum_steps > 1):
+        if not (self.grad_clip > 0 or self.loss_scaler is not None or self.accum_steps * self.world > 1):
             coef = None  # nothing to multiply by
         if finite:  # noqa: GL101 (a run-time branch on purpose: a non-finite step skips the update)
             lr = self.optimizer(grads, coef)

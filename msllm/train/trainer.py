@@ -22,6 +22,9 @@ from msllm.data.loader import make_dataset, windows_of
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
+from msllm.parallel import dp
+from msllm.preflight import make_dir
+from msllm.train import nonfinite
 from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
 
@@ -34,11 +37,6 @@ class NonFiniteError(UserError, RuntimeError):
     pass
 
 
-def rank_and_world() -> tuple[int, int]:
-    """Data-parallel position from the launcher's environment (msrun sets RANK_ID / RANK_SIZE)."""
-    return int(os.environ.get("RANK_ID", 0)), int(os.environ.get("RANK_SIZE", 1))
-
-
 def evaluate(eval_step, val_tokens, cfg: Config) -> float:
     """Mean loss over the first eval_batches windows of the held-out split (fixed order)."""
     windows = len(windows_of(val_tokens, cfg.data.seq_len))
@@ -49,7 +47,7 @@ def evaluate(eval_step, val_tokens, cfg: Config) -> float:
     return float(np.mean(losses))
 
 
-def check_resumable(cfg: Config, state: dict, source: str) -> None:
+def check_resumable(cfg: Config, state: dict, source: str, world: int = 1) -> None:
     saved = config_from_dict(state["config"], source).to_dict()
     now = cfg.to_dict()
     for section in FIXED_ON_RESUME:
@@ -58,10 +56,14 @@ def check_resumable(cfg: Config, state: dict, source: str) -> None:
                 raise ConfigError(source, f"{section}.{key}",
                                   f"is {value!r} in the checkpoint but {now[section][key]!r} now; "
                                   f"a resumed run must keep the model and data settings")
-    for key in ("batch_size", "accum_steps"):
-        if now["train"][key] != saved["train"][key]:
-            raise ConfigError(source, f"train.{key}", f"is {saved['train'][key]!r} in the checkpoint but "
-                              f"{now['train'][key]!r} now; changing it would change the data stream")
+    saved_world = state.get("world", 1)
+    before = saved["train"]["batch_size"] * saved["train"]["accum_steps"] * saved_world
+    after = now["train"]["batch_size"] * now["train"]["accum_steps"] * world
+    if before != after:
+        raise ConfigError(source, "train.batch_size", f"global batch (batch_size x accum_steps x workers) was {before} "
+                          f"({saved['train']['batch_size']} x {saved['train']['accum_steps']} x {saved_world}) but is "
+                          f"{after} now; keep it (e.g. --set train.batch_size={before // (now['train']['accum_steps'] * world)}"
+                          f" for {world} workers) so the data stream and the LR schedule continue")
 
 
 class Trainer:
@@ -72,39 +74,52 @@ class Trainer:
         self.cfg, self.pretrained = cfg, pretrained
         t = cfg.train
         self.run_dir = Path(t.run_dir)
-        self.rank, self.world = rank_and_world()
-        if self.world > 1:
-            # The data pipeline shards per rank, but the step has no gradient all-reduce yet:
-            # replicas would silently diverge, so refuse rather than train something wrong.
-            raise device.DeviceError(f"RANK_SIZE={self.world}: multi-process data parallel is not wired into the "
-                                     f"train step yet (roadmap: msllm launch); run one process")
-        device.setup(t.device, t.mode, t.threads, t.jit_level, t.compile_cache)
+        # Workers launched together share the cores unless train.threads says otherwise.
+        threads = t.threads or max(1, (os.cpu_count() or 1) // dp.local_workers())
+        device.setup(t.device, t.mode, threads, t.jit_level, t.compile_cache)
         device.compute_dtype(t.precision, t.device)  # refuse an impossible precision before writing anything
+        self.rank, self.world = dp.init_process_group()
+        if cfg.parallel.dp not in (1, self.world):
+            raise ConfigError("config", "parallel.dp", f"is {cfg.parallel.dp} but {self.world} workers were launched; "
+                              f"set it to {self.world} or leave it at 1 (data parallel over all workers)")
         ms.set_seed(t.seed)
         resume_from = checkpoint.latest(self.run_dir) if resume else None
         lora = cfg.lora.rank > 0  # checkpoints hold the adapters; the base is read from init_from every time
         if resume_from:
             state = checkpoint.read_state(resume_from)
-            check_resumable(cfg, state, str(resume_from / checkpoint.STATE_FILE))
+            check_resumable(cfg, state, str(resume_from / checkpoint.STATE_FILE), self.world)
             if lora:
                 pretrained.check(state.get("lora_base", {}), str(resume_from))
             else:
                 check_weights(cfg.model, resume_from / checkpoint.MODEL_FILE, str(resume_from))
-        self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")  # checks the corpus before writing
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if t.compile_cache:  # MindSpore silently compiles without a cache it cannot create
+            make_dir(Path(t.compile_cache).expanduser(), "train.compile_cache")
+        if self.rank == 0:  # rank 0 tokenizes (checking the corpus before writing); the others then find
+            self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")  # its shard, or build their own copy
+        if self.world > 1:                                                    # on a node without the run dir
+            dp.barrier()
+        if self.rank != 0:
+            self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")
+        make_dir(self.run_dir, "train.run_dir")
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
         self.train_tokens = shards.open_split(self.shard_dir, "train")
         self.val_tokens = shards.open_split(self.shard_dir, "val")
 
         load_base = pretrained.load_base if pretrained is not None and (lora or not resume_from) else None
-        built = build_train_step(cfg, load_weights=load_base)
+        built = build_train_step(cfg, world=self.world, rank=self.rank, load_weights=load_base)
         self.model, self.train_step, self.eval_step = built.model, built.train_step, built.eval_step
         if lora and not resume_from:
             pretrained.load_adapter(self.model.trainable_params())
-        self.state_params = built.state_params
-        self.start_step, self.skipped = 0, 0
+        self.optimizer = built.optimizer
+        self.start_step, self.skipped, self.data_position = 0, 0, 0
+        self.nonfinite_report = None  # the first non-finite step, located (train/nonfinite.py)
         if resume_from:
             self._restore(resume_from)
+        if self.world > 1:
+            differ = dp.ranks_differing(self.model.trainable_params())
+            if differ:
+                raise device.DeviceError(f"ranks {differ} start from weights different from rank 0's; every rank "
+                                         f"must build the same model (same train.seed and checkpoint)")
         if self.rank == 0:
             save_config(cfg, self.run_dir / "config.yaml")
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0)
@@ -113,17 +128,22 @@ class Trainer:
         checkpoint.load_into(self.model.trainable_params(), checkpoint.load_arrays(path / checkpoint.MODEL_FILE), str(path))
         # The loss-scaler state exists only under fp16: a resume that switches precision drops or starts it.
         optim = checkpoint.load_arrays(path / checkpoint.OPTIM_FILE)
-        names = {p.name for p in self.state_params}
-        optim = {k: v for k, v in optim.items() if k in names or not k.startswith(LOSS_SCALE)}
-        params = [p for p in self.state_params if p.name in optim or not p.name.startswith(LOSS_SCALE)]
-        checkpoint.load_into(params, optim, str(path))
+        scaler = [p for p in self.train_step.state_parameters() if p.name in optim]
+        checkpoint.load_into(scaler, {p.name: optim[p.name] for p in scaler}, str(path))
+        self.optimizer.load_full_state({k: v for k, v in optim.items() if not k.startswith(LOSS_SCALE)}, str(path))
         state = checkpoint.read_state(path)
         self.start_step, self.skipped = state["step"], state.get("skipped_steps", 0)
+        self.data_position = state.get("data_position", self.start_step * self.global_batch)
         info(f"resumed from {path} at step {self.start_step}")
 
     @property
     def samples_per_step(self) -> int:
+        """Samples one rank reads per optimizer step."""
         return self.cfg.train.batch_size * self.cfg.train.accum_steps
+
+    @property
+    def global_batch(self) -> int:
+        return self.samples_per_step * self.world
 
     def inference_model(self):
         """The trained model re-specialised for generation (dynamic shapes, blocks inlined, no fused
@@ -133,14 +153,19 @@ class Trainer:
         return self.model
 
     def save(self, step: int) -> Path | None:
+        """Every rank calls this (a sharded optimizer gathers its state); rank 0 writes."""
+        arrays = {**self.optimizer.full_state(), **checkpoint.params_to_numpy(self.train_step.state_parameters())}
+        if self.world > 1:
+            dp.barrier()  # every rank has finished this step
         if self.rank != 0:
             return None
-        state = {"data_position": step * self.samples_per_step, "skipped_steps": self.skipped,
+        position = self.data_position + (step - self.start_step) * self.global_batch
+        state = {"data_position": position, "skipped_steps": self.skipped,
                  "world": self.world, "seed": self.cfg.train.seed, "data_seed": self.cfg.data.seed,
                  "tokenizer": str(self.shard_dir / "tokenizer.json"), "config": self.cfg.to_dict()}
         if self.cfg.lora.rank > 0:  # the checkpoint holds the adapters: name the base they belong to
             state["lora_base"] = self.pretrained.identity()
-        return checkpoint.save(self.run_dir, step, self.model.trainable_params(), self.state_params, state,
+        return checkpoint.save(self.run_dir, step, self.model.trainable_params(), arrays, state,
                                keep=self.cfg.train.keep_checkpoints)
 
     def fit(self) -> dict:
@@ -150,12 +175,15 @@ class Trainer:
             info(f"run already at step {self.start_step} >= train.steps {t.steps}; nothing to do")
             return {"step": self.start_step}
         data = make_dataset(self.train_tokens, cfg.data.seq_len, self.samples_per_step, seed=cfg.data.seed,
-                            shuffle=cfg.data.shuffle, num_shards=self.world, shard_id=self.rank,
-                            start_batch=self.start_step, num_batches=remaining)
-        tokens_per_step = self.samples_per_step * cfg.data.seq_len * self.world
+                            shuffle=cfg.data.shuffle, world=self.world, rank=self.rank,
+                            start=self.data_position, num_batches=remaining)
+        tokens_per_step = self.global_batch * cfg.data.seq_len
         flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
         info(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers; {t.mode} mode on "
              f"{t.device}, {t.precision}; {remaining} steps of {tokens_per_step} tokens")
+        info(f"global batch {self.global_batch} = batch_size {t.batch_size} x accum_steps {t.accum_steps} x "
+             f"{self.world} worker{'s' if self.world > 1 else ''}"
+             + (", optimizer state sharded (ZeRO-1)" if cfg.parallel.optimizer_shard and self.world > 1 else ""))
         step, last, bad_run = self.start_step, {}, 0
         window_t, window_steps = time.perf_counter(), 0
         for batch in data.create_tuple_iterator(num_epochs=1):
@@ -177,10 +205,15 @@ class Trainer:
                 info(f"step {step}: non-finite gradients (loss {loss}); update skipped"
                      + (f", loss scale now {float(self.train_step.loss_scaler.scale_value.asnumpy()):g}"
                         if self.train_step.loss_scaler is not None else ""))
-                if bad_run >= t.max_bad_steps:
+                stopping = bad_run >= t.max_bad_steps
+                if self.rank == 0 and self.nonfinite_report is None and (t.debug_nonfinite or stopping):
+                    self.nonfinite_report = nonfinite.report(self.run_dir, step, self.model, batch.asnumpy(),
+                                                             float(scale.asnumpy()), cfg, t.accum_steps)
+                if stopping:
                     path = self.save(step)
                     raise NonFiniteError(
-                        f"{bad_run} consecutive non-finite steps (last at step {step}); checkpoint {path}. "
+                        f"{bad_run} consecutive non-finite steps (last at step {step}); checkpoint {path}; where "
+                        f"it started: {self.run_dir / nonfinite.REPORT_DIR / nonfinite.REPORT_FILE}. "
                         f"Lower optim.lr, raise optim.warmup_steps or tighten optim.grad_clip, or use "
                         f"train.precision=fp32, then resume with --resume {self.run_dir}")
             if window_steps and (step % t.log_every == 0 or step == t.steps):
@@ -195,7 +228,7 @@ class Trainer:
                                        + (f"  scale {last['loss_scale']:g}  skipped {self.skipped}"
                                           if t.precision == "fp16" else ""))
                 window_t, window_steps = time.perf_counter(), 0
-            if step % t.eval_every == 0 or step == t.steps:
+            if (step % t.eval_every == 0 or step == t.steps) and self.rank == 0:
                 val = evaluate(self.eval_step, self.val_tokens, cfg)
                 last["val_loss"] = val
                 self.metrics.log({"kind": "eval", "step": step, "val_loss": val},

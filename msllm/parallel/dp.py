@@ -1,0 +1,134 @@
+"""Data parallel on MindSpore's own collectives: process group, gradient all-reduce, weight checks.
+
+Every rank runs the same compiled step on its slice of the global batch. The gradients (and the
+loss, for logging) are summed across ranks inside that step, before the gradient norm, the
+finiteness check and clipping, so every rank applies the same update and an overflow on one
+rank skips the step on all of them. The 1/world of the mean is folded into the step's clip
+coefficient rather than spent as one more pass over the gradients.
+
+Collectives on CPU (mccl) in GRAPH mode: AllReduce (sum) and world-group AllGather only, and one
+AllReduce of ~64 MiB has failed there, so gradients travel in buckets of at most 32 MiB.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+
+BUCKET_BYTES = 32 << 20
+
+
+def launched() -> bool:
+    """Whether msrun started this process (it exports the scheduler's address to every worker)."""
+    return "MS_SCHED_HOST" in os.environ and "MS_WORKER_NUM" in os.environ
+
+
+def init_process_group() -> tuple[int, int]:
+    """(rank, world) from MindSpore's communication layer; (0, 1) when not launched by msrun.
+    The device context must be set first."""
+    if not launched():
+        return 0, 1
+    from mindspore.communication import get_group_size, get_rank, init
+
+    init()
+    return get_rank(), get_group_size()
+
+
+def local_workers() -> int:
+    """Worker processes sharing this machine (set by msllm launch), for the default thread count."""
+    return max(1, int(os.environ.get("MSLLM_LOCAL_WORKERS", "1")))
+
+
+def plan_buckets(sizes: list[int], itemsize: int = 4, bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Consecutive parameter indices grouped so each group holds at most bucket_bytes (a larger single
+    parameter gets a bucket of its own)."""
+    buckets, current, used = [], [], 0
+    for i, size in enumerate(sizes):
+        if current and used + size * itemsize > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size * itemsize
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class GradAllReduce(nn.Cell):
+    """(grads, loss) -> (grads, loss) summed over all ranks, one AllReduce per bucket; the loss rides
+    in the last bucket."""
+
+    def __init__(self, params, bucket_bytes: int = BUCKET_BYTES):
+        super().__init__(auto_prefix=False)
+        self.shapes = tuple(tuple(p.shape) for p in params)
+        self.sizes = tuple(int(np.prod(s)) for s in self.shapes)
+        self.buckets = tuple(tuple(b) for b in plan_buckets(list(self.sizes), 4, bucket_bytes))
+        self.all_reduce = ops.AllReduce()
+
+    def construct(self, grads, loss):
+        reduced = ()
+        last = len(self.buckets) - 1
+        for b in range(len(self.buckets)):
+            bucket = self.buckets[b]
+            flat = ()
+            for i in bucket:
+                flat = flat + (grads[i].reshape(-1),)
+            sizes = ()
+            for i in bucket:
+                sizes = sizes + (self.sizes[i],)
+            if b == last:
+                flat = flat + (loss.reshape(1),)
+                sizes = sizes + (1,)
+            parts = ops.split(self.all_reduce(ops.concat(flat)), sizes)
+            for j in range(len(bucket)):
+                reduced = reduced + (parts[j].reshape(self.shapes[bucket[j]]),)
+            if b == last:
+                loss = parts[len(bucket)].reshape(())
+        return reduced, loss
+
+
+class _Sum(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.all_reduce = ops.AllReduce()
+
+    def construct(self, x):
+        return self.all_reduce(x)
+
+
+class _Gather(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.all_gather = ops.AllGather()
+
+    def construct(self, x):
+        return self.all_gather(x)
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (a one-element all-reduce)."""
+    _Sum()(ms.Tensor(np.ones(1, np.float32))).asnumpy()
+
+
+def all_gather(x: np.ndarray) -> np.ndarray:
+    """Stack of every rank's x along a new first axis (x fp32, same shape on every rank)."""
+    out = _Gather()(ms.Tensor(np.ascontiguousarray(x, np.float32).reshape(1, -1))).asnumpy()
+    return out.reshape((-1, *x.shape))
+
+
+def weights_digest(params) -> np.ndarray:
+    """sha256 of every parameter's bytes as 8 exactly representable floats (16-bit pieces)."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.name.encode())
+        h.update(np.ascontiguousarray(p.asnumpy()).tobytes())
+    return np.frombuffer(h.digest()[:16], np.uint16).astype(np.float32)
+
+
+def ranks_differing(params) -> list[int]:
+    """Ranks whose weights differ from rank 0's (bitwise), by comparing digests."""
+    digests = all_gather(weights_digest(params))
+    return [r for r in range(1, len(digests)) if not np.array_equal(digests[r], digests[0])]

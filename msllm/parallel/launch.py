@@ -1,0 +1,198 @@
+"""msllm launch: run `msllm train` on N workers per node through MindSpore's msrun, and say which one failed.
+
+msrun starts a scheduler (on the node whose address is --master) and the workers, each with
+RANK_ID / MS_* in its environment and its output in LOG_DIR/worker_RANK.log; `msllm train` then
+takes rank and world size from mindspore.communication. msrun notices a dead worker within a
+second and kills the others, but then waits for its scheduler's time-out; this module stops the
+whole job as soon as msrun reports the death and prints one line: the rank, its signal or exit
+code, and its log file.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msllm
+from msllm.errors import UserError
+
+WORKER_SCRIPT = Path(__file__).with_name("entry") / "msllm_worker.py"
+DIED = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+MSLLM_ERROR = re.compile(r"^msllm \w+: (error|interrupted)")
+EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
+MINDSPORE_LOG = re.compile(r"^\[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] |^Start (scheduler|worker) process")
+
+
+class LaunchError(UserError, RuntimeError):
+    pass
+
+
+@dataclass
+class Layout:
+    nproc: int          # workers on this node
+    nnodes: int = 1
+    node_rank: int = 0
+    master: str = ""    # ADDR:PORT of the scheduler; default 127.0.0.1 and a free port
+
+    @property
+    def world(self) -> int:
+        return self.nproc * self.nnodes
+
+    def address(self) -> tuple[str, int]:
+        if not self.master:
+            return "127.0.0.1", free_port()
+        host, sep, port = self.master.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise LaunchError(f"--master {self.master!r}: expected ADDR:PORT, e.g. 10.0.0.1:8118")
+        return host, int(port)
+
+    def check(self) -> None:
+        if self.nproc < 1 or self.nnodes < 1:
+            raise LaunchError(f"--nproc {self.nproc} / --nnodes {self.nnodes}: both must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(f"--node-rank {self.node_rank}: must be in [0, {self.nnodes}) for --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.master:
+            raise LaunchError("--nnodes > 1 needs --master ADDR:PORT, the address of node 0 that every node reaches")
+        if self.master:
+            self.address()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def msrun_command(layout: Layout, log_dir: Path, timeout: int, args: list[str]) -> list[str]:
+    host, port = layout.address()
+    return [str(Path(sys.executable).with_name("msrun")),
+            "--worker_num", str(layout.world), "--local_worker_num", str(layout.nproc),
+            "--master_addr", host, "--master_port", str(port), "--node_rank", str(layout.node_rank),
+            "--log_dir", str(log_dir), "--join", "True", "--cluster_time_out", str(timeout),
+            "--tail_worker_log", str(layout.node_rank * layout.nproc),  # this node's first worker to the console
+            str(WORKER_SCRIPT), *args]
+
+
+def worker_env(layout: Layout, log_dir: Path, timeout: int) -> dict:
+    env = dict(os.environ)
+    bin_dir = str(Path(sys.executable).parent)  # msrun starts `python` from PATH: this venv's
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    package_root = str(Path(msllm.__file__).resolve().parent.parent)  # the msllm this launcher runs
+    env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["MSLLM_LOCAL_WORKERS"] = str(layout.nproc)
+    env["MSLLM_PID_DIR"] = str(log_dir)
+    env.setdefault("MS_NODE_TIMEOUT", str(timeout))
+    # msrun reports a dead worker as a MindSpore ERROR log line, which launch reads (and hides)
+    env["GLOG_v"] = str(min(3, int(env.get("GLOG_v", "3")))) if env.get("GLOG_v", "3").isdigit() else "3"
+    return env
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (signal {-code})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def last_line(path: Path) -> str:
+    """What the worker said last: its msllm one-line error, else the exception a traceback ended with."""
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    for pattern in (MSLLM_ERROR, EXCEPTION):
+        said = next((line for line in reversed(lines) if pattern.match(line)), None)
+        if said:
+            return said
+    return ""
+
+
+def rank_of(pid: int, log_dir: Path) -> int | None:
+    for path in log_dir.glob("rank_*.pid"):
+        try:
+            if int(path.read_text()) == pid:
+                return int(path.stem.split("_")[1])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def kill_tree(proc: subprocess.Popen, log_dir: Path) -> None:
+    """msrun, its scheduler and tail processes, and the workers (which msrun starts in sessions of their own)."""
+    pids = descendants(proc.pid)
+    for path in log_dir.glob("rank_*.pid"):
+        try:
+            pids.append(int(path.read_text()))
+        except (OSError, ValueError):
+            pass
+    for pid in [proc.pid, *pids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def launch(layout: Layout, args: list[str], log_dir: Path, timeout: int = 60, verbose: bool = False) -> int:
+    """Run `msllm ARGS` on this node's workers; the exit code of the job (non-zero: one line on stderr)."""
+    layout.check()
+    command = msrun_command(layout, log_dir, timeout, args)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for stale in log_dir.glob("rank_*.pid"):
+        stale.unlink()
+    first = layout.node_rank * layout.nproc
+    print(f"msllm launch: ranks {first}-{first + layout.nproc - 1} of {layout.world} on this node, logs in {log_dir}",
+          file=sys.stderr, flush=True)
+    proc = subprocess.Popen(command, env=worker_env(layout, log_dir, timeout),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    failure = None
+    try:
+        for line in proc.stdout:
+            died = DIED.search(line)
+            if died:
+                failure = (int(died.group(1)), int(died.group(2)))
+                time.sleep(1)  # let msrun stop the other workers; then stop msrun without its time-out wait
+                kill_tree(proc, log_dir)
+                break
+            if verbose or not MINDSPORE_LOG.match(line):
+                print(line, end="", flush=True)
+        code = proc.wait()
+    except KeyboardInterrupt:
+        kill_tree(proc, log_dir)
+        raise
+    if failure is not None:
+        pid, exit_code = failure
+        rank = rank_of(pid, log_dir)
+        log = log_dir / f"worker_{rank}.log" if rank is not None else log_dir
+        said = last_line(log) if rank is not None and exit_code > 0 else ""
+        who = f"rank {rank}" if rank is not None else f"worker pid {pid}"
+        print(f"msllm launch: error: {who} {describe(exit_code)}{f' ({said})' if said else ''}; its log: {log}",
+              file=sys.stderr, flush=True)
+        return exit_code if exit_code > 0 else 1
+    if code != 0:
+        print(f"msllm launch: error: msrun exited with code {code} (the cluster did not form or its scheduler "
+              f"failed); see {log_dir}/scheduler.log and the worker logs there", file=sys.stderr, flush=True)
+        return 1
+    return 0

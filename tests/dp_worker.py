@@ -1,0 +1,67 @@
+"""Run under msrun by tests/test_distributed.py: data-parallel train steps on a fixed batch, results per rank.
+
+    msrun ... tests/dp_worker.py OUT_DIR     # writes OUT_DIR/{variant}_rank{r}.npz for each variant
+
+Rank r of `world` takes rows [r*b, (r+1)*b) of TOKENS, so the ranks together see the batch that
+one process sees in tests/test_robustness.py's reference step.
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from msllm.config import ModelConfig, OptimConfig, ParallelConfig
+
+CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=96,
+                  max_seq_len=64)
+TOKENS = np.random.default_rng(0).integers(0, 256, (4, 33)).astype(np.int32)
+STEPS = 3
+VARIANTS = {  # name -> (train.* settings, parallel.optimizer_shard)
+    "dp": (dict(fused_kernels="auto"), False),
+    "dp_portable": (dict(fused_kernels="off"), False),
+    "zero": (dict(fused_kernels="auto"), True),
+    # fp16 with a scale that overflows on rank 1 only (rank 0's is moderate): both must skip
+    "overflow": (dict(precision="fp16", fused_kernels="auto"), False),
+}
+
+
+def config(variant: str, rank: int = 0):
+    from msllm.config import Config, TrainConfig
+
+    train, shard = VARIANTS[variant]
+    if variant == "overflow":
+        train = dict(train, loss_scale=2.0 ** 40 if rank == 1 else 2.0 ** 10)
+    return Config(model=CFG, optim=OptimConfig(warmup_steps=1),
+                  train=TrainConfig(steps=10, seed=0, block_graph="shared", **train),
+                  parallel=ParallelConfig(optimizer_shard=shard))
+
+
+def run(variant: str, rank: int, world: int) -> dict:
+    import mindspore as ms
+
+    from msllm.train.build import build_train_step
+    from tests.numerics import Recorded, weights
+
+    built = build_train_step(config(variant, rank), wrap_optimizer=Recorded, world=world, rank=rank)
+    rows = len(TOKENS) // world
+    batch = ms.Tensor(TOKENS[rank * rows:(rank + 1) * rows])
+    result = {f"initial/{k}": v for k, v in weights(built.model.trainable_params()).items()}
+    outs = []
+    for step in range(1, STEPS + 1):
+        outs.append([float(x.asnumpy()) for x in built.train_step(batch)])
+        if step == 1:  # what tests/test_robustness.py's one-step reference holds
+            result.update({f"grad1/{k}": v for k, v in built.train_step.optimizer.gradients().items()})
+            result.update({f"weight1/{k}": v for k, v in weights(built.model.trainable_params()).items()})
+    result.update({f"weight/{k}": v for k, v in weights(built.model.trainable_params()).items()})
+    return {"outs": np.array(outs), **result}
+
+
+if __name__ == "__main__":
+    from msllm import device
+    from msllm.parallel import dp
+
+    device.setup("cpu", "graph", threads=1)
+    rank, world = dp.init_process_group()
+    out = Path(sys.argv[1])
+    for name in VARIANTS:
+        np.savez(out / f"{name}_rank{rank}.npz", **run(name, rank, world))

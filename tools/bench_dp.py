@@ -1,0 +1,146 @@
+"""Data-parallel throughput and memory on CPU: 1 worker vs 2 workers (one core each), plain DP vs ZeRO-1.
+
+Each setting runs under msrun; every worker builds the W1 step with msllm's step builder
+(msllm.train.build, so the gradient all-reduce and ZeRO-1 are the trained ones) at the same
+micro-batch, times steps after warm-up, times the gradient all-reduce alone, and reports its
+peak RSS. Writes benchmarks/DATE-dp-W1-cpu.md (and .json) naming the CPU and the commit.
+
+    python tools/bench_dp.py                    # W1, 1 vs 2 workers, plain DP and ZeRO-1
+    python tools/bench_dp.py --steps 3 --warmup 1 --workload W1 --no-write   # quick check
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+SETTINGS = [("1 worker", 1, False), ("2 workers", 2, False), ("2 workers, ZeRO-1", 2, True)]
+
+
+def worker(args) -> None:
+    import mindspore as ms
+    import numpy as np
+
+    from bench_train import WORKLOADS, model_config, time_steps, tokens
+    from msllm import device
+    from msllm.config import Config, OptimConfig, ParallelConfig, TrainConfig
+    from msllm.parallel import dp
+    from msllm.train.build import build_train_step
+
+    w = WORKLOADS[args.workload]
+    device.setup("cpu", "graph", 1)
+    rank, world = dp.init_process_group()
+    cfg = Config(model=model_config(w), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
+                 train=TrainConfig(steps=1000, batch_size=w["batch"], seed=0, threads=1),
+                 parallel=ParallelConfig(optimizer_shard=args.zero1))
+    built = build_train_step(cfg, world=world, rank=rank)
+    batch = ms.Tensor(tokens(w, seed=rank))
+    timing = time_steps(lambda: built.train_step(batch)[0].asnumpy(), args.steps, args.warmup)
+    result = {"rank": rank, "world": world, "zero": args.zero1, **timing,
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "optimizer_state_mb": sum(p.nbytes for p in built.optimizer.state_parameters()) / 2 ** 20}
+    if world > 1:  # the all-reduce alone, on gradient-shaped tensors
+        reducer = dp.GradAllReduce(built.optimizer.params)
+        grads = tuple(ms.Tensor(np.ones(p.shape, np.float32)) for p in built.optimizer.params)
+        loss = ms.Tensor(np.float32(1))
+        times = []
+        for i in range(args.steps + 2):
+            t0 = time.perf_counter()
+            reducer(grads, loss)[1].asnumpy()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        result["allreduce_s"] = statistics.median(times)
+        result["allreduce_mb"] = sum(p.nbytes for p in built.optimizer.params) / 2 ** 20
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_setting(nproc: int, zero: bool, args) -> list[dict]:
+    from msllm.parallel.launch import free_port
+
+    out = Path(tempfile.mkdtemp(prefix="bench_dp_"))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(REPO), "GLOG_v": "3"}
+    cmd = [str(Path(sys.executable).with_name("msrun")), "--worker_num", str(nproc), "--local_worker_num", str(nproc),
+           "--master_port", str(free_port()), "--log_dir", str(out / "logs"), "--join", "True",
+           "--cluster_time_out", "120", str(Path(__file__).resolve()), "--as-worker", "--out", str(out), "--workload", args.workload,
+           "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--zero1"] if zero else [])
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"bench_dp: {nproc} workers failed; see {out}/logs\n{done.stdout[-2000:]}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            name = line.split(":", 1)[1].strip()
+            flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+            simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+            return f"{name}, {os.cpu_count()} cores, {simd}"
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="W1")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-write", action="store_true", help="print only; no file under benchmarks/")
+    p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)  # msrun would take --worker
+    p.add_argument("--zero1", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.as_worker:
+        return worker(args)
+
+    from bench_train import WORKLOADS
+    w = WORKLOADS[args.workload]
+    rows = []
+    for label, nproc, zero in SETTINGS:
+        ranks = run_setting(nproc, zero, args)
+        step_s = max(r["step_s"] for r in ranks)  # the ranks wait for each other in the all-reduce
+        rows.append({"setting": label, "workers": nproc, "zero": zero, "step_s": step_s,
+                     "tokens_per_s": nproc * w["batch"] * w["seq"] / step_s,
+                     "first_step_s": max(r["first_step_s"] for r in ranks),
+                     "peak_rss_mb_per_worker": max(r["peak_rss_mb"] for r in ranks),
+                     "optimizer_state_mb_per_worker": ranks[0]["optimizer_state_mb"],
+                     "allreduce_s": ranks[0].get("allreduce_s"), "allreduce_mb": ranks[0].get("allreduce_mb")})
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]["tokens_per_s"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    today = datetime.date.today().isoformat()
+    lines = [f"# Data parallel on CPU: {args.workload}, 1 vs 2 workers (one core each), plain DP vs ZeRO-1", "",
+             f"- Date: {today}", f"- Commit: {commit}", f"- Machine: {cpu_name()}",
+             f"- Command: `python tools/bench_dp.py --workload {args.workload} --steps {args.steps} --warmup {args.warmup}`",
+             f"- Workload: {w}; micro-batch {w['batch']} per worker, fp32, fused CPU kernels, 1 thread per worker", "",
+             "| setting | step s | tokens/s | vs 1 worker | first step s | peak RSS MB / worker | optimizer state MB / worker | all-reduce s/step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ar = f"{r['allreduce_s']:.3f} ({r['allreduce_mb']:.0f} MB)" if r["allreduce_s"] else "-"
+        lines.append(f"| {r['setting']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x | "
+                     f"{r['first_step_s']:.1f} | {r['peak_rss_mb_per_worker']:.0f} | "
+                     f"{r['optimizer_state_mb_per_worker']:.0f} | {ar} |")
+    print("\n".join(lines))
+    if not args.no_write:
+        stem = REPO / "benchmarks" / f"{today}-dp-{args.workload}-cpu"
+        stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        stem.with_suffix(".json").write_text(json.dumps({"date": today, "commit": commit, "cpu": cpu_name(),
+                                                         "workload": w, "rows": rows}, indent=1))
+        print(f"wrote {stem}.md")
+
+
+if __name__ == "__main__":
+    main()
