@@ -129,6 +129,9 @@ def _open_msllm(path: Path, max_seq_len=None) -> Source:
     ckpt = checkpoint.latest(path)
     state = checkpoint.read_state(ckpt)
     config = config_from_dict(state["config"], str(ckpt / checkpoint.STATE_FILE))
+    if config.lora.rank > 0:
+        raise InteropError(f"{ckpt}: holds LoRA adapters only; `msllm lora merge {path} OUT` makes a full checkpoint "
+                           f"(or `msllm lora export ... --format peft` for PEFT)")
     side = _side_files(ckpt)
     trained = Path(state.get("tokenizer") or "")  # msllm train records an absolute path
     if trained.is_absolute() and trained.is_file() and trained.name not in {p.name for p in side}:

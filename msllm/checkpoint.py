@@ -159,6 +159,9 @@ def load_model(ckpt: str | Path):
     path = latest(Path(ckpt))
     state = read_state(path)
     cfg = config_from_dict(state["config"], str(path / STATE_FILE))
+    if cfg.lora.rank > 0:
+        raise CheckpointError(f"{path}: holds LoRA adapters only; `msllm lora merge {ckpt} OUT` makes a full "
+                              f"checkpoint of base + adapters")
     model = Llama(cfg.model)
     load_into(model.trainable_params(), load_arrays(path / MODEL_FILE), str(path))
     model.set_train(False)

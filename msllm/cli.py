@@ -28,6 +28,11 @@ def train_config(args):
         overrides.append(f"train.mode={args.mode}")
     if args.device:
         overrides.append(f"train.device={args.device}")
+    if args.init_from:
+        if args.resume:
+            raise UsageError("--init-from: not used with --resume, which continues a run from its own checkpoints "
+                             "(the run's config.yaml already names what it started from)")
+        overrides.append(f"train.init_from={args.init_from}")
     if args.resume:
         if args.config:
             raise ConfigError("--config", args.config, "not used with --resume, which reads RUN_DIR/config.yaml; "
@@ -37,20 +42,24 @@ def train_config(args):
             raise ConfigError(str(config_path), "<file>", "not found; --resume takes a run dir made by msllm train")
         cfg = load_config(config_path, overrides + [f"train.run_dir={args.resume}"])
     else:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, pretrained=_describe_pretrained)
     check_train(cfg, resume=bool(args.resume))
     return cfg
 
 
 def cmd_train(args) -> int:
     cfg = train_config(args)
+    pretrained = None
+    if cfg.train.init_from and (cfg.lora.rank > 0 or not args.resume):  # a LoRA run re-reads its base on resume
+        from interop.pretrained import InitFrom
+        pretrained = InitFrom(cfg)
 
     from msllm.generate import generate_text
     from msllm.inference import cell_engine
     from msllm.train.trainer import Trainer
 
     with removed_on_failure(Path(cfg.train.run_dir)):
-        trainer = Trainer(cfg, resume=bool(args.resume))
+        trainer = Trainer(cfg, resume=bool(args.resume), pretrained=pretrained)
     result = trainer.fit()
     if trainer.rank == 0 and cfg.train.sample_tokens > 0:
         # KV cache; in graph mode prefill and decode compile once each (dynamic shapes)
@@ -59,6 +68,30 @@ def cmd_train(args) -> int:
         print(f"--- sample (greedy) ---\n{text}\n---", flush=True)
     if "val_loss" in result:
         print(f"done: step {result['step']}, val_loss {result['val_loss']:.4f}, run dir {cfg.train.run_dir}")
+    return 0
+
+
+def _describe_pretrained(init_from: str, lora_from: str | None):
+    """train.init_from as load_config needs it (msllm itself never imports interop)."""
+    from interop.hf_config import check_dir
+
+    check_dir(init_from)  # an HF config msllm cannot compute is refused before torch is imported
+    from interop.pretrained import describe
+    return describe(init_from, lora_from)
+
+
+def cmd_lora(args) -> int:
+    from msllm.preflight import check_new_dir
+
+    check_new_dir(args.out, args.force, "OUT")
+    from interop import pretrained
+
+    if args.lora_command == "merge":
+        out = pretrained.merge(args.run, args.out, base=args.base, force=args.force)
+        print(f"msllm lora merge: wrote {out} (a full msllm checkpoint: convert --to hf, verify, export, generate)")
+    else:
+        out = pretrained.export_peft(args.run, args.out, base=args.base, force=args.force)
+        print(f"msllm lora export: wrote {out} (PEFT adapter: PeftModel.from_pretrained(base_model, '{out}'))")
     return 0
 
 
@@ -253,7 +286,11 @@ EXAMPLES = {
   msllm train                                            # tiny Llama on the stdlib sources, CPU, runs/tiny
   msllm train --config configs/tiny.yaml --set train.steps=1000 --set optim.lr=1e-3
   msllm train --config configs/tiny.yaml --mode pynative  # same code, eager
-  msllm train --resume runs/tiny --set train.steps=800    # continue a run from its newest checkpoint""",
+  msllm train --resume runs/tiny --set train.steps=800    # continue a run from its newest checkpoint
+  msllm train --init-from ~/models/Qwen2-0.5B --set data.path=sft.jsonl --set lora.rank=8   # fine-tune""",
+    "lora": """examples:
+  msllm lora merge runs/sft merged              # base + adapters -> a full msllm checkpoint
+  msllm lora export runs/sft adapter --format peft   # un-merged, for peft.PeftModel.from_pretrained""",
     "generate": """examples:
   msllm generate --ckpt runs/tiny --prompt "def parse(" --top-k 20 --temperature 0.8
   msllm generate --engine onnxruntime --ckpt exports/tiny-onnx --prompt "def parse(\"""",
@@ -301,6 +338,8 @@ def build_parser() -> Parser:
                    help="override a config value (read as YAML, text keys as written; repeatable), "
                    "e.g. --set optim.lr=1e-3")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
+    p.add_argument("--init-from", metavar="PATH", help="start from pretrained weights (HF dir, msllm checkpoint or "
+                                                       "run dir, MindFormers dir); shorthand for train.init_from")
     p.add_argument("--mode", choices=["graph", "pynative"], help="shorthand for --set train.mode=...")
     p.add_argument("--device", choices=["cpu", "gpu", "ascend"], help="shorthand for --set train.device=...")
     p.set_defaults(func=cmd_train)
@@ -361,6 +400,20 @@ def build_parser() -> Parser:
                    help="--train batches from a pretokenized shard (e.g. RUN_DIR/data) instead of random tokens")
     _verify_options(p)
     p.set_defaults(func=cmd_verify)
+
+    p = command("lora", "merge a LoRA run into a full checkpoint, or export its adapter for PEFT")
+    lora = p.add_subparsers(dest="lora_command", required=True)
+    for name, what in (("merge", "fold the adapters into the base: a full msllm checkpoint dir"),
+                       ("export", "the un-merged adapter as a Hugging Face PEFT dir")):
+        q = lora.add_parser(name, help=what, description=what)
+        q.add_argument("run", help="LoRA run dir or checkpoint dir")
+        q.add_argument("out", help="output dir; its parent must exist (written under a temporary name, then renamed)")
+        if name == "export":
+            q.add_argument("--format", choices=["peft"], required=True, help="adapter format")
+        q.add_argument("--base", default=None, help="the base model, if it moved since training (its sha256 must "
+                                                    "match the one the run recorded)")
+        q.add_argument("--force", action="store_true", help="replace an existing OUT")
+    p.set_defaults(func=cmd_lora)
 
     p = sub.add_parser("lint", help="find what GRAPH_MODE rejects or silently slows in Cells, before compiling")
     p.add_argument("paths", nargs="*", metavar="PATH",
@@ -427,28 +480,29 @@ def main(argv=None) -> int:
     if extra:
         parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     quiet(args.verbose)
+    command = " ".join(filter(None, (args.command, getattr(args, "lora_command", None))))
     # MindSpore's runtime turns SIGINT into SIGTERM (its handler kills the process with SIGTERM): make
     # both a KeyboardInterrupt, so Ctrl-C cleans up temporary files and ends with one line, exit 130.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
     except UserError as e:  # every module's one-line error derives from it; importing it loads nothing heavy
-        print(f"msllm {args.command}: error: {e}", file=sys.stderr)
+        print(f"msllm {command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a file problem no check foresaw: still one line (--verbose shows the traceback)
         if args.verbose:
             raise
-        print(f"msllm {args.command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
+        print(f"msllm {command}: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}",
               file=sys.stderr)
         return 2
     except MemoryError as e:  # a size asked for on the command line or in the config (--batch, model.*)
         if args.verbose:
             raise
-        print(f"msllm {args.command}: error: out of memory ({e}); ask for less (batch, sequence length, model "
+        print(f"msllm {command}: error: out of memory ({e}); ask for less (batch, sequence length, model "
               f"size)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"msllm {args.command}: interrupted", file=sys.stderr)
+        print(f"msllm {command}: interrupted", file=sys.stderr)
         return 130
 
 

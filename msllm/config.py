@@ -62,11 +62,12 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # None: the running interpreter's standard-library sources. Otherwise a text file,
-    # a directory of text files, or a pretokenized shard directory (has index.json).
+    # a directory of text files, a pretokenized shard directory (has index.json), or a
+    # .jsonl file of SFT rows ({"prompt", "response"} or {"messages": [...]}, docs/fine-tuning.md).
     path: Optional[str] = None
     glob: str = "**/*.py"
     max_bytes: int = 12_000_000       # cap on corpus bytes read (0 = no cap)
-    tokenizer: Optional[str] = None   # tokenizer.json to reuse; None trains one
+    tokenizer: Optional[str] = None   # tokenizer.json to reuse; None trains one (train.init_from: the source's)
     seq_len: int = 128
     val_fraction: float = 0.02
     seed: int = 1234
@@ -119,6 +120,10 @@ class TrainConfig:
     peak_flops: float = 3.8e11
     sample_prompt: str = "def "
     sample_tokens: int = 48
+    # Start from pretrained weights: a Hugging Face dir, an msllm checkpoint or run dir, or a
+    # MindFormers dir. The model section and the tokenizer come from it; the optimizer starts fresh.
+    init_from: Optional[str] = None
+    lora_from: Optional[str] = None   # a PEFT LoRA adapter dir to continue training (needs init_from)
 
 
 @dataclass
@@ -140,12 +145,23 @@ class ParallelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the chosen projections of every layer; the base weights stay frozen
+    (msllm/lora.py). y = W x + (alpha / rank) * B A x, as PEFT computes it."""
+    rank: int = 0                     # 0 = off
+    alpha: float = 16.0
+    dropout: float = 0.0              # on the adapter's input; > 0 makes resume not bit-exact
+    targets: list = field(default_factory=lambda: ["q", "v"])  # of q, k, v, o, gate, up, down
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -200,6 +216,9 @@ def _coerce(value: Any, annotation: str, source: str, key: str) -> Any:
     elif base == "dict":
         if isinstance(value, dict):
             return value
+    elif base == "list":
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
     got = type(value).__name__
     raise ConfigError(source, key, f"expected {base}, got {got} {value!r}")
 
@@ -230,15 +249,16 @@ def _apply(cfg: Config, data: Any, source: str, origins: dict | None = None) -> 
 
 
 # What each rope_scaling type reads (msllm.models.llama.rope_inv_freq), besides its type.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ROPE_SCALING_KEYS = {"linear": ("factor",),
                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 MAX_VOCAB = 2**31 - 1   # token ids are int32
 MAX_SEED = 2**32 - 1    # numpy and MindSpore seeds
 
 
-def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
-    """Validate the whole config. An error is blamed on where the offending value was set: the
-    last-applied of the keys involved (--set after the file), or `source` for defaults."""
+def _needs(source: str, origins: dict | None):
+    """need(ok, key, message, *involved): an error is blamed on where the offending value was set:
+    the last-applied of the keys involved (--set after the file), or `source` for defaults."""
     order = list(origins or {})
 
     def need(ok: bool, key: str, message: str, *involved: str):
@@ -246,7 +266,28 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
             keys = [k for k in (key, *involved) if k in order]
             blamed = origins[max(keys, key=order.index)] if keys else source
             raise ConfigError(blamed, key, message)
+    return need
 
+
+def _check_lora(cfg: Config, need) -> None:
+    """The lora section on its own (checked before train.init_from is read, too)."""
+    lora, t = cfg.lora, cfg.train
+    need(lora.rank >= 0, "lora.rank", "must be >= 0 (0 = off)")
+    need(lora.alpha > 0, "lora.alpha", "must be > 0")
+    need(0 <= lora.dropout < 1, "lora.dropout", "must be in [0, 1)")
+    unknown = [x for x in lora.targets if x not in LORA_TARGETS]
+    need(not unknown, "lora.targets", f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(LORA_TARGETS)}")
+    need(bool(lora.targets) and len(set(lora.targets)) == len(lora.targets), "lora.targets",
+         f"needs distinct names of {', '.join(LORA_TARGETS)}, got {lora.targets!r}")
+    need(lora.rank == 0 or t.init_from is not None, "lora.rank",
+         "LoRA adapts pretrained weights: set train.init_from (or --init-from)", "train.init_from")
+    need(t.lora_from is None or t.init_from is not None, "train.lora_from",
+         "a PEFT adapter needs its base model: set train.init_from", "train.init_from")
+
+
+def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
+    """Validate the whole config, blaming each error on where its value was set (_needs)."""
+    need = _needs(source, origins)
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size", "max_seq_len"):
         need(getattr(m, key) > 0, f"model.{key}", "must be > 0")
@@ -267,7 +308,8 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(d.max_bytes >= 0, "data.max_bytes", "must be >= 0")
     need(d.glob != "", "data.glob", "must not be empty (e.g. '**/*.py')")
     for key, value in (("data.path", d.path), ("data.tokenizer", d.tokenizer), ("train.run_dir", t.run_dir),
-                       ("train.compile_cache", t.compile_cache)):
+                       ("train.compile_cache", t.compile_cache), ("train.init_from", t.init_from),
+                       ("train.lora_from", t.lora_from)):
         need(value is None or value.strip() != "", key, "must not be an empty path" +
              ("" if key == "train.run_dir" else " (null for none)"))
     for key, value in (("data.seed", d.seed), ("train.seed", t.seed)):
@@ -289,6 +331,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips the sample)")
     need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
     need(t.loss_scale >= 1, "train.loss_scale", "must be >= 1")
+    _check_lora(cfg, need)
     need(not (t.block_graph == "shared" and t.recompute != "none"), "train.block_graph",
          "shared cannot recompute (MindSpore 2.10 ignores recompute inside the shared block graph); "
          "use inlined or auto with train.recompute", "train.recompute")
@@ -355,8 +398,39 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults <- YAML file <- --set overrides, then validate the whole."""
+@dataclass
+class Pretrained:
+    """What train.init_from (and train.lora_from) fix in a config: the model, the tokenizer, the adapter."""
+    source: str
+    model: ModelConfig
+    tokenizer: Optional[str]          # the source's tokenizer.json, if it has one
+    lora: Optional[dict] = None       # rank, alpha, targets of the adapter train.lora_from holds
+
+
+def _adopt(cfg: Config, origins: dict, pretrained: Pretrained) -> None:
+    """The model (and adapter) sections become the pretrained ones. A value set in the file or with
+    --set that contradicts them is refused, naming both; model.max_seq_len may only shrink the context."""
+    def adopt(section: str, theirs: dict, where: str):
+        obj = getattr(cfg, section)
+        for key, value in theirs.items():
+            dotted, mine = f"{section}.{key}", getattr(obj, key)
+            if dotted in origins and mine != value:
+                if dotted == "model.max_seq_len" and 0 < mine <= value:
+                    continue  # a shorter context keeps every weight
+                raise ConfigError(origins[dotted], dotted, f"{mine!r} contradicts {value!r} of {where}; leave it unset")
+            setattr(obj, key, value)
+
+    adopt("model", dataclasses.asdict(pretrained.model), pretrained.source)
+    if pretrained.lora is not None:
+        adopt("lora", pretrained.lora, str(cfg.train.lora_from))
+    if cfg.data.tokenizer is None:
+        cfg.data.tokenizer = pretrained.tokenizer
+
+
+def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[str] = (),
+                pretrained: Optional[typing.Callable[[str, Optional[str]], Pretrained]] = None) -> Config:
+    """Defaults <- YAML file <- --set overrides, then validate the whole. With train.init_from set,
+    pretrained(init_from, lora_from) describes the source (the CLI reads it through interop)."""
     cfg, origins = Config(), {}
     if path is not None:
         source = str(path)
@@ -377,6 +451,9 @@ def load_config(path: Optional[str | Path] = None, overrides: typing.Sequence[st
         key, value = parse_override(text)
         section, name = key.split(".")
         _apply(cfg, {section: {name: value}}, "--set", origins)
+    if pretrained is not None and cfg.train.init_from is not None:
+        _check_lora(cfg, _needs(str(path) if path else "<defaults>", origins))  # before the source is read
+        _adopt(cfg, origins, pretrained(cfg.train.init_from, cfg.train.lora_from))
     _check(cfg, str(path) if path else "<defaults>", origins)
     return cfg
 

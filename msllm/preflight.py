@@ -79,6 +79,12 @@ def check_train(cfg: Config, resume: bool = False) -> None:
         _creatable_dir(Path(t.run_dir).expanduser(), "train.run_dir")
     if t.compile_cache:
         _creatable_dir(Path(t.compile_cache).expanduser(), "train.compile_cache")
+    if t.init_from and not d.tokenizer:
+        raise PreflightError(f"train.init_from: {t.init_from} has no tokenizer.json; set data.tokenizer to the "
+                             f"model's tokenizer.json (a new tokenizer would not match its embeddings)")
+    if d.path and Path(d.path).suffix == ".jsonl" and not d.tokenizer:
+        raise PreflightError(f"data.path: {d.path} holds SFT rows, which need the model's tokenizer: set "
+                             f"train.init_from (or data.tokenizer)")
     if d.tokenizer:
         check_tokenizer(Path(d.tokenizer).expanduser(), cfg.model.vocab_size, "data.tokenizer")
     if d.path and (Path(d.path).expanduser() / "index.json").is_file():
@@ -131,7 +137,7 @@ def _check_shard_dir(folder: Path, vocab_size: int) -> None:
 
 def _check_host_memory(cfg: Config) -> None:
     """Refuse a model that cannot fit in this machine's RAM even before activations: fp32 weights,
-    gradients and two AdamW moments (16 bytes per parameter), msllm's precomputed
+    gradients and two AdamW moments (16 bytes per parameter; 4 with LoRA), msllm's precomputed
     [max_seq_len, max_seq_len] causal mask, and one micro-batch of logits and their gradient."""
     m, t = cfg.model, cfg.train
     try:
@@ -139,10 +145,12 @@ def _check_host_memory(cfg: Config) -> None:
     except (ValueError, OSError, AttributeError):  # not POSIX: nothing to compare against
         return
     params = m.num_params()
-    need = 16 * params + 4 * m.max_seq_len ** 2 + 8 * t.batch_size * cfg.data.seq_len * m.vocab_size
+    per_param = 4 if cfg.lora.rank > 0 else 16  # LoRA: frozen weights, no gradient or moments
+    need = per_param * params + 4 * m.max_seq_len ** 2 + 8 * t.batch_size * cfg.data.seq_len * m.vocab_size
     if need > ram:
         raise PreflightError(
-            f"model: needs at least {need / 2**30:,.1f} GiB ({params:,} parameters x 16 bytes for "
-            f"weights, gradients and AdamW moments, a {m.max_seq_len}x{m.max_seq_len} causal mask, logits) but "
+            f"model: needs at least {need / 2**30:,.1f} GiB ({params:,} parameters x {per_param} bytes for "
+            f"weights{', gradients and AdamW moments' if per_param == 16 else ''}, a {m.max_seq_len}x"
+            f"{m.max_seq_len} causal mask, logits) but "
             f"this machine has {ram / 2**30:,.1f} GiB; lower model.hidden_size, model.num_layers, "
             f"model.vocab_size, model.max_seq_len or train.batch_size")

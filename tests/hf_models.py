@@ -53,3 +53,21 @@ def save_bin(model, folder: Path, shards: int = 1) -> Path:
         weight_map.update({n: file for n in part})
     (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tokenizer(folder: Path, texts: list[str], vocab_size: int = 300, chat_template: str | None = CHATML) -> Path:
+    """A byte-level BPE tokenizer.json of at most vocab_size tokens, with tokenizer_config.json
+    naming its EOS and (optionally) a ChatML chat template: what an HF model dir carries."""
+    from msllm.data.tokenizer import EOS, train_tokenizer
+
+    tok = train_tokenizer(texts, vocab_size - 2)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": EOS, **({"chat_template": chat_template} if chat_template else {})}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder / "tokenizer.json"

@@ -46,6 +46,18 @@ def T(id, *items, names=(), env=None):
     return Row(id, tuple(args), names, env=env)
 
 
+FT_BASE = {"data.path": "{sftgood}", "data.seq_len": 32, "train.run_dir": "{work}/run", "train.steps": 2,
+           "train.batch_size": 2, "train.sample_tokens": 0}
+
+
+def FT(id, *items, names=(), init="{hftok}"):
+    """train --init-from `init` on SFT rows; "KEY=VALUE" items become --set overrides."""
+    args = ["train", "--init-from", init] + [a for k, v in FT_BASE.items() for a in ("--set", f"{k}={v}")]
+    for item in items:
+        args += ["--set", item] if "=" in item and not item.startswith("-") else [item]
+    return Row(id, tuple(args), names)
+
+
 def Y(id, config, *extra, names=()):
     """train --config {work}/c.yaml (TINY plus `config`, or raw text)."""
     return Row(id, ("train", "--config", "{work}/c.yaml", *extra), names, config=config)
@@ -236,6 +248,23 @@ ROWS = [
     R("resume-config-yaml-garbage", "train", "--resume", "{runbadyaml}", names=("config.yaml",)),
     R("resume-no-checkpoint", "train", "--resume", "{runnockpt}", names=("{runnockpt}",)),
     R("resume-all-corrupt", "train", "--resume", "{runcorrupt}", names=("{runcorrupt}", "step_0000001")),
+
+    # --- fine-tuning: --init-from, SFT rows, LoRA
+    FT("init-from-unsupported-arch", init="{hf_gpt2}", names=("{hf_gpt2}/config.json", "GPT2LMHeadModel")),
+    R("init-from-with-resume", "train", "--resume", "{run}", "--init-from", "{hftok}", names=("--init-from",)),
+    FT("init-from-model-contradiction", "model.hidden_size=32", names=("--set", "model.hidden_size", "32", "64")),
+    FT("sft-row-missing-fields", "data.path={sftmissing}", names=("{sftmissing}:2", "response")),
+    FT("sft-sample-too-long", "data.path={sftlong}", names=("{sftlong}:1", "data.seq_len 32")),
+    T("sft-without-tokenizer", "data.path={sftgood}", names=("data.path", "{sftgood}", "train.init_from")),
+    FT("lora-unknown-target", "lora.rank=4", "lora.targets=[q, qkv]", names=("--set", "lora.targets", "'qkv'")),
+    FT("lora-rank-negative", "lora.rank=-2", names=("--set", "lora.rank")),
+    FT("lora-alpha-zero", "lora.rank=4", "lora.alpha=0", names=("--set", "lora.alpha")),
+    T("lora-without-init-from", "lora.rank=4", names=("lora.rank", "train.init_from")),
+    FT("lora-from-wrong-base", "train.lora_from={peft}", init="{hfother}", names=("{peft}", "another base")),
+    R("lora-merge-wrong-base", "lora", "merge", "{lorarun}", "{work}/out", "--base", "{hfother}",
+      names=("{hfother}", "sha256")),
+    R("lora-merge-out-exists", "lora", "merge", "{lorarun}", "{empty}", names=("{empty}",)),
+    R("lora-export-format", "lora", "export", "{lorarun}", "{work}/out", "--format", "gguf", names=("--format",)),
 
     # --- generate
     R("generate-ckpt-missing", "generate", "--ckpt", "{work}/nope", names=("{work}/nope",)),
@@ -491,7 +520,47 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
     f["hf_no_weights"] = root / "hf_no_weights"
     f["hf_no_weights"].mkdir()
     shutil.copy(f["hf"] / "config.json", f["hf_no_weights"])
+    _finetune_fixtures(root, f, texts)
     return {k: str(v) for k, v in f.items()}
+
+
+def _finetune_fixtures(root: Path, f: dict, texts: list[str]) -> None:
+    """HF dirs with tokenizers, SFT rows good and bad, a LoRA run (adapters + base sha256) and its PEFT export."""
+    from interop.pretrained import InitFrom, PretrainedWeights, export_peft
+    from msllm import checkpoint
+    from msllm.config import config_from_dict
+    from msllm.lora import adapter_params, apply_lora
+    from msllm.models.llama import Llama
+    from tests.hf_models import build, save_tokenizer
+
+    f["hftok"] = root / "hftok"
+    shutil.copytree(f["hf"], f["hftok"])
+    save_tokenizer(f["hftok"], texts)
+    f["hfother"] = root / "hfother"
+    build("llama2_mha", seed=1).save_pretrained(f["hfother"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f["hftok"] / name, f["hfother"] / name)
+    rows = {"sftgood": [{"prompt": f"x{i} = ", "response": str(i)} for i in range(40)],
+            "sftmissing": [{"prompt": "a", "response": "b"}, {"prompt": "a", "answer": "b"}],
+            "sftlong": [{"prompt": "def " * 60, "response": "b"}]}
+    for name, content in rows.items():
+        f[name] = root / f"{name}.jsonl"
+        f[name].write_text("".join(json.dumps(r) + "\n" for r in content))
+
+    f["lorarun"] = root / "lorarun"
+    tokenizer = str(f["hftok"] / "tokenizer.json")
+    cfg = config_from_dict({"data": {"path": str(f["sftgood"]), "seq_len": 32, "tokenizer": tokenizer},
+                            "model": dataclasses.asdict(PretrainedWeights(f["hftok"]).model),
+                            "train": {"run_dir": str(f["lorarun"]), "init_from": str(f["hftok"])},
+                            "lora": {"rank": 2}})
+    init = InitFrom(cfg)
+    model = Llama(cfg.model)
+    apply_lora(model, cfg.lora, 0)
+    f["lorarun"].mkdir()
+    checkpoint.save(f["lorarun"], 1, adapter_params(model), [],
+                    {"config": cfg.to_dict(), "tokenizer": tokenizer, "lora_base": init.identity()})
+    f["peft"] = root / "peft"
+    export_peft(f["lorarun"], f["peft"])
 
 
 @pytest.fixture(scope="module")
@@ -550,6 +619,8 @@ def test_bad_input_is_one_line_exit_2_nothing_written(row, fixtures):
     lines = proc.stderr.splitlines()
     commands = ("train", "generate", "export", "convert", "verify", "launch")
     command = row.args[0] if row.args and row.args[0] in commands else ""
+    if row.args[:1] == ("lora",):
+        command = " ".join(row.args[:2])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert len(lines) == 1, proc.stderr[-3000:]

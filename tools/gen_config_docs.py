@@ -64,6 +64,8 @@ def _default(node: ast.AnnAssign, text: str) -> str:
             if kw.arg == "default":
                 return ast.get_source_segment(text, kw.value)
             if kw.arg == "default_factory":
+                if isinstance(kw.value, ast.Lambda):  # lambda: [..]: the value it makes
+                    return ast.get_source_segment(text, kw.value.body)
                 return f"{ast.get_source_segment(text, kw.value)}()"
     return ast.get_source_segment(text, value)
 

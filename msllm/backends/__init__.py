@@ -1,7 +1,7 @@
 """The one seam where a plain model is specialised: for its device, for memory, for a layout.
 
     model = build_model(cfg.model)            # plain maths (msllm/models/llama.py)
-    plan = specialise(model, cfg)             # CPU formulations / fused kernels, block graph, recompute
+    plan = specialise(model, cfg)             # LoRA, CPU formulations / fused kernels, block graph, recompute
     model = specialise(model, cfg, training=False)   # the same weights, ready for generation
 
 Everything device-specific is decided here from the config and applied to the built model; the
@@ -20,6 +20,8 @@ class Specialisation:
     fused_kernels: bool   # msllm.kernels in the train step (the optimizer and norm use them too)
     shared_blocks: bool   # every layer calls one compiled block graph
     recompute: str
+    lora_rank: int        # > 0: base weights frozen, adapters on lora.targets (msllm/lora.py)
+    packed: bool          # SFT rows: per-sample positions and attention masks as inputs
 
 
 # From this depth `auto` shares the block graph on CPU: below it inlined and shared compile
@@ -49,22 +51,35 @@ def apply_recompute(model, mode: str) -> None:
             block.feed_forward.recompute()
 
 
+def packed_samples(cfg: Config) -> bool:
+    """SFT data (a .jsonl file, or a shard made from one): samples packed into windows, each
+    attending only to itself, so the step takes per-sample positions and masks."""
+    from msllm.data.sft import is_sft
+
+    return is_sft(cfg.data.path)
+
+
 def plan(cfg: Config, training: bool = True) -> Specialisation:
     from msllm import kernels
 
     t = cfg.train
     fused = training and t.device == "cpu" and kernels.enabled(t.fused_kernels)
-    return Specialisation(t.device, fused, training and shares_block_graph(cfg), t.recompute if training else "none")
+    return Specialisation(t.device, fused, training and shares_block_graph(cfg), t.recompute if training else "none",
+                          cfg.lora.rank, training and packed_samples(cfg))
 
 
 def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
     """Apply the configured specialisations to `model` in place; returns what was applied."""
     spec = plan(cfg, training)
+    if spec.lora_rank > 0:
+        from msllm.lora import apply_lora
+        apply_lora(model, cfg.lora, cfg.train.seed)
     if training:
         apply_recompute(model, spec.recompute)
     if spec.device == "cpu":
         from msllm.backends import cpu
-        cpu.specialise(model, fused=spec.fused_kernels, share_blocks=spec.shared_blocks, training=training)
+        cpu.specialise(model, fused=spec.fused_kernels, share_blocks=spec.shared_blocks, training=training,
+                       per_sample_tables=spec.packed)
     elif spec.device == "ascend" and training:  # generated and checked here; executed only on Ascend
         from msllm.backends import ascend
         ascend.specialise(model, cfg)

@@ -92,28 +92,32 @@ class SoftmaxAttention(llama.SoftmaxAttention):
         return dq, dk, dv, ops.zeros_like(mask)
 
 
-def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training: bool) -> None:
+def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training: bool,
+               per_sample_tables: bool = False) -> None:
     """Swap the CPU formulations into `model` in place.
 
     fused: msllm.kernels' one-pass C++ ops for training (they take fixed shapes and, except the
     norm, fp32 activations). share_blocks: every layer calls one compiled block graph (training
     only; export needs the blocks inlined). Tables are pre-broadcast for training without the fused
-    rope / softmax, which read the [s, d] and [s, s] tables per row.
+    rope / softmax, which read the [s, d] and [s, s] tables per row. per_sample_tables (packed SFT
+    samples: positions and masks differ per row) keeps the rope and softmax on the CPU formulations,
+    which broadcast any table; the fused norm, activation and optimizer still apply.
     """
     fused = fused and training
     fused_fp32 = fused and model.compute_dtype == ms.float32
+    fused_tables = fused_fp32 and not per_sample_tables
     if fused:
         from msllm import kernels
     for cell in [cell for _, cell in model.cells_and_names()]:
         if isinstance(cell, llama.RMSNorm):  # normalises in fp32 whatever the compute dtype
             cell.core = kernels.FusedRMSNormCore(cell.eps) if fused else RMSNormCore(cell.dim, cell.eps)
         elif isinstance(cell, llama.Attention):
-            cell.rope = kernels.FusedRope() if fused_fp32 else Rope(cell.head_dim)
+            cell.rope = kernels.FusedRope() if fused_tables else Rope(cell.head_dim)
         elif isinstance(cell, llama.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
-            cell.softmax_attention = kernels.FusedSoftmaxAttention(n, kv) if fused_fp32 else SoftmaxAttention(n, kv)
+            cell.softmax_attention = kernels.FusedSoftmaxAttention(n, kv) if fused_tables else SoftmaxAttention(n, kv)
         elif isinstance(cell, llama.FeedForward):
             cell.act = kernels.FusedSwiGLU() if fused_fp32 else llama.SwiGLU()
-    model.broadcast_tables = training and not fused_fp32
+    model.broadcast_tables = training and not fused_tables
     for block in model.layers:
         block.no_inline = share_blocks and training

@@ -14,6 +14,8 @@ import mindspore.dataset as ds
 
 
 class PackedWindows:
+    columns = ["tokens"]
+
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
         self.count = (len(tokens) - 1) // seq_len
@@ -62,13 +64,19 @@ class RankSampler:
         return self.steps * self.per_rank
 
 
-def make_dataset(tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int, shuffle: bool = True,
+def windows_of(data, seq_len: int):
+    """Samples of a split: fixed windows over a token stream, or an SFT shard's packed windows as they are."""
+    return data if hasattr(data, "columns") else PackedWindows(data, seq_len)
+
+
+def make_dataset(tokens, seq_len: int, batch_size: int, *, seed: int, shuffle: bool = True,
                  world: int = 1, rank: int = 0, start: int = 0, num_batches: int | None = None):
     """A mindspore.dataset pipeline yielding this rank's int32 [batch_size, seq_len + 1] batches, starting
-    at global sample position `start` (batch_size is per rank; a step consumes batch_size * world)."""
-    windows = PackedWindows(tokens, seq_len)
+    at global sample position `start` (batch_size is per rank; a step consumes batch_size * world).
+    SFT windows (msllm.data.sft) also yield mask, segments and positions [batch_size, seq_len]."""
+    windows = windows_of(tokens, seq_len)
     sampler = RankSampler(len(windows), batch_size, world=world, rank=rank, seed=seed, shuffle=shuffle,
                           start=start, steps=num_batches)
-    dataset = ds.GeneratorDataset(windows, column_names=["tokens"], sampler=sampler,
+    dataset = ds.GeneratorDataset(windows, column_names=windows.columns, sampler=sampler,
                                   num_parallel_workers=1, python_multiprocessing=False)
     return dataset.batch(batch_size, drop_remainder=True)

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from msllm.config import Config
-from msllm.data import corpus
+from msllm.data import corpus, sft
 from msllm.data.corpus import DataError
-from msllm.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+from msllm.data.tokenizer import eos_id, load_tokenizer, tokenizer_config, train_tokenizer
 from msllm.preflight import make_dir
 from msllm.staged import staged_dir
 
@@ -50,9 +50,19 @@ def _log(msg: str) -> None:
     print(f"[data] {msg}", file=sys.stderr, flush=True)
 
 
+def open_split(shard_dir: Path, split: str):
+    """What the loader reads: the token stream of a text shard, or the packed windows of an SFT shard."""
+    index = read_index(shard_dir)
+    if index.get("kind") == sft.KIND:
+        return sft.SFTWindows(shard_dir, split, index)
+    return open_tokens(shard_dir, split)
+
+
 def build_shard(cfg: Config, out_dir: Path) -> Path:
     """Tokenize the configured corpus into out_dir (reused when already built from the same inputs)."""
     d, vocab = cfg.data, cfg.model.vocab_size
+    if d.path and Path(d.path).expanduser().suffix == ".jsonl":
+        return sft.prepare(Path(d.path).expanduser(), d.tokenizer, out_dir, d.seq_len, d.val_fraction, vocab, _log)
     if d.path and (Path(d.path) / INDEX).exists():  # already a pretokenized shard
         index = read_index(Path(d.path))
         if index["vocab_size"] > vocab:
@@ -96,7 +106,10 @@ def _write_shard(cfg: Config, tmp: Path, texts: list[str], tok, key: dict, sourc
         _log(f"trained byte-level BPE, vocab {tok.get_vocab_size()} in {time.time() - t0:.1f}s")
     tok.save(str(tmp / "tokenizer.json"))
 
-    eos, dtype = eos_id(tok), token_dtype(vocab)
+    eos, dtype = eos_id(tok, tokenizer_config(d.tokenizer) if d.tokenizer else None), token_dtype(vocab)
+    if eos is None:
+        raise DataError(f"data.tokenizer: {d.tokenizer} names no EOS token (tokenizer_config.json eos_token) to "
+                        f"join documents with")
     chunks, t0 = [], time.time()
     for start in range(0, len(texts), 256):
         for enc in tok.encode_batch(texts[start:start + 256]):

@@ -6,7 +6,8 @@ strategy (msllm/backends/ascend.py) without touching this file. Parameter names 
 tok_embeddings, layers.N.attention.wq, ..., layers.N.feed_forward.w1 (gate) / w2 (down) / w3 (up),
 norm, output. Linear weights are [out, in]. The code is shape-agnostic in batch and sequence, so
 the same Cells export with dynamic shapes. The KV cache is an optional input of the model's own
-forward: `model(ids, past_keys, past_values, return_cache=True)`.
+forward: `model(ids, past_keys, past_values, return_cache=True)`; so are packed samples (SFT):
+`model(ids, segments=seg, positions=pos)` keeps attention inside each sample and restarts its positions.
 """
 from __future__ import annotations
 
@@ -301,12 +302,32 @@ class Llama(nn.Cell):
             return cast(out.reshape(h.shape[:-1] + (-1,)), ms.float32)
         return cast(self.output(h), ms.float32)
 
-    def construct(self, input_ids, past_keys=None, past_values=None, return_cache=False):
+    def sample_tables(self, segments, positions):
+        """Packed samples: segments, positions [b, s] int32 (a sample's tokens share a segment id, and
+        count their positions from 0) -> rope tables [b, 1, s, d] at those positions and an additive
+        mask that is causal within a sample and closed between samples, shaped to broadcast over the
+        scores ([b, 1, s, s]; [b, 1, 1, s, s] with GQA)."""
+        b, s = segments.shape
+        cos = ops.gather(self.rope_cos, positions.reshape(-1), 0).reshape(b, 1, s, -1)
+        sin = ops.gather(self.rope_sin, positions.reshape(-1), 0).reshape(b, 1, s, -1)
+        same = segments.reshape(b, s, 1) == segments.reshape(b, 1, s)
+        mask = ops.select(same, ops.zeros((b, s, s), ms.float32), ops.full((b, s, s), -1e9, dtype=ms.float32))
+        mask = mask + self.causal_mask[:s, :s]
+        if self.cfg.num_heads != self.cfg.num_kv_heads:
+            return cos, sin, mask.reshape(b, 1, 1, s, s)
+        return cos, sin, mask.reshape(b, 1, s, s)
+
+    def construct(self, input_ids, past_keys=None, past_values=None, return_cache=False, segments=None,
+                  positions=None):
         b, s = input_ids.shape
         cfg, dtype = self.cfg, self.compute_dtype
         t0 = 0 if past_keys is None else past_keys.shape[3]
-        cos, sin = cast(self.rope_cos[t0:t0 + s], dtype), cast(self.rope_sin[t0:t0 + s], dtype)
-        mask = self.causal_mask[t0:t0 + s, :t0 + s]  # rows of the causal mask for the new positions
+        if segments is None:
+            cos, sin = self.rope_cos[t0:t0 + s], self.rope_sin[t0:t0 + s]
+            mask = self.causal_mask[t0:t0 + s, :t0 + s]  # rows of the causal mask for the new positions
+        else:
+            cos, sin, mask = self.sample_tables(segments, positions)
+        cos, sin = cast(cos, dtype), cast(sin, dtype)
         if self.broadcast_tables:
             cos = ops.broadcast_to(cos, (b, cfg.num_heads, s, cfg.head_dim))
             sin = ops.broadcast_to(sin, (b, cfg.num_heads, s, cfg.head_dim))
@@ -336,6 +357,18 @@ class CausalLMLoss(nn.Cell):
 
     def construct(self, logits, labels):
         return self.cross_entropy(cast(logits, ms.float32).reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class MaskedCausalLMLoss(nn.Cell):
+    """Next-token cross-entropy in fp32 averaged over the positions where mask is 1 (SFT: the
+    response tokens); masked positions contribute exactly nothing, to the loss or its gradient."""
+
+    def construct(self, logits, labels, mask):
+        logits = cast(logits, ms.float32).reshape(-1, logits.shape[-1])
+        log_probs = ops.log_softmax(logits, -1)
+        nll = -ops.gather_elements(log_probs, 1, labels.reshape(-1, 1)).reshape(-1)
+        mask = mask.reshape(-1)
+        return ops.sum(nll * mask) / ops.maximum(ops.sum(mask), 1.0)
 
 
 def init_weights(model: Llama, seed: int) -> None:

@@ -32,13 +32,17 @@ class Built:
 
 
 def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=None, world: int = 1,
-                     rank: int = 0) -> Built:
+                     rank: int = 0, load_weights=None) -> Built:
     """The configured train step on a new model (seeded by train.seed), or on `model` as given.
     wrap_optimizer(optimizer) -> a Cell with the optimizer's call, `params` and `fused` (tests use it
-    to record the applied gradients). The process's device context must be set (msllm.device.setup) first."""
+    to record the applied gradients). load_weights(params): pretrained weights into the new model
+    before it is specialised (train.init_from). The process's device context must be set
+    (msllm.device.setup) first."""
     t = cfg.train
     if model is None:
         model = build_model(cfg.model, seed=t.seed, compute_dtype=device.compute_dtype(t.precision, t.device))
+        if load_weights is not None:
+            load_weights(model.trainable_params())
     spec = backends.specialise(model, cfg, training=True)
     if cfg.parallel.optimizer_shard and world > 1:
         optimizer = ShardedAdamW(model.trainable_params(), cfg.optim, t.steps, rank=rank, world=world)

@@ -16,19 +16,26 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import amp, nn, ops
 
-from msllm.models.llama import CausalLMLoss
+from msllm.models.llama import CausalLMLoss, MaskedCausalLMLoss
 
 
 class LossCell(nn.Cell):
-    """tokens [b, s+1] -> scale * mean next-token loss of model(tokens[:, :-1]) against tokens[:, 1:]."""
+    """tokens [b, s+1] -> scale * mean next-token loss of model(tokens[:, :-1]) against tokens[:, 1:].
+
+    Packed SFT samples add mask [b, s] (1 where the label is a response token), segments and
+    positions [b, s] (msllm.data.sft); the mean is then over the masked-in labels."""
 
     def __init__(self, model):
         super().__init__(auto_prefix=False)
         self.model = model
         self.loss = CausalLMLoss()
+        self.masked_loss = MaskedCausalLMLoss()
 
-    def construct(self, tokens, scale):
-        return self.loss(self.model(tokens[:, :-1]), tokens[:, 1:]) * scale
+    def construct(self, tokens, scale, mask=None, segments=None, positions=None):
+        if mask is None:
+            return self.loss(self.model(tokens[:, :-1]), tokens[:, 1:]) * scale
+        logits = self.model(tokens[:, :-1], None, None, False, segments, positions)
+        return self.masked_loss(logits, tokens[:, 1:], mask) * scale
 
 
 def sum_of_squares(g):
@@ -59,7 +66,8 @@ def make_loss_scaler(initial_scale: float, window: int):
 
 
 class TrainStep(nn.Cell):
-    """tokens [accum_steps * b, s+1] -> (loss, grad_norm before clipping, lr, finite, loss_scale)."""
+    """tokens [accum_steps * b, s+1] (and for SFT mask, segments, positions [accum_steps * b, s])
+    -> (loss, grad_norm before clipping, lr, finite, loss_scale)."""
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
                  grad_reducer=None, world: int = 1):
@@ -84,13 +92,13 @@ class TrainStep(nn.Cell):
             return []
         return [self.loss_scaler.scale_value, self.loss_scaler.counter]
 
-    def construct(self, tokens):
+    def construct(self, tokens, *sft):
         scale = ops.ones((), ms.float32) if self.loss_scaler is None else self.loss_scaler.scale_value * 1.0
         micro = tokens.shape[0] // self.accum_steps
-        loss, grads = self.value_and_grad(tokens[:micro], scale)
+        loss, grads = self.value_and_grad(tokens[:micro], scale, *[x[:micro] for x in sft])
         for i in range(1, self.accum_steps):
             chunk = ops.depend(tokens[i * micro:(i + 1) * micro], grads)
-            more_loss, more_grads = self.value_and_grad(chunk, scale)
+            more_loss, more_grads = self.value_and_grad(chunk, scale, *[x[i * micro:(i + 1) * micro] for x in sft])
             loss = loss + more_loss
             grads = hyper_map(ops.add, grads, more_grads)
         if self.grad_reducer is not None:
@@ -122,5 +130,5 @@ class EvalStep(nn.Cell):
         super().__init__(auto_prefix=False)
         self.loss_cell = LossCell(model)
 
-    def construct(self, tokens):
-        return self.loss_cell(tokens, 1.0)
+    def construct(self, tokens, *sft):
+        return self.loss_cell(tokens, 1.0, *sft)

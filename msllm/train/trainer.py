@@ -18,7 +18,7 @@ import numpy as np
 from msllm import backends, checkpoint, device
 from msllm.config import Config, ConfigError, config_from_dict, save_config
 from msllm.data import shards
-from msllm.data.loader import make_dataset
+from msllm.data.loader import make_dataset, windows_of
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
@@ -29,7 +29,7 @@ from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
 
 # Sections that must not change when resuming: they define the weights and the data stream.
-FIXED_ON_RESUME = ("model", "data")
+FIXED_ON_RESUME = ("model", "data", "lora")
 LOSS_SCALE = "loss_scale."  # names of the fp16 loss-scaler state (train/step.py)
 
 
@@ -39,11 +39,11 @@ class NonFiniteError(UserError, RuntimeError):
 
 def evaluate(eval_step, val_tokens, cfg: Config) -> float:
     """Mean loss over the first eval_batches windows of the held-out split (fixed order)."""
-    windows = (len(val_tokens) - 1) // cfg.data.seq_len
+    windows = len(windows_of(val_tokens, cfg.data.seq_len))
     batch = min(cfg.train.batch_size, windows)
     data = make_dataset(val_tokens, cfg.data.seq_len, batch, seed=0, shuffle=False,
                         num_batches=min(cfg.train.eval_batches, windows // batch))
-    losses = [float(eval_step(b).asnumpy()) for (b,) in data.create_tuple_iterator(num_epochs=1)]
+    losses = [float(eval_step(*b).asnumpy()) for b in data.create_tuple_iterator(num_epochs=1)]
     return float(np.mean(losses))
 
 
@@ -67,8 +67,11 @@ def check_resumable(cfg: Config, state: dict, source: str, world: int = 1) -> No
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False):
-        self.cfg = cfg
+    """`pretrained` (train.init_from, read by the CLI through interop): load_base(params),
+    load_adapter(params), identity() and check(recorded, what); see interop/pretrained.py InitFrom."""
+
+    def __init__(self, cfg: Config, resume: bool = False, pretrained=None):
+        self.cfg, self.pretrained = cfg, pretrained
         t = cfg.train
         self.run_dir = Path(t.run_dir)
         # Workers launched together share the cores unless train.threads says otherwise.
@@ -81,10 +84,14 @@ class Trainer:
                               f"set it to {self.world} or leave it at 1 (data parallel over all workers)")
         ms.set_seed(t.seed)
         resume_from = checkpoint.latest(self.run_dir) if resume else None
+        lora = cfg.lora.rank > 0  # checkpoints hold the adapters; the base is read from init_from every time
         if resume_from:
-            check_resumable(cfg, checkpoint.read_state(resume_from), str(resume_from / checkpoint.STATE_FILE),
-                            self.world)
-            check_weights(cfg.model, resume_from / checkpoint.MODEL_FILE, str(resume_from))
+            state = checkpoint.read_state(resume_from)
+            check_resumable(cfg, state, str(resume_from / checkpoint.STATE_FILE), self.world)
+            if lora:
+                pretrained.check(state.get("lora_base", {}), str(resume_from))
+            else:
+                check_weights(cfg.model, resume_from / checkpoint.MODEL_FILE, str(resume_from))
         if t.compile_cache:  # MindSpore silently compiles without a cache it cannot create
             make_dir(Path(t.compile_cache).expanduser(), "train.compile_cache")
         if self.rank == 0:  # rank 0 tokenizes (checking the corpus before writing); the others then find
@@ -95,11 +102,14 @@ class Trainer:
             self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")
         make_dir(self.run_dir, "train.run_dir")
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
-        self.train_tokens = shards.open_tokens(self.shard_dir, "train")
-        self.val_tokens = shards.open_tokens(self.shard_dir, "val")
+        self.train_tokens = shards.open_split(self.shard_dir, "train")
+        self.val_tokens = shards.open_split(self.shard_dir, "val")
 
-        built = build_train_step(cfg, world=self.world, rank=self.rank)
+        load_base = pretrained.load_base if pretrained is not None and (lora or not resume_from) else None
+        built = build_train_step(cfg, world=self.world, rank=self.rank, load_weights=load_base)
         self.model, self.train_step, self.eval_step = built.model, built.train_step, built.eval_step
+        if lora and not resume_from:
+            pretrained.load_adapter(self.model.trainable_params())
         self.optimizer = built.optimizer
         self.start_step, self.skipped, self.data_position = 0, 0, 0
         self.nonfinite_report = None  # the first non-finite step, located (train/nonfinite.py)
@@ -153,6 +163,8 @@ class Trainer:
         state = {"data_position": position, "skipped_steps": self.skipped,
                  "world": self.world, "seed": self.cfg.train.seed, "data_seed": self.cfg.data.seed,
                  "tokenizer": str(self.shard_dir / "tokenizer.json"), "config": self.cfg.to_dict()}
+        if self.cfg.lora.rank > 0:  # the checkpoint holds the adapters: name the base they belong to
+            state["lora_base"] = self.pretrained.identity()
         return checkpoint.save(self.run_dir, step, self.model.trainable_params(), arrays, state,
                                keep=self.cfg.train.keep_checkpoints)
 
@@ -174,9 +186,9 @@ class Trainer:
              + (", optimizer state sharded (ZeRO-1)" if cfg.parallel.optimizer_shard and self.world > 1 else ""))
         step, last, bad_run = self.start_step, {}, 0
         window_t, window_steps = time.perf_counter(), 0
-        for (batch,) in data.create_tuple_iterator(num_epochs=1):
+        for batch in data.create_tuple_iterator(num_epochs=1):
             t0 = time.perf_counter()
-            loss, norm, lr, finite, scale = self.train_step(batch)
+            loss, norm, lr, finite, scale = self.train_step(*batch)
             loss = float(loss.asnumpy())  # also synchronises
             step += 1
             window_steps += 1
