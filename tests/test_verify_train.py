@@ -160,13 +160,14 @@ def test_ckpt_weights_are_given_to_both_sides(hf_dirs, tmp_path):
 
     from interop.convert import convert
     from msllm import checkpoint
+    from msllm.staged import write_manifest
 
     convert(hf_dirs["llama2_mha"], tmp_path / "ms", progress=False)
     weights = tmp_path / "ms" / checkpoint.MODEL_FILE
     tensors = load_file(weights)
     tensors["layers.1.feed_forward.w2.weight"] *= 1.5
     save_file(tensors, weights)
-    checkpoint.write_manifest(tmp_path / "ms", [checkpoint.MODEL_FILE, checkpoint.STATE_FILE])
+    write_manifest(tmp_path / "ms")
     report = vt.verify_train(hf_dirs["llama2_mha"], tmp_path / "ms", steps=1, seq_len=SEQ)
     assert report.ok, "\n".join(report.lines())
     assert report.source == str(tmp_path / "ms")

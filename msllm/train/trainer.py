@@ -207,7 +207,7 @@ class Trainer:
                         if self.train_step.loss_scaler is not None else ""))
                 stopping = bad_run >= t.max_bad_steps
                 if self.rank == 0 and self.nonfinite_report is None and (t.debug_nonfinite or stopping):
-                    self.nonfinite_report = nonfinite.report(self.run_dir, step, self.model, batch.asnumpy(),
+                    self.nonfinite_report = nonfinite.report(self.run_dir, step, self.model, batch[0].asnumpy(),
                                                              float(scale.asnumpy()), cfg, t.accum_steps)
                 if stopping:
                     path = self.save(step)
