@@ -154,7 +154,8 @@ class Trainer:
                  "world": self.world, "seed": self.cfg.train.seed, "data_seed": self.cfg.data.seed,
                  "tokenizer": str(self.shard_dir / "tokenizer.json"), "config": self.cfg.to_dict()}
         return checkpoint.save(self.run_dir, step, self.model.trainable_params(), arrays, state,
-                               keep=self.cfg.train.keep_checkpoints)
+                               keep=self.cfg.train.keep_checkpoints,
+                               add_files=lambda d: backends.save_with_checkpoint(self.cfg, self.run_dir, d, self.rank))
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
