@@ -130,7 +130,7 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
 # ZeRO-1 its update's temporaries and all-gathered weights (ZERO1_COPIES more copies).
 DP_GRAD_COPIES = 1
 COLLECTIVE_BUCKETS = 10
-ZERO1_COPIES = 4
+ZERO1_COPIES = 3
 
 
 def cpu_workspace(m, sh: L.Sharding, p: ParallelConfig, batch: int, seq: int, act_bytes: int, layers: int,
