@@ -4,6 +4,7 @@ run_dir/checkpoints/step_0000400/
     model.safetensors   model parameters by msllm name (what interop and export read)
     optim.safetensors   AdamW step and moments, loss-scaler state
     state.json          step, data position, config
+    strategy_rank_0.ckpt  Ascend with a parallel layout: the parameter strategy (msllm.backends)
     manifest.json       size and sha256 of each file above, written last
 Written through msllm.staged (temporary dir, fsync, rename, manifest),
 so a crash never leaves a half-written checkpoint that looks complete; on resume the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -62,9 +64,11 @@ def _first(names: list, most: int = 4) -> str:
     return f"[{', '.join(map(str, names[:most]))}{more}]"
 
 
-def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep: int = 0) -> Path:
+def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep: int = 0,
+         add_files: Callable[[Path], object] | None = None) -> Path:
     """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all).
     state_params: Parameters, or a name -> array dict (state gathered from data-parallel ranks).
+    add_files(dir): writes more files into the checkpoint, listed in its manifest like the others.
 
     Non-finite weights are never saved. A failed or interrupted write leaves no trace, so the
     newest complete checkpoint stays the newest valid one; a full disk is one line."""
@@ -83,6 +87,8 @@ def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep
         save_file(weights, str(tmp / MODEL_FILE))
         save_file(extra, str(tmp / OPTIM_FILE))
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+        if add_files is not None:
+            add_files(tmp)
     if keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

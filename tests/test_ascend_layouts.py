@@ -236,3 +236,34 @@ def test_strategy_file_travels_with_the_checkpoint(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000010"
     ckpt.mkdir(parents=True)
     assert ascend.save_strategy_with_checkpoint(tmp_path / "run", ckpt, 3).read_bytes() == b"strategy"
+
+
+def test_trainer_checkpoints_carry_the_strategy_file_under_the_parallel_wrapper(tmp_path, corpus, monkeypatch):
+    """The trainer's save path on CPU with the backend seam told the wrapper is active (as on Ascend with
+    a layout): the rank's strategy file lands in the checkpoint and its manifest lists and verifies it."""
+    import json
+
+    from msllm import backends, checkpoint
+    from msllm.backends import ascend
+    from msllm.staged import MANIFEST, check_manifest
+    from msllm.train.trainer import Trainer
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", tiny_overrides(tmp_path / "run", corpus))
+    assert not backends.uses_parallel_wrapper(cfg)
+    trainer = Trainer(cfg)
+    plain = trainer.save(1)
+    assert sorted(p.name for p in plain.iterdir()) == sorted(
+        [checkpoint.MODEL_FILE, checkpoint.OPTIM_FILE, checkpoint.STATE_FILE, MANIFEST])
+
+    monkeypatch.setattr(backends, "uses_parallel_wrapper", lambda c: c is cfg)
+    with pytest.raises(FileNotFoundError, match="rank_0.ckpt"):  # no strategy: no checkpoint that lacks it
+        trainer.save(2)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step_0000001"]
+    strategy = ascend.strategy_file(tmp_path / "run", 0)
+    strategy.parent.mkdir()
+    strategy.write_bytes(b"fake strategy of rank 0")
+    saved = trainer.save(3)
+    assert (saved / "strategy_rank_0.ckpt").read_bytes() == b"fake strategy of rank 0"
+    assert "strategy_rank_0.ckpt" in json.loads((saved / MANIFEST).read_text())
+    assert check_manifest(saved) is None and checkpoint.latest(tmp_path / "run") == saved

@@ -129,6 +129,31 @@ def test_pipeline_keeps_in_flight_micro_batches_on_the_first_stage():
     assert e["bubble"] == pytest.approx(3 / 11)
 
 
+def test_cpu_estimate_is_the_process_runtime_plus_closed_forms():
+    """W1 of tools/bench_train.py, one process: runtime + 16 bytes per parameter + activations (4 layers
+    of the Korthikanti count and 2 fp32 logits) + the CPU step's workspace, each in closed form; ZeRO-1
+    at dp 2 halves the moments and adds its copies."""
+    from msllm.config import Config, DataConfig, ModelConfig, TrainConfig
+    m = ModelConfig(vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=8, ffn_size=1376,
+                    max_seq_len=256)
+    b, s, h, a, f, v, psi = 4, 256, 512, 8, 1376, 4096, m.num_params()
+    cfg = Config(model=m, data=DataConfig(seq_len=s), train=TrainConfig(batch_size=b))
+    e = P.estimate(cfg, device="cpu")
+    tokens = b * s
+    layer = tokens * (4 * h * 4 + 4 * h * 4 + 3 * f * 4 + 4 * a * s)  # norms, q/k/v/o, MLP, fp32 probabilities
+    parts = {"runtime": 2 ** 29, "weights": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi,
+             "activations": 4 * layer + 2 * 4 * tokens * v,
+             "workspace": 4 * tokens * 4 * h * 4 + 2 * 4 * a * s * tokens + 4 * tokens * v}
+    assert {k: e[k] for k in parts} == pytest.approx(parts)
+    assert e["total"] == pytest.approx(sum(parts.values()))
+    dp2 = P.estimate(cfg, ParallelConfig(dp=2), "cpu")
+    zero1 = P.estimate(cfg, ParallelConfig(dp=2, optimizer_shard=True), "cpu")
+    assert zero1["optimizer"] == pytest.approx(dp2["optimizer"] / 2) == pytest.approx(4 * psi)
+    assert dp2["workspace"] - e["workspace"] == pytest.approx(P.DP_GRAD_COPIES * 4 * psi + P.COLLECTIVE_BUCKETS * 2 ** 25)
+    assert zero1["workspace"] - dp2["workspace"] == pytest.approx(P.ZERO1_COPIES * 4 * psi)
+    assert P.estimate(cfg, device="910b")["runtime"] == P.estimate(cfg, device="910b")["workspace"] == 0
+
+
 def test_parse_bytes():
     assert P.parse_bytes("64GB") == 64 * 2 ** 30 == P.parse_bytes("64 GiB") == P.parse_bytes("64")
     assert P.parse_bytes("512MB") == 2 ** 29 and P.parse_bytes("1.5TB") == 1.5 * 2 ** 40

@@ -75,20 +75,32 @@ def worker(args) -> None:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run_setting(nproc: int, zero: bool, accum: int, args) -> list[dict]:
+def run_workers(script: Path, nproc: int, argv: list[str], launch: bool = True) -> list[dict]:
+    """Run `script --as-worker --out DIR *argv` as nproc msrun workers (or, launch=False, as one plain
+    process: no msrun, no communication init); each worker writes DIR/rank{r}.json, returned in rank order."""
     from msllm.parallel.launch import free_port
 
-    out = Path(tempfile.mkdtemp(prefix="bench_dp_"))
+    out = Path(tempfile.mkdtemp(prefix=f"{Path(script).stem}_"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(REPO), "GLOG_v": "3"}
-    cmd = [str(Path(sys.executable).with_name("msrun")), "--worker_num", str(nproc), "--local_worker_num", str(nproc),
-           "--master_port", str(free_port()), "--log_dir", str(out / "logs"), "--join", "True",
-           "--cluster_time_out", "120", str(Path(__file__).resolve()), "--as-worker", "--out", str(out), "--workload", args.workload,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--accum", str(accum)] + (["--zero1"] if zero else [])
+    worker_cmd = [str(Path(script).resolve()), "--as-worker", "--out", str(out), *argv]
+    if launch:
+        cmd = [str(Path(sys.executable).with_name("msrun")), "--worker_num", str(nproc), "--local_worker_num",
+               str(nproc), "--master_port", str(free_port()), "--log_dir", str(out / "logs"), "--join", "True",
+               "--cluster_time_out", "120", *worker_cmd]
+    else:
+        assert nproc == 1, "without msrun there is one process"
+        cmd = [sys.executable, *worker_cmd]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"bench_dp: {nproc} workers failed; see {out}/logs\n{done.stdout[-2000:]}")
+        sys.exit(f"{Path(script).name}: {nproc} workers failed; see {out}/logs\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def run_setting(nproc: int, zero: bool, accum: int, args) -> list[dict]:
+    return run_workers(Path(__file__), nproc, ["--workload", args.workload, "--steps", str(args.steps),
+                                               "--warmup", str(args.warmup), "--accum", str(accum)]
+                       + (["--zero1"] if zero else []))
 
 
 def cpu_name() -> str:

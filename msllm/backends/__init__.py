@@ -10,6 +10,7 @@ model never learns which device it is on, and the train step never changes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from msllm.config import Config
 
@@ -84,3 +85,19 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
         from msllm.backends import ascend
         ascend.specialise(model, cfg)
     return spec
+
+
+def uses_parallel_wrapper(cfg: Config) -> bool:
+    """Whether the step runs under the Ascend backend's AutoParallel wrapper (a layout over > 1 device)."""
+    p = cfg.parallel
+    return cfg.train.device == "ascend" and p.dp * p.tp * p.pp > 1
+
+
+def save_with_checkpoint(cfg: Config, run_dir: Path, checkpoint_dir: Path, rank: int) -> list[Path]:
+    """Write what this backend adds to every checkpoint into `checkpoint_dir` (before its manifest):
+    under the parallel wrapper, the rank's strategy file, without which sharded weights cannot be
+    re-sliced. Returns the files written."""
+    if not uses_parallel_wrapper(cfg):
+        return []
+    from msllm.backends import ascend
+    return [ascend.save_strategy_with_checkpoint(run_dir, checkpoint_dir, rank)]

@@ -42,6 +42,8 @@ from msllm.errors import UserError
 from msllm.models import layouts as L
 from msllm.parallel.check import global_batch_of, layout_problem
 
+BUCKET_BYTES = 32 << 20  # data parallel sends gradients in buckets of at most this (msllm.parallel.dp)
+
 GB = 2 ** 30  # "GB" here is 2^30 bytes, as device tools report memory
 USABLE = 0.9  # of device memory a plan may fill: the rest for the runtime, workspaces, fragmentation
 
@@ -60,6 +62,8 @@ class Device:
     inter: float        # per device across nodes, bytes/s
     per_node: int
     efficiency: float   # fraction of peak_flops the matmuls are assumed to reach
+    runtime: float = 0.0  # bytes a process holds before any model (counted only where USABLE does not cover it)
+    host: bool = False    # a device is one host process: count what MindSpore's CPU step holds (cpu_workspace)
 
 
 # Vendor datasheet figures (16-bit dense), not measured here; cpu is this project's 2-core CI
@@ -67,7 +71,10 @@ class Device:
 DEVICES = {
     "910b": Device("910b", 2.8e14, 64 * GB, 1.6e12, 1.96e11, 2.5e10, 8, 0.5),   # HCCS; 200 Gb/s RoCE
     "h100": Device("h100", 9.89e14, 80 * GB, 3.35e12, 4.5e11, 5.0e10, 8, 0.5),  # NVLink 4; 400 Gb/s IB
-    "cpu": Device("cpu", 3.8e11, 16 * GB, 2.0e10, 5.0e9, 5.0e9, 1, 1.0),
+    # runtime: the RSS of a process that imported MindSpore 2.10, set the CPU context and compiled and
+    # ran a trivial graph (Python, MindSpore's libraries, its runtime and thread pools); measured by
+    # tools/bench_plan_memory.py, the same alone and as an msrun worker.
+    "cpu": Device("cpu", 3.8e11, 16 * GB, 2.0e10, 5.0e9, 5.0e9, 1, 1.0, runtime=0.5 * GB, host=True),
 }
 STATE_BYTES = {"fp32": (4, 4, 8), "fp16": (2, 2, 12), "bf16": (2, 2, 12)}  # weights, grads, optimizer per parameter
 RECOMPUTE = ("none", "selective", "full")
@@ -116,6 +123,40 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
     return tokens * (norms + attention + mlp + scores)
 
 
+# What data parallel adds to a CPU worker beyond one process (msllm.parallel.dp, .zero), fitted to
+# tools/bench_plan_memory.py's W1 and W2 peaks (benchmarks/2026-11-23-plan-vs-rss-cpu.md), not yet
+# derived op by op: the all-reduced gradients beside the raw ones (DP_GRAD_COPIES fp32 copies of the
+# parameters), a fixed COLLECTIVE_BUCKETS x the 32 MiB bucket for the collectives' buffers, and for
+# ZeRO-1 its update's temporaries and all-gathered weights (ZERO1_COPIES more copies).
+DP_GRAD_COPIES = 1
+COLLECTIVE_BUCKETS = 10
+ZERO1_COPIES = 3
+
+
+def cpu_workspace(m, sh: L.Sharding, p: ParallelConfig, batch: int, seq: int, act_bytes: int, layers: int,
+                  params: int, last_stage: bool, flash: bool) -> float:
+    """Bytes MindSpore's CPU step holds at its peak beyond layer_activations and the 16 bytes per
+    parameter (counted from msllm's CPU formulations, per device):
+      per layer    (3h/t + kv_local d) e per token: q three times (the projection and the rotated q,
+                   which the fused RoPE's backward keeps, and the scaled q), k twice, the attention
+                   output twice (as the core returns it and transposed for the output projection),
+                   where layer_activations counts each once
+      backward     one layer's score gradients dP and dS at once, 2 x 4 a s / t per token (fp32; not
+                   with flash attention), and the loss's fp32 logits gradient beside the logits
+      data parallel  DP_GRAD_COPIES (ZeRO-1: + ZERO1_COPIES) fp32 copies of the parameters held,
+                   and COLLECTIVE_BUCKETS gradient buckets
+    """
+    h, d, t = m.hidden_size, m.head_dim, sh.tp
+    tokens = batch * seq
+    kept = layers * tokens * (3 * h / t + m.num_kv_heads // sh.tp_kv * d) * act_bytes
+    scores = 0 if flash else 2 * 4 * m.num_heads / t * seq * tokens
+    logits = 4 * tokens * m.vocab_size / (t if sh.vocab_split else 1) if last_stage else 0.0
+    if p.dp == 1:
+        return kept + scores + logits
+    copies = DP_GRAD_COPIES + (ZERO1_COPIES if p.optimizer_shard else 0)
+    return kept + scores + logits + copies * 4 * params + COLLECTIVE_BUCKETS * BUCKET_BYTES
+
+
 def stage_parameters(m, sh: L.Sharding) -> list[int]:
     """Parameters one device holds on each pipeline stage, from the layout table."""
     counts = [0] * sh.pp
@@ -142,7 +183,7 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
              params_per_stage=None) -> dict:
     """Per-device memory (bytes), per-step communication (bytes sent per device) and time (s) of
     cfg laid out as `layout` (default cfg.parallel) with cfg.train.recompute, for the busiest
-    pipeline stage. Keys: weights, grads, optimizer, activations, total, stage, params,
+    pipeline stage. Keys: runtime, weights, grads, optimizer, activations, workspace, total, stage, params,
     optimizer_by_zero1, activations_by_recompute[(recompute, flash)], comm, time, bubble,
     tokens_per_s_per_device, mfu."""
     if layout is not None:
@@ -169,8 +210,11 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     stages = []
     for k in range(p.pp):
         n = counts[k]
-        mem = {"weights": n * wb, "grads": n * gb, "optimizer": n * ob / (p.dp if p.optimizer_shard else 1),
-               "activations": activations(k, t.recompute, flash)}
+        mem = {"runtime": dev.runtime, "weights": n * wb, "grads": n * gb,
+               "optimizer": n * ob / (p.dp if p.optimizer_shard else 1),
+               "activations": activations(k, t.recompute, flash),
+               "workspace": cpu_workspace(m, sh, p, micro, seq, e, layers[k], n, k == p.pp - 1, flash)
+               if dev.host else 0.0}
         mem["total"] = sum(mem.values())
         stages.append(mem)
     busiest = max(range(p.pp), key=lambda k: stages[k]["total"])

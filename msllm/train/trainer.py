@@ -166,7 +166,8 @@ class Trainer:
         if self.cfg.lora.rank > 0:  # the checkpoint holds the adapters: name the base they belong to
             state["lora_base"] = self.pretrained.identity()
         return checkpoint.save(self.run_dir, step, self.model.trainable_params(), arrays, state,
-                               keep=self.cfg.train.keep_checkpoints)
+                               keep=self.cfg.train.keep_checkpoints,
+                               add_files=lambda d: backends.save_with_checkpoint(self.cfg, self.run_dir, d, self.rank))
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
