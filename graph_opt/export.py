@@ -7,12 +7,14 @@ files reload and match the msllm model, so a failure never leaves a half-written
   decode.<ext>      input_ids, keys, values -> logits, keys, values grown by seq positions
   weights.onnx.data ONNX external data shared by the three graphs (weights > 2 GB, or --external-data)
   export.json       format, dtype, config, files, dimensions, tolerance, measured diffs, timings
-  tokenizer.json    the run's tokenizer, so the export dir is all `msllm generate` needs
+  tokenizer.json    the run's tokenizer (its EOS ids and chat template are in export.json), so the
+                    export dir is all `msllm generate` needs
 Batch, sequence and cache length are dynamic in both formats; layers, heads, head_dim and
 vocab are fixed by the model. input_ids are int32 in MindIR (msllm's dtype), int64 in ONNX.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -130,8 +132,9 @@ def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, extern
 def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", external_data: bool = False,
            force: bool = False, log=print) -> dict:
     """Export a run (or checkpoint dir) to OUT; returns the manifest. Raises ExportError / CheckpointError."""
-    from msllm import device
+    from msllm import chat, device
     from msllm.checkpoint import find_tokenizer, load_model
+    from msllm.data.tokenizer import load_tokenizer
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -164,10 +167,12 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
             raise ExportError(f"verification failed: max|diff| {worst:.3g} > tolerance {bound:.3g}; nothing written")
         log(f"verified: max|diff| {worst:.3g} <= tolerance {bound:.3g} ({TOLERANCE[dtype]:g} x max(1, max|logits|))")
         manifest.update(max_abs_diff=diffs, tolerance=bound)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         tokenizer = find_tokenizer(ckpt_dir, state)
-        if tokenizer is not None:
+        if tokenizer is not None:  # with the EOS ids and chat template generate needs
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+            conventions = chat.read(ckpt_dir, state.get("hf_config"), load_tokenizer(tokenizer))
+            manifest["text"] = dataclasses.asdict(conventions)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if out.is_dir():
             shutil.rmtree(out)
         elif out.exists():

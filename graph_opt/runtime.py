@@ -65,7 +65,9 @@ def _load(path: str, load: Callable):
 
 
 def load_engine(engine: str, path: str | Path):
-    """(engine, model config, tokenizer): `msllm` reads a run/checkpoint dir, mindir/onnxruntime an export dir."""
+    """(engine, model config, tokenizer, text conventions): `msllm` reads a run/checkpoint dir,
+    mindir/onnxruntime an export dir."""
+    from msllm import chat
     from msllm.backends import specialise
     from msllm.checkpoint import load_run
     from msllm.config import config_from_dict
@@ -75,9 +77,9 @@ def load_engine(engine: str, path: str | Path):
     if engine not in ENGINES:
         raise ExportError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if engine == "msllm":
-        cfg, model, tokenizer = load_run(path)
+        cfg, model, tokenizer, conventions = load_run(path)
         specialise(model, cfg, training=False)
-        return cell_engine(model), cfg.model, tokenizer
+        return cell_engine(model), cfg.model, tokenizer, conventions
     manifest = read_manifest(Path(path))
     if manifest["format"] != ENGINES[engine]:
         raise ExportError(f"{path}: is a {manifest['format']} export; --engine {engine} runs "
@@ -86,4 +88,7 @@ def load_engine(engine: str, path: str | Path):
     if not tokenizer.exists():
         raise ExportError(f"{path}: export has no tokenizer.json (its run had none)")
     cfg = config_from_dict(manifest["config"], str(Path(path) / "export.json"))
-    return export_engine(Path(path), manifest), cfg.model, load_tokenizer(tokenizer)
+    tokenizer = load_tokenizer(tokenizer)
+    conventions = (chat.TextConventions(**manifest["text"]) if "text" in manifest  # older exports: <|endoftext|>
+                   else chat.read(Path(path), None, tokenizer))
+    return export_engine(Path(path), manifest), cfg.model, tokenizer, conventions

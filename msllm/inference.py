@@ -66,6 +66,19 @@ class Engine:
         logits, *cache = self.run("decode", ids, *cache)
         return logits, cache
 
+    def start(self, prompts: list[list[int]], max_new: int) -> np.ndarray:
+        """Prefill a batch of prompts; logits [b, vocab] of each one's last position."""
+        self.graph("decode")  # a graph that cannot load fails before the first token, not after it
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("prompts of different lengths need a padding mask")
+        logits, self.cache = self.prefill(np.array(prompts))
+        return logits[:, -1]
+
+    def step(self, tokens: list[int]) -> np.ndarray:
+        """One new token per row; logits [b, vocab] at its position."""
+        logits, self.cache = self.decode(np.array(tokens)[:, None], self.cache)
+        return logits[:, -1]
+
 
 class MindSporeEngine(Engine):
     """Cells or GraphCells; input_ids int32, cache kept as MindSpore tensors."""
