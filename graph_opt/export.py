@@ -3,8 +3,10 @@
 OUT/ is assembled under a temporary name next to it and renamed into place only after the
 files reload and match the msllm model, so a failure never leaves a half-written export:
   model.<ext>       input_ids [batch, seq] -> logits [batch, seq, vocab] fp32
-  prefill.<ext>     input_ids -> logits, keys, values [layers, batch, kv_heads, seq, head_dim]
-  decode.<ext>      input_ids, keys, values -> logits, keys, values grown by seq positions
+  prefill.<ext>     input_ids [batch, seq], keys, values [layers, batch, kv_heads, max_len, head_dim],
+                    start [1], pad [batch] -> logits [batch, vocab] of the last token, keys, values
+                    with slots start .. start+seq-1 written (msllm.inference.CachedForward)
+  decode.<ext>      the same with seq = 1
   weights.onnx.data ONNX external data shared by the three graphs (weights > 2 GB, or --external-data)
   export.json       format, dtype, config, files, dimensions, tolerance, measured diffs, timings
   tokenizer.json    the run's tokenizer (its EOS ids and chat template are in export.json), so the
@@ -56,17 +58,20 @@ def max_abs(a, b) -> float:
 
 
 def verify(engine, inputs: list[np.ndarray], references: list[np.ndarray]) -> dict[str, float]:
-    """Max-abs logit differences: the model graph on every input, then prefill + decode on the last."""
+    """Max-abs logit differences: the model graph on every input; then prefill + one-token decode
+    steps with the cache, on the first input as prompts of different lengths (left padding) and
+    on the last one as a single prompt."""
     diffs = {f"model b{ids.shape[0]} s{ids.shape[1]}": max_abs(engine.logits(ids), ref)
              for ids, ref in zip(inputs, references)}
-    ids, ref = inputs[-1], references[-1]
-    start = max(1, ids.shape[1] - DECODE_STEPS)
-    logits, cache = engine.prefill(ids[:, :start])
-    worst = max_abs(logits, ref[:, :start])
-    for i in range(start, ids.shape[1]):
-        logits, cache = engine.decode(ids[:, i:i + 1], cache)
-        worst = max(worst, max_abs(logits[:, 0], ref[:, i]))
-    diffs[f"prefill s{start} + {ids.shape[1] - start} decode steps"] = worst
+    for ids, ref in ((inputs[0], references[0]), (inputs[-1], references[-1])):
+        b, s = ids.shape
+        lengths = [max(1, s - DECODE_STEPS - row) for row in range(b)]
+        worst = max_abs(engine.start([ids[r, :n].tolist() for r, n in enumerate(lengths)], DECODE_STEPS),
+                        ref[np.arange(b), np.array(lengths) - 1])
+        for k in range(DECODE_STEPS):
+            at = np.minimum(np.array(lengths) + k, s - 1)
+            worst = max(worst, max_abs(engine.step(ids[np.arange(b), at].tolist()), ref[np.arange(b), at]))
+        diffs[f"prefill b{b} lengths {lengths} + {DECODE_STEPS} decode steps"] = worst
     return diffs
 
 
@@ -82,7 +87,7 @@ def to_half(model) -> None:
 
 def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     """The three graphs via ms.export (GRAPH_MODE) with None for every dynamic dimension."""
-    from msllm.inference import Decode, Prefill
+    from msllm.inference import CachedForward
 
     cfg = model.cfg
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -91,7 +96,10 @@ def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     ids = ms.Tensor(shape=[None, None], dtype=ms.int32)
     cache = ms.Tensor(shape=[cfg.num_layers, None, cfg.num_kv_heads, None, cfg.head_dim],
                       dtype=ms.float16 if dtype == "fp16" else ms.float32)
-    graphs = {"model": (model, ids), "prefill": (Prefill(model), ids), "decode": (Decode(model), ids, cache, cache)}
+    where = (ms.Tensor(shape=[1], dtype=ms.int32), ms.Tensor(shape=[None], dtype=ms.int32))  # start, pad
+    cached = CachedForward(model)
+    graphs = {"model": (model, ids), "prefill": (cached, ids, cache, cache, *where),
+              "decode": (cached, ms.Tensor(shape=[None, 1], dtype=ms.int32), cache, cache, *where)}
     for kind, (cell, *inputs) in graphs.items():
         ms.export(cell, *inputs, file_name=str(tmp / kind), file_format="MINDIR")
         log(f"wrote {kind}.mindir")

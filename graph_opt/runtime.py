@@ -27,7 +27,7 @@ class OnnxEngine(Engine):
     def run(self, kind, ids, *cache):
         feeds = {"input_ids": np.asarray(ids, np.int64)}
         if cache:
-            feeds["past_keys"], feeds["past_values"] = cache
+            feeds.update(zip(("past_keys", "past_values", "start", "pad"), cache))
         return tuple(self.graph(kind).run(None, feeds))
 
 
@@ -43,16 +43,20 @@ def read_manifest(export_dir: Path) -> dict:
 
 def export_engine(export_dir: Path, manifest: dict) -> Engine:
     """A MindIR or onnxruntime engine over the graph files of an export dir."""
+    from msllm.config import config_from_dict
+
     files = {kind: str(Path(export_dir) / name) for kind, name in manifest["files"].items()}
+    cfg = config_from_dict(manifest["config"], str(Path(export_dir) / MANIFEST)).model
+    cache_dtype = np.float16 if manifest["dtype"] == "fp16" else np.float32
     if manifest["format"] == "mindir":
         return MindSporeEngine({kind: (lambda f=f: _load(f, lambda: ms.nn.GraphCell(ms.load(f))))
-                                for kind, f in files.items()})
+                                for kind, f in files.items()}, cfg, cache_dtype)
     import onnxruntime as ort
 
     def session(f):
         return ort.InferenceSession(f, providers=["CPUExecutionProvider"])
 
-    return OnnxEngine({kind: (lambda f=f: _load(f, lambda: session(f))) for kind, f in files.items()})
+    return OnnxEngine({kind: (lambda f=f: _load(f, lambda: session(f))) for kind, f in files.items()}, cfg, cache_dtype)
 
 
 def _load(path: str, load: Callable):

@@ -121,13 +121,14 @@ def test_onnx_external_data_is_written_once(qwen_run, tmp_path, monkeypatch):
 def test_clean_up_keeps_outputs(qwen_run):
     _, model, _, _ = load_model(qwen_run)
     weights = {p.name: p.asnumpy() for p in model.trainable_params()}
-    raw, cleaned = build_graph(QWEN, weights, "decode"), build_graph(QWEN, weights, "decode")
+    raw, cleaned = build_graph(QWEN, weights, "prefill"), build_graph(QWEN, weights, "prefill")
     before, after = clean_up(cleaned)
     assert sum(after.values()) < sum(before.values()) and after["Constant"] == 0 and after["Cast"] == 0
     rng = np.random.default_rng(2)
     feeds = {"input_ids": rng.integers(0, 384, (2, 3)),
              "past_keys": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32),
-             "past_values": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32)}
+             "past_values": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32),
+             "start": np.array([1]), "pad": np.array([0, 1])}
     results = [ort.InferenceSession(ir.to_proto(m).SerializeToString(), providers=["CPUExecutionProvider"])
                .run(None, feeds) for m in (raw, cleaned)]
     for a, b in zip(*results):
