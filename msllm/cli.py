@@ -85,7 +85,8 @@ def cmd_generate(args) -> int:
 
     if args.system is not None and args.chat is None:
         raise UsageError("--system: only used with --chat MESSAGE")
-    device.setup("cpu", "graph")  # prefill and decode compile once each per shape
+    # prefill and decode compile once each per shape; the compile cache skips that on the next start
+    device.setup("cpu", "graph", compile_cache=args.compile_cache)
     engine, model_cfg, tokenizer, conventions = load_engine(args.engine, args.ckpt)
     if args.top_k > model_cfg.vocab_size:
         raise UsageError(f"--top-k {args.top_k}: above the model's vocabulary of {model_cfg.vocab_size} tokens "
@@ -125,10 +126,12 @@ def cmd_generate(args) -> int:
         else:
             print(echo[row] + stream.text, flush=True)
     new = sum(len(ids) for ids in result.ids)
-    rate = f"{result.decode_steps * len(prompts) / result.decode_s:.1f} tok/s" if result.decode_steps else "-"
+    rate = result.decode_tok_s()
+    decode = (f", decode {rate:.1f} tok/s after a first step of {result.step_s[0]:.2f} s" if rate
+              else f", one decode step of {result.step_s[0]:.2f} s" if result.step_s else "")
     print(f"msllm generate: {sum(len(p) for p in prompts)} prompt tokens, {new} new tokens "
-          f"({', '.join(sorted(set(result.stopped)))}), first token {result.first_token_s:.2f} s, decode {rate}"
-          f"{capped}", file=sys.stderr)
+          f"({', '.join(sorted(set(result.stopped)))}), first token {result.first_token_s:.2f} s{decode}{capped}",
+          file=sys.stderr)
     return 0
 
 
@@ -344,6 +347,9 @@ def build_parser() -> Parser:
     p.add_argument("--temperature", type=number_at_least(0), default=1.0,
                    help="softmax temperature for --top-k / --top-p sampling (default 1.0)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="sampling seed (default 0)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="dir for MindSpore's compile cache: the next start with the same model and "
+                        "shapes skips graph compilation (default: none)")
     p.set_defaults(func=cmd_generate)
 
     p = command("export", "export a run to MindIR or ONNX for deployment, verified on reload")

@@ -49,8 +49,12 @@ class Generation:
     ids: list[list[int]]     # new tokens of each prompt, without the EOS token that ended it
     stopped: list[str]       # why each row ended: "eos", "stop" or "length"
     first_token_s: float     # from the call to the first token's logits (prefill, and any compile)
-    decode_s: float          # the one-token decode steps after it
-    decode_steps: int
+    step_s: list[float]      # each one-token decode step after it (the first one compiles, in GRAPH_MODE)
+
+    def decode_tok_s(self) -> float | None:
+        """Tokens per second of the decode steps after the first (all rows), None if there are none."""
+        steady = self.step_s[1:]
+        return len(steady) * len(self.ids) / sum(steady) if steady else None
 
 
 def generate(engine, prompts: list[list[int]], max_new: int, sampling: Sampling = Sampling(),
@@ -63,7 +67,7 @@ def generate(engine, prompts: list[list[int]], max_new: int, sampling: Sampling 
     first_token_s = time.perf_counter() - started
     out = [[] for _ in prompts]
     stopped = ["length"] * len(prompts)
-    steps, decode_started = 0, time.perf_counter()
+    step_s = []
     for step in range(max_new):
         for row, ids in enumerate(out):
             if stopped[row] != "length":
@@ -77,9 +81,10 @@ def generate(engine, prompts: list[list[int]], max_new: int, sampling: Sampling 
                 stopped[row] = "stop"
         if step == max_new - 1 or all(s != "length" for s in stopped):
             break
+        started = time.perf_counter()
         logits = engine.step([ids[-1] if ids else 0 for ids in out])  # finished rows feed a placeholder
-        steps += 1
-    return Generation(out, stopped, first_token_s, time.perf_counter() - decode_started, steps)
+        step_s.append(time.perf_counter() - started)
+    return Generation(out, stopped, first_token_s, step_s)
 
 
 class TextStream:

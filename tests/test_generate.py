@@ -76,7 +76,7 @@ def test_eos_and_stop_end_generation(chat_model):
     assert generate(engine, [prompt], 12).ids == [full]
     k = next(i for i in range(2, 12) if full[i] not in full[:i])  # a token first produced at step k
     result = generate(engine, [prompt], 12, eos_ids=[full[k]])
-    assert result.ids == [full[:k]] and result.stopped == ["eos"] and result.decode_steps == k
+    assert result.ids == [full[:k]] and result.stopped == ["eos"] and len(result.step_s) == k
     # a stop string: the text is cut before it, and generation ends once it is complete
     text = tokenizer.decode(full, skip_special_tokens=False)
     stop = text[len(text) // 2: len(text) // 2 + 2]
