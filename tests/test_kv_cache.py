@@ -81,3 +81,25 @@ def test_decode_follows_the_compute_dtype():
     for i in range(6, 9):
         np.testing.assert_allclose(logits[0], full[0, i - 1], atol=atol)
         logits = engine.step([int(ids[0, i])])
+
+
+def test_cpu_inference_specialisation_decodes_the_same():
+    """specialise(training=False) on CPU: the formulations, the norm / SwiGLU / softmax kernels and
+    the few-rows linear of decode steps, in GRAPH_MODE with fixed shapes, against the plain model."""
+    from msllm.backends import specialise
+    from msllm.config import Config
+    from msllm import kernels
+
+    device.setup("cpu", "graph")
+    model = build_model(CFG, seed=3)
+    model.set_train(False)
+    rows = [np.random.default_rng(2).integers(0, CFG.vocab_size, n).tolist() for n in (20, 13)]
+    plain = [model(ms.Tensor(np.array([r], np.int32))).asnumpy()[0] for r in rows]
+    spec = specialise(model, Config(model=CFG), training=False)
+    assert spec.fused_kernels and isinstance(model.layers[0].attention.wq.matmul, kernels.LinearFewRows)
+    engine = cell_engine(model)
+    got = [engine.start([r[:-3] for r in rows], 3)] + [engine.step([r[k] for r in rows]) for k in (-3, -2)]
+    for row, r in enumerate(rows):
+        atol = 1e-4 * np.abs(plain[row]).max()  # exp_approx in the softmax kernel: within 1e-4 relative
+        for k, logits in enumerate(got):
+            np.testing.assert_allclose(logits[row], plain[row][len(r) - 4 + k], atol=atol)

@@ -210,6 +210,23 @@ def _heads_shape(x, cos, sin):
     return [rows // s, x[-1] // d, s, d]
 
 
+class LinearFewRows(nn.Cell):
+    """x [m, k] @ w [n, k]^T (fp32) by the C++ kernel when m <= FEW_ROWS (a decode step: every
+    weight row read once), by MindSpore's MatMul otherwise (prefill); m is fixed at compile time."""
+
+    FEW_ROWS = 8
+
+    def __init__(self):
+        super().__init__()
+        self.linear = _aot("LinearFewRows", lambda x, w: [x[0], w[0]])
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x, w):
+        if x.shape[0] <= self.FEW_ROWS:
+            return self.linear(x, w)
+        return self.matmul(x, w)
+
+
 class FusedRope(nn.Cell):
     """msllm.backends.cpu.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
     Takes the [s, d] tables only (Llama passes them unbroadcast when this is in use)."""

@@ -414,3 +414,20 @@ extern "C" int RopeHeadsGrad(int nparam, void **params, int *ndims, int64_t **sh
   }, std::max<int64_t>(1, (1 << 14) / d));
   return 0;
 }
+
+// y = x W^T for a few rows of x (one-token decode): each weight row is read once, from memory,
+// and dotted with every row of x while it is in L1; output features are split across the pool.
+// MindSpore's MatMul packs the weight into its own layout first, a second pass over it per call.
+// inputs: x [m, k], w [n, k] (fp32); output: y [m, n].
+extern "C" int LinearFewRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  const float *__restrict x = static_cast<const float *>(params[0]);
+  const float *__restrict w = static_cast<const float *>(params[1]);
+  float *__restrict y = static_cast<float *>(params[2]);
+  const int64_t m = shapes[0][0], k = shapes[0][1], n = shapes[1][0];
+  parallel_for(n, [=](int64_t lo, int64_t hi, int) {
+    for (int64_t o = lo; o < hi; ++o)
+      for (int64_t r = 0; r < m; ++r) y[r * n + o] = lane_dot<false>(x + r * k, w + o * k, nullptr, k);
+  }, std::max<int64_t>(1, (1 << 16) / k));
+  return 0;
+}

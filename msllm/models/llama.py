@@ -208,7 +208,7 @@ class Attention(nn.Cell):
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         q = self.rope(self.wq(x), cos, sin)
-        if cos.ndim == 4 and self.num_kv_heads != self.num_heads:  # per-head tables: take the KV heads' rows
+        if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: take the KV heads' rows
             cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
         k = self.rope(self.wk(x), cos, sin)
         v = split_heads(self.wv(x), self.head_dim, cos.shape[-2])
