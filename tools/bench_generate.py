@@ -8,8 +8,9 @@
    dir with transformers + gguf (the model rebuilt from its config without quantization_config).
    `--model tiny` uses a tiny random Llama saved by transformers instead.
 2. msllm convert HF -> msllm, then verify (layer by layer against transformers).
-3. A chat prompt, greedy: the reply of `msllm generate` must equal transformers' token for token
-   (--new tokens, EOS included); then export ONNX and MindIR and generate on each engine: same text.
+3. A chat prompt, greedy: the reply of `msllm generate` (up to EOS or --new tokens) must equal
+   transformers' token for token, and so must the first --new greedy tokens with EOS ignored;
+   then export ONNX and MindIR and the same on each engine.
 4. Timings (not with --check-only): decode tok/s of each engine (the prompt, then --timed steps
    with EOS ignored, best of --repeats), against transformers + torch eager on the same prompt;
    time to first token of a fresh `msllm generate` process, cold and with a warm compile cache;
@@ -122,39 +123,46 @@ def hf_reference(hf: Path, question: str, new: int, timed: int, repeats: int, ti
     reply = out[:next((i for i, t in enumerate(out) if t in eos), len(out))]
     result = {"prompt_ids": prompt[0].tolist(), "reply_ids": reply,
               "reply": tokenizer.decode(reply, skip_special_tokens=False), "load_s": load_s}
-    if timings:
-        def decode_s():  # prefill, then `timed` one-token steps with the cache, EOS ignored
-            with torch.no_grad():
-                step = model(prompt, use_cache=True)
+    def greedy(steps: int) -> tuple[list[int], float]:
+        """Prefill, then `steps` one-token steps with the cache, EOS ignored: (tokens, seconds of the steps)."""
+        with torch.no_grad():
+            step = model(prompt, use_cache=True)
+            cache, token = step.past_key_values, step.logits[:, -1:].argmax(-1)
+            tokens, started = [int(token)], time.perf_counter()
+            for _ in range(steps):
+                step = model(token, past_key_values=cache, use_cache=True)
                 cache, token = step.past_key_values, step.logits[:, -1:].argmax(-1)
-                started = time.perf_counter()
-                for _ in range(timed):
-                    step = model(token, past_key_values=cache, use_cache=True)
-                    cache, token = step.past_key_values, step.logits[:, -1:].argmax(-1)
-                return time.perf_counter() - started
+                tokens.append(int(token))
+            return tokens, time.perf_counter() - started
 
-        decode_s()
-        result["decode_tok_s"] = timed / min(decode_s() for _ in range(repeats))
+    result["greedy_ids"] = greedy(new - 1)[0]
+    if timings:
+        greedy(timed)
+        result["decode_tok_s"] = timed / min(greedy(timed)[1] for _ in range(repeats))
     return result
 
 
-def engine_decode(engine_name: str, path: Path, prompt_ids: list[int], timed: int, repeats: int) -> dict:
-    """Decode tok/s of one msllm engine in this process (graph mode), EOS ignored."""
+def engine_decode(engine_name: str, path: Path, prompt_ids: list[int], new: int, timed: int, repeats: int) -> dict:
+    """One engine in this process (graph mode), EOS ignored: its first `new` greedy tokens, and
+    decode tok/s over `timed` steps when timed > 0."""
     from graph_opt.runtime import load_engine
     from msllm import device
 
     device.setup("cpu", "graph")
     engine, _, _, _ = load_engine(engine_name, path)
 
-    def decode_s():
-        logits = engine.start([prompt_ids], timed + 1)
-        started = time.perf_counter()
-        for _ in range(timed):
-            logits = engine.step(logits.argmax(-1).tolist())
-        return time.perf_counter() - started
+    def greedy(steps):
+        logits = engine.start([prompt_ids], steps + 1)
+        tokens, started = [int(logits.argmax())], time.perf_counter()
+        for _ in range(steps):
+            logits = engine.step([tokens[-1]])
+            tokens.append(int(logits.argmax()))
+        return tokens, time.perf_counter() - started
 
-    decode_s()  # compiles prefill and decode
-    return {"decode_tok_s": timed / min(decode_s() for _ in range(repeats))}
+    result = {"greedy_ids": greedy(new - 1)[0]}  # also compiles prefill and decode
+    if timed:
+        result["decode_tok_s"] = timed / min(greedy(timed)[1] for _ in range(repeats))
+    return result
 
 
 def generate_cli(engine: str, path: Path, question: str, new: int,
@@ -218,18 +226,22 @@ def main() -> int:
         if not same:
             return 1
         rows[engine] = {"summary": summary, "process_s": wall}
+        proc = run(sys.executable, __file__, "--engine-decode", engine, path, json.dumps(ref["prompt_ids"]),
+                   str(args.new), str(args.timed if timings else 0), str(args.repeats))
+        rows[engine].update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        same = rows[engine].pop("greedy_ids") == ref["greedy_ids"]
+        print(f"{engine}: {args.new} greedy tokens, EOS ignored: {'same as' if same else 'DIFFERENT from'} "
+              f"transformers'", flush=True)
+        if not same:
+            return 1
     if not timings:
-        print("correctness: every engine's greedy reply equals transformers' token for token")
+        print("correctness: every engine's reply, and its greedy tokens with EOS ignored, equal transformers'")
         return 0
 
     # Startup: a fresh process to the first token, cold, then with a warm compile cache.
     compile_cache = work / "compile_cache"
     cold = generate_cli("msllm", ckpt, question, 1, compile_cache)
     warm = generate_cli("msllm", ckpt, question, 1, compile_cache)
-    for engine, path in (("msllm", ckpt), ("onnxruntime", work / "onnx"), ("mindir", work / "mindir")):
-        proc = run(sys.executable, __file__, "--engine-decode", engine, path, json.dumps(ref["prompt_ids"]),
-                   str(args.timed), str(args.repeats))
-        rows[engine].update(json.loads(proc.stdout.strip().splitlines()[-1]))
     model_gb = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 1e9
     lines = [
         f"# Generation on CPU: {args.model} (msllm, MindIR, ONNX Runtime) vs transformers + torch eager",
@@ -239,7 +251,8 @@ def main() -> int:
         f"* **Commit**: `{run('git', 'rev-parse', 'HEAD').stdout.strip()}` ({datetime.date.today()})",
         f"* **CPU**: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}",
         f"* Prompt: the chat template around {question!r} ({len(ref['prompt_ids'])} tokens), greedy. Every "
-        f"engine's reply equals transformers' token for token ({len(ref['reply_ids'])} tokens).",
+        f"engine's reply equals transformers' token for token ({len(ref['reply_ids'])} tokens, to EOS), and so "
+        f"do its first {args.new} greedy tokens with EOS ignored.",
         f"* Decode: {args.timed} one-token steps after the prompt, EOS ignored, best of {args.repeats}.",
         "",
         "| engine | decode tok/s | vs torch eager |",
@@ -269,7 +282,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--engine-decode":  # one engine in its own process
-        engine, path, ids, timed, repeats = sys.argv[2:7]
-        print(json.dumps(engine_decode(engine, Path(path), json.loads(ids), int(timed), int(repeats))))
+        engine, path, ids, new, timed, repeats = sys.argv[2:8]
+        print(json.dumps(engine_decode(engine, Path(path), json.loads(ids), int(new), int(timed), int(repeats))))
         sys.exit(0)
     sys.exit(main())
