@@ -96,9 +96,8 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
     """Swap the CPU formulations into `model` in place.
 
     fused: msllm.kernels' one-pass C++ ops (they take fixed shapes and, except the norm, fp32
-    activations). Training uses all of them; inference (fp32) the norm, SwiGLU and softmax ones
-    (fewer kernel launches per decode step) and the few-rows linear, but not the rope kernel,
-    which reads one [s, d] table for every row and so cannot serve left-padded rows.
+    activations). Training uses all of them; inference (fp32) the norm, rope, SwiGLU and softmax
+    ones (fewer kernel launches per decode step) and the few-rows linear of decode steps.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, s] tables per row.
@@ -116,7 +115,7 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
             cell.core = (kernels.FusedRMSNormCore(cell.eps) if fused or decode_kernels
                          else RMSNormCore(cell.dim, cell.eps))
         elif isinstance(cell, llama.Attention):
-            cell.rope = kernels.FusedRope() if fused_fp32 else Rope(cell.head_dim)
+            cell.rope = kernels.FusedRope() if fused_fp32 or decode_kernels else Rope(cell.head_dim)
         elif isinstance(cell, llama.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
             cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_fp32 or decode_kernels

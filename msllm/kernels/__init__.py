@@ -204,8 +204,8 @@ class FusedSoftmaxAttention(SoftmaxAttention):
 
 
 def _heads_shape(x, cos, sin):
-    """[b*s, n*d] projection -> [b, n, s, d] given the [s, d] rope table."""
-    s, d = cos
+    """[b*s, n*d] projection -> [b, n, s, d] given the [s, d] (or [b, 1, s, d]) rope table."""
+    s, d = cos[-2:]
     rows = functools.reduce(lambda a, b: a * b, x[:-1])
     return [rows // s, x[-1] // d, s, d]
 
@@ -229,7 +229,8 @@ class LinearFewRows(nn.Cell):
 
 class FusedRope(nn.Cell):
     """msllm.backends.cpu.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
-    Takes the [s, d] tables only (Llama passes them unbroadcast when this is in use)."""
+    Takes the [s, d] tables (Llama passes them unbroadcast when this is in use), or forward only,
+    a cached forward's [b, 1, s, d] tables of each row's positions."""
 
     def __init__(self):
         super().__init__()
