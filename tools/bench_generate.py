@@ -219,6 +219,7 @@ def main() -> int:
             path = work / fmt
             peaks[fmt] = peak_rss_gb(sys.executable, "-m", "msllm.cli", "export", "--ckpt", ckpt,
                                         "--format", fmt, "--out", path)
+            print(f"export {fmt}: peak RSS {peaks[fmt]:.2f} GB", flush=True)
         reply, summary, wall = generate_cli(engine, path, question, args.new)
         same = reply == ref["reply"] and summary.startswith(f"msllm generate: {len(ref['prompt_ids'])} prompt tokens")
         print(f"{engine}: {'same reply as transformers' if same else 'DIFFERENT reply: ' + repr(reply)}; {summary}",
