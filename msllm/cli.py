@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -85,9 +88,11 @@ def cmd_generate(args) -> int:
 
     if args.system is not None and args.chat is None:
         raise UsageError("--system: only used with --chat MESSAGE")
-    # prefill and decode compile once each per shape; the compile cache skips that on the next start
-    device.setup("cpu", "graph", compile_cache=args.compile_cache)
+    device.setup("cpu", "graph")  # prefill and decode compile once each per shape
     engine, model_cfg, tokenizer, conventions = load_engine(args.engine, args.ckpt)
+    if args.compile_cache:  # the next start skips compiling; one sub-dir per model and engine
+        key = json.dumps([args.engine, dataclasses.asdict(model_cfg)], sort_keys=True).encode()
+        device.use_compile_cache(Path(args.compile_cache) / hashlib.sha256(key).hexdigest()[:16])
     if args.top_k > model_cfg.vocab_size:
         raise UsageError(f"--top-k {args.top_k}: above the model's vocabulary of {model_cfg.vocab_size} tokens "
                          f"(0 = greedy)")
@@ -348,8 +353,8 @@ def build_parser() -> Parser:
                    help="softmax temperature for --top-k / --top-p sampling (default 1.0)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="sampling seed (default 0)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
-                   help="dir for MindSpore's compile cache: the next start with the same model and "
-                        "shapes skips graph compilation (default: none)")
+                   help="dir for MindSpore's compile cache (a sub-dir per model and engine): the next "
+                        "start with the same model and shapes skips graph compilation (default: none)")
     p.set_defaults(func=cmd_generate)
 
     p = command("export", "export a run to MindIR or ONNX for deployment, verified on reload")

@@ -126,9 +126,24 @@ def test_cli_chat_streams_the_reply_and_stops(chat_model):
     full = generate_ids(model, prompt, 10)[len(prompt):]
     reply = tokenizer.decode(full, skip_special_tokens=False)
     stop = reply[6:8]
+    cache = chat_model / "compile_cache"
     proc = run_cli("generate", "--ckpt", str(chat_model / "msllm"), "--chat", "hello", "--stop", stop,
-                   "--max-new-tokens", "10")
+                   "--max-new-tokens", "10", "--compile-cache", str(cache))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == reply[:reply.find(stop)] + "\n"
     summary = proc.stderr.strip().splitlines()[-1]
     assert summary.startswith(f"msllm generate: {len(prompt)} prompt tokens, ") and "(stop)" in summary
+
+    # Another model with the same compile cache dir: MindSpore would reuse the first model's graphs
+    # (same code) and compute garbage; each model gets its own sub-dir.
+    other = chat_model / "other"
+    build("llama2_mha", seed=1).save_pretrained(other / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (other / "hf" / name).write_bytes((chat_model / "hf" / name).read_bytes())
+    convert(other / "hf", other / "msllm", progress=False)
+    _, model, _, _ = load_run(other / "msllm")
+    full = generate_ids(model, prompt, 6)[len(prompt):]
+    proc = run_cli("generate", "--ckpt", str(other / "msllm"), "--chat", "hello", "--max-new-tokens", "6",
+                   "--compile-cache", str(cache))
+    assert proc.stdout == tokenizer.decode(full, skip_special_tokens=False) + "\n", proc.stderr[-2000:]
+    assert len(list(cache.iterdir())) == 2
