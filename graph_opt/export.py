@@ -3,16 +3,20 @@
 OUT/ is assembled under a temporary name next to it (msllm.staged) and renamed into place only
 after the files reload and match the msllm model, so a failure never leaves a half-written export:
   model.<ext>       input_ids [batch, seq] -> logits [batch, seq, vocab] fp32
-  prefill.<ext>     input_ids -> logits, keys, values [layers, batch, kv_heads, seq, head_dim]
-  decode.<ext>      input_ids, keys, values -> logits, keys, values grown by seq positions
+  prefill.<ext>     input_ids [batch, seq], keys, values [layers, batch, kv_heads, max_len, head_dim],
+                    start [1], pad [batch] -> logits [batch, vocab] of the last token, keys, values
+                    with slots start .. start+seq-1 written (msllm.inference.CachedForward)
+  decode.<ext>      the same with seq = 1
   weights.onnx.data ONNX external data shared by the three graphs (weights > 2 GB, or --external-data)
   export.json       format, dtype, config, files, dimensions, tolerance, measured diffs, timings
-  tokenizer.json    the run's tokenizer, so the export dir is all `msllm generate` needs
+  tokenizer.json    the run's tokenizer (its EOS ids and chat template are in export.json), so the
+                    export dir is all `msllm generate` needs
 Batch, sequence and cache length are dynamic in both formats; layers, heads, head_dim and
 vocab are fixed by the model. input_ids are int32 in MindIR (msllm's dtype), int64 in ONNX.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -44,17 +48,20 @@ def max_abs(a, b) -> float:
 
 
 def verify(engine, inputs: list[np.ndarray], references: list[np.ndarray]) -> dict[str, float]:
-    """Max-abs logit differences: the model graph on every input, then prefill + decode on the last."""
+    """Max-abs logit differences: the model graph on every input; then prefill + one-token decode
+    steps with the cache, on the first input as prompts of different lengths (left padding) and
+    on the last one as a single prompt."""
     diffs = {f"model b{ids.shape[0]} s{ids.shape[1]}": max_abs(engine.logits(ids), ref)
              for ids, ref in zip(inputs, references)}
-    ids, ref = inputs[-1], references[-1]
-    start = max(1, ids.shape[1] - DECODE_STEPS)
-    logits, cache = engine.prefill(ids[:, :start])
-    worst = max_abs(logits, ref[:, :start])
-    for i in range(start, ids.shape[1]):
-        logits, cache = engine.decode(ids[:, i:i + 1], cache)
-        worst = max(worst, max_abs(logits[:, 0], ref[:, i]))
-    diffs[f"prefill s{start} + {ids.shape[1] - start} decode steps"] = worst
+    for ids, ref in ((inputs[0], references[0]), (inputs[-1], references[-1])):
+        b, s = ids.shape
+        lengths = [max(1, s - DECODE_STEPS - row) for row in range(b)]
+        worst = max_abs(engine.start([ids[r, :n].tolist() for r, n in enumerate(lengths)], DECODE_STEPS),
+                        ref[np.arange(b), np.array(lengths) - 1])
+        for k in range(DECODE_STEPS):
+            at = np.minimum(np.array(lengths) + k, s - 1)
+            worst = max(worst, max_abs(engine.step(ids[np.arange(b), at].tolist()), ref[np.arange(b), at]))
+        diffs[f"prefill b{b} lengths {lengths} + {DECODE_STEPS} decode steps"] = worst
     return diffs
 
 
@@ -70,7 +77,7 @@ def to_half(model) -> None:
 
 def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     """The three graphs via ms.export (GRAPH_MODE) with None for every dynamic dimension."""
-    from msllm.inference import Decode, Prefill
+    from msllm.inference import CachedForward
 
     cfg = model.cfg
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -79,7 +86,10 @@ def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     ids = ms.Tensor(shape=[None, None], dtype=ms.int32)
     cache = ms.Tensor(shape=[cfg.num_layers, None, cfg.num_kv_heads, None, cfg.head_dim],
                       dtype=ms.float16 if dtype == "fp16" else ms.float32)
-    graphs = {"model": (model, ids), "prefill": (Prefill(model), ids), "decode": (Decode(model), ids, cache, cache)}
+    where = (ms.Tensor(shape=[1], dtype=ms.int32), ms.Tensor(shape=[None], dtype=ms.int32))  # start, pad
+    cached = CachedForward(model)
+    graphs = {"model": (model, ids), "prefill": (cached, ids, cache, cache, *where),
+              "decode": (cached, ms.Tensor(shape=[None, 1], dtype=ms.int32), cache, cache, *where)}
     for kind, (cell, *inputs) in graphs.items():
         ms.export(cell, *inputs, file_name=str(tmp / kind), file_format="MINDIR")
         log(f"wrote {kind}.mindir")
@@ -120,8 +130,9 @@ def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, extern
 def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", external_data: bool = False,
            force: bool = False, log=print) -> dict:
     """Export a run (or checkpoint dir) to OUT; returns the manifest. Raises ExportError / CheckpointError."""
-    from msllm import device
+    from msllm import chat, device
     from msllm.checkpoint import find_tokenizer, load_model
+    from msllm.data.tokenizer import load_tokenizer
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -155,10 +166,12 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
             raise ExportError(f"verification failed: max|diff| {worst:.3g} > tolerance {bound:.3g}; nothing written")
         log(f"verified: max|diff| {worst:.3g} <= tolerance {bound:.3g} ({TOLERANCE[dtype]:g} x max(1, max|logits|))")
         manifest.update(max_abs_diff=diffs, tolerance=bound)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         tokenizer = find_tokenizer(ckpt_dir, state)
-        if tokenizer is not None:
+        if tokenizer is not None:  # with the EOS ids and chat template generate needs
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+            conventions = chat.read(ckpt_dir, state.get("hf_config"), load_tokenizer(tokenizer))
+            manifest["text"] = dataclasses.asdict(conventions)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     log(f"exported {fmt} ({dtype}) in {export_seconds:.1f}s to {out}")
     return manifest
 

@@ -10,8 +10,9 @@ built directly (onnx_ir) and mirror msllm/models/llama.py line for line:
   * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax.
 Three graphs, all with dynamic batch, sequence and cache length:
   model    input_ids [b, s] -> logits [b, s, vocab]
-  prefill  input_ids [b, s] -> logits, present_keys, present_values [layers, b, kv_heads, s, head_dim]
-  decode   input_ids [b, s], past_keys, past_values (t positions) -> logits, present_* (t + s positions)
+  prefill  input_ids [b, s], past_keys, past_values [layers, b, kv_heads, max_len, head_dim], start [1],
+  decode   pad [b] -> logits [b, vocab] of the last token, present_keys, present_values (slots
+           start .. start+s-1 written), as msllm.inference.CachedForward; decode has s = 1
 Simple constants are emitted where they are used (one Constant node each, Casts even when
 they are no-ops, like msllm's astype); graph_opt.onnx_passes folds and deduplicates them.
 """
@@ -120,15 +121,16 @@ class LlamaGraph:
         rotated = self.op("Concat", self.op("Neg", second), first, axis=-1)
         return self.op("Add", self.op("Mul", x, cos), self.op("Mul", rotated, sin))
 
-    def attention(self, x, w, seq, cos, sin, mask, past_k=None, past_v=None):
+    def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q = self.rope(self.heads(self.linear(x, w["q"], w["q_bias"]), nh, seq), cos, sin)
         k = self.rope(self.heads(self.linear(x, w["k"], w["k_bias"]), nkv, seq), cos, sin)
         v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
-        if past_k is not None:
-            k = self.op("Concat", past_k, k, axis=2)
-            v = self.op("Concat", past_v, v, axis=2)
+        if cache_k is not None:  # the new tokens' slots take the new keys and values
+            source, fresh = write
+            k = self.op("Where", fresh, self.op("Gather", k, source, axis=2), cache_k)
+            v = self.op("Where", fresh, self.op("Gather", v, source, axis=2), cache_v)
         # The nh/nkv query heads sharing a KV head become rows: [b, nkv, rep*s, d].
         q = self.op("Reshape", q, self.shape(0, nkv, -1, d))
         scores = self.op("MatMul", q, self.op("Transpose", k, perm=[0, 1, 3, 2]))
@@ -152,59 +154,90 @@ class LlamaGraph:
         mask = self.op("Where", later, self.const(MASKED, np.float32), self.const(0.0, np.float32))
         return self.op("Tile", mask, self.const([self.cfg.num_heads // self.cfg.num_kv_heads, 1]))
 
-    def forward(self, input_ids, past_keys=None, past_values=None):
-        """Returns logits [b, s, vocab] fp32 and the stacked keys/values including the new positions."""
+    def cache_tables(self, seq, keys, start, pad):
+        """As Llama.cache_tables: rope rows at each row's positions [b, 1, s, d], the mask over the
+        cache slots [b, 1, rep*s, t] (key slot j visible from new slot i when pad <= j <= i), and
+        where the new tokens go (source slot [t], fresh [t, 1])."""
+        first = self.op("Squeeze", start)
+        new_slots = self.op("Range", first, self.op("Add", first, self.op("Squeeze", seq)), self.const(1))  # [s]
+        positions = self.op("Max", self.op("Sub", self.op("Unsqueeze", new_slots, self.const([0])),
+                                           self.op("Unsqueeze", pad, self.const([1]))), self.const(0))  # [b, s]
+        cos_table, sin_table = rope_tables(self.cfg)
+        cos, sin = (self.op("Unsqueeze", self.op("Gather", self.param((name, table)), positions), self.const([1]))
+                    for name, table in (("rope_cos", cos_table), ("rope_sin", sin_table)))
+        slots = self.op("Range", self.const(0), self.op("Gather", self.op("Shape", keys), self.const(3)), self.const(1))
+        key_slots = self.op("Unsqueeze", slots, self.const([0, 1]))  # [1, 1, t]
+        visible = self.op("And", self.op("LessOrEqual", key_slots, self.op("Unsqueeze", new_slots, self.const([0, 2]))),
+                          self.op("GreaterOrEqual", key_slots, self.op("Unsqueeze", pad, self.const([1, 2]))))
+        mask = self.op("Where", visible, self.const(0.0, np.float32), self.const(MASKED, np.float32))  # [b, s, t]
+        rep = self.cfg.num_heads // self.cfg.num_kv_heads
+        mask = self.op("Unsqueeze", self.op("Tile", mask, self.const([1, rep, 1])), self.const([1]))
+        fresh = self.op("And", self.op("GreaterOrEqual", slots, start),
+                        self.op("Less", slots, self.op("Add", start, seq)))
+        source = self.op("Clip", self.op("Sub", slots, first), self.const(0), self.op("Sub", self.op("Squeeze", seq),
+                                                                                     self.const(1)))
+        return cos, sin, mask, (source, self.op("Unsqueeze", fresh, self.const([1])))
+
+    def forward(self, input_ids, keys=None, values=None, start=None, pad=None):
+        """Without a cache: logits [b, s, vocab] fp32. With one: logits [b, vocab] of the last
+        token and the keys / values with the new slots written."""
         cfg = self.cfg
         seq = self.op("Shape", input_ids, start=1, end=2)  # [1]
-        past = self.const(0) if past_keys is None else self.op("Gather", self.op("Shape", past_keys), self.const(3))
-        total = self.op("Add", past, self.op("Squeeze", seq))
-        positions = self.op("Range", past, total, self.const(1))
-        cos_table, sin_table = rope_tables(cfg)
-        cos = self.op("Gather", self.param(("rope_cos", cos_table)), positions)
-        sin = self.op("Gather", self.param(("rope_sin", sin_table)), positions)
-        mask = self.causal_mask(positions, total)
+        write = None
+        if keys is None:
+            positions = self.op("Range", self.const(0), self.op("Squeeze", seq), self.const(1))
+            cos_table, sin_table = rope_tables(cfg)
+            cos = self.op("Gather", self.param(("rope_cos", cos_table)), positions)
+            sin = self.op("Gather", self.param(("rope_sin", sin_table)), positions)
+            mask = self.causal_mask(positions, self.op("Squeeze", seq))
+        else:
+            cos, sin, mask, write = self.cache_tables(seq, keys, start, pad)
 
         embed = self.weights[EMBED]
         x = self.op("Reshape", self.op("Gather", self.param(embed), input_ids), self.shape(-1, cfg.hidden_size))
-        keys, values = [], []
+        new_keys, new_values = [], []
         for i in range(cfg.num_layers):
             w = layer_weights(self.weights, self.table.layer_prefix["hf"].format(i=i))
-            past_k = past_v = None
-            if past_keys is not None:
-                past_k = self.op("Gather", past_keys, self.const(i))
-                past_v = self.op("Gather", past_values, self.const(i))
-            out, k, v = self.attention(self.rms_norm(x, w["attention_norm"]), w, seq, cos, sin, mask, past_k, past_v)
+            cache_k = cache_v = None
+            if keys is not None:
+                cache_k = self.op("Gather", keys, self.const(i))
+                cache_v = self.op("Gather", values, self.const(i))
+            out, k, v = self.attention(self.rms_norm(x, w["attention_norm"]), w, seq, cos, sin, mask, cache_k,
+                                       cache_v, write)
             x = self.op("Add", x, out)
             x = self.op("Add", x, self.feed_forward(self.rms_norm(x, w["ffn_norm"]), w))
-            keys.append(self.op("Unsqueeze", k, self.const([0])))
-            values.append(self.op("Unsqueeze", v, self.const([0])))
+            new_keys.append(self.op("Unsqueeze", k, self.const([0])))
+            new_values.append(self.op("Unsqueeze", v, self.const([0])))
+        if keys is not None:  # logits only where the next token is read
+            last = self.op("Sub", self.op("Squeeze", seq), self.const(1))
+            x = self.op("Gather", self.op("Reshape", x, self.shape(-1, seq, cfg.hidden_size)), last, axis=1)
         # Tied: the embedding table is the output projection (Gemm transB reads it in place).
         logits = self.linear(self.rms_norm(x, self.weights[FINAL_NORM]), self.weights.get(HEAD, embed))
-        logits = self.op("Reshape", logits, self.shape(-1, seq, cfg.vocab_size))
+        if keys is None:
+            logits = self.op("Reshape", logits, self.shape(-1, seq, cfg.vocab_size))
         logits = self.op("Cast", logits, to=ir.DataType.FLOAT)
-        return logits, self.op("Concat", *keys, axis=0), self.op("Concat", *values, axis=0)
+        return logits, self.op("Concat", *new_keys, axis=0), self.op("Concat", *new_values, axis=0)
 
 
 def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dtype: str = "fp32") -> ir.Model:
     """One of GRAPHS as an onnx_ir Model; weights are msllm parameter arrays by name (fp32)."""
     g = LlamaGraph(cfg, weights, dtype)
-    cache_shape = [cfg.num_layers, "batch", cfg.num_kv_heads, None, cfg.head_dim]
-    input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "sequence"])
+    cache_shape = [cfg.num_layers, "batch", cfg.num_kv_heads, "max_len", cfg.head_dim]
+    input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", 1 if kind == "decode" else "sequence"])
     inputs = [input_ids]
-    if kind == "decode":
-        inputs += [ir.val(name, g.dtype, cache_shape[:3] + ["past_sequence"] + cache_shape[4:])
-                   for name in ("past_keys", "past_values")]
+    if kind != "model":
+        inputs += [ir.val(name, g.dtype, cache_shape) for name in ("past_keys", "past_values")]
+        inputs += [ir.val("start", ir.DataType.INT64, [1]), ir.val("pad", ir.DataType.INT64, ["batch"])]
     logits, keys, values = g.forward(*inputs)
     unused = sorted({name for name, _ in g.weights.values()} - set(g.initializers))
     if unused:  # a table row the graph does not compute: refuse rather than export another model
         raise ValueError(f"the ONNX builder does not use {unused} of the {default_architecture(cfg)} table")
-    logits.name, logits.dtype, logits.shape = "logits", ir.DataType.FLOAT, ir.Shape(["batch", "sequence", cfg.vocab_size])
+    logits.name, logits.dtype = "logits", ir.DataType.FLOAT
+    logits.shape = ir.Shape(["batch", "sequence", cfg.vocab_size] if kind == "model" else ["batch", cfg.vocab_size])
     outputs = [logits]
     if kind != "model":
-        total = "sequence" if kind == "prefill" else "total_sequence"
         for value, name in ((keys, "present_keys"), (values, "present_values")):
-            value.name, value.dtype = name, g.dtype
-            value.shape = ir.Shape(cache_shape[:3] + [total] + cache_shape[4:])
+            value.name, value.dtype, value.shape = name, g.dtype, ir.Shape(cache_shape)
             outputs.append(value)
     graph = ir.Graph(inputs, outputs, nodes=g.tape.nodes, initializers=g.tape.initializers,
                      opset_imports={"": OPSET}, name=f"msllm_llama_{kind}")

@@ -27,7 +27,7 @@ class OnnxEngine(Engine):
     def run(self, kind, ids, *cache):
         feeds = {"input_ids": np.asarray(ids, np.int64)}
         if cache:
-            feeds["past_keys"], feeds["past_values"] = cache
+            feeds.update(zip(("past_keys", "past_values", "start", "pad"), cache))
         return tuple(self.graph(kind).run(None, feeds))
 
 
@@ -43,16 +43,20 @@ def read_manifest(export_dir: Path) -> dict:
 
 def export_engine(export_dir: Path, manifest: dict) -> Engine:
     """A MindIR or onnxruntime engine over the graph files of an export dir."""
+    from msllm.config import config_from_dict
+
     files = {kind: str(Path(export_dir) / name) for kind, name in manifest["files"].items()}
+    cfg = config_from_dict(manifest["config"], str(Path(export_dir) / MANIFEST)).model
+    cache_dtype = np.float16 if manifest["dtype"] == "fp16" else np.float32
     if manifest["format"] == "mindir":
         return MindSporeEngine({kind: (lambda f=f: _load(f, lambda: ms.nn.GraphCell(ms.load(f))))
-                                for kind, f in files.items()})
+                                for kind, f in files.items()}, cfg, cache_dtype)
     import onnxruntime as ort
 
     def session(f):
         return ort.InferenceSession(f, providers=["CPUExecutionProvider"])
 
-    return OnnxEngine({kind: (lambda f=f: _load(f, lambda: session(f))) for kind, f in files.items()})
+    return OnnxEngine({kind: (lambda f=f: _load(f, lambda: session(f))) for kind, f in files.items()}, cfg, cache_dtype)
 
 
 def _load(path: str, load: Callable):
@@ -65,7 +69,9 @@ def _load(path: str, load: Callable):
 
 
 def load_engine(engine: str, path: str | Path):
-    """(engine, model config, tokenizer): `msllm` reads a run/checkpoint dir, mindir/onnxruntime an export dir."""
+    """(engine, model config, tokenizer, text conventions): `msllm` reads a run/checkpoint dir,
+    mindir/onnxruntime an export dir."""
+    from msllm import chat
     from msllm.backends import specialise
     from msllm.checkpoint import load_run
     from msllm.config import config_from_dict
@@ -75,9 +81,9 @@ def load_engine(engine: str, path: str | Path):
     if engine not in ENGINES:
         raise ExportError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if engine == "msllm":
-        cfg, model, tokenizer = load_run(path)
+        cfg, model, tokenizer, conventions = load_run(path)
         specialise(model, cfg, training=False)
-        return cell_engine(model), cfg.model, tokenizer
+        return cell_engine(model), cfg.model, tokenizer, conventions
     manifest = read_manifest(Path(path))
     if manifest["format"] != ENGINES[engine]:
         raise ExportError(f"{path}: is a {manifest['format']} export; --engine {engine} runs "
@@ -86,4 +92,7 @@ def load_engine(engine: str, path: str | Path):
     if not tokenizer.exists():
         raise ExportError(f"{path}: export has no tokenizer.json (its run had none)")
     cfg = config_from_dict(manifest["config"], str(Path(path) / "export.json"))
-    return export_engine(Path(path), manifest), cfg.model, load_tokenizer(tokenizer)
+    tokenizer = load_tokenizer(tokenizer)
+    conventions = (chat.TextConventions(**manifest["text"]) if "text" in manifest  # older exports: <|endoftext|>
+                   else chat.read(Path(path), None, tokenizer))
+    return export_engine(Path(path), manifest), cfg.model, tokenizer, conventions

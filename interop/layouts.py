@@ -29,7 +29,7 @@ HF_WEIGHTS = [("model.safetensors.index.json", "model.safetensors"),
 MF_WEIGHTS = ("model.ckpt", "model.safetensors")
 # Carried along unchanged from source dir to destination dir, whatever the layouts.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-              "generation_config.json")
+              "generation_config.json", "chat_template.jinja")
 READERS = {".safetensors": SafetensorsReader, ".bin": TorchBinReader, ".pt": TorchBinReader,
            ".pth": TorchBinReader, ".ckpt": CkptReader}
 WRITERS = {".safetensors": SafetensorsWriter, ".ckpt": CkptWriter}

@@ -175,7 +175,8 @@ def load_model(ckpt: str | Path):
 
 
 def load_run(ckpt: str | Path):
-    """(config, model, tokenizer) from a run dir or a checkpoint dir."""
+    """(config, model, tokenizer, text conventions: EOS ids, chat template) from a run dir or a checkpoint dir."""
+    from msllm import chat
     from msllm.data.tokenizer import load_tokenizer
 
     cfg, model, path, state = load_model(ckpt)
@@ -183,4 +184,5 @@ def load_run(ckpt: str | Path):
     if tokenizer is None:
         raise CheckpointError(f"{path}: no tokenizer.json (state.json 'tokenizer'); put the model's "
                               f"tokenizer.json in the checkpoint dir to generate text")
-    return cfg, model, load_tokenizer(tokenizer)
+    tokenizer = load_tokenizer(tokenizer)
+    return cfg, model, tokenizer, chat.read(path, state.get("hf_config"), tokenizer)

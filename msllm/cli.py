@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -134,16 +137,60 @@ def cmd_launch(args) -> int:
 
 def cmd_generate(args) -> int:
     from graph_opt.runtime import load_engine
-    from msllm import device
-    from msllm.generate import generate_text
+    from msllm import chat, device
+    from msllm.generate import Sampling, TextStream, generate
 
-    device.setup("cpu", "graph")  # prefill and decode compile once each (dynamic shapes)
-    engine, model_cfg, tokenizer = load_engine(args.engine, args.ckpt)
+    if args.system is not None and args.chat is None:
+        raise UsageError("--system: only used with --chat MESSAGE")
+    device.setup("cpu", "graph")  # prefill and decode compile once each per shape
+    engine, model_cfg, tokenizer, conventions = load_engine(args.engine, args.ckpt)
+    if args.compile_cache:  # the next start skips compiling; one sub-dir per model and engine
+        key = json.dumps([args.engine, dataclasses.asdict(model_cfg)], sort_keys=True).encode()
+        device.use_compile_cache(Path(args.compile_cache) / hashlib.sha256(key).hexdigest()[:16])
     if args.top_k > model_cfg.vocab_size:
         raise UsageError(f"--top-k {args.top_k}: above the model's vocabulary of {model_cfg.vocab_size} tokens "
                          f"(0 = greedy)")
-    print(generate_text(engine, tokenizer, args.prompt, args.max_new_tokens, top_k=args.top_k,
-                        temperature=args.temperature, seed=args.seed, max_len=model_cfg.max_seq_len))
+    if args.chat is not None:  # the reply alone is printed
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+            {"role": "user", "content": args.chat}]
+        flag, texts, echo = "--chat", [chat.render(conventions, messages, args.ckpt)], [""]
+        prompts = [tokenizer.encode(texts[0], add_special_tokens=False).ids]
+    else:  # the prompt and its continuation are printed
+        flag, texts = "--prompt", args.prompt or ["def "]
+        prompts, echo = [tokenizer.encode(text).ids or [0] for text in texts], texts
+    context = model_cfg.max_seq_len
+    longest = max(len(p) for p in prompts)
+    if longest >= context:
+        raise UsageError(f"{flag}: {longest} tokens leave no room in the model's context of {context} tokens; "
+                         f"shorten it")
+    max_new = min(args.max_new_tokens, context - longest)
+    capped = (f"; --max-new-tokens {args.max_new_tokens} capped at {max_new}, what fits in the {context}-token "
+              f"context" if max_new < args.max_new_tokens else "")
+
+    streams = [TextStream(tokenizer, args.stop) for _ in prompts]
+    live = len(prompts) == 1  # one prompt streams to stdout token by token; a batch prints when done
+
+    def on_token(row, token):
+        text = streams[row].add(token)
+        if live:
+            print(echo.pop() if echo else "", text, sep="", end="", flush=True)  # the prompt, with the first token
+        return streams[row].stopped
+
+    sampling = Sampling(args.top_k, args.top_p, args.temperature, args.seed)
+    result = generate(engine, prompts, max_new, sampling, conventions.eos_ids, on_token)
+    for row, stream in enumerate(streams):
+        rest = stream.flush()
+        if live:
+            print(*echo, rest, sep="", flush=True)
+        else:
+            print(echo[row] + stream.text, flush=True)
+    new = sum(len(ids) for ids in result.ids)
+    rate = result.decode_tok_s()
+    decode = (f", decode {rate:.1f} tok/s after a first step of {result.step_s[0]:.2f} s" if rate
+              else f", one decode step of {result.step_s[0]:.2f} s" if result.step_s else "")
+    print(f"msllm generate: {sum(len(p) for p in prompts)} prompt tokens, {new} new tokens "
+          f"({', '.join(sorted(set(result.stopped)))}), first token {result.first_token_s:.2f} s{decode}{capped}",
+          file=sys.stderr)
     return 0
 
 
@@ -269,6 +316,19 @@ def number_at_least(low: float):
     return number
 
 
+def non_empty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line, `msllm <command>: error: ...`, exit 2, like every other error."""
 
@@ -293,6 +353,8 @@ EXAMPLES = {
   msllm lora export runs/sft adapter --format peft   # un-merged, for peft.PeftModel.from_pretrained""",
     "generate": """examples:
   msllm generate --ckpt runs/tiny --prompt "def parse(" --top-k 20 --temperature 0.8
+  msllm generate --ckpt runs/smollm2 --chat "What is the capital of France?" --system "Answer briefly."
+  msllm generate --ckpt runs/tiny --prompt "def " --prompt "class " --stop "\\n\\n"   # a batch of two
   msllm generate --engine onnxruntime --ckpt exports/tiny-onnx --prompt "def parse(\"""",
     "export": """examples:
   msllm export --ckpt runs/tiny --format onnx --out exports/tiny-onnx
@@ -348,13 +410,27 @@ def build_parser() -> Parser:
     p.add_argument("--ckpt", required=True, help="run dir or checkpoint dir (msllm engine), export dir (others)")
     p.add_argument("--engine", choices=["msllm", "mindir", "onnxruntime"], default="msllm",
                    help="msllm: the trained Cells; mindir / onnxruntime: an msllm export (default msllm)")
-    p.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    p.add_argument("--max-new-tokens", type=int_at_least(0), default=64, help="tokens to add (default 64)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", action="append", default=None,
+                        help="text to continue (default 'def '); repeat it for a batch of prompts")
+    prompt.add_argument("--chat", metavar="MESSAGE", default=None,
+                        help="a user message, put in the model's own chat template; prints the reply")
+    p.add_argument("--system", default=None, help="a system message before the --chat message")
+    p.add_argument("--stop", action="append", default=[], type=non_empty, metavar="STRING",
+                   help="also end a reply at this text, which is not printed (repeatable); the model's EOS "
+                        "tokens always end it")
+    p.add_argument("--max-new-tokens", type=int_at_least(0), default=64,
+                   help="tokens to add at most, capped at what fits in the model's context (default 64)")
     p.add_argument("--top-k", type=int_at_least(0), default=0,
-                   help="sample from the k most likely tokens; 0 = greedy (default)")
+                   help="sample from the k most likely tokens; 0 with --top-p 1 = greedy (default)")
+    p.add_argument("--top-p", type=probability, default=1.0,
+                   help="sample from the most likely tokens whose probabilities add up to p (default 1.0)")
     p.add_argument("--temperature", type=number_at_least(0), default=1.0,
-                   help="softmax temperature for --top-k sampling (default 1.0)")
+                   help="softmax temperature for --top-k / --top-p sampling (default 1.0)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="sampling seed (default 0)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="dir for MindSpore's compile cache (a sub-dir per model and engine): the next "
+                        "start with the same model and shapes skips graph compilation (default: none)")
     p.set_defaults(func=cmd_generate)
 
     p = command("export", "export a run to MindIR or ONNX for deployment, verified on reload")

@@ -44,9 +44,15 @@ def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level:
                    jit_config={"jit_level": jit_level})
     ms.set_device(TARGETS[device])
     if compile_cache:
-        ms.set_context(enable_compile_cache=True, compile_cache_path=compile_cache)
+        use_compile_cache(compile_cache)
     if device == "cpu":
         ms.set_context(runtime_num_threads=threads or os.cpu_count() or 1)
+
+
+def use_compile_cache(path: str) -> None:
+    """MindSpore's compile cache in `path`, from the next compile on. MindSpore does not tell one
+    network from another of the same code: give each model its own dir."""
+    ms.set_context(enable_compile_cache=True, compile_cache_path=str(path))
 
 
 def compute_dtype(precision: str, device: str):

@@ -283,6 +283,14 @@ ROWS = [
     R("generate-truncated-weights", "generate", "--ckpt", "{ckpttrunc}", names=("model.safetensors",)),
     R("generate-state-garbage", "generate", "--ckpt", "{ckptbadstate}", names=("state.json",)),
     R("generate-weights-other-shape", "generate", "--ckpt", "{runshapes}", names=("{runshapes}",)),
+    R("generate-chat-without-template", "generate", "--ckpt", "{run}", "--chat", "hi", names=("{run}", "chat template")),
+    R("generate-stop-empty", "generate", "--ckpt", "{run}", "--stop", "", names=("--stop", "empty")),
+    R("generate-prompt-beyond-context", "generate", "--ckpt", "{run}", "--prompt", "x = 1\n" * 40,
+      names=("--prompt", "context of 32 tokens")),
+    R("generate-system-without-chat", "generate", "--ckpt", "{run}", "--system", "be brief", names=("--system",)),
+    R("generate-chat-and-prompt", "generate", "--ckpt", "{run}", "--chat", "hi", "--prompt", "x",
+      names=("--prompt", "--chat")),
+    R("generate-top-p-zero", "generate", "--ckpt", "{run}", "--top-p", "0", names=("--top-p",)),
 
     # --- export
     R("export-ckpt-missing", "export", "--ckpt", "{work}/nope", "--format", "onnx", "--out", "{work}/out",

@@ -21,7 +21,7 @@ from msllm import checkpoint, device
 from msllm.config import Config, ModelConfig
 from msllm.data.tokenizer import load_tokenizer, train_tokenizer
 from msllm.checkpoint import load_model
-from msllm.generate import generate_cached, generate_ids
+from msllm.generate import Sampling, generate, generate_ids
 from msllm.models.llama import build_model
 from msllm.staged import DiskFullError
 from tests.conftest import REPO, leave_free, needed_bytes, run_cli
@@ -122,13 +122,14 @@ def test_onnx_external_data_is_written_once(qwen_run, tmp_path, monkeypatch):
 def test_clean_up_keeps_outputs(qwen_run):
     _, model, _, _ = load_model(qwen_run)
     weights = {p.name: p.asnumpy() for p in model.trainable_params()}
-    raw, cleaned = build_graph(QWEN, weights, "decode"), build_graph(QWEN, weights, "decode")
+    raw, cleaned = build_graph(QWEN, weights, "prefill"), build_graph(QWEN, weights, "prefill")
     before, after = clean_up(cleaned)
     assert sum(after.values()) < sum(before.values()) and after["Constant"] == 0 and after["Cast"] == 0
     rng = np.random.default_rng(2)
     feeds = {"input_ids": rng.integers(0, 384, (2, 3)),
              "past_keys": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32),
-             "past_values": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32)}
+             "past_values": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32),
+             "start": np.array([1]), "pad": np.array([0, 1])}
     results = [ort.InferenceSession(ir.to_proto(m).SerializeToString(), providers=["CPUExecutionProvider"])
                .run(None, feeds) for m in (raw, cleaned)]
     for a, b in zip(*results):
@@ -161,14 +162,14 @@ def test_onnx_parameters_come_from_the_family_table(qwen_run, monkeypatch):
 
 
 def test_cached_generation_equals_full_recompute(qwen_run):
-    """Greedy and top-k, through the point where the cache is full and the window slides."""
+    """Greedy, top-k and top-p, up to the last position of the context."""
     device.setup("cpu", "pynative")
     _, model, _, _ = load_model(qwen_run)
-    prompt = np.random.default_rng(3).integers(0, QWEN.vocab_size, QWEN.max_seq_len - 4).tolist()  # 4 short of full
-    for top_k in (0, 5):
-        full = generate_ids(model, prompt, 8, top_k=top_k, max_len=QWEN.max_seq_len)
-        cached = generate_cached(cell_engine(model), prompt, 8, top_k=top_k, max_len=QWEN.max_seq_len)
-        assert cached == full
+    prompt = np.random.default_rng(3).integers(0, QWEN.vocab_size, QWEN.max_seq_len - 6).tolist()  # 6 short of full
+    for sampling in (Sampling(), Sampling(top_k=5), Sampling(top_p=0.9, temperature=0.7, seed=1)):
+        full = generate_ids(model, prompt, 6, sampling)
+        cached = generate(cell_engine(model), [prompt], 6, sampling)
+        assert prompt + cached.ids[0] == full
 
 
 def test_cli_export_and_generate_on_every_engine(llama_run, tmp_path):
@@ -187,8 +188,11 @@ def test_cli_export_and_generate_on_every_engine(llama_run, tmp_path):
     assert all(p.returncode == 0 for p in outputs.values()), [p.stderr[-1000:] for p in outputs.values()]
     assert len({p.stdout for p in outputs.values()}) == 1
     tokenizer = load_tokenizer(llama_run / "data" / "tokenizer.json")
-    full = generate_ids(model, tokenizer.encode("def ").ids, 12, max_len=LLAMA.max_seq_len)
-    assert outputs["msllm"].stdout.rstrip("\n") == tokenizer.decode(full)
+    prompt = tokenizer.encode("def ").ids
+    new = generate_ids(model, prompt, 12)[len(prompt):]
+    eos = tokenizer.token_to_id("<|endoftext|>")  # the run's EOS ends generation
+    new = new[:new.index(eos)] if eos in new else new
+    assert outputs["msllm"].stdout == "def " + tokenizer.decode(new, skip_special_tokens=False) + "\n"
 
 
 def one_line_error(proc, command="export"):

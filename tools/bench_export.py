@@ -54,14 +54,14 @@ def best_time(fn, repeats: int) -> float:
 
 
 def tokens_per_s(engine, vocab: int, prompt: int, new: int, repeats: int) -> dict[str, float]:
-    ids = np.random.default_rng(0).integers(0, vocab, (1, prompt))
-    prefill_s = best_time(lambda: engine.prefill(ids), repeats)
+    ids = np.random.default_rng(0).integers(0, vocab, prompt).tolist()
+    prefill_s = best_time(lambda: engine.start([ids], new), repeats)
 
     def decode_steps():
-        logits, cache = engine.prefill(ids)
+        logits = engine.start([ids], new)
         start = time.perf_counter()
         for _ in range(new):
-            logits, cache = engine.decode(logits[:, -1:].argmax(-1), cache)
+            logits = engine.step(logits.argmax(-1).tolist())
         return time.perf_counter() - start
 
     decode_steps()

@@ -18,7 +18,8 @@ from msllm.config import Config
 @dataclass(frozen=True)
 class Specialisation:
     device: str
-    fused_kernels: bool   # msllm.kernels in the train step (the optimizer and norm use them too)
+    fused_kernels: bool   # msllm.kernels: in the train step (the optimizer and norm use them too); in
+                          # inference the few-rows linear of decode steps
     shared_blocks: bool   # every layer calls one compiled block graph
     recompute: str
     lora_rank: int        # > 0: base weights frozen, adapters on lora.targets (msllm/lora.py)
@@ -64,7 +65,7 @@ def plan(cfg: Config, training: bool = True) -> Specialisation:
     from msllm import kernels
 
     t = cfg.train
-    fused = training and t.device == "cpu" and kernels.enabled(t.fused_kernels)
+    fused = t.device == "cpu" and kernels.enabled(t.fused_kernels)
     return Specialisation(t.device, fused, training and shares_block_graph(cfg), t.recompute if training else "none",
                           cfg.lora.rank, training and packed_samples(cfg))
 

@@ -96,28 +96,38 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
                per_sample_tables: bool = False) -> None:
     """Swap the CPU formulations into `model` in place.
 
-    fused: msllm.kernels' one-pass C++ ops for training (they take fixed shapes and, except the
-    norm, fp32 activations). share_blocks: every layer calls one compiled block graph (training
-    only; export needs the blocks inlined). Tables are pre-broadcast for training without the fused
-    rope / softmax, which read the [s, d] and [s, s] tables per row. per_sample_tables (packed SFT
-    samples: positions and masks differ per row) keeps the rope and softmax on the CPU formulations,
-    which broadcast any table; the fused norm, activation and optimizer still apply.
+    fused: msllm.kernels' one-pass C++ ops (they take fixed shapes and, except the norm, fp32
+    activations). Training uses all of them; inference (fp32) the norm, rope, SwiGLU and softmax
+    ones (fewer kernel launches per decode step) and the few-rows linear of decode steps.
+    share_blocks: every layer calls one compiled block graph (training only; export needs the
+    blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
+    which read the [s, d] and [s, s] tables per row. per_sample_tables (packed SFT samples:
+    positions and masks differ per row) keeps the rope and softmax on the CPU formulations, which
+    broadcast any table; the fused norm, activation and optimizer still apply.
     """
+    fp32 = model.compute_dtype == ms.float32
+    decode_kernels = fused and fp32 and not training
     fused = fused and training
-    fused_fp32 = fused and model.compute_dtype == ms.float32
+    fused_fp32 = fused and fp32
     fused_tables = fused_fp32 and not per_sample_tables
-    if fused:
+    if fused or decode_kernels:
         from msllm import kernels
+    if decode_kernels:  # one-token decode steps: a matmul of a few rows reads each weight once
+        model.lm_matmul = kernels.LinearFewRows()
     for cell in [cell for _, cell in model.cells_and_names()]:
         if isinstance(cell, llama.RMSNorm):  # normalises in fp32 whatever the compute dtype
-            cell.core = kernels.FusedRMSNormCore(cell.eps) if fused else RMSNormCore(cell.dim, cell.eps)
+            cell.core = (kernels.FusedRMSNormCore(cell.eps) if fused or decode_kernels
+                         else RMSNormCore(cell.dim, cell.eps))
         elif isinstance(cell, llama.Attention):
-            cell.rope = kernels.FusedRope() if fused_tables else Rope(cell.head_dim)
+            cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.head_dim)
         elif isinstance(cell, llama.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
-            cell.softmax_attention = kernels.FusedSoftmaxAttention(n, kv) if fused_tables else SoftmaxAttention(n, kv)
+            cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels
+                                      else SoftmaxAttention(n, kv))
         elif isinstance(cell, llama.FeedForward):
-            cell.act = kernels.FusedSwiGLU() if fused_fp32 else llama.SwiGLU()
+            cell.act = kernels.FusedSwiGLU() if fused_fp32 or decode_kernels else llama.SwiGLU()
+        elif isinstance(cell, llama.Linear) and decode_kernels:
+            cell.matmul = kernels.LinearFewRows()
     model.broadcast_tables = training and not fused_tables
     for block in model.layers:
         block.no_inline = share_blocks and training

@@ -204,15 +204,33 @@ class FusedSoftmaxAttention(SoftmaxAttention):
 
 
 def _heads_shape(x, cos, sin):
-    """[b*s, n*d] projection -> [b, n, s, d] given the [s, d] rope table."""
-    s, d = cos
+    """[b*s, n*d] projection -> [b, n, s, d] given the [s, d] (or [b, 1, s, d]) rope table."""
+    s, d = cos[-2:]
     rows = functools.reduce(lambda a, b: a * b, x[:-1])
     return [rows // s, x[-1] // d, s, d]
 
 
+class LinearFewRows(nn.Cell):
+    """x [m, k] @ w [n, k]^T (fp32) by the C++ kernel when m <= FEW_ROWS (a decode step: every
+    weight row read once), by MindSpore's MatMul otherwise (prefill); m is fixed at compile time."""
+
+    FEW_ROWS = 8
+
+    def __init__(self):
+        super().__init__()
+        self.linear = _aot("LinearFewRows", lambda x, w: [x[0], w[0]])
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x, w):
+        if x.shape[0] <= self.FEW_ROWS:
+            return self.linear(x, w)
+        return self.matmul(x, w)
+
+
 class FusedRope(nn.Cell):
     """msllm.backends.cpu.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
-    Takes the [s, d] tables only (Llama passes them unbroadcast when this is in use)."""
+    Takes the [s, d] tables (Llama passes them unbroadcast when this is in use), or forward only,
+    a cached forward's [b, 1, s, d] tables of each row's positions."""
 
     def __init__(self):
         super().__init__()

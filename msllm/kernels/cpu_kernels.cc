@@ -370,19 +370,22 @@ extern "C" int SoftmaxAttentionGrad(int nparam, void **params, int *ndims, int64
 // RoPE (rotate-half) fused with the split into heads: x [b*s, n*d] (a q or k projection, rows in
 // (batch, position) order) -> y [b, n, s, d] with y = x * cos + rotate_half(x) * sin, where
 // rotate_half(x) = [-x2, x1] over the two halves of d. One pass instead of a Transpose, a MatMul
-// (the rotation) and three element-wise kernels. inputs: x, cos, sin [s, d] (fp32); output: y.
+// (the rotation) and three element-wise kernels. inputs: x, cos, sin [s, d], or [b, 1, s, d] with
+// each row's own positions (a cached forward over left-padded rows) (fp32); output: y.
 extern "C" int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                          void *stream, void *extra) {
   const float *__restrict x = static_cast<const float *>(params[0]);
   const float *__restrict cos = static_cast<const float *>(params[1]);
   const float *__restrict sin = static_cast<const float *>(params[2]);
   float *__restrict y = static_cast<float *>(params[3]);
-  const int64_t s = shapes[1][0], d = shapes[1][1], half = d / 2, width = shapes[0][ndims[0] - 1];
+  const int64_t s = shapes[1][ndims[1] - 2], d = shapes[1][ndims[1] - 1], half = d / 2;
+  const int64_t width = shapes[0][ndims[0] - 1], table_rows = numel(ndims[1], shapes[1]) / d;  // s or b * s
   const int64_t n = width / d, out_rows = numel(ndims[0], shapes[0]) / d;  // b * n * s
   parallel_for(out_rows, [=](int64_t lo, int64_t hi, int) {
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t batch = row / (n * s), head = (row / s) % n, pos = row % s;
-      const float *src = x + (batch * s + pos) * width + head * d, *c = cos + pos * d, *sn = sin + pos * d;
+      const int64_t at = (batch * s + pos) % table_rows * d;
+      const float *src = x + (batch * s + pos) * width + head * d, *c = cos + at, *sn = sin + at;
       float *dst = y + row * d;
       for (int64_t j = 0; j < half; ++j) dst[j] = src[j] * c[j] - src[j + half] * sn[j];
       for (int64_t j = half; j < d; ++j) dst[j] = src[j] * c[j] + src[j - half] * sn[j];
@@ -412,5 +415,22 @@ extern "C" int RopeHeadsGrad(int nparam, void **params, int *ndims, int64_t **sh
       for (int64_t j = half; j < d; ++j) dst[j] = g[j] * c[j] - g[j - half] * sn[j - half];
     }
   }, std::max<int64_t>(1, (1 << 14) / d));
+  return 0;
+}
+
+// y = x W^T for a few rows of x (one-token decode): each weight row is read once, from memory,
+// and dotted with every row of x while it is in L1; output features are split across the pool.
+// MindSpore's MatMul packs the weight into its own layout first, a second pass over it per call.
+// inputs: x [m, k], w [n, k] (fp32); output: y [m, n].
+extern "C" int LinearFewRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  const float *__restrict x = static_cast<const float *>(params[0]);
+  const float *__restrict w = static_cast<const float *>(params[1]);
+  float *__restrict y = static_cast<float *>(params[2]);
+  const int64_t m = shapes[0][0], k = shapes[0][1], n = shapes[1][0];
+  parallel_for(n, [=](int64_t lo, int64_t hi, int) {
+    for (int64_t o = lo; o < hi; ++o)
+      for (int64_t r = 0; r < m; ++r) y[r * n + o] = lane_dot<false>(x + r * k, w + o * k, nullptr, k);
+  }, std::max<int64_t>(1, (1 << 16) / k));
   return 0;
 }

@@ -5,9 +5,11 @@ msllm.backends can swap a device formulation in (msllm/backends/cpu.py) or attac
 strategy (msllm/backends/ascend.py) without touching this file. Parameter names follow torchtitan:
 tok_embeddings, layers.N.attention.wq, ..., layers.N.feed_forward.w1 (gate) / w2 (down) / w3 (up),
 norm, output. Linear weights are [out, in]. The code is shape-agnostic in batch and sequence, so
-the same Cells export with dynamic shapes. The KV cache is an optional input of the model's own
-forward: `model(ids, past_keys, past_values, return_cache=True)`; so are packed samples (SFT):
-`model(ids, segments=seg, positions=pos)` keeps attention inside each sample and restarts its positions.
+the same Cells export with dynamic shapes. The KV cache is an optional, preallocated input of the
+model's own forward: `model(ids, keys, values, start, pad)` writes the new tokens' keys and values
+at slots start.. of the cache and attends to the filled part (litgpt's input_pos, as data). Packed
+samples (SFT) are optional inputs too: `model(ids, segments=seg, positions=pos)` keeps attention
+inside each sample and restarts its positions.
 """
 from __future__ import annotations
 
@@ -190,8 +192,9 @@ class SoftmaxAttention(nn.Cell):
 class Attention(nn.Cell):
     """x [b*s, h] -> (out [b*s, h], keys, values [b, nkv, t, d]).
 
-    past_k / past_v [b, nkv, t0, d]: cached keys and values of the positions before x's; the new
-    ones are appended (t = t0 + s). The sequence length comes from the rope table.
+    cache_k / cache_v [b, nkv, t, d]: a preallocated cache; `write` = (source [t] int32, fresh
+    [t, 1] bool) says which slots take the new keys and values (fresh) and from which of the s
+    new positions (source). Without a cache t = s. The sequence length comes from the rope table.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -205,14 +208,16 @@ class Attention(nn.Cell):
         self.rope = Rope(d)
         self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d)
 
-    def construct(self, x, cos, sin, mask, past_k=None, past_v=None):
+    def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         q = self.rope(self.wq(x), cos, sin)
-        if cos.ndim == 4 and self.num_kv_heads != self.num_heads:  # per-head tables: take the KV heads' rows
+        if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: take the KV heads' rows
             cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
         k = self.rope(self.wk(x), cos, sin)
         v = split_heads(self.wv(x), self.head_dim, cos.shape[-2])
-        if past_k is not None:
-            k, v = ops.concat((past_k, k), 2), ops.concat((past_v, v), 2)
+        if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
+            source, fresh = write
+            k = ops.select(fresh, ops.gather(k, source, 2), cache_k)
+            v = ops.select(fresh, ops.gather(v, source, 2), cache_v)
         out = self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(x.shape)
         return self.wo(out), k, v
 
@@ -258,8 +263,8 @@ class Block(nn.Cell):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def construct(self, x, cos, sin, mask, past_k=None, past_v=None):
-        attn, k, v = self.attention(self.attention_norm(x), cos, sin, mask, past_k, past_v)
+    def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
+        attn, k, v = self.attention(self.attention_norm(x), cos, sin, mask, cache_k, cache_v, write)
         x = x + attn
         return x + self.feed_forward(self.ffn_norm(x)), k, v
 
@@ -267,9 +272,12 @@ class Block(nn.Cell):
 class Llama(nn.Cell):
     """input_ids [b, s] int32 -> logits [b, s, vocab] fp32.
 
-    With return_cache=True also the keys and values [layers, b, kv_heads, t, head_dim] of every
-    position; past_keys / past_values are those of earlier positions (the new tokens sit at
-    t0 .. t0+s-1), as an engine's prefill and decode call it.
+    With a cache, keys / values [layers, b, kv_heads, max_len, head_dim] (preallocated), start
+    int32 [1] and pad int32 [b]: the s new tokens sit at slots start .. start+s-1 of every row,
+    whose first pad[r] slots are left padding (the token at slot j is at position j - pad[r]).
+    Returns (logits [b, vocab] of the last new token, keys, values with the new slots written);
+    each token attends to the filled, unpadded slots up to its own. This is how an engine
+    prefills (start 0) and decodes (s = 1), with the same shapes at every step.
     Parameters are always fp32 (the master copy); `compute_dtype` (fp32, fp16 or bf16) is what
     matmuls and the residual stream run in. Norms, softmax and logits stay fp32.
     """
@@ -305,46 +313,63 @@ class Llama(nn.Cell):
     def sample_tables(self, segments, positions):
         """Packed samples: segments, positions [b, s] int32 (a sample's tokens share a segment id, and
         count their positions from 0) -> rope tables [b, 1, s, d] at those positions and an additive
-        mask that is causal within a sample and closed between samples, shaped to broadcast over the
-        scores ([b, 1, s, s]; [b, 1, 1, s, s] with GQA)."""
+        mask [b, 1, s, s] that is causal within a sample and closed between samples."""
         b, s = segments.shape
         cos = ops.gather(self.rope_cos, positions.reshape(-1), 0).reshape(b, 1, s, -1)
         sin = ops.gather(self.rope_sin, positions.reshape(-1), 0).reshape(b, 1, s, -1)
         same = segments.reshape(b, s, 1) == segments.reshape(b, 1, s)
         mask = ops.select(same, ops.zeros((b, s, s), ms.float32), ops.full((b, s, s), -1e9, dtype=ms.float32))
         mask = mask + self.causal_mask[:s, :s]
-        if self.cfg.num_heads != self.cfg.num_kv_heads:
-            return cos, sin, mask.reshape(b, 1, 1, s, s)
         return cos, sin, mask.reshape(b, 1, s, s)
 
-    def construct(self, input_ids, past_keys=None, past_values=None, return_cache=False, segments=None,
-                  positions=None):
+    def cache_tables(self, b: int, s: int, t: int, start, pad):
+        """cos / sin [b, 1, s, d] at each row's positions, the additive mask [b, 1, s, t] over the
+        cache slots, and where the new tokens are written (source slot [t], fresh [t, 1])."""
+        new_slots = start + ops.arange(0, s, dtype=ms.int32)                      # [s]
+        positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
+        cos = ops.gather(self.rope_cos, positions.reshape(-1), 0).reshape(b, 1, s, -1)
+        sin = ops.gather(self.rope_sin, positions.reshape(-1), 0).reshape(b, 1, s, -1)
+        slots = ops.arange(0, t, dtype=ms.int32)                                   # [t]
+        visible = ops.logical_and(slots.reshape(1, 1, t) <= new_slots.reshape(1, s, 1),
+                                  slots.reshape(1, 1, t) >= pad.reshape(b, 1, 1))  # [b, s, t]
+        mask = ops.select(visible, ops.zeros((b, s, t), ms.float32), ops.full((b, s, t), -1e9, dtype=ms.float32))
+        fresh = ops.logical_and(slots >= start, slots < start + s).reshape(t, 1)
+        source = ops.clip(slots - start, 0, s - 1)
+        return cos, sin, mask.reshape(b, 1, s, t), (source, fresh)
+
+    def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None):
         b, s = input_ids.shape
         cfg, dtype = self.cfg, self.compute_dtype
-        t0 = 0 if past_keys is None else past_keys.shape[3]
-        if segments is None:
-            cos, sin = self.rope_cos[t0:t0 + s], self.rope_sin[t0:t0 + s]
-            mask = self.causal_mask[t0:t0 + s, :t0 + s]  # rows of the causal mask for the new positions
-        else:
+        if keys is not None:
+            t = keys.shape[3]
+            cos, sin, mask, write = self.cache_tables(b, s, t, start, pad)
+        elif segments is not None:
+            t, write = s, None
             cos, sin, mask = self.sample_tables(segments, positions)
+        else:
+            t, write = s, None
+            cos, sin, mask = self.rope_cos[:s], self.rope_sin[:s], self.causal_mask[:s, :s]
         cos, sin = cast(cos, dtype), cast(sin, dtype)
+        if self.broadcast_tables or mask.ndim == 4:  # a per-row mask broadcasts over the scores' head axes
+            rows = scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, t)
+            mask = ops.broadcast_to(mask.reshape((-1,) + (1,) * (len(rows) - 3) + (s, t)), rows)
         if self.broadcast_tables:
             cos = ops.broadcast_to(cos, (b, cfg.num_heads, s, cfg.head_dim))
             sin = ops.broadcast_to(sin, (b, cfg.num_heads, s, cfg.head_dim))
-            mask = ops.broadcast_to(mask, scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, t0 + s))
         # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
         h = self.embed(input_ids.reshape(-1))
-        keys, values = (), ()
+        new_keys, new_values = (), ()
         for i, layer in enumerate(self.layers):
-            past_k = None if past_keys is None else past_keys[i]
-            past_v = None if past_values is None else past_values[i]
-            h, k, v = layer(h, cos, sin, mask, past_k, past_v)
-            keys += (k,)
-            values += (v,)
-        logits = self.logits(h).reshape(b, s, -1)
-        if return_cache:
-            return logits, ops.stack(keys), ops.stack(values)
-        return logits
+            if keys is None:
+                h, _, _ = layer(h, cos, sin, mask)
+            else:
+                h, k, v = layer(h, cos, sin, mask, keys[i], values[i], write)
+                new_keys += (k,)
+                new_values += (v,)
+        if keys is None:
+            return self.logits(h).reshape(b, s, -1)
+        last = h.reshape(b, s, -1)[:, -1]  # logits only where the next token is read
+        return self.logits(last), ops.stack(new_keys), ops.stack(new_values)
 
 
 class CausalLMLoss(nn.Cell):
@@ -358,6 +383,26 @@ class CausalLMLoss(nn.Cell):
     def construct(self, logits, labels):
         return self.cross_entropy(cast(logits, ms.float32).reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
+
+def init_weights(model: Llama, seed: int) -> None:
+    """GPT-2 style init from a seeded numpy RNG: N(0, 0.02); residual outputs N(0, 0.02/sqrt(2L))."""
+    rng = np.random.default_rng(seed)
+    residual_std = 0.02 / math.sqrt(2 * model.cfg.num_layers)
+    for name, p in model.parameters_and_names():
+        if name.endswith("norm.weight"):
+            continue  # ones
+        if name.endswith(".bias"):
+            value = np.zeros(p.shape, np.float32)
+        else:
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            value = rng.normal(0.0, std, size=p.shape).astype(np.float32)
+        p.set_data(Tensor(value))
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, compute_dtype=ms.float32) -> Llama:
+    model = Llama(cfg, compute_dtype)
+    init_weights(model, seed)
+    return model
 
 class MaskedCausalLMLoss(nn.Cell):
     """Next-token cross-entropy in fp32 averaged over the positions where mask is 1 (SFT: the
