@@ -34,7 +34,7 @@ class LossCell(nn.Cell):
     def construct(self, tokens, scale, mask=None, segments=None, positions=None):
         if mask is None:
             return self.loss(self.model(tokens[:, :-1]), tokens[:, 1:]) * scale
-        logits = self.model(tokens[:, :-1], None, None, False, segments, positions)
+        logits = self.model(tokens[:, :-1], None, None, None, None, segments, positions)
         return self.masked_loss(logits, tokens[:, 1:], mask) * scale
 
 
