@@ -384,25 +384,6 @@ class CausalLMLoss(nn.Cell):
         return self.cross_entropy(cast(logits, ms.float32).reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def init_weights(model: Llama, seed: int) -> None:
-    """GPT-2 style init from a seeded numpy RNG: N(0, 0.02); residual outputs N(0, 0.02/sqrt(2L))."""
-    rng = np.random.default_rng(seed)
-    residual_std = 0.02 / math.sqrt(2 * model.cfg.num_layers)
-    for name, p in model.parameters_and_names():
-        if name.endswith("norm.weight"):
-            continue  # ones
-        if name.endswith(".bias"):
-            value = np.zeros(p.shape, np.float32)
-        else:
-            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            value = rng.normal(0.0, std, size=p.shape).astype(np.float32)
-        p.set_data(Tensor(value))
-
-
-def build_model(cfg: ModelConfig, seed: int = 0, compute_dtype=ms.float32) -> Llama:
-    model = Llama(cfg, compute_dtype)
-    init_weights(model, seed)
-    return model
 
 class MaskedCausalLMLoss(nn.Cell):
     """Next-token cross-entropy in fp32 averaged over the positions where mask is 1 (SFT: the
