@@ -75,6 +75,17 @@ def check_train(cfg: Config, resume: bool = False) -> None:
     if world not in ("", "1") and "MS_SCHED_HOST" not in os.environ:  # msrun exports MS_SCHED_HOST
         raise PreflightError(f"RANK_SIZE={world} is set but msrun did not start this process: run "
                              f"`msllm launch --nproc {world} -- train ...`, or unset RANK_SIZE for one process")
+    p = cfg.parallel
+    if t.device == "cpu":
+        layout = [k for k, on in (("tp", p.tp > 1), ("pp", p.pp > 1), ("micro_batches", p.micro_batches > 1),
+                                  ("sequence_parallel", p.sequence_parallel), ("sink_size", p.sink_size > 0)) if on]
+        if layout:
+            raise PreflightError(f"parallel.{layout[0]}: tensor / pipeline layouts and data sink run on Ascend only "
+                                 f"(train.device: ascend); on CPU, `msllm launch --nproc N` gives data parallel")
+        cores = os.cpu_count() or 1
+        if t.threads > 4 * cores:
+            raise PreflightError(f"train.threads: {t.threads} is more than 4x this machine's {cores} cores; "
+                                 f"use 0 (= all cores) or at most {4 * cores}")
     if not resume:
         _creatable_dir(Path(t.run_dir).expanduser(), "train.run_dir")
     if t.compile_cache:

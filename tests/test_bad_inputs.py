@@ -214,6 +214,9 @@ ROWS = [
     T("train-compile-cache-is-file", "train.compile_cache={afile}", names=("train.compile_cache", "{afile}")),
     T("train-bf16-on-cpu", "train.precision=bf16", names=("train.precision",)),
     T("train-rank-size", names=("RANK_SIZE",), env={"RANK_SIZE": "2"}),
+    T("train-threads-absurd", "train.threads=100000", names=("train.threads",)),
+    T("train-tp-on-cpu", "parallel.tp=2", names=("parallel.tp", "msllm launch")),
+    T("train-pp-on-cpu", "parallel.pp=2", "parallel.micro_batches=2", names=("parallel.pp",)),
 
     # --- train: a YAML file, blamed on the file
     Y("yaml-syntax", "model: [\n", names=("{work}/c.yaml",)),
