@@ -48,6 +48,11 @@ def worker(args) -> None:
     from msllm.train.build import build_train_step
 
     w = WORKLOADS[args.workload]
+    os.environ["MSLLM_LOCAL_WORKERS"] = str(args.nproc)
+    dp.pin_local_cores()  # one core each, as msllm launch does; a single worker is pinned to one core below
+    if args.nproc == 1:
+        for task in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(task), {0})
     device.setup("cpu", "graph", 1)
     rank, world = dp.init_process_group()
     cfg = Config(model=model_config(w), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
@@ -99,8 +104,8 @@ def run_workers(script: Path, nproc: int, argv: list[str], launch: bool = True) 
 
 def run_setting(nproc: int, zero: bool, accum: int, args) -> list[dict]:
     return run_workers(Path(__file__), nproc, ["--workload", args.workload, "--steps", str(args.steps),
-                                               "--warmup", str(args.warmup), "--accum", str(accum)]
-                       + (["--zero1"] if zero else []))
+                                               "--warmup", str(args.warmup), "--accum", str(accum),
+                                               "--nproc", str(nproc)] + (["--zero1"] if zero else []))
 
 
 def cpu_name() -> str:
@@ -122,6 +127,7 @@ def main() -> None:
     p.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)  # msrun would take --worker
     p.add_argument("--zero1", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--nproc", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.as_worker:

@@ -74,7 +74,9 @@ class Trainer:
         self.cfg, self.pretrained = cfg, pretrained
         t = cfg.train
         self.run_dir = Path(t.run_dir)
-        # Workers launched together share the cores unless train.threads says otherwise.
+        # Workers launched together on a CPU node each get their own cores (and as many threads).
+        if t.device == "cpu":
+            dp.pin_local_cores()
         threads = t.threads or max(1, (os.cpu_count() or 1) // dp.local_workers())
         device.setup(t.device, t.mode, threads, t.jit_level, t.compile_cache)
         device.compute_dtype(t.precision, t.device)  # refuse an impossible precision before writing anything
