@@ -108,6 +108,14 @@ def run_setting(nproc: int, zero: bool, accum: int, args) -> list[dict]:
                                                "--nproc", str(nproc)] + (["--zero1"] if zero else []))
 
 
+def write_result(name: str, lines: list[str], data: dict) -> None:
+    """benchmarks/NAME.md (the table) and NAME.json (the numbers)."""
+    stem = REPO / "benchmarks" / name
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    print(f"wrote {stem}.md")
+
+
 def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -163,11 +171,8 @@ def main() -> None:
                      f"{r['optimizer_state_mb_per_worker']:.0f} | {ar} |")
     print("\n".join(lines))
     if not args.no_write:
-        stem = REPO / "benchmarks" / f"{today}-dp-{args.workload}-cpu"
-        stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        stem.with_suffix(".json").write_text(json.dumps({"date": today, "commit": commit, "cpu": cpu_name(),
-                                                         "workload": w, "rows": rows}, indent=1))
-        print(f"wrote {stem}.md")
+        write_result(f"{today}-dp-{args.workload}-cpu", lines, {"date": today, "commit": commit, "cpu": cpu_name(),
+                                                                 "workload": w, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_dp import cpu_name, run_workers  # noqa: E402
+from bench_dp import cpu_name, run_workers, write_result  # noqa: E402
 
 SETTINGS = [("1 process", 1, False), ("2 workers", 2, False), ("2 workers, ZeRO-1", 2, True)]
 MB = 2 ** 20
@@ -135,11 +135,8 @@ def main() -> None:
                      f"{r['error']:+.1%} | {parts} | {r['optimizer_state'] / MB:.0f} |")
     print("\n".join(lines))
     if not args.no_write:
-        stem = REPO / "benchmarks" / f"{today}-plan-vs-rss-cpu"
-        stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        stem.with_suffix(".json").write_text(json.dumps({"date": today, "commit": commit, "cpu": cpu_name(),
-                                                         "runtime": runtime, "rows": rows}, indent=1))
-        print(f"wrote {stem}.md")
+        write_result(f"{today}-plan-vs-rss-cpu", lines, {"date": today, "commit": commit, "cpu": cpu_name(),
+                                                          "runtime": runtime, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -110,32 +110,25 @@ class GradAllReduce(nn.Cell):
         return reduced, loss
 
 
-class _Sum(nn.Cell):
-    def __init__(self):
+class _Collective(nn.Cell):
+    """One collective op as a graph of its own (collectives run in GRAPH mode on CPU)."""
+
+    def __init__(self, op):
         super().__init__()
-        self.all_reduce = ops.AllReduce()
+        self.op = op
 
     def construct(self, x):
-        return self.all_reduce(x)
-
-
-class _Gather(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.all_gather = ops.AllGather()
-
-    def construct(self, x):
-        return self.all_gather(x)
+        return self.op(x)
 
 
 def barrier() -> None:
     """Wait until every rank gets here (a one-element all-reduce)."""
-    _Sum()(ms.Tensor(np.ones(1, np.float32))).asnumpy()
+    _Collective(ops.AllReduce())(ms.Tensor(np.ones(1, np.float32))).asnumpy()
 
 
 def all_gather(x: np.ndarray) -> np.ndarray:
     """Stack of every rank's x along a new first axis (x fp32, same shape on every rank)."""
-    out = _Gather()(ms.Tensor(np.ascontiguousarray(x, np.float32).reshape(1, -1))).asnumpy()
+    out = _Collective(ops.AllGather())(ms.Tensor(np.ascontiguousarray(x, np.float32).reshape(1, -1))).asnumpy()
     return out.reshape((-1, *x.shape))
 
 

@@ -52,6 +52,7 @@ class ShardedAdamW(nn.Cell):
         self.weight_decay = tuple(cfg.weight_decay if decays(p.name, p) else 0.0 for p in self.params)
         self.buckets = tuple(tuple(b) for b in plan_buckets([c * world for c in self.chunks], 4, bucket_bytes))
         self.all_gather = ops.AllGather()
+        self.gather_moments = _GatherMoments(self.sizes, self.shapes)  # for checkpoints; compiled once
 
     def _chunk(self, x, i):
         """This rank's chunk of tensor x shaped like parameter i, flattened and zero-padded."""
@@ -99,11 +100,10 @@ class ShardedAdamW(nn.Cell):
 
     def full_state(self) -> dict[str, np.ndarray]:
         """The optimizer state as plain AdamW holds it (gathered from every rank; all ranks must call)."""
-        gather = _GatherMoments(self.sizes, self.shapes)
         state = {self.step.name: self.step.asnumpy()}
         for moment in MOMENTS:
             chunks = tuple(Tensor(c.asnumpy()) for c in getattr(self, moment))  # graph inputs, not Parameters
-            for p, whole in zip(self.params, gather(chunks)):
+            for p, whole in zip(self.params, self.gather_moments(chunks)):
                 state[f"{moment}.{p.name}"] = whole.asnumpy()
         return state
 
