@@ -5,7 +5,7 @@ data_offsets}, "__metadata__": {...}}, then the tensor bytes. `read` maps just o
 range and returns a torch tensor on that mapping: no copy, no fresh memory to fault in, and the
 mapping is released with the tensor. (`safe_open` maps the whole file and keeps every touched page
 resident, so RSS climbs to the file size.) Tensors are torch tensors because torch has bf16 and
-numpy does not; `read_arrays` gives numpy with bf16 widened to fp32 (exactly).
+numpy does not; `read_arrays` gives numpy with bf16 widened to fp32 (exactly), one tensor per lookup.
 Used by checkpoints (msllm), the resume check (header only) and interop's conversions.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 from pathlib import Path
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -102,11 +103,24 @@ class SafetensorsReader:
             self._file = None
 
 
-def read_arrays(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a file as numpy, bf16 widened to fp32."""
-    reader = SafetensorsReader(path)
-    try:
-        return {name: (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-                for name, t in ((name, reader.read(name)) for name in reader.infos)}
-    finally:
-        reader.close()
+class LazyArrays(Mapping):
+    """name -> numpy array of a file, read on each access (bf16 widened to fp32): copying a model's
+    tensors into Parameters one at a time keeps at most one tensor mapped, not the whole file."""
+
+    def __init__(self, path: Path):
+        self.reader = SafetensorsReader(path)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        t = self.reader.read(name)
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+    def __iter__(self):
+        return iter(self.reader.infos)
+
+    def __len__(self) -> int:
+        return len(self.reader.infos)
+
+
+def read_arrays(path: Path) -> LazyArrays:
+    """Every tensor of a file as numpy, read when looked up."""
+    return LazyArrays(path)

@@ -18,6 +18,7 @@ import math
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer  # zeros allocated untouched: set_data replaces them
 
 from msllm.config import ModelConfig
 
@@ -33,8 +34,8 @@ class Linear(nn.Cell):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(Tensor(np.zeros((out_features, in_features), np.float32)), name="weight")
-        self.bias = Parameter(Tensor(np.zeros((out_features,), np.float32)), name="bias") if bias else None
+        self.weight = Parameter(initializer("zeros", (out_features, in_features), ms.float32), name="weight")
+        self.bias = Parameter(initializer("zeros", (out_features,), ms.float32), name="bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x):
@@ -49,7 +50,7 @@ class Linear(nn.Cell):
 class Embedding(nn.Cell):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.weight = Parameter(Tensor(np.zeros((vocab_size, hidden_size), np.float32)), name="weight")
+        self.weight = Parameter(initializer("zeros", (vocab_size, hidden_size), ms.float32), name="weight")
         self.gather = ops.Gather()
 
     def construct(self, input_ids):
@@ -119,6 +120,14 @@ def rotate_half(x):
     """HF's rotate_half: concat(-x[..., half:], x[..., :half])."""
     half = x.shape[-1] // 2
     return ops.concat((-x[..., half:], x[..., :half]), -1)
+
+
+def causal_mask(s: int):
+    """Additive [s, s] mask, -1e9 above the diagonal, built in the graph (a [max_len, max_len]
+    table would hold 268 MB at an 8K context)."""
+    slots = ops.arange(0, s, dtype=ms.int32)
+    future = slots.reshape(1, s) > slots.reshape(s, 1)
+    return ops.select(future, ops.full((s, s), -1e9, dtype=ms.float32), ops.zeros((s, s), ms.float32))
 
 
 class Rope(nn.Cell):
@@ -293,7 +302,6 @@ class Llama(nn.Cell):
         self.lm_matmul = ops.MatMul(transpose_b=True)
         cos, sin = rope_tables(cfg)
         self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)
-        self.causal_mask = Tensor(np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, np.float32), k=1))
         # True: the rope tables and mask are broadcast to the heads' / scores' shapes once for all
         # layers instead of per use (a device formulation; msllm.backends sets it).
         self.broadcast_tables = False
@@ -319,7 +327,7 @@ class Llama(nn.Cell):
         sin = ops.gather(self.rope_sin, positions.reshape(-1), 0).reshape(b, 1, s, -1)
         same = segments.reshape(b, s, 1) == segments.reshape(b, 1, s)
         mask = ops.select(same, ops.zeros((b, s, s), ms.float32), ops.full((b, s, s), -1e9, dtype=ms.float32))
-        mask = mask + self.causal_mask[:s, :s]
+        mask = mask + causal_mask(s)
         return cos, sin, mask.reshape(b, 1, s, s)
 
     def cache_tables(self, b: int, s: int, t: int, start, pad):
@@ -348,7 +356,7 @@ class Llama(nn.Cell):
             cos, sin, mask = self.sample_tables(segments, positions)
         else:
             t, write = s, None
-            cos, sin, mask = self.rope_cos[:s], self.rope_sin[:s], self.causal_mask[:s, :s]
+            cos, sin, mask = self.rope_cos[:s], self.rope_sin[:s], causal_mask(s)
         cos, sin = cast(cos, dtype), cast(sin, dtype)
         if self.broadcast_tables or mask.ndim == 4:  # a per-row mask broadcasts over the scores' head axes
             rows = scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, t)
@@ -359,6 +367,8 @@ class Llama(nn.Cell):
         # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
         h = self.embed(input_ids.reshape(-1))
         new_keys, new_values = (), ()
+        if keys is not None:  # one Unstack pass: indexing keys[i] is a StridedSlice per layer, far slower on CPU
+            keys, values = ops.unstack(keys, 0), ops.unstack(values, 0)
         for i, layer in enumerate(self.layers):
             if keys is None:
                 h, _, _ = layer(h, cos, sin, mask)
