@@ -2,13 +2,16 @@
 
 OUT/ is assembled under a temporary name next to it (msllm.staged) and renamed into place only
 after the files reload and match the msllm model, so a failure never leaves a half-written export:
-  model.<ext>       input_ids [batch, seq] -> logits [batch, seq, vocab] fp32
-  prefill.<ext>     input_ids [batch, seq], keys, values [layers, batch, kv_heads, max_len, head_dim],
-                    start [1], pad [batch] -> logits [batch, vocab] of the last token, keys, values
-                    with slots start .. start+seq-1 written (msllm.inference.CachedForward)
-  decode.<ext>      the same with seq = 1
-  weights.onnx.data ONNX external data shared by the three graphs (weights > 2 GB, or --external-data)
-  export.json       format, dtype, config, files, dimensions, tolerance, measured diffs, timings
+  model           input_ids [batch, seq] -> logits [batch, seq, vocab] fp32
+  prefill         input_ids [batch, seq], keys, values [layers, batch, kv_heads, max_len, head_dim],
+                  start [1], pad [batch] -> logits [batch, vocab] of the last token, keys, values
+                  with slots start .. start+seq-1 written (msllm.inference.CachedForward)
+  decode          the same with seq = 1
+ONNX writes model.onnx, prefill.onnx, decode.onnx (weights.onnx.data: external data shared by the
+three, for weights > 2 GB or with --external-data). MindIR writes model_graph.mindir and
+cached_graph.mindir (prefill and decode are one graph, its seq dynamic), each with its weights in
+MindSpore's external-data layout (<name>_variables/), the two weight files one hard link.
+  export.json     format, dtype, config, files, file sizes, tolerance, measured diffs, timings
   tokenizer.json    the run's tokenizer (its EOS ids and chat template are in export.json), so the
                     export dir is all `msllm generate` needs
 Batch, sequence and cache length are dynamic in both formats; layers, heads, head_dim and
@@ -16,8 +19,13 @@ vocab are fixed by the model. input_ids are int32 in MindIR (msllm's dtype), int
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import filecmp
+import gc
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -25,7 +33,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
-from graph_opt.runtime import MANIFEST, ExportError, export_engine
+from graph_opt.runtime import MANIFEST, ExportError, export_engine, file_sizes
 from msllm.staged import staged_dir
 
 FORMATS = ("mindir", "onnx")
@@ -47,12 +55,30 @@ def max_abs(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float32) - b).max())
 
 
-def verify(engine, inputs: list[np.ndarray], references: list[np.ndarray]) -> dict[str, float]:
+def release_memory() -> None:
+    """Free what compiled graphs hold and hand it back to the OS before the next graph loads:
+    MindSpore's compile caches keep their Cells' weights alive, and glibc keeps freed blocks of
+    MindSpore's threads in their arenas, where RSS still counts them."""
+    gc.collect()
+    ms.ms_memory_recycle()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def verify(make_engine, inputs: list[np.ndarray], references: list[np.ndarray]) -> dict[str, float]:
     """Max-abs logit differences: the model graph on every input; then prefill + one-token decode
     steps with the cache, on the first input as prompts of different lengths (left padding) and
-    on the last one as a single prompt."""
+    on the last one as a single prompt. Each part runs on a fresh engine, so the model graph's
+    weights are released before the cached graph's are loaded."""
+    engine = make_engine()
     diffs = {f"model b{ids.shape[0]} s{ids.shape[1]}": max_abs(engine.logits(ids), ref)
              for ids, ref in zip(inputs, references)}
+    del engine
+    release_memory()
+    engine = make_engine()
     for ids, ref in ((inputs[0], references[0]), (inputs[-1], references[-1])):
         b, s = ids.shape
         lengths = [max(1, s - DECODE_STEPS - row) for row in range(b)]
@@ -75,8 +101,47 @@ def to_half(model) -> None:
     model.compute_dtype = ms.float16
 
 
+@contextlib.contextmanager
+def external_weights():
+    """ms.export in MindSpore's layout for models over 1 GB whatever the size: the graph file plus
+    the weights written one tensor at a time to <name>_variables/. The in-file layout copies every
+    weight into the protobuf and again into its serialised bytes (export peak RSS ~3x the model).
+    The 1 GB switch is a module constant of mindspore.train.serialization; without it (another
+    MindSpore) export falls back to the in-file layout, which loads the same way."""
+    from mindspore.train import serialization
+
+    threshold = getattr(serialization, "TOTAL_SAVE", None)
+    serialization.TOTAL_SAVE = -1
+    try:
+        yield
+    finally:
+        if threshold is None:
+            del serialization.TOTAL_SAVE
+        else:
+            serialization.TOTAL_SAVE = threshold
+
+
+def link_identical(first: Path, second: Path) -> None:
+    """Files under `second` byte-identical to the same path under `first` become hard links to it."""
+    for path in sorted(p for p in second.rglob("*") if p.is_file()):
+        twin = first / path.relative_to(second)
+        if twin.is_file() and twin.stat().st_size == path.stat().st_size and filecmp.cmp(twin, path, shallow=False):
+            path.unlink()
+            try:
+                os.link(twin, path)
+            except OSError:  # no hard links here: keep a copy
+                shutil.copyfile(twin, path)
+
+
+def mindir_file(tmp: Path, name: str) -> str:
+    """The graph file ms.export wrote for `name`: <name>_graph.mindir (external weights) or <name>.mindir."""
+    return f"{name}_graph.mindir" if (tmp / f"{name}_graph.mindir").is_file() else f"{name}.mindir"
+
+
 def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
-    """The three graphs via ms.export (GRAPH_MODE) with None for every dynamic dimension."""
+    """Two graphs via ms.export (GRAPH_MODE) with None for every dynamic dimension: the model, and
+    the cached forward that serves prefill and decode (one graph and one copy of the weights in
+    memory for generation)."""
     from msllm.inference import CachedForward
 
     cfg = model.cfg
@@ -88,13 +153,15 @@ def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
                       dtype=ms.float16 if dtype == "fp16" else ms.float32)
     where = (ms.Tensor(shape=[1], dtype=ms.int32), ms.Tensor(shape=[None], dtype=ms.int32))  # start, pad
     cached = CachedForward(model)
-    graphs = {"model": (model, ids), "prefill": (cached, ids, cache, cache, *where),
-              "decode": (cached, ms.Tensor(shape=[None, 1], dtype=ms.int32), cache, cache, *where)}
-    for kind, (cell, *inputs) in graphs.items():
-        ms.export(cell, *inputs, file_name=str(tmp / kind), file_format="MINDIR")
-        log(f"wrote {kind}.mindir")
+    graphs = {"model": (model, ids), "cached": (cached, ids, cache, cache, *where)}
+    with external_weights():
+        for name, (cell, *inputs) in graphs.items():
+            ms.export(cell, *inputs, file_name=str(tmp / name), file_format="MINDIR")
+            log(f"wrote {mindir_file(tmp, name)}")
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    return {kind: f"{kind}.mindir" for kind in graphs}
+    link_identical(tmp / "model_variables", tmp / "cached_variables")
+    cached_file = mindir_file(tmp, "cached")
+    return {"model": mindir_file(tmp, "model"), "prefill": cached_file, "decode": cached_file}
 
 
 def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, external_data: bool, log) -> dict[str, str]:
@@ -143,7 +210,9 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
     cfg, model, ckpt_dir, state = load_model(ckpt)
     nbytes = sum(p.size for p in model.trainable_params()) * (2 if dtype == "fp16" else 4)
     external_data = fmt == "onnx" and (external_data or nbytes > PROTOBUF_LIMIT)
-    need = nbytes * (1 if external_data else 3)  # three graphs, which share one weights file or hold a copy each
+    # ONNX: three graphs sharing one weights file or holding a copy each; MindIR: two weight files
+    # (linked into one where the file system allows)
+    need = nbytes * (2 if fmt == "mindir" else 1 if external_data else 3)
     with staged_dir(out, need=need, replace=force, sources=(ckpt_dir,),
                     then="free space or choose another --out, then export again") as tmp:
         inputs = verification_inputs(cfg.model.vocab_size, cfg.model.max_seq_len)
@@ -152,12 +221,15 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
         if fmt == "mindir":
             files = write_mindir(model, dtype, tmp, log)
         else:
-            arrays = {p.name: p.asnumpy() for p in model.trainable_params()}
-            files = write_onnx(cfg.model, arrays, dtype, tmp, external_data, log)
+            files = write_onnx(cfg.model, {p.name: p.asnumpy() for p in model.trainable_params()}, dtype, tmp,
+                               external_data, log)
         export_seconds = time.perf_counter() - started
+        del model  # its weights are in the files now; the graphs verified next load their own
+        release_memory()
         manifest = {"format": fmt, "dtype": dtype, "checkpoint": str(ckpt_dir), "step": state.get("step"),
-                    "files": files, "config": cfg.to_dict(), "export_seconds": round(export_seconds, 3)}
-        diffs = verify(export_engine(tmp, manifest), inputs, references)
+                    "files": files, "sizes": file_sizes(tmp), "config": cfg.to_dict(),
+                    "export_seconds": round(export_seconds, 3)}
+        diffs = verify(lambda: export_engine(tmp, manifest), inputs, references)
         bound = TOLERANCE[dtype] * max(1.0, max(float(np.abs(r).max()) for r in references))
         for what, diff in diffs.items():
             log(f"verify {fmt} {what}: max|diff| {diff:.3g}")

@@ -3,6 +3,7 @@ msllm.inference.Engine; and loading any engine by name for `msllm generate`.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Callable
@@ -41,16 +42,34 @@ def read_manifest(export_dir: Path) -> dict:
         raise ExportError(f"{path}: unreadable ({e})") from None
 
 
+def file_sizes(export_dir: Path) -> dict[str, int]:
+    """Bytes of every file under an export dir, by relative path (export.json records them)."""
+    return {p.relative_to(export_dir).as_posix(): p.stat().st_size
+            for p in sorted(Path(export_dir).rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def check_sizes(export_dir: Path, manifest: dict) -> None:
+    """A missing or truncated file of the export is one line naming it, before any graph loads."""
+    for name, size in manifest.get("sizes", {}).items():  # older exports record none
+        path = Path(export_dir) / name
+        if not path.is_file():
+            raise ExportError(f"{path}: missing from the export; export the run again")
+        if path.stat().st_size != size:
+            raise ExportError(f"{path}: has {path.stat().st_size} bytes, the export wrote {size}; export the run again")
+
+
 def export_engine(export_dir: Path, manifest: dict) -> Engine:
-    """A MindIR or onnxruntime engine over the graph files of an export dir."""
+    """A MindIR or onnxruntime engine over the graph files of an export dir. Kinds served by the
+    same file (MindIR's prefill and decode) share one loaded graph."""
     from msllm.config import config_from_dict
 
+    check_sizes(export_dir, manifest)
     files = {kind: str(Path(export_dir) / name) for kind, name in manifest["files"].items()}
     cfg = config_from_dict(manifest["config"], str(Path(export_dir) / MANIFEST)).model
     cache_dtype = np.float16 if manifest["dtype"] == "fp16" else np.float32
     if manifest["format"] == "mindir":
-        return MindSporeEngine({kind: (lambda f=f: _load(f, lambda: ms.nn.GraphCell(ms.load(f))))
-                                for kind, f in files.items()}, cfg, cache_dtype)
+        load = functools.cache(lambda f: _load(f, lambda: ms.nn.GraphCell(ms.load(f))))
+        return MindSporeEngine({kind: (lambda f=f: load(f)) for kind, f in files.items()}, cfg, cache_dtype)
     import onnxruntime as ort
 
     def session(f):

@@ -138,7 +138,7 @@ def read_state(ckpt_dir: Path) -> dict:
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
     """name -> array (converted checkpoints may be bf16: widened to fp32, exactly)."""
-    from msllm.safetensors_reader import read_arrays  # here: torch is loaded only to read weights
+    from msllm.safetensors_reader import read_arrays
 
     return read_arrays(path)
 

@@ -280,7 +280,11 @@ ROWS = [
     R("generate-truncated-decode-onnx", "generate", "--engine", "onnxruntime", "--ckpt", "{onnxtrunc}",
       names=("{onnxtrunc}/decode.onnx",)),
     R("generate-truncated-decode-mindir", "generate", "--engine", "mindir", "--ckpt", "{mindirtrunc}",
-      names=("{mindirtrunc}/decode.mindir",)),
+      names=("{mindirtrunc}/cached_graph.mindir",)),
+    R("generate-truncated-weights-mindir", "generate", "--engine", "mindir", "--ckpt", "{mindirtruncweights}",
+      names=("{mindirtruncweights}/cached_variables/data_0",)),
+    R("generate-missing-weights-mindir", "generate", "--engine", "mindir", "--ckpt", "{mindirnoweights}",
+      names=("{mindirnoweights}/model_variables/data_0",)),
     R("generate-export-json-garbage", "generate", "--engine", "onnxruntime", "--ckpt", "{exportgarbage}",
       names=("export.json",)),
     R("generate-truncated-weights", "generate", "--ckpt", "{ckpttrunc}", names=("model.safetensors",)),
@@ -469,11 +473,18 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
     for fmt in ("onnx", "mindir"):
         f[fmt] = root / fmt
         export(f["run"], fmt, f[fmt], log=lambda line: None)
-        f[fmt + "trunc"] = root / (fmt + "trunc")
-        shutil.copytree(f[fmt], f[fmt + "trunc"])
-        graph = f[fmt + "trunc"] / f"decode.{fmt}"
-        graph.chmod(0o644)
-        graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
+        files = json.loads((f[fmt] / "export.json").read_text())["files"]
+        for case, name in (("trunc", files["decode"]), ("truncweights", "cached_variables/data_0")):
+            if fmt == "onnx" and case == "truncweights":
+                continue
+            f[fmt + case] = root / (fmt + case)
+            shutil.copytree(f[fmt], f[fmt + case])
+            target = f[fmt + case] / name
+            target.chmod(0o644)
+            target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    f["mindirnoweights"] = root / "mindirnoweights"
+    shutil.copytree(f["mindir"], f["mindirnoweights"])
+    (f["mindirnoweights"] / "model_variables" / "data_0").unlink()
     f["exportgarbage"] = root / "exportgarbage"
     shutil.copytree(f["onnx"], f["exportgarbage"])
     (f["exportgarbage"] / "export.json").write_text("{not json")

@@ -1,6 +1,7 @@
 """msllm export: MindIR and ONNX reload and match the msllm model; cached generation on every engine
 equals full recompute; ONNX clean-up keeps outputs; bad inputs are one-line errors that write nothing."""
 import json
+import os
 import subprocess
 import sys
 
@@ -77,8 +78,9 @@ INPUTS = [np.random.default_rng(1).integers(0, 384, shape) for shape in ((1, 3),
 def test_export_reloads_and_matches_at_two_lengths(qwen_run, tmp_path, fmt):
     out = tmp_path / "export"
     manifest = export(qwen_run, fmt, out, log=lambda line: None)
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        [f"{k}.{fmt}" for k in ("model", "prefill", "decode")] + ["export.json", "tokenizer.json"])
+    graphs = ([f"{k}.onnx" for k in ("model", "prefill", "decode")] if fmt == "onnx" else
+              ["model_graph.mindir", "model_variables", "cached_graph.mindir", "cached_variables"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(graphs + ["export.json", "tokenizer.json"])
     assert json.loads((out / "export.json").read_text())["max_abs_diff"] == manifest["max_abs_diff"]
     # fp32 exports of the same maths, summed in other orders: numerics.REORDER_RTOL of the logits' scale.
     scale = manifest["tolerance"] / export_mod.TOLERANCE["fp32"]  # max(1, max|logits|) of the verification
@@ -88,7 +90,7 @@ def test_export_reloads_and_matches_at_two_lengths(qwen_run, tmp_path, fmt):
         session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
         run = lambda ids: session.run(None, {"input_ids": ids})[0]  # noqa: E731
     else:
-        graph = ms.nn.GraphCell(ms.load(str(out / "model.mindir")))
+        graph = ms.nn.GraphCell(ms.load(str(out / "model_graph.mindir")))
         run = lambda ids: graph(ms.Tensor(ids.astype(np.int32))).asnumpy()  # noqa: E731
     for ids in INPUTS:  # one file, two batch sizes and lengths
         ref = reference_logits(qwen_run, ids)
@@ -102,6 +104,18 @@ def test_fp16_export_within_tolerance(llama_run, tmp_path, fmt):
     if fmt == "onnx":
         model = onnx.load(str(tmp_path / "half" / "decode.onnx"))
         assert {i.name: i.type.tensor_type.elem_type for i in model.graph.input}["past_keys"] == onnx.TensorProto.FLOAT16
+
+
+def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_run, tmp_path):
+    out = tmp_path / "mindir"
+    manifest = export(qwen_run, "mindir", out, log=lambda line: None)
+    assert manifest["files"]["prefill"] == manifest["files"]["decode"] == "cached_graph.mindir"
+    weights = [out / f"{name}_variables" / "data_0" for name in ("model", "cached")]
+    assert weights[0].stat().st_size > 4 * QWEN.num_params()
+    assert os.path.samefile(*weights)  # one file, linked under both graphs' names
+    for name in ("model", "cached"):
+        assert (out / f"{name}_graph.mindir").stat().st_size < weights[0].stat().st_size / 2  # no weights inside
+    assert manifest["sizes"]["cached_variables/data_0"] == weights[0].stat().st_size
 
 
 def test_onnx_external_data_is_written_once(qwen_run, tmp_path, monkeypatch):
@@ -248,7 +262,8 @@ def test_benchmark_script_runs_at_tiny_size(tmp_path):
 @pytest.mark.parametrize("fmt", ["onnx", "mindir"])
 def test_full_disk_keeps_the_previous_export(llama_run, small_disk, fmt):
     """Out of space while writing the graphs (--force over an earlier export): one line naming OUT
-    and the space three graphs of fp32 weights need, no temporary dir, the earlier export kept."""
+    and the space the fp32 weights of its graphs need (three ONNX graphs, two MindIR weight files),
+    no temporary dir, the earlier export kept."""
     out = small_disk / "out"
     out.mkdir()
     (out / "export.json").write_text("an earlier export")
@@ -257,6 +272,6 @@ def test_full_disk_keeps_the_previous_export(llama_run, small_disk, fmt):
         export(llama_run, fmt, out, force=True, log=lambda line: None)
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"{out}: no space left on the device")
-    assert needed_bytes(message) >= 3 * 4 * LLAMA.num_params()
+    assert needed_bytes(message) >= (3 if fmt == "onnx" else 2) * 4 * LLAMA.num_params()
     assert (out / "export.json").read_text() == "an earlier export" and len(list(out.iterdir())) == 1
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]

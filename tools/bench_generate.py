@@ -50,11 +50,17 @@ def msllm(*args) -> subprocess.CompletedProcess:
     return run(sys.executable, "-m", "msllm.cli", *args)
 
 
-def peak_rss_gb(*args) -> float:
-    """Peak RSS of a command, measured by a fresh Python process whose only child it is."""
-    probe = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(p.returncode)")
-    return int(run(sys.executable, "-c", probe, *args).stdout.strip().splitlines()[-1]) / 1e6  # kB -> GB
+def measured(*args) -> tuple[subprocess.CompletedProcess, float, float]:
+    """(the finished command, its peak RSS in GB, its wall seconds), measured by a fresh Python
+    process whose only child it is; the probe's own line is taken off the command's stdout."""
+    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); p = subprocess.run(sys.argv[1:]); "
+             "print('PROBE', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.perf_counter() - t); "
+             "sys.exit(p.returncode)")
+    proc = run(sys.executable, "-c", probe, *args)
+    body, _, last = proc.stdout.rstrip("\n").rpartition("\n")
+    _, kb, seconds = last.split()
+    proc.stdout = body + "\n" if body else ""
+    return proc, int(kb) / 1e6, float(seconds)  # kB -> GB
 
 
 def smollm2_hf(cache: Path) -> Path:
@@ -166,14 +172,13 @@ def engine_decode(engine_name: str, path: Path, prompt_ids: list[int], new: int,
 
 
 def generate_cli(engine: str, path: Path, question: str, new: int,
-                 compile_cache: Path | None = None) -> tuple[str, str, float]:
-    """(reply, summary line, wall seconds of the whole process)."""
+                 compile_cache: Path | None = None) -> tuple[str, str, float, float]:
+    """(reply, summary line, wall seconds and peak RSS GB of the whole process)."""
     args = ["generate", "--engine", engine, "--ckpt", path, "--chat", question, "--max-new-tokens", new]
     if compile_cache is not None:
         args += ["--compile-cache", compile_cache]
-    started = time.perf_counter()
-    proc = msllm(*args)
-    return proc.stdout.removesuffix("\n"), proc.stderr.strip().splitlines()[-1], time.perf_counter() - started
+    proc, peak, seconds = measured(sys.executable, "-m", "msllm.cli", *map(str, args))
+    return proc.stdout.removesuffix("\n"), proc.stderr.strip().splitlines()[-1], seconds, peak
 
 
 def cpu_model() -> str:
@@ -217,16 +222,16 @@ def main() -> int:
         path = ckpt
         if fmt is not None:
             path = work / fmt
-            peaks[fmt] = peak_rss_gb(sys.executable, "-m", "msllm.cli", "export", "--ckpt", ckpt,
+            _, peaks[fmt], _ = measured(sys.executable, "-m", "msllm.cli", "export", "--ckpt", ckpt,
                                         "--format", fmt, "--out", path)
             print(f"export {fmt}: peak RSS {peaks[fmt]:.2f} GB", flush=True)
-        reply, summary, wall = generate_cli(engine, path, question, args.new)
+        reply, summary, wall, peak = generate_cli(engine, path, question, args.new)
         same = reply == ref["reply"] and summary.startswith(f"msllm generate: {len(ref['prompt_ids'])} prompt tokens")
         print(f"{engine}: {'same reply as transformers' if same else 'DIFFERENT reply: ' + repr(reply)}; {summary}",
               flush=True)
         if not same:
             return 1
-        rows[engine] = {"summary": summary, "process_s": wall}
+        rows[engine] = {"summary": summary, "process_s": wall, "process_peak_rss_gb": peak}
         proc = run(sys.executable, __file__, "--engine-decode", engine, path, json.dumps(ref["prompt_ids"]),
                    str(args.new), str(args.timed if timings else 0), str(args.repeats))
         rows[engine].update(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -244,6 +249,7 @@ def main() -> int:
     cold = generate_cli("msllm", ckpt, question, 1, compile_cache)
     warm = generate_cli("msllm", ckpt, question, 1, compile_cache)
     model_gb = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 1e9
+    _, baseline_gb, _ = measured(sys.executable, "-c", "import mindspore, msllm.cli")
     lines = [
         f"# Generation on CPU: {args.model} (msllm, MindIR, ONNX Runtime) vs transformers + torch eager",
         "",
@@ -256,22 +262,25 @@ def main() -> int:
         f"do its first {args.new} greedy tokens with EOS ignored.",
         f"* Decode: {args.timed} one-token steps after the prompt, EOS ignored, best of {args.repeats}.",
         "",
-        "| engine | decode tok/s | vs torch eager |",
-        "| --- | --- | --- |",
-        f"| transformers + torch eager (fp32) | {ref['decode_tok_s']:.1f} | 1.00x |",
+        "| engine | decode tok/s | vs torch eager | `msllm generate` process: wall s, peak RSS GB |",
+        "| --- | --- | --- | --- |",
+        f"| transformers + torch eager (fp32) | {ref['decode_tok_s']:.1f} | 1.00x | |",
     ]
     for engine in ("msllm", "mindir", "onnxruntime"):
-        rate = rows[engine]["decode_tok_s"]
-        lines.append(f"| msllm generate --engine {engine} | {rate:.1f} | {rate / ref['decode_tok_s']:.2f}x |")
+        rate, row = rows[engine]["decode_tok_s"], rows[engine]
+        lines.append(f"| msllm generate --engine {engine} | {rate:.1f} | {rate / ref['decode_tok_s']:.2f}x | "
+                     f"{row['process_s']:.1f}, {row['process_peak_rss_gb']:.2f} |")
     lines += [
         "",
         f"Startup: transformers loads in {ref['load_s']:.1f} s. A fresh `msllm generate` process to its first "
         f"token: {cold[2]:.1f} s cold, {warm[2]:.1f} s with a warm compile cache ({warm[1]}).",
-        f"Export peak RSS (the whole `msllm export` process): MindIR {peaks['mindir']:.2f} GB, ONNX "
-        f"{peaks['onnx']:.2f} GB; the msllm checkpoint holds {model_gb:.2f} GB.",
+        f"Export peak RSS (the whole `msllm export` process): MindIR {peaks['mindir']:.2f} GB "
+        f"({peaks['mindir'] / model_gb:.1f}x the model), ONNX {peaks['onnx']:.2f} GB ({peaks['onnx'] / model_gb:.1f}x); "
+        f"the msllm checkpoint holds {model_gb:.2f} GB, and a process that only imports MindSpore and msllm "
+        f"peaks at {baseline_gb:.2f} GB.",
         "",
         "```json", json.dumps({"reference": {k: v for k, v in ref.items() if not k.endswith("_ids")}, "engines": rows,
-                                "export_peak_rss_gb": peaks, "startup_s": {"cold": cold[2], "warm": warm[2]}},
+                                "export_peak_rss_gb": peaks, "import_only_peak_rss_gb": baseline_gb, "startup_s": {"cold": cold[2], "warm": warm[2]}},
                                indent=1), "```",
     ]
     out = args.out or REPO / "benchmarks" / f"{datetime.date.today()}-generate-cpu.md"

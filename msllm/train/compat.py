@@ -13,7 +13,7 @@ def stored_shapes(path: Path) -> dict[str, tuple]:
     """name -> shape from a safetensors header."""
     from msllm.safetensors_reader import SafetensorsReader
 
-    return {name: info.shape for name, info in SafetensorsReader(path).infos.items()}
+    return dict(SafetensorsReader(path).shapes)
 
 
 def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int) -> dict:
