@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tools.bench_dp import cpu_name  # noqa: E402
 from tools.bench_train import WORKLOADS, hf_model, time_steps, tokens  # noqa: E402
 
 WORKLOADS = {**WORKLOADS, "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=32, batch=2)}
@@ -106,22 +106,12 @@ def spawn(variant: str, args, hf: Path) -> dict:
     return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{os.cpu_count()}-core {line.split(':', 1)[1].strip()}"
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core {platform.processor() or platform.machine()}"
-
-
 def report(args, results: dict) -> str:
     w = WORKLOADS[args.workload]
     tokens_per_step = w["batch"] * w["seq"]
     lines = [f"# Fine-tuning step on CPU, {args.workload}: msllm vs transformers + peft + torch eager", "",
              f"* **Command**: `python tools/bench_finetune.py {' '.join(sys.argv[1:])}`",
-             f"* **Commit**: `{commit()}`", f"* **Machine**: {cpu_model()}",
+             f"* **Commit**: `{commit()}`", f"* **Machine**: {cpu_name()}",
              f"* **Conditions**: fp32, AdamW + clip 1.0, SFT-shaped batch {w['batch']}x{w['seq']} (loss on the second "
              f"half), LoRA rank {args.rank} alpha {2 * args.rank} on {args.targets}; {args.threads} threads; "
              f"{args.warmup} warm-up steps, median of {args.steps}", "",
@@ -177,7 +167,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{time.strftime('%Y-%m-%d')}-finetune-{args.workload.lower()}-cpu"
     (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"workload": w, "cpu": cpu_model(), "commit": commit(),
+    (out / f"{stem}.json").write_text(json.dumps({"workload": w, "cpu": cpu_name(), "commit": commit(),
                                                   "args": vars(args), "results": results}, indent=1))
     print(f"saved {out / stem}.md and .json")
     return 0

