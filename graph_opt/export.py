@@ -56,11 +56,9 @@ def max_abs(a, b) -> float:
 
 
 def release_memory() -> None:
-    """Free what compiled graphs hold and hand it back to the OS before the next graph loads:
-    MindSpore's compile caches keep their Cells' weights alive, and glibc keeps freed blocks of
-    MindSpore's threads in their arenas, where RSS still counts them."""
-    gc.collect()
-    ms.ms_memory_recycle()
+    """Hand freed memory back to the OS before the next graph loads: glibc keeps the freed blocks
+    of MindSpore's threads in their arenas, where RSS still counts them. (ms.ms_memory_recycle()
+    frees nothing more here, and can fail while the garbage collector deletes Cells.)"""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

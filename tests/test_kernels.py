@@ -15,7 +15,7 @@ from mindspore import Tensor, nn, ops
 
 from msllm import device, kernels
 from msllm.backends.cpu import Rope, RMSNormCore, SoftmaxAttention
-from msllm.models.llama import SwiGLU, scores_shape
+from msllm.models.llama import CacheWrite, SwiGLU, scores_shape
 from tests.numerics import U32
 
 
@@ -140,6 +140,34 @@ def test_rope_matches_portable(arch, x_shape):
 # Below one 16-lane block, ragged, several threads' worth, tiny again: the kernels split the
 # tensors laid end to end across threads, so chunk borders fall inside and between tensors.
 SHAPES = [(3,), (777, 33), (2_000_000,), (5,)]
+
+
+@pytest.mark.parametrize("s, start", [(1, 0), (1, 9), (5, 11), (16, 0)])
+def test_cache_write_matches_portable(arch, s, start):
+    """New keys and values land in the same slots, bit for bit; the other slots are kept."""
+    rng = np.random.default_rng(s + start)
+    b, h, t, d = 2, 3, 16, 8
+    k, v = (Tensor(rng.normal(size=(b, h, s, d)).astype(np.float32)) for _ in range(2))
+    cache_k, cache_v = (Tensor(rng.normal(size=(b, h, t, d)).astype(np.float32)) for _ in range(2))
+    slots = np.arange(t)
+    write = (Tensor(np.clip(slots - start, 0, s - 1).astype(np.int32)),
+             Tensor(((slots >= start) & (slots < start + s)).reshape(t, 1)), Tensor(np.array([start], np.int32)))
+    portable = [x.asnumpy() for x in CacheWrite()(k, v, cache_k, cache_v, write)]
+    fused = [x.asnumpy() for x in kernels.FusedCacheWrite()(k, v, cache_k, cache_v, write)]
+    for got, ref, new, old in zip(fused, portable, (k, v), (cache_k, cache_v)):
+        np.testing.assert_array_equal(got, ref)
+        np.testing.assert_array_equal(got[:, :, start:start + s], new.asnumpy())
+        kept = np.r_[0:start, start + s:t]
+        np.testing.assert_array_equal(got[:, :, kept], old.asnumpy()[:, :, kept])
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (3, 100, 37), (8, 1536, 576)])
+def test_linear_few_rows_matches_float64(arch, m, k, n):
+    rng = np.random.default_rng(m)
+    x, w = rng.normal(size=(m, k)).astype(np.float32), rng.normal(size=(n, k)).astype(np.float32)
+    y = kernels.LinearFewRows()(Tensor(x), Tensor(w)).asnumpy()
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(x).max() * np.abs(w).max() * k ** 0.5)
 
 
 def test_sum_of_squares_matches_float64(arch):

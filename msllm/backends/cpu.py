@@ -98,7 +98,8 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
 
     fused: msllm.kernels' one-pass C++ ops (they take fixed shapes and, except the norm, fp32
     activations). Training uses all of them; inference (fp32) the norm, rope, SwiGLU and softmax
-    ones (fewer kernel launches per decode step) and the few-rows linear of decode steps.
+    ones (fewer kernel launches per decode step), the few-rows linear of decode steps and the
+    KV-cache write.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, s] tables per row. per_sample_tables (packed SFT samples:
@@ -120,6 +121,8 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
                          else RMSNormCore(cell.dim, cell.eps))
         elif isinstance(cell, llama.Attention):
             cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.head_dim)
+            if decode_kernels:
+                cell.cache_write = kernels.FusedCacheWrite()
         elif isinstance(cell, llama.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
             cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels

@@ -227,6 +227,17 @@ class LinearFewRows(nn.Cell):
         return self.matmul(x, w)
 
 
+class FusedCacheWrite(nn.Cell):
+    """msllm.models.llama.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.write = _aot("CacheWrite", lambda k, v, ck, cv, st: (ck, cv), lambda k, v, ck, cv, st: (ck, cv))
+
+    def construct(self, k, v, cache_k, cache_v, write):
+        return self.write(k, v, cache_k, cache_v, write[2])
+
+
 class FusedRope(nn.Cell):
     """msllm.backends.cpu.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
     Takes the [s, d] tables (Llama passes them unbroadcast when this is in use), or forward only,

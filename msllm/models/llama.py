@@ -200,12 +200,23 @@ class SoftmaxAttention(nn.Cell):
         return self.softmax(scores + mask)
 
 
+class CacheWrite(nn.Cell):
+    """New keys and values k, v [b, nkv, s, d] into the cache [b, nkv, t, d] at slots start ..
+    start+s-1, the other slots kept. `write` = (source [t] int32, fresh [t, 1] bool, start [1]):
+    which slots take a new value (fresh) and from which of the s new positions (source), computed
+    once for all layers."""
+
+    def construct(self, k, v, cache_k, cache_v, write):
+        source, fresh, _ = write
+        return ops.select(fresh, ops.gather(k, source, 2), cache_k), ops.select(fresh, ops.gather(v, source, 2), cache_v)
+
+
 class Attention(nn.Cell):
     """x [b*s, h] -> (out [b*s, h], keys, values [b, nkv, t, d]).
 
-    cache_k / cache_v [b, nkv, t, d]: a preallocated cache; `write` = (source [t] int32, fresh
-    [t, 1] bool) says which slots take the new keys and values (fresh) and from which of the s
-    new positions (source). Without a cache t = s. The sequence length comes from the rope table.
+    cache_k / cache_v [b, nkv, t, d]: a preallocated cache, into which `cache_write` puts the new
+    keys and values (`write`: see CacheWrite). Without a cache t = s. The sequence length comes
+    from the rope table.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -217,6 +228,7 @@ class Attention(nn.Cell):
         self.wv = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.num_heads * d, h)
         self.rope = Rope(d)
+        self.cache_write = CacheWrite()
         self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d)
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
@@ -226,9 +238,7 @@ class Attention(nn.Cell):
         k = self.rope(self.wk(x), cos, sin)
         v = split_heads(self.wv(x), self.head_dim, cos.shape[-2])
         if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
-            source, fresh = write
-            k = ops.select(fresh, ops.gather(k, source, 2), cache_k)
-            v = ops.select(fresh, ops.gather(v, source, 2), cache_v)
+            k, v = self.cache_write(k, v, cache_k, cache_v, write)
         out = self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(-1, self.num_heads * self.head_dim)
         return self.wo(out), k, v
 
@@ -334,7 +344,7 @@ class Llama(nn.Cell):
 
     def cache_tables(self, b: int, s: int, t: int, start, pad):
         """cos / sin [b, 1, s, d] at each row's positions, the additive mask [b, 1, s, t] over the
-        cache slots, and where the new tokens are written (source slot [t], fresh [t, 1])."""
+        cache slots, and where the new tokens are written (CacheWrite's `write`)."""
         new_slots = start + ops.arange(0, s, dtype=ms.int32)                      # [s]
         positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
         cos = ops.gather(self.rope_cos, positions.reshape(-1), 0).reshape(b, 1, s, -1)
@@ -345,7 +355,7 @@ class Llama(nn.Cell):
         mask = ops.select(visible, ops.zeros((b, s, t), ms.float32), ops.full((b, s, t), -1e9, dtype=ms.float32))
         fresh = ops.logical_and(slots >= start, slots < start + s).reshape(t, 1)
         source = ops.clip(slots - start, 0, s - 1)
-        return cos, sin, mask.reshape(b, 1, s, t), (source, fresh)
+        return cos, sin, mask.reshape(b, 1, s, t), (source, fresh, start)
 
     def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None):
         b, s = input_ids.shape
