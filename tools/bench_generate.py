@@ -113,8 +113,9 @@ def tiny_hf(cache: Path) -> Path:
     return hf
 
 
-def hf_reference(hf: Path, question: str, new: int, timed: int, repeats: int, timings: bool) -> dict:
-    """transformers + torch eager: the greedy reply to the chat prompt, and its decode speed."""
+def hf_reference(hf: Path, question: str, new: int):
+    """transformers + torch eager: (the greedy reply to the chat prompt and its first `new` greedy
+    tokens, a timer: steps -> seconds of that many one-token decode steps)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,15 +145,12 @@ def hf_reference(hf: Path, question: str, new: int, timed: int, repeats: int, ti
             return tokens, time.perf_counter() - started
 
     result["greedy_ids"] = greedy(new - 1)[0]
-    if timings:
-        greedy(timed)
-        result["decode_tok_s"] = timed / min(greedy(timed)[1] for _ in range(repeats))
-    return result
+    return result, lambda steps: greedy(steps)[1]
 
 
-def engine_decode(engine_name: str, path: Path, prompt_ids: list[int], new: int, timed: int, repeats: int) -> dict:
-    """One engine in this process (graph mode), EOS ignored: its first `new` greedy tokens, and
-    decode tok/s over `timed` steps when timed > 0."""
+def engine_worker(engine_name: str, path: Path, prompt_ids: list[int], new: int) -> None:
+    """One engine in this process (graph mode), EOS ignored: prints its first `new` greedy tokens,
+    then for each number N read from stdin the seconds of N one-token decode steps (JSON lines)."""
     from graph_opt.runtime import load_engine
     from msllm import device
 
@@ -167,10 +165,38 @@ def engine_decode(engine_name: str, path: Path, prompt_ids: list[int], new: int,
             tokens.append(int(logits.argmax()))
         return tokens, time.perf_counter() - started
 
-    result = {"greedy_ids": greedy(new - 1)[0]}  # also compiles prefill and decode
-    if timed:
-        result["decode_tok_s"] = timed / min(greedy(timed)[1] for _ in range(repeats))
-    return result
+    print(json.dumps({"greedy_ids": greedy(new - 1)[0]}), flush=True)  # also compiles prefill and decode
+    for line in sys.stdin:
+        print(json.dumps({"seconds": greedy(int(line))[1]}), flush=True)
+
+
+class Worker:
+    """An engine_worker subprocess: `greedy_ids` once loaded, then `seconds(steps)` on request, so
+    the engines (and torch, in this process) can be timed in turns rather than minutes apart."""
+
+    def __init__(self, engine: str, path: Path, prompt_ids: list[int], new: int, log: Path):
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--engine-worker", engine, str(path),
+                                      json.dumps(prompt_ids), str(new)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=REPO,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.greedy_ids = self._answer()["greedy_ids"]
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        sys.exit(f"engine worker failed; see {self.log.name}")
+
+    def seconds(self, steps: int) -> float:
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        return self._answer()["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.log.close()
 
 
 def generate_cli(engine: str, path: Path, question: str, new: int,
@@ -210,9 +236,9 @@ def main() -> int:
     print(report.strip().splitlines()[-1], flush=True)
 
     question = QUESTIONS[args.model]
-    ref = hf_reference(hf, question, args.new, args.timed, args.repeats, timings)
+    ref, torch_seconds = hf_reference(hf, question, args.new)
     print(f"transformers reply ({len(ref['reply_ids'])} tokens): {ref['reply']!r}", flush=True)
-    rows, peaks = {}, {}
+    rows, peaks, workers = {}, {}, {}
     for engine, fmt in (("msllm", None), ("onnxruntime", "onnx"), ("mindir", "mindir")):
         path = ckpt
         if fmt is not None:
@@ -227,17 +253,30 @@ def main() -> int:
         if not same:
             return 1
         rows[engine] = {"summary": summary, "process_s": wall, "process_peak_rss_gb": peak}
-        proc = run(sys.executable, __file__, "--engine-decode", engine, path, json.dumps(ref["prompt_ids"]),
-                   str(args.new), str(args.timed if timings else 0), str(args.repeats))
-        rows[engine].update(json.loads(proc.stdout.strip().splitlines()[-1]))
-        same = rows[engine].pop("greedy_ids") == ref["greedy_ids"]
+        workers[engine] = Worker(engine, path, ref["prompt_ids"], args.new, work / f"worker-{engine}.log")
+        same = workers[engine].greedy_ids == ref["greedy_ids"]
         print(f"{engine}: {args.new} greedy tokens, EOS ignored: {'same as' if same else 'DIFFERENT from'} "
               f"transformers'", flush=True)
         if not same:
             return 1
     if not timings:
+        for worker in workers.values():
+            worker.close()
         print("correctness: every engine's reply, and its greedy tokens with EOS ignored, equal transformers'")
         return 0
+
+    # Decode: torch and every engine in turns, each round after a warm-up round; best of the rounds.
+    timers = {"torch": torch_seconds, **{engine: worker.seconds for engine, worker in workers.items()}}
+    taken = {name: [] for name in timers}
+    for k in range(args.repeats + 1):
+        for name, timer in timers.items():
+            seconds = timer(args.timed)
+            if k > 0:
+                taken[name].append(seconds)
+    ref["decode_tok_s"] = args.timed / min(taken["torch"])
+    for engine, worker in workers.items():
+        rows[engine]["decode_tok_s"] = args.timed / min(taken[engine])
+        worker.close()
 
     # Startup: a fresh process to the first token, cold, then with a warm compile cache.
     compile_cache = work / "compile_cache"
@@ -255,7 +294,8 @@ def main() -> int:
         f"* Prompt: the chat template around {question!r} ({len(ref['prompt_ids'])} tokens), greedy. Every "
         f"engine's reply equals transformers' token for token ({len(ref['reply_ids'])} tokens, to EOS), and so "
         f"do its first {args.new} greedy tokens with EOS ignored.",
-        f"* Decode: {args.timed} one-token steps after the prompt, EOS ignored, best of {args.repeats}.",
+        f"* Decode: {args.timed} one-token steps after the prompt, EOS ignored; torch and the engines timed in "
+        f"turns (each engine a warm process of its own), best of {args.repeats} rounds after a warm-up round.",
         "",
         "| engine | decode tok/s | vs torch eager | `msllm generate` process: wall s, peak RSS GB |",
         "| --- | --- | --- | --- |",
@@ -287,8 +327,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--engine-decode":  # one engine in its own process
-        engine, path, ids, new, timed, repeats = sys.argv[2:8]
-        print(json.dumps(engine_decode(engine, Path(path), json.loads(ids), int(new), int(timed), int(repeats))))
+    if len(sys.argv) > 1 and sys.argv[1] == "--engine-worker":  # one engine in its own process
+        engine, path, ids, new = sys.argv[2:6]
+        engine_worker(engine, Path(path), json.loads(ids), int(new))
         sys.exit(0)
     sys.exit(main())
