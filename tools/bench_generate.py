@@ -23,8 +23,6 @@ import datetime
 import json
 import os
 import platform
-import re
-import resource
 import shutil
 import subprocess
 import sys
