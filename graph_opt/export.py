@@ -20,20 +20,18 @@ vocab are fixed by the model. input_ids are int32 in MindIR (msllm's dtype), int
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import filecmp
-import gc
 import json
 import os
 import shutil
 import time
 from pathlib import Path
 
-import mindspore as ms
 import numpy as np
 
-from graph_opt.runtime import MANIFEST, ExportError, export_engine, file_sizes
+from graph_opt import ExportError
+from graph_opt.manifest import MANIFEST, file_sizes
 from msllm.staged import staged_dir
 
 FORMATS = ("mindir", "onnx")
@@ -55,28 +53,21 @@ def max_abs(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float32) - b).max())
 
 
-def release_memory() -> None:
-    """Hand freed memory back to the OS before the next graph loads: glibc keeps the freed blocks
-    of MindSpore's threads in their arenas, where RSS still counts them. (ms.ms_memory_recycle()
-    frees nothing more here, and can fail while the garbage collector deletes Cells.)"""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+def verify_graph(export_dir: Path, manifest: dict, graph: str, inputs: list[np.ndarray],
+                 references: list[np.ndarray], log) -> dict[str, float]:
+    """Max-abs logit differences of one exported graph, in its own worker process (a loaded graph's
+    memory is not handed back to the OS, so the next one would add to it). "model": every input
+    through the model graph. "cached": prefill + one-token decode steps with the cache, on the
+    first input as prompts of different lengths (left padding) and on the last as one prompt."""
+    from graph_opt.runtime import export_engine
+    from msllm import device
 
-
-def verify(make_engine, inputs: list[np.ndarray], references: list[np.ndarray]) -> dict[str, float]:
-    """Max-abs logit differences: the model graph on every input; then prefill + one-token decode
-    steps with the cache, on the first input as prompts of different lengths (left padding) and
-    on the last one as a single prompt. Each part runs on a fresh engine, so the model graph's
-    weights are released before the cached graph's are loaded."""
-    engine = make_engine()
-    diffs = {f"model b{ids.shape[0]} s{ids.shape[1]}": max_abs(engine.logits(ids), ref)
-             for ids, ref in zip(inputs, references)}
-    del engine
-    release_memory()
-    engine = make_engine()
+    device.setup("cpu", "pynative")
+    engine = export_engine(export_dir, manifest)
+    if graph == "model":
+        return {f"model b{ids.shape[0]} s{ids.shape[1]}": max_abs(engine.logits(ids), ref)
+                for ids, ref in zip(inputs, references)}
+    diffs = {}
     for ids, ref in ((inputs[0], references[0]), (inputs[-1], references[-1])):
         b, s = ids.shape
         lengths = [max(1, s - DECODE_STEPS - row) for row in range(b)]
@@ -92,6 +83,8 @@ def verify(make_engine, inputs: list[np.ndarray], references: list[np.ndarray]) 
 def to_half(model) -> None:
     """fp16 compute with fp16 weights and rope tables stored in the file (half the size); norm
     weights stay fp32 (they scale fp32 statistics)."""
+    import mindspore as ms
+
     for p in model.trainable_params():
         if not p.name.endswith("norm.weight"):
             p.set_data(p.astype(ms.float16))
@@ -140,6 +133,8 @@ def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     """Two graphs via ms.export (GRAPH_MODE) with None for every dynamic dimension: the model, and
     the cached forward that serves prefill and decode (one graph and one copy of the weights in
     memory for generation)."""
+    import mindspore as ms
+
     from msllm.inference import CachedForward
 
     cfg = model.cfg
@@ -192,21 +187,45 @@ def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, extern
     return {kind: f"{kind}.onnx" for kind in GRAPHS}
 
 
+def write_graphs(ckpt_dir: Path, fmt: str, dtype: str, external_data: bool, tmp: Path,
+                 inputs: list[np.ndarray], log) -> tuple[dict[str, str], float, list[np.ndarray]]:
+    """In the export's worker process: load the model, compute the reference logits (fp32, before
+    any cast), write the graphs to tmp. Returns (files, seconds writing, references)."""
+    import mindspore as ms
+
+    from msllm import device
+    from msllm.checkpoint import load_model
+
+    device.setup("cpu", "pynative")
+    cfg, model, _, _ = load_model(ckpt_dir)
+    references = [model(ms.Tensor(ids)).asnumpy() for ids in inputs]
+    started = time.perf_counter()
+    if fmt == "mindir":
+        files = write_mindir(model, dtype, tmp, log)
+    else:
+        files = write_onnx(cfg.model, {p.name: p.asnumpy() for p in model.trainable_params()}, dtype, tmp,
+                           external_data, log)
+    return files, time.perf_counter() - started, references
+
+
 def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", external_data: bool = False,
            force: bool = False, log=print) -> dict:
-    """Export a run (or checkpoint dir) to OUT; returns the manifest. Raises ExportError / CheckpointError."""
-    from msllm import chat, device
-    from msllm.checkpoint import find_tokenizer, load_model
+    """Export a run (or checkpoint dir) to OUT; returns the manifest. Raises ExportError / CheckpointError.
+    Worker processes write the graphs and verify each: MindSpore keeps the memory of a graph it
+    exported or loaded until the process ends, so each stage starts from an empty heap and this
+    process never imports MindSpore."""
+    from msllm import chat
+    from msllm.checkpoint import find_tokenizer, read_checkpoint
     from msllm.data.tokenizer import load_tokenizer
+    from msllm.isolated import run_isolated
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     out = Path(out)
-    device.setup("cpu", "pynative")
-    cfg, model, ckpt_dir, state = load_model(ckpt)
-    nbytes = sum(p.size for p in model.trainable_params()) * (2 if dtype == "fp16" else 4)
+    cfg, ckpt_dir, state = read_checkpoint(ckpt)
+    nbytes = cfg.model.num_params() * (2 if dtype == "fp16" else 4)
     external_data = fmt == "onnx" and (external_data or nbytes > PROTOBUF_LIMIT)
     # ONNX: three graphs sharing one weights file or holding a copy each; MindIR: two weight files
     # (linked into one where the file system allows)
@@ -214,20 +233,16 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
     with staged_dir(out, need=need, replace=force, sources=(ckpt_dir,),
                     then="free space or choose another --out, then export again") as tmp:
         inputs = verification_inputs(cfg.model.vocab_size, cfg.model.max_seq_len)
-        references = [model(ms.Tensor(ids)).asnumpy() for ids in inputs]  # fp32 msllm, before any cast
-        started = time.perf_counter()
-        if fmt == "mindir":
-            files = write_mindir(model, dtype, tmp, log)
-        else:
-            files = write_onnx(cfg.model, {p.name: p.asnumpy() for p in model.trainable_params()}, dtype, tmp,
-                               external_data, log)
-        export_seconds = time.perf_counter() - started
-        del model  # its weights are in the files now; the graphs verified next load their own
-        release_memory()
+        files, export_seconds, references = run_isolated(write_graphs, ckpt_dir, fmt, dtype, external_data, tmp,
+                                                         inputs, log=log, what=f"export to {out}")
         manifest = {"format": fmt, "dtype": dtype, "checkpoint": str(ckpt_dir), "step": state.get("step"),
                     "files": files, "sizes": file_sizes(tmp), "config": cfg.to_dict(),
                     "export_seconds": round(export_seconds, 3)}
-        diffs = verify(lambda: export_engine(tmp, manifest), inputs, references)
+
+        diffs = {}
+        for graph in ("model", "cached"):
+            diffs.update(run_isolated(verify_graph, tmp, manifest, graph, inputs, references, log=log,
+                                      what=f"verifying the {graph} graph"))
         bound = TOLERANCE[dtype] * max(1.0, max(float(np.abs(r).max()) for r in references))
         for what, diff in diffs.items():
             log(f"verify {fmt} {what}: max|diff| {diff:.3g}")
@@ -244,4 +259,3 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     log(f"exported {fmt} ({dtype}) in {export_seconds:.1f}s to {out}")
     return manifest
-

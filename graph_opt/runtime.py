@@ -4,22 +4,17 @@ msllm.inference.Engine; and loading any engine by name for `msllm generate`.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Callable
 
 import mindspore as ms
 import numpy as np
 
-from msllm.errors import UserError
+from graph_opt import ExportError
+from graph_opt.manifest import MANIFEST, check_sizes, read_manifest
 from msllm.inference import Engine, MindSporeEngine
 
-MANIFEST = "export.json"
 ENGINES = {"msllm": None, "mindir": "mindir", "onnxruntime": "onnx"}  # engine -> export format it runs
-
-
-class ExportError(UserError, RuntimeError):
-    """A bad export request or a failed verification. str() is the one-line message."""
 
 
 class OnnxEngine(Engine):
@@ -30,32 +25,6 @@ class OnnxEngine(Engine):
         if cache:
             feeds.update(zip(("past_keys", "past_values", "start", "pad"), cache))
         return tuple(self.graph(kind).run(None, feeds))
-
-
-def read_manifest(export_dir: Path) -> dict:
-    path = Path(export_dir) / MANIFEST
-    if not path.exists():
-        raise ExportError(f"{export_dir}: not an msllm export (no {MANIFEST}); make one with msllm export")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ExportError(f"{path}: unreadable ({e})") from None
-
-
-def file_sizes(export_dir: Path) -> dict[str, int]:
-    """Bytes of every file under an export dir, by relative path (export.json records them)."""
-    return {p.relative_to(export_dir).as_posix(): p.stat().st_size
-            for p in sorted(Path(export_dir).rglob("*")) if p.is_file() and p.name != MANIFEST}
-
-
-def check_sizes(export_dir: Path, manifest: dict) -> None:
-    """A missing or truncated file of the export is one line naming it, before any graph loads."""
-    for name, size in manifest.get("sizes", {}).items():  # older exports record none
-        path = Path(export_dir) / name
-        if not path.is_file():
-            raise ExportError(f"{path}: missing from the export; export the run again")
-        if path.stat().st_size != size:
-            raise ExportError(f"{path}: has {path.stat().st_size} bytes, the export wrote {size}; export the run again")
 
 
 def export_engine(export_dir: Path, manifest: dict) -> Engine:

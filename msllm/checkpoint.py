@@ -41,17 +41,17 @@ def load_into(params, arrays: dict[str, np.ndarray], source: str) -> None:
     from mindspore import Tensor, dtype_to_nptype  # here, so interop can use this module without MindSpore
 
     params = {p.name: p for p in params}
-    check_arrays({name: tuple(p.shape) for name, p in params.items()}, arrays, source)
+    check_shapes({name: tuple(p.shape) for name, p in params.items()},
+                 {name: tuple(a.shape) for name, a in arrays.items()}, source)
     for name, p in params.items():
         p.set_data(Tensor(arrays[name].astype(dtype_to_nptype(p.dtype), copy=False)))
 
 
-def check_arrays(shapes: dict[str, tuple], arrays: dict[str, np.ndarray], source: str) -> None:
-    """Raise unless `arrays` has exactly the names of `shapes`, each with that shape."""
-    missing = sorted(set(shapes) - set(arrays))
-    unexpected = sorted(set(arrays) - set(shapes))
-    wrong = [f"{n} {arrays[n].shape} != {shapes[n]}" for n in shapes
-             if n in arrays and tuple(arrays[n].shape) != shapes[n]]
+def check_shapes(expected: dict[str, tuple], found: dict[str, tuple], source: str) -> None:
+    """Raise unless `found` has exactly the names of `expected`, each with that shape."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = [f"{n} {found[n]} != {expected[n]}" for n in expected if n in found and tuple(found[n]) != expected[n]]
     if missing or unexpected or wrong:
         parts = [f"{what} {_first(names)}" for what, names in
                  (("missing", missing), ("unexpected", unexpected), ("shape mismatch", wrong)) if names]
@@ -157,10 +157,12 @@ def find_tokenizer(ckpt_dir: Path, state: dict) -> Path | None:
     return None
 
 
-def load_model(ckpt: str | Path):
-    """(config, eval-mode model, checkpoint dir, train state) from a run dir or a checkpoint dir."""
+def read_checkpoint(ckpt: str | Path):
+    """(config, checkpoint dir, train state) of a full model, from a run dir or a checkpoint dir,
+    without loading the weights."""
     from msllm.config import config_from_dict
-    from msllm.models.llama import Llama
+    from msllm.models.layouts import param_shapes
+    from msllm.train.compat import stored_shapes
 
     path = latest(Path(ckpt))
     state = read_state(path)
@@ -168,6 +170,15 @@ def load_model(ckpt: str | Path):
     if cfg.lora.rank > 0:
         raise CheckpointError(f"{path}: holds LoRA adapters only; `msllm lora merge {ckpt} OUT` makes a full "
                               f"checkpoint of base + adapters")
+    check_shapes(param_shapes(cfg.model), stored_shapes(path / MODEL_FILE), str(path))  # from the header
+    return cfg, path, state
+
+
+def load_model(ckpt: str | Path):
+    """(config, eval-mode model, checkpoint dir, train state) from a run dir or a checkpoint dir."""
+    from msllm.models.llama import Llama
+
+    cfg, path, state = read_checkpoint(ckpt)
     model = Llama(cfg.model)
     load_into(model.trainable_params(), load_arrays(path / MODEL_FILE), str(path))
     model.set_train(False)

@@ -16,7 +16,7 @@ from graph_opt import export as export_mod
 from graph_opt.export import export
 from graph_opt.onnx_llama import build_graph
 from graph_opt.onnx_passes import clean_up
-from graph_opt.runtime import ExportError
+from graph_opt import ExportError
 from msllm.inference import cell_engine
 from msllm import checkpoint, device
 from msllm.config import Config, ModelConfig
@@ -104,6 +104,20 @@ def test_fp16_export_within_tolerance(llama_run, tmp_path, fmt):
     if fmt == "onnx":
         model = onnx.load(str(tmp_path / "half" / "decode.onnx"))
         assert {i.name: i.type.tensor_type.elem_type for i in model.graph.input}["past_keys"] == onnx.TensorProto.FLOAT16
+
+
+def test_export_process_never_loads_mindspore(llama_run, tmp_path):
+    """MindSpore keeps an exported or loaded graph's memory until its process ends: the export's
+    own process must not import it, workers write and verify, and their log lines reach the caller."""
+    script = ("import sys; from graph_opt.export import export; lines = []; "
+              f"export({str(llama_run)!r}, 'mindir', {str(tmp_path / 'out')!r}, log=lines.append); "
+              "print(sorted(m for m in ('mindspore', 'torch') if m in sys.modules)); print(lines[0]); print(lines[-2])")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported, first, verified = out.stdout.splitlines()[-3:]
+    assert imported == "[]"
+    assert first == "wrote model_graph.mindir" and verified.startswith("verified: max|diff|")
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["max_abs_diff"]
 
 
 def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_run, tmp_path):

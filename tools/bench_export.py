@@ -21,7 +21,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from graph_opt.export import export  # noqa: E402
-from graph_opt.runtime import export_engine, read_manifest  # noqa: E402
+from graph_opt.manifest import read_manifest  # noqa: E402
+from graph_opt.runtime import export_engine  # noqa: E402
 from msllm.inference import cell_engine  # noqa: E402
 from msllm import checkpoint, device  # noqa: E402
 from msllm.config import Config, ModelConfig  # noqa: E402

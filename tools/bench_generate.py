@@ -51,12 +51,9 @@ def msllm(*args) -> subprocess.CompletedProcess:
 
 
 def measured(*args) -> tuple[subprocess.CompletedProcess, float, float]:
-    """(the finished command, its peak RSS in GB, its wall seconds), measured by a fresh Python
-    process whose only child it is; the probe's own line is taken off the command's stdout."""
-    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); p = subprocess.run(sys.argv[1:]); "
-             "print('PROBE', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.perf_counter() - t); "
-             "sys.exit(p.returncode)")
-    proc = run(sys.executable, "-c", probe, *args)
+    """(the finished command, the peak RSS in GB of it and every process it starts, summed; its
+    wall seconds), from tools/peak_rss.py, whose line is taken off the command's stdout."""
+    proc = run(sys.executable, str(Path(__file__).with_name("peak_rss.py")), *args)
     body, _, last = proc.stdout.rstrip("\n").rpartition("\n")
     _, kb, seconds = last.split()
     proc.stdout = body + "\n" if body else ""
@@ -307,7 +304,7 @@ def main() -> int:
         "",
         f"Startup: transformers loads in {ref['load_s']:.1f} s. A fresh `msllm generate` process to its first "
         f"token: {cold[2]:.1f} s cold, {warm[2]:.1f} s with a warm compile cache ({warm[1]}).",
-        f"Export peak RSS (the whole `msllm export` process): MindIR {peaks['mindir']:.2f} GB "
+        f"Export peak RSS (`msllm export` and its worker processes, summed): MindIR {peaks['mindir']:.2f} GB "
         f"({peaks['mindir'] / model_gb:.1f}x the model), ONNX {peaks['onnx']:.2f} GB ({peaks['onnx'] / model_gb:.1f}x); "
         f"the msllm checkpoint holds {model_gb:.2f} GB, and a process that only imports MindSpore and msllm "
         f"peaks at {baseline_gb:.2f} GB.",

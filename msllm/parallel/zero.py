@@ -108,11 +108,11 @@ class ShardedAdamW(nn.Cell):
         return state
 
     def load_full_state(self, arrays: dict[str, np.ndarray], source: str) -> None:
-        from msllm.checkpoint import check_arrays
+        from msllm.checkpoint import check_shapes
         shapes = {self.step.name: ()}
         for moment in MOMENTS:
             shapes.update({f"{moment}.{p.name}": tuple(p.shape) for p in self.params})
-        check_arrays(shapes, arrays, source)
+        check_shapes(shapes, {name: tuple(a.shape) for name, a in arrays.items()}, source)
         self.step.set_data(Tensor(np.asarray(arrays[self.step.name], np.int32)))
         for moment in MOMENTS:
             for i, (p, chunk) in enumerate(zip(self.params, getattr(self, moment))):

@@ -1,0 +1,43 @@
+"""msllm.isolated: a function run in a worker process hands back its result, its log lines in order,
+and its exception with its own type; a worker that dies is one UserError line."""
+import os
+import signal
+
+import pytest
+
+from msllm.errors import UserError
+from msllm.isolated import run_isolated
+
+
+def work(n, log):
+    for i in range(n):
+        log(f"line {i}")
+    return {"pid": os.getpid(), "squares": [i * i for i in range(n)]}
+
+
+def fail(log):
+    log("about to fail")
+    raise KeyError("no such tensor")
+
+
+def die(log):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_result_and_log_lines_come_back_from_another_process():
+    lines = []
+    result = run_isolated(work, 4, log=lines.append, what="squares")
+    assert result["squares"] == [0, 1, 4, 9] and result["pid"] != os.getpid()
+    assert lines == ["line 0", "line 1", "line 2", "line 3"]
+
+
+def test_the_workers_exception_is_raised_with_its_type():
+    lines = []
+    with pytest.raises(KeyError, match="no such tensor"):
+        run_isolated(fail, log=lines.append, what="failing")
+    assert lines == ["about to fail"]
+
+
+def test_a_worker_that_dies_is_one_line():
+    with pytest.raises(UserError, match=r"^dying: the worker process died \(exit code -9\)"):
+        run_isolated(die, log=print, what="dying")
