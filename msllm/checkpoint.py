@@ -41,8 +41,9 @@ def load_into(params, arrays: dict[str, np.ndarray], source: str) -> None:
     from mindspore import Tensor, dtype_to_nptype  # here, so interop can use this module without MindSpore
 
     params = {p.name: p for p in params}
-    check_shapes({name: tuple(p.shape) for name, p in params.items()},
-                 {name: tuple(a.shape) for name, a in arrays.items()}, source)
+    # a LazyArrays knows its shapes from the file's header: no tensor is read to check them
+    found = getattr(arrays, "shapes", None) or {name: tuple(a.shape) for name, a in arrays.items()}
+    check_shapes({name: tuple(p.shape) for name, p in params.items()}, found, source)
     for name, p in params.items():
         p.set_data(Tensor(arrays[name].astype(dtype_to_nptype(p.dtype), copy=False)))
 

@@ -149,6 +149,7 @@ class LazyArrays(Mapping):
 
     def __init__(self, path: Path):
         self.reader = SafetensorsReader(path)
+        self.shapes = self.reader.shapes  # name -> shape, from the header: nothing read
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.reader.read_numpy(name)
