@@ -83,7 +83,7 @@ class SafetensorsReader:
             raise SafetensorsError(f"{path}: corrupt safetensors header (not a JSON object)")
         self.metadata = header.pop("__metadata__", None) or {}
         data_start = 8 + n
-        self.shapes, self.codes, self.offsets, bad, beyond = {}, {}, {}, [], []
+        self.shapes, self.codes, self.offsets, self.nbytes, bad, beyond = {}, {}, {}, {}, [], []
         for name, entry in header.items():
             try:
                 shape, code = tuple(int(d) for d in entry["shape"]), entry["dtype"]
@@ -96,7 +96,8 @@ class SafetensorsReader:
                 bad.append(name)
             elif data_start + end > size:
                 beyond.append(name)
-            self.shapes[name], self.codes[name], self.offsets[name] = shape, code, data_start + begin
+            self.shapes[name], self.codes[name], self.nbytes[name] = shape, code, nbytes
+            self.offsets[name] = data_start + begin
         if bad:
             raise SafetensorsError(f"{path}: corrupt header entries (dtype, shape or offsets) for {names_line(bad)}")
         if beyond:
@@ -110,14 +111,14 @@ class SafetensorsReader:
 
     def _map(self, name: str) -> tuple[mmap.mmap, int, int]:
         """(a private mapping of the tensor's bytes, the tensor's offset in it, its element count)."""
-        count = int(np.prod(self.shapes[name], dtype=np.int64))
         if self._file is None:
             self._file = open(self.path, "rb")
         start = self.offsets[name]
         base = start - start % mmap.ALLOCATIONGRANULARITY
-        nbytes = count * np.dtype(NUMPY[self.codes[name]]).itemsize
+        count = self.nbytes[name] // np.dtype(NUMPY[self.codes[name]]).itemsize
         # ACCESS_COPY: a private mapping, writable as torch wants, never written back to the file.
-        return mmap.mmap(self._file.fileno(), start + nbytes - base, offset=base, access=mmap.ACCESS_COPY), start - base, count
+        mapped = mmap.mmap(self._file.fileno(), start + self.nbytes[name] - base, offset=base, access=mmap.ACCESS_COPY)
+        return mapped, start - base, count
 
     def read(self, name: str) -> torch.Tensor:
         import torch
