@@ -25,7 +25,7 @@ _BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
 
 
 def serve(fd: int) -> None:
-    """The worker's side: (warning filters, fn, args) from stdin; ("log" | "ok" | "error", value) to fd."""
+    """The worker's side: (pickled warning filters, fn, args) from stdin; ("log" | "ok" | "error", value) to fd."""
     with os.fdopen(fd, "wb") as out:
         def send(kind, value):
             pickle.dump((kind, value), out)
@@ -33,7 +33,10 @@ def serve(fd: int) -> None:
 
         try:
             filters, fn, args = pickle.load(sys.stdin.buffer)
-            warnings.filters[:] = filters
+            try:
+                warnings.filters[:] = pickle.loads(filters)
+            except Exception:  # a warning class of the caller's own script: the defaults, then
+                pass
             send("ok", fn(*args, log=lambda line: send("log", line)))
         except BaseException as e:  # noqa: BLE001 -- every failure goes back to the caller, with its type
             e.add_note("in the worker process:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
@@ -54,7 +57,7 @@ def run_isolated(fn: Callable, *args, log: Callable[[str], None], what: str):
     try:
         try:
             with worker.stdin:
-                pickle.dump((list(warnings.filters), fn, args), worker.stdin)
+                pickle.dump((pickle.dumps(warnings.filters), fn, args), worker.stdin)
         except BrokenPipeError:  # it died at start: reading below says so
             pass
         with os.fdopen(read_fd, "rb") as messages:

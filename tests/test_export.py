@@ -120,6 +120,18 @@ def test_export_process_never_loads_mindspore(llama_run, tmp_path):
     assert json.loads((tmp_path / "out" / "export.json").read_text())["max_abs_diff"]
 
 
+def test_export_workers_are_as_quiet_as_the_cli(llama_run, tmp_path):
+    """Without --verbose the workers' MindSpore log and Python warnings stay off the terminal too;
+    their progress lines reach stdout in order."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GLOG")}
+    out = subprocess.run([sys.executable, "-m", "msllm.cli", "export", "--ckpt", str(llama_run), "--format", "mindir",
+                          "--out", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["wrote model_graph.mindir", "wrote cached_graph.mindir"]
+    assert lines[-2].startswith("verified: max|diff|") and lines[-1].startswith("exported mindir (fp32)")
+
+
 def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_run, tmp_path):
     out = tmp_path / "mindir"
     manifest = export(qwen_run, "mindir", out, log=lambda line: None)

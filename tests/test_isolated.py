@@ -1,7 +1,9 @@
 """msllm.isolated: a function run in a worker process hands back its result, its log lines in order,
-and its exception with its own type; a worker that dies is one UserError line."""
+its exception with its own type, and keeps the caller's warning filters; a worker that dies is one
+UserError line."""
 import os
 import signal
+import warnings
 
 import pytest
 
@@ -18,6 +20,11 @@ def work(n, log):
 def fail(log):
     log("about to fail")
     raise KeyError("no such tensor")
+
+
+def warn(log):
+    warnings.warn("old api", UserWarning)
+    return "warned"
 
 
 def die(log):
@@ -41,3 +48,13 @@ def test_the_workers_exception_is_raised_with_its_type():
 def test_a_worker_that_dies_is_one_line():
     with pytest.raises(UserError, match=r"^dying: the worker process died \(exit code -9\)"):
         run_isolated(die, log=print, what="dying")
+
+
+def test_the_callers_warning_filters_hold_in_the_worker():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(UserWarning, match="old api"):
+            run_isolated(warn, log=print, what="warning")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert run_isolated(warn, log=print, what="warning") == "warned"
