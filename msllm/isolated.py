@@ -40,10 +40,18 @@ def serve(fd: int) -> None:
             send("ok", fn(*args, log=lambda line: send("log", line)))
         except BaseException as e:  # noqa: BLE001 -- every failure goes back to the caller, with its type
             e.add_note("in the worker process:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
-            try:
-                send("error", e)
-            except Exception:  # an exception that does not pickle: its text, one line
-                send("error", UserError(traceback.format_exception_only(e)[-1].strip()))
+            send("error", portable(e))
+
+
+def portable(e: BaseException) -> BaseException:
+    """`e` if it survives pickling both ways (an exception whose __init__ takes other arguments than
+    its message does not), else one of its message: a UserError for a UserError, so the CLI still
+    prints one line."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return (UserError if isinstance(e, UserError) else RuntimeError)(str(e) or type(e).__name__)
 
 
 def run_isolated(fn: Callable, *args, log: Callable[[str], None], what: str):

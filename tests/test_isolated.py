@@ -22,6 +22,12 @@ def fail(log):
     raise KeyError("no such tensor")
 
 
+def bad_config(log):
+    from msllm.config import ConfigError
+
+    raise ConfigError("run/state.json", "model.hidden_size", "must be a multiple of num_heads")
+
+
 def warn(log):
     warnings.warn("old api", UserWarning)
     return "warned"
@@ -43,6 +49,11 @@ def test_the_workers_exception_is_raised_with_its_type():
     with pytest.raises(KeyError, match="no such tensor"):
         run_isolated(fail, log=lines.append, what="failing")
     assert lines == ["about to fail"]
+
+
+def test_an_error_that_does_not_unpickle_still_arrives_as_one_line():
+    with pytest.raises(UserError, match=r"^run/state.json: model.hidden_size: must be a multiple of num_heads$"):
+        run_isolated(bad_config, log=print, what="config")
 
 
 def test_a_worker_that_dies_is_one_line():
