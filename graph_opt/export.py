@@ -1,17 +1,19 @@
 """msllm export: a trained run -> MindIR or ONNX graphs for deployment, verified before they are kept.
 
 OUT/ is assembled under a temporary name next to it (msllm.staged) and renamed into place only
-after the files reload and match the msllm model, so a failure never leaves a half-written export:
+after the files reload and match the msllm model, so a failure never leaves a half-written export.
+Each format writes two graphs:
   model           input_ids [batch, seq] -> logits [batch, seq, vocab] fp32
-  prefill         input_ids [batch, seq], keys, values [layers, batch, kv_heads, max_len, head_dim],
+  cached          input_ids [batch, seq], keys, values [layers, batch, kv_heads, max_len, head_dim],
                   start [1], pad [batch] -> logits [batch, vocab] of the last token, keys, values
-                  with slots start .. start+seq-1 written (msllm.inference.CachedForward)
-  decode          the same with seq = 1
-ONNX writes model.onnx, prefill.onnx, decode.onnx (weights.onnx.data: external data shared by the
-three, for weights > 2 GB or with --external-data). MindIR writes model_graph.mindir and
-cached_graph.mindir (prefill and decode are one graph, its seq dynamic), each with its weights in
-MindSpore's external-data layout (<name>_variables/), the two weight files one hard link.
-  export.json     format, dtype, config, files, file sizes, tolerance, measured diffs, timings
+                  with slots start .. start+seq-1 written (msllm.inference.CachedForward): prefill,
+                  and decode with seq = 1, so generation loads one graph and one copy of the weights
+ONNX writes model.onnx and cached.onnx (weights.onnx.data: external data shared by the two, for
+weights > 2 GB or with --external-data). MindIR writes model_graph.mindir and cached_graph.mindir,
+each with its weights in MindSpore's external-data layout (<name>_variables/), the two weight
+files one hard link.
+  export.json     format, dtype, config, files (by kind: model, prefill, decode), file sizes,
+                  tolerance, measured diffs, timings
   tokenizer.json    the run's tokenizer (its EOS ids and chat template are in export.json), so the
                     export dir is all `msllm generate` needs
 Batch, sequence and cache length are dynamic in both formats; layers, heads, head_dim and
@@ -158,8 +160,8 @@ def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
 
 
 def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, external_data: bool, log) -> dict[str, str]:
-    """Build, clean up, save and check the three graphs. With external data the weights are
-    written once, by the first graph, and the other graphs point at the same file."""
+    """Build, clean up, save and check the graphs. With external data the weights are written
+    once, by the first graph, and the other points at the same file."""
     import onnx
     import onnx_ir as ir
 
@@ -184,7 +186,7 @@ def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, extern
             ir.save(model, path)
         onnx.checker.check_model(str(path), full_check=True)
         log(f"wrote {path.name}: onnx.checker ok")
-    return {kind: f"{kind}.onnx" for kind in GRAPHS}
+    return {"model": "model.onnx", "prefill": "cached.onnx", "decode": "cached.onnx"}
 
 
 def write_graphs(ckpt_dir: Path, fmt: str, dtype: str, external_data: bool, tmp: Path,
@@ -227,9 +229,9 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
     cfg, ckpt_dir, state = read_checkpoint(ckpt)
     nbytes = cfg.model.num_params() * (2 if dtype == "fp16" else 4)
     external_data = fmt == "onnx" and (external_data or nbytes > PROTOBUF_LIMIT)
-    # ONNX: three graphs sharing one weights file or holding a copy each; MindIR: two weight files
+    # ONNX: two graphs sharing one weights file or holding a copy each; MindIR: two weight files
     # (linked into one where the file system allows)
-    need = nbytes * (2 if fmt == "mindir" else 1 if external_data else 3)
+    need = nbytes * (1 if external_data else 2)
     with staged_dir(out, need=need, replace=force, sources=(ckpt_dir,),
                     then="free space or choose another --out, then export again") as tmp:
         inputs = verification_inputs(cfg.model.vocab_size, cfg.model.max_seq_len)

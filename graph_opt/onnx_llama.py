@@ -8,11 +8,13 @@ built directly (onnx_ir) and mirror msllm/models/llama.py line for line:
   * rotate-half RoPE with the cos/sin tables of `rope_tables` (llama3/linear scaling
     included) gathered at the token positions;
   * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax.
-Three graphs, all with dynamic batch, sequence and cache length:
+Two graphs, both with dynamic batch, sequence and cache length:
   model    input_ids [b, s] -> logits [b, s, vocab]
-  prefill  input_ids [b, s], past_keys, past_values [layers, b, kv_heads, max_len, head_dim], start [1],
-  decode   pad [b] -> logits [b, vocab] of the last token, present_keys, present_values (slots
-           start .. start+s-1 written), as msllm.inference.CachedForward; decode has s = 1
+  cached   input_ids [b, s], past_keys, past_values [layers, b, kv_heads, max_len, head_dim], start [1],
+           pad [b] -> logits [b, vocab] of the last token, present_keys, present_values (slots
+           start .. start+s-1 written), as msllm.inference.CachedForward: prefill, and decode with
+           s = 1. One session serves both, so the weights (and onnxruntime's packed copies of
+           them) are held once; a graph with s fixed at 1 decodes no faster.
 Simple constants are emitted where they are used (one Constant node each, Casts even when
 they are no-ops, like msllm's astype); graph_opt.onnx_passes folds and deduplicates them.
 """
@@ -32,7 +34,7 @@ from msllm.models.llama import rope_tables
 
 OPSET = 17
 IR_VERSION = 8
-GRAPHS = ("model", "prefill", "decode")
+GRAPHS = ("model", "cached")
 DTYPES = {"fp32": (np.float32, ir.DataType.FLOAT), "fp16": (np.float16, ir.DataType.FLOAT16)}
 MASKED = -1e9  # the additive causal mask value msllm uses
 
@@ -223,7 +225,7 @@ def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dty
     """One of GRAPHS as an onnx_ir Model; weights are msllm parameter arrays by name (fp32)."""
     g = LlamaGraph(cfg, weights, dtype)
     cache_shape = [cfg.num_layers, "batch", cfg.num_kv_heads, "max_len", cfg.head_dim]
-    input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", 1 if kind == "decode" else "sequence"])
+    input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "sequence"])
     inputs = [input_ids]
     if kind != "model":
         inputs += [ir.val(name, g.dtype, cache_shape) for name in ("past_keys", "past_values")]

@@ -1,5 +1,6 @@
 """Engines over exported graphs (MindIR GraphCells, onnxruntime sessions), with the interface of
-msllm.inference.Engine; and loading any engine by name for `msllm generate`.
+msllm.engine.Engine; and loading any engine by name for `msllm generate`. The onnxruntime engine
+never imports MindSpore (its import alone is ~0.4 GB and ~2 s).
 """
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import functools
 from pathlib import Path
 from typing import Callable
 
-import mindspore as ms
 import numpy as np
 
 from graph_opt import ExportError
 from graph_opt.manifest import MANIFEST, check_sizes, read_manifest
-from msllm.inference import Engine, MindSporeEngine
+from msllm.engine import Engine
 
 ENGINES = {"msllm": None, "mindir": "mindir", "onnxruntime": "onnx"}  # engine -> export format it runs
+MINDSPORE_ENGINES = ("msllm", "mindir")
 
 
 class OnnxEngine(Engine):
@@ -29,7 +30,7 @@ class OnnxEngine(Engine):
 
 def export_engine(export_dir: Path, manifest: dict) -> Engine:
     """A MindIR or onnxruntime engine over the graph files of an export dir. Kinds served by the
-    same file (MindIR's prefill and decode) share one loaded graph."""
+    same file (prefill and decode) share one loaded graph."""
     from msllm.config import config_from_dict
 
     check_sizes(export_dir, manifest)
@@ -37,20 +38,23 @@ def export_engine(export_dir: Path, manifest: dict) -> Engine:
     cfg = config_from_dict(manifest["config"], str(Path(export_dir) / MANIFEST)).model
     cache_dtype = np.float16 if manifest["dtype"] == "fp16" else np.float32
     if manifest["format"] == "mindir":
-        load = functools.cache(lambda f: _load(f, lambda: ms.nn.GraphCell(ms.load(f))))
-        return MindSporeEngine({kind: (lambda f=f: load(f)) for kind, f in files.items()}, cfg, cache_dtype)
-    import onnxruntime as ort
+        import mindspore as ms
 
-    def session(f):
-        return ort.InferenceSession(f, providers=["CPUExecutionProvider"])
+        from msllm.inference import MindSporeEngine
 
-    return OnnxEngine({kind: (lambda f=f: _load(f, lambda: session(f))) for kind, f in files.items()}, cfg, cache_dtype)
+        engine, open_graph = MindSporeEngine, lambda f: ms.nn.GraphCell(ms.load(f))
+    else:
+        import onnxruntime as ort
+
+        engine, open_graph = OnnxEngine, lambda f: ort.InferenceSession(f, providers=["CPUExecutionProvider"])
+    loaders = {f: functools.partial(_load, f, open_graph) for f in set(files.values())}
+    return engine({kind: loaders[f] for kind, f in files.items()}, cfg, cache_dtype)
 
 
-def _load(path: str, load: Callable):
+def _load(path: str, open_graph: Callable):
     """One graph file; a missing, truncated or corrupt file is one line naming it."""
     try:
-        return load()
+        return open_graph(path)
     except Exception as e:  # onnxruntime and MindSpore raise their own types (InvalidProtobuf, RuntimeError)
         reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
         raise ExportError(f"{path}: cannot load this graph ({reason}); export the run again") from None
@@ -60,15 +64,16 @@ def load_engine(engine: str, path: str | Path):
     """(engine, model config, tokenizer, text conventions): `msllm` reads a run/checkpoint dir,
     mindir/onnxruntime an export dir."""
     from msllm import chat
-    from msllm.backends import specialise
-    from msllm.checkpoint import load_run
     from msllm.config import config_from_dict
     from msllm.data.tokenizer import load_tokenizer
-    from msllm.inference import cell_engine
 
     if engine not in ENGINES:
         raise ExportError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if engine == "msllm":
+        from msllm.backends import specialise
+        from msllm.checkpoint import load_run
+        from msllm.inference import cell_engine
+
         cfg, model, tokenizer, conventions = load_run(path)
         specialise(model, cfg, training=False)
         return cell_engine(model), cfg.model, tokenizer, conventions

@@ -136,15 +136,19 @@ def cmd_launch(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from graph_opt.runtime import load_engine
-    from msllm import chat, device
+    from graph_opt.runtime import MINDSPORE_ENGINES, load_engine
+    from msllm import chat
     from msllm.generate import Sampling, TextStream, generate
 
     if args.system is not None and args.chat is None:
         raise UsageError("--system: only used with --chat MESSAGE")
-    device.setup("cpu", "graph")  # prefill and decode compile once each per shape
+    uses_mindspore = args.engine in MINDSPORE_ENGINES  # onnxruntime runs without importing MindSpore
+    if uses_mindspore:
+        from msllm import device
+
+        device.setup("cpu", "graph")  # prefill and decode compile once each per shape
     engine, model_cfg, tokenizer, conventions = load_engine(args.engine, args.ckpt)
-    if args.compile_cache:  # the next start skips compiling; one sub-dir per model and engine
+    if args.compile_cache and uses_mindspore:  # the next start skips compiling; one sub-dir per model and engine
         key = json.dumps([args.engine, dataclasses.asdict(model_cfg)], sort_keys=True).encode()
         device.use_compile_cache(Path(args.compile_cache) / hashlib.sha256(key).hexdigest()[:16])
     if args.top_k > model_cfg.vocab_size:

@@ -11,7 +11,6 @@ import dataclasses
 import time
 from typing import Callable
 
-import mindspore as ms
 import numpy as np
 
 
@@ -122,6 +121,8 @@ class TextStream:
 
 def generate_ids(model, ids: list[int], max_new: int, sampling: Sampling = Sampling()) -> list[int]:
     """Reference: the prompt and the tokens so far through the plain model for every new token."""
+    import mindspore as ms
+
     rng = np.random.default_rng(sampling.seed)
     ids = list(ids)
     for _ in range(max_new):

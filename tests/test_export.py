@@ -78,9 +78,11 @@ INPUTS = [np.random.default_rng(1).integers(0, 384, shape) for shape in ((1, 3),
 def test_export_reloads_and_matches_at_two_lengths(qwen_run, tmp_path, fmt):
     out = tmp_path / "export"
     manifest = export(qwen_run, fmt, out, log=lambda line: None)
-    graphs = ([f"{k}.onnx" for k in ("model", "prefill", "decode")] if fmt == "onnx" else
-              ["model_graph.mindir", "model_variables", "cached_graph.mindir", "cached_variables"])
+    cached = "cached.onnx" if fmt == "onnx" else "cached_graph.mindir"
+    graphs = (["model.onnx", cached] if fmt == "onnx" else
+              ["model_graph.mindir", "model_variables", cached, "cached_variables"])
     assert sorted(p.name for p in out.iterdir()) == sorted(graphs + ["export.json", "tokenizer.json"])
+    assert manifest["files"]["prefill"] == manifest["files"]["decode"] == cached  # one graph serves both
     assert json.loads((out / "export.json").read_text())["max_abs_diff"] == manifest["max_abs_diff"]
     # fp32 exports of the same maths, summed in other orders: numerics.REORDER_RTOL of the logits' scale.
     scale = manifest["tolerance"] / export_mod.TOLERANCE["fp32"]  # max(1, max|logits|) of the verification
@@ -102,7 +104,7 @@ def test_fp16_export_within_tolerance(llama_run, tmp_path, fmt):
     manifest = export(llama_run, fmt, tmp_path / "half", dtype="fp16", log=lambda line: None)
     assert 0 < max(manifest["max_abs_diff"].values()) <= manifest["tolerance"]
     if fmt == "onnx":
-        model = onnx.load(str(tmp_path / "half" / "decode.onnx"))
+        model = onnx.load(str(tmp_path / "half" / "cached.onnx"))
         assert {i.name: i.type.tensor_type.elem_type for i in model.graph.input}["past_keys"] == onnx.TensorProto.FLOAT16
 
 
@@ -135,7 +137,6 @@ def test_export_workers_are_as_quiet_as_the_cli(llama_run, tmp_path):
 def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_run, tmp_path):
     out = tmp_path / "mindir"
     manifest = export(qwen_run, "mindir", out, log=lambda line: None)
-    assert manifest["files"]["prefill"] == manifest["files"]["decode"] == "cached_graph.mindir"
     weights = [out / f"{name}_variables" / "data_0" for name in ("model", "cached")]
     assert weights[0].stat().st_size > 4 * QWEN.num_params()
     assert os.path.samefile(*weights)  # one file, linked under both graphs' names
@@ -150,7 +151,7 @@ def test_onnx_external_data_is_written_once(qwen_run, tmp_path, monkeypatch):
     export(qwen_run, "onnx", out, log=lambda line: None)
     weights = (out / "weights.onnx.data").stat().st_size
     assert weights > 4 * QWEN.num_params() * 0.99
-    for kind in ("model", "prefill", "decode"):  # the graphs point at the one data file
+    for kind in ("model", "cached"):  # the graphs point at the one data file
         assert (out / f"{kind}.onnx").stat().st_size < weights / 10
     ids = INPUTS[1]
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
@@ -162,7 +163,7 @@ def test_onnx_external_data_is_written_once(qwen_run, tmp_path, monkeypatch):
 def test_clean_up_keeps_outputs(qwen_run):
     _, model, _, _ = load_model(qwen_run)
     weights = {p.name: p.asnumpy() for p in model.trainable_params()}
-    raw, cleaned = build_graph(QWEN, weights, "prefill"), build_graph(QWEN, weights, "prefill")
+    raw, cleaned = build_graph(QWEN, weights, "cached"), build_graph(QWEN, weights, "cached")
     before, after = clean_up(cleaned)
     assert sum(after.values()) < sum(before.values()) and after["Constant"] == 0 and after["Cast"] == 0
     rng = np.random.default_rng(2)
@@ -222,8 +223,15 @@ def test_cli_export_and_generate_on_every_engine(llama_run, tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "verified: max|diff|" in proc.stdout and "exported" in proc.stdout
         if fmt == "onnx":
-            assert "onnx clean-up decode:" in proc.stdout and "onnx.checker ok" in proc.stdout
+            assert "onnx clean-up cached:" in proc.stdout and "onnx.checker ok" in proc.stdout
         outputs[engine] = run_cli("generate", "--engine", engine, "--ckpt", str(out), "--max-new-tokens", "12")
+    # the onnxruntime engine's process never imports MindSpore (~0.4 GB and ~2 s of start-up)
+    script = ("import sys; from msllm.cli import main; code = main(['generate', '--engine', 'onnxruntime', '--ckpt', "
+              f"{str(tmp_path / 'onnx')!r}, '--max-new-tokens', '12']); "
+              "print(sorted(m for m in ('mindspore', 'torch') if m in sys.modules)); sys.exit(code)")
+    alone = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0 and alone.stdout.splitlines()[-1] == "[]", alone.stderr[-2000:]
+    assert alone.stdout.splitlines()[:-1] == outputs["onnxruntime"].stdout.splitlines()
     outputs["msllm"] = run_cli("generate", "--engine", "msllm", "--ckpt", str(llama_run), "--max-new-tokens", "12")
     assert all(p.returncode == 0 for p in outputs.values()), [p.stderr[-1000:] for p in outputs.values()]
     assert len({p.stdout for p in outputs.values()}) == 1
@@ -288,7 +296,7 @@ def test_benchmark_script_runs_at_tiny_size(tmp_path):
 @pytest.mark.parametrize("fmt", ["onnx", "mindir"])
 def test_full_disk_keeps_the_previous_export(llama_run, small_disk, fmt):
     """Out of space while writing the graphs (--force over an earlier export): one line naming OUT
-    and the space the fp32 weights of its graphs need (three ONNX graphs, two MindIR weight files),
+    and the space the fp32 weights of its graphs need (two graphs, each with its weights in ONNX or MindIR),
     no temporary dir, the earlier export kept."""
     out = small_disk / "out"
     out.mkdir()
@@ -298,6 +306,6 @@ def test_full_disk_keeps_the_previous_export(llama_run, small_disk, fmt):
         export(llama_run, fmt, out, force=True, log=lambda line: None)
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"{out}: no space left on the device")
-    assert needed_bytes(message) >= (3 if fmt == "onnx" else 2) * 4 * LLAMA.num_params()
+    assert needed_bytes(message) >= 2 * 4 * LLAMA.num_params()
     assert (out / "export.json").read_text() == "an earlier export" and len(list(out.iterdir())) == 1
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]
