@@ -134,6 +134,36 @@ def test_export_workers_are_as_quiet_as_the_cli(llama_run, tmp_path):
     assert lines[-2].startswith("verified: max|diff|") and lines[-1].startswith("exported mindir (fp32)")
 
 
+def test_prefill_and_decode_share_one_session_and_older_exports_still_load(llama_run, tmp_path):
+    """The cached graph is loaded once for prefill and decode; an export from before it (separate
+    prefill.onnx and decode.onnx, as export.json names them) still generates the same tokens."""
+    import shutil
+
+    from graph_opt.runtime import export_engine
+
+    out = tmp_path / "onnx"
+    manifest = export(llama_run, "onnx", out, log=lambda line: None)
+    engine = export_engine(out, manifest)
+    prompts = [[5, 6, 7], [8]]
+    first = engine.start(prompts, 4)
+    assert engine.graph("prefill") is engine.graph("decode")
+    steps = [engine.step([1, 2]) for _ in range(3)]
+
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    for kind in ("prefill", "decode"):
+        shutil.copyfile(out / "cached.onnx", old / f"{kind}.onnx")
+        manifest["files"][kind] = f"{kind}.onnx"
+        manifest["sizes"][f"{kind}.onnx"] = (out / "cached.onnx").stat().st_size
+    (old / "cached.onnx").unlink()
+    del manifest["sizes"]["cached.onnx"]
+    old_engine = export_engine(old, manifest)
+    np.testing.assert_array_equal(old_engine.start(prompts, 4), first)
+    assert old_engine.graph("prefill") is not old_engine.graph("decode")
+    for want in steps:
+        np.testing.assert_array_equal(old_engine.step([1, 2]), want)
+
+
 def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_run, tmp_path):
     out = tmp_path / "mindir"
     manifest = export(qwen_run, "mindir", out, log=lambda line: None)
