@@ -137,8 +137,9 @@ def read_state(ckpt_dir: Path) -> dict:
     return state
 
 
-def load_arrays(path: Path) -> dict[str, np.ndarray]:
-    """name -> array (converted checkpoints may be bf16: widened to fp32, exactly)."""
+def load_arrays(path: Path):
+    """name -> array, read when looked up (converted checkpoints may be bf16: widened to fp32,
+    exactly); `with load_arrays(path) as arrays:` closes the file after the block."""
     from msllm.safetensors_reader import read_arrays
 
     return read_arrays(path)
@@ -181,7 +182,8 @@ def load_model(ckpt: str | Path):
 
     cfg, path, state = read_checkpoint(ckpt)
     model = Llama(cfg.model)
-    load_into(model.trainable_params(), load_arrays(path / MODEL_FILE), str(path))
+    with load_arrays(path / MODEL_FILE) as arrays:
+        load_into(model.trainable_params(), arrays, str(path))
     model.set_train(False)
     return cfg, model, path, state
 

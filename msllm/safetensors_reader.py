@@ -146,7 +146,8 @@ class SafetensorsReader:
 
 class LazyArrays(Mapping):
     """name -> numpy array of a file, read on each access (bf16 widened to fp32): copying a model's
-    tensors into Parameters one at a time keeps at most one tensor mapped, not the whole file."""
+    tensors into Parameters one at a time keeps at most one tensor mapped, not the whole file.
+    `with` closes the file at the end of the block (arrays already read stay valid)."""
 
     def __init__(self, path: Path):
         self.reader = SafetensorsReader(path)
@@ -160,6 +161,12 @@ class LazyArrays(Mapping):
 
     def __len__(self) -> int:
         return len(self.reader.shapes)
+
+    def __enter__(self) -> "LazyArrays":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.reader.close()
 
 
 def read_arrays(path: Path) -> LazyArrays:

@@ -127,12 +127,13 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0)
 
     def _restore(self, path: Path) -> None:
-        checkpoint.load_into(self.model.trainable_params(), checkpoint.load_arrays(path / checkpoint.MODEL_FILE), str(path))
+        with checkpoint.load_arrays(path / checkpoint.MODEL_FILE) as weights:
+            checkpoint.load_into(self.model.trainable_params(), weights, str(path))
         # The loss-scaler state exists only under fp16: a resume that switches precision drops or starts it.
-        optim = checkpoint.load_arrays(path / checkpoint.OPTIM_FILE)
-        scaler = [p for p in self.train_step.state_parameters() if p.name in optim]
-        checkpoint.load_into(scaler, {p.name: optim[p.name] for p in scaler}, str(path))
-        self.optimizer.load_full_state({k: v for k, v in optim.items() if not k.startswith(LOSS_SCALE)}, str(path))
+        with checkpoint.load_arrays(path / checkpoint.OPTIM_FILE) as optim:
+            scaler = [p for p in self.train_step.state_parameters() if p.name in optim]
+            checkpoint.load_into(scaler, {p.name: optim[p.name] for p in scaler}, str(path))
+            self.optimizer.load_full_state({k: v for k, v in optim.items() if not k.startswith(LOSS_SCALE)}, str(path))
         state = checkpoint.read_state(path)
         self.start_step, self.skipped = state["step"], state.get("skipped_steps", 0)
         self.data_position = state.get("data_position", self.start_step * self.global_batch)
