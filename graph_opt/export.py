@@ -8,8 +8,9 @@ Each format writes two graphs:
                   start [1], pad [batch] -> logits [batch, vocab] of the last token, keys, values
                   with slots start .. start+seq-1 written (msllm.inference.CachedForward): prefill,
                   and decode with seq = 1, so generation loads one graph and one copy of the weights
-ONNX writes model.onnx and cached.onnx (weights.onnx.data: external data shared by the two, for
-weights > 2 GB or with --external-data). MindIR writes model_graph.mindir and cached_graph.mindir,
+ONNX writes model.onnx and cached.onnx and their weights once, as external data both point at
+(weights.onnx.data); with --embed-weights each graph file carries its own copy instead
+(self-contained files, up to protobuf's 2 GB). MindIR writes model_graph.mindir and cached_graph.mindir,
 each with its weights in MindSpore's external-data layout (<name>_variables/), the two weight
 files one hard link.
   export.json     format, dtype, config, files (by kind: model, prefill, decode), file sizes,
@@ -34,7 +35,7 @@ import numpy as np
 
 from graph_opt import ExportError
 from graph_opt.manifest import MANIFEST, file_sizes
-from msllm.staged import staged_dir
+from msllm.staged import size_text, staged_dir
 
 FORMATS = ("mindir", "onnx")
 DTYPES = ("fp32", "fp16")
@@ -210,7 +211,7 @@ def write_graphs(ckpt_dir: Path, fmt: str, dtype: str, external_data: bool, tmp:
     return files, time.perf_counter() - started, references
 
 
-def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", external_data: bool = False,
+def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", embed_weights: bool = False,
            force: bool = False, log=print) -> dict:
     """Export a run (or checkpoint dir) to OUT; returns the manifest. Raises ExportError / CheckpointError.
     Worker processes write the graphs and verify each: MindSpore keeps the memory of a graph it
@@ -228,10 +229,19 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
     out = Path(out)
     cfg, ckpt_dir, state = read_checkpoint(ckpt)
     nbytes = cfg.model.num_params() * (2 if dtype == "fp16" else 4)
-    external_data = fmt == "onnx" and (external_data or nbytes > PROTOBUF_LIMIT)
+    if embed_weights and fmt != "onnx":
+        raise ExportError("--embed-weights: only for --format onnx (MindIR keeps its weights in <name>_variables/)")
+    if embed_weights and nbytes > PROTOBUF_LIMIT:
+        raise ExportError(f"--embed-weights: {size_text(nbytes)} of weights do not fit in one ONNX file (protobuf's "
+                          f"2 GB limit); export without it (the weights go to {ONNX_DATA})")
+    # Serialising a graph with its weights inside holds two more copies of them (docs/export.md,
+    # Memory), so ONNX weights are external unless asked.
+    external_data = fmt == "onnx" and not embed_weights
     # ONNX: two graphs sharing one weights file or holding a copy each; MindIR: two weight files
-    # (linked into one where the file system allows)
-    need = nbytes * (1 if external_data else 2)
+    # (linked into one where the file system allows). Graph files take ~0.2 MB a layer each.
+    tokenizer = find_tokenizer(ckpt_dir, state)
+    need = (nbytes * (1 if external_data else 2) + (cfg.model.num_layers + 16) * 2**20
+            + (tokenizer.stat().st_size if tokenizer is not None else 0))
     with staged_dir(out, need=need, replace=force, sources=(ckpt_dir,),
                     then="free space or choose another --out, then export again") as tmp:
         inputs = verification_inputs(cfg.model.vocab_size, cfg.model.max_seq_len)
@@ -253,7 +263,6 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", ext
             raise ExportError(f"verification failed: max|diff| {worst:.3g} > tolerance {bound:.3g}; nothing written")
         log(f"verified: max|diff| {worst:.3g} <= tolerance {bound:.3g} ({TOLERANCE[dtype]:g} x max(1, max|logits|))")
         manifest.update(max_abs_diff=diffs, tolerance=bound)
-        tokenizer = find_tokenizer(ckpt_dir, state)
         if tokenizer is not None:  # with the EOS ids and chat template generate needs
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
             conventions = chat.read(ckpt_dir, state.get("hf_config"), load_tokenizer(tokenizer))

@@ -204,7 +204,7 @@ def cmd_export(args) -> int:
     check_new_dir(args.out, args.force, "--out")
     from graph_opt.export import export
 
-    export(args.ckpt, args.format, args.out, dtype=args.dtype, external_data=args.external_data, force=args.force,
+    export(args.ckpt, args.format, args.out, dtype=args.dtype, embed_weights=args.embed_weights, force=args.force,
            log=lambda line: print(line, flush=True))
     return 0
 
@@ -444,8 +444,9 @@ def build_parser() -> Parser:
                                                 "--force)")
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
                    help="weights and activations (norms, softmax stay fp32; default fp32)")
-    p.add_argument("--external-data", action="store_true",
-                   help="ONNX: weights in a separate file (automatic above 2 GB)")
+    p.add_argument("--embed-weights", action="store_true",
+                   help="ONNX: each graph file carries its own copy of the weights (self-contained files, up to "
+                        "2 GB of weights); default: written once to weights.onnx.data beside the graphs")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.set_defaults(func=cmd_export)
 

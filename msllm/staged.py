@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,10 +36,13 @@ class DiskFullError(OutputError):
 
 
 def is_disk_full(e: BaseException) -> bool:
-    """ENOSPC / EDQUOT, also when a library wraps it in its own error (safetensors: "os error 28")."""
+    """ENOSPC / EDQUOT, also when a library wraps it in its own error (safetensors: "os error 28"),
+    or loses it: numpy's tofile (onnx_ir's external-data writer) reports a short write as
+    "N requested and M written" without an errno."""
     codes = (errno.ENOSPC, errno.EDQUOT)
     return ((isinstance(e, OSError) and e.errno in codes)
-            or any(f"os error {code})" in str(e) or f"[Errno {code}]" in str(e) for code in codes))
+            or any(f"os error {code})" in str(e) or f"[Errno {code}]" in str(e) for code in codes)
+            or (isinstance(e, OSError) and re.fullmatch(r"\d+ requested and \d+ written", str(e)) is not None))
 
 
 def size_text(n: float) -> str:

@@ -281,6 +281,8 @@ ROWS = [
       names=("{onnxtrunc}/cached.onnx",)),
     R("generate-truncated-decode-mindir", "generate", "--engine", "mindir", "--ckpt", "{mindirtrunc}",
       names=("{mindirtrunc}/cached_graph.mindir",)),
+    R("generate-truncated-weights-onnx", "generate", "--engine", "onnxruntime", "--ckpt", "{onnxtruncweights}",
+      names=("{onnxtruncweights}/weights.onnx.data",)),
     R("generate-truncated-weights-mindir", "generate", "--engine", "mindir", "--ckpt", "{mindirtruncweights}",
       names=("{mindirtruncweights}/cached_variables/data_0",)),
     R("generate-missing-weights-mindir", "generate", "--engine", "mindir", "--ckpt", "{mindirnoweights}",
@@ -474,9 +476,8 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
         f[fmt] = root / fmt
         export(f["run"], fmt, f[fmt], log=lambda line: None)
         files = json.loads((f[fmt] / "export.json").read_text())["files"]
-        for case, name in (("trunc", files["decode"]), ("truncweights", "cached_variables/data_0")):
-            if fmt == "onnx" and case == "truncweights":
-                continue
+        weights = "weights.onnx.data" if fmt == "onnx" else "cached_variables/data_0"
+        for case, name in (("trunc", files["decode"]), ("truncweights", weights)):
             f[fmt + case] = root / (fmt + case)
             shutil.copytree(f[fmt], f[fmt + case])
             target = f[fmt + case] / name

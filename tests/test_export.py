@@ -79,7 +79,7 @@ def test_export_reloads_and_matches_at_two_lengths(qwen_run, tmp_path, fmt):
     out = tmp_path / "export"
     manifest = export(qwen_run, fmt, out, log=lambda line: None)
     cached = "cached.onnx" if fmt == "onnx" else "cached_graph.mindir"
-    graphs = (["model.onnx", cached] if fmt == "onnx" else
+    graphs = (["model.onnx", cached, "weights.onnx.data"] if fmt == "onnx" else
               ["model_graph.mindir", "model_variables", cached, "cached_variables"])
     assert sorted(p.name for p in out.iterdir()) == sorted(graphs + ["export.json", "tokenizer.json"])
     assert manifest["files"]["prefill"] == manifest["files"]["decode"] == cached  # one graph serves both
@@ -175,19 +175,31 @@ def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_run, tmp_path):
     assert manifest["sizes"]["cached_variables/data_0"] == weights[0].stat().st_size
 
 
-def test_onnx_external_data_is_written_once(qwen_run, tmp_path, monkeypatch):
-    monkeypatch.setattr(export_mod, "PROTOBUF_LIMIT", 1000)  # as if the weights were over 2 GB
+def test_onnx_weights_are_written_once_or_embedded_on_request(qwen_run, tmp_path, monkeypatch):
     out = tmp_path / "ext"
     export(qwen_run, "onnx", out, log=lambda line: None)
     weights = (out / "weights.onnx.data").stat().st_size
     assert weights > 4 * QWEN.num_params() * 0.99
     for kind in ("model", "cached"):  # the graphs point at the one data file
         assert (out / f"{kind}.onnx").stat().st_size < weights / 10
+    embedded = tmp_path / "embedded"
+    export(qwen_run, "onnx", embedded, embed_weights=True, log=lambda line: None)
+    assert sorted(p.name for p in embedded.glob("*.onnx*")) == ["cached.onnx", "model.onnx"]
+    for kind in ("model", "cached"):  # self-contained files
+        assert (embedded / f"{kind}.onnx").stat().st_size > weights
     ids = INPUTS[1]
-    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     ref = reference_logits(qwen_run, ids)
-    got = session.run(None, {"input_ids": ids})[0]
-    np.testing.assert_allclose(got, ref, rtol=0, atol=REORDER_RTOL * np.abs(ref).max())
+    for folder in (out, embedded):
+        session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+        got = session.run(None, {"input_ids": ids})[0]
+        np.testing.assert_allclose(got, ref, rtol=0, atol=REORDER_RTOL * np.abs(ref).max())
+
+    monkeypatch.setattr(export_mod, "PROTOBUF_LIMIT", 1000)  # as if the weights were over 2 GB
+    with pytest.raises(ExportError, match=r"^--embed-weights: .* do not fit in one ONNX file .* export without it"):
+        export(qwen_run, "onnx", tmp_path / "big", embed_weights=True, log=lambda line: None)
+    with pytest.raises(ExportError, match=r"^--embed-weights: only for --format onnx"):
+        export(qwen_run, "mindir", tmp_path / "big", embed_weights=True, log=lambda line: None)
+    assert not (tmp_path / "big").exists()
 
 
 def test_clean_up_keeps_outputs(qwen_run):
@@ -326,7 +338,7 @@ def test_benchmark_script_runs_at_tiny_size(tmp_path):
 @pytest.mark.parametrize("fmt", ["onnx", "mindir"])
 def test_full_disk_keeps_the_previous_export(llama_run, small_disk, fmt):
     """Out of space while writing the graphs (--force over an earlier export): one line naming OUT
-    and the space the fp32 weights of its graphs need (two graphs, each with its weights in ONNX or MindIR),
+    and at least the space of the fp32 weights (written once in ONNX, under both graphs' names in MindIR),
     no temporary dir, the earlier export kept."""
     out = small_disk / "out"
     out.mkdir()
@@ -336,6 +348,6 @@ def test_full_disk_keeps_the_previous_export(llama_run, small_disk, fmt):
         export(llama_run, fmt, out, force=True, log=lambda line: None)
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"{out}: no space left on the device")
-    assert needed_bytes(message) >= 2 * 4 * LLAMA.num_params()
+    assert needed_bytes(message) >= (1 if fmt == "onnx" else 2) * 4 * LLAMA.num_params()
     assert (out / "export.json").read_text() == "an earlier export" and len(list(out.iterdir())) == 1
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "out"]
