@@ -81,20 +81,56 @@ def write_manifest(folder: Path) -> None:
 
 
 def check_manifest(folder: Path) -> str | None:
-    """None if every file the manifest lists is there with its size and sha256, else what is wrong."""
+    """None if every file the manifest lists is there with its size and sha256, else what is wrong.
+    A file whose sha256 was checked before and that has not changed since (same inode, size,
+    mtime and ctime: any write or rename changes the ctime) is not read again."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         return f"no readable {MANIFEST}"
+    checked, learned = _read_checked(), {}
     for name, want in manifest.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
-        if path.stat().st_size != want["size"]:
-            return f"{name} has {path.stat().st_size} bytes, manifest says {want['size']}"
-        if sha256(path) != want["sha256"]:
-            return f"{name} checksum mismatch"
+        st = path.stat()
+        if st.st_size != want["size"]:
+            return f"{name} has {st.st_size} bytes, manifest says {want['size']}"
+        key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        if checked.get(key) != want["sha256"]:
+            if sha256(path) != want["sha256"]:
+                return f"{name} checksum mismatch"
+            learned[key] = want["sha256"]
+    if learned:
+        _write_checked({**checked, **learned})
     return None
+
+
+CHECKED_LIMIT = 1000  # files remembered as checked; the oldest are forgotten first
+
+
+def _checked_file() -> Path:
+    return Path(os.environ.get("MSLLM_CACHE", Path.home() / ".cache" / "msllm")) / "checked-sha256.json"
+
+
+def _read_checked() -> dict[str, str]:
+    try:
+        return dict(json.loads(_checked_file().read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
+def _write_checked(entries: dict[str, str]) -> None:
+    """Best effort (a read-only home only costs the re-hash); several ranks may write at once,
+    so each writes its own temporary file and renames it over."""
+    path = _checked_file()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(dict(list(entries.items())[-CHECKED_LIMIT:])))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def holds(outer: str | Path, inner: str | Path) -> bool:

@@ -172,6 +172,33 @@ def test_full_disk_keeps_the_previous_checkpoint(small_disk):
     assert [p.name for p in (small_disk / "checkpoints").iterdir()] == [first.name]
 
 
+def test_an_unchanged_checkpoint_is_hashed_once(tmp_path, monkeypatch):
+    """Loading a checkpoint again (every `msllm generate`) does not re-read its weights for the
+    sha256 check; a file changed since, even to the same size, is read again and caught."""
+    from mindspore import Parameter, Tensor
+
+    from msllm import staged
+
+    monkeypatch.setenv("MSLLM_CACHE", str(tmp_path / "cache"))
+    params = [Parameter(Tensor(np.ones((64, 512), np.float32)), name="w")]
+    ckpt = checkpoint.save(tmp_path / "run", 1, params, [], {"config": {}})
+    hashed = []
+    real_sha256 = staged.sha256
+    monkeypatch.setattr(staged, "sha256", lambda path: hashed.append(path.name) or real_sha256(path))
+    assert checkpoint.latest(tmp_path / "run") == ckpt
+    assert checkpoint.MODEL_FILE in hashed
+    hashed.clear()
+    assert checkpoint.latest(ckpt) == ckpt and hashed == []
+    weights = ckpt / checkpoint.MODEL_FILE
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of the last weight
+    weights.chmod(0o644)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match=f"{checkpoint.MODEL_FILE} checksum mismatch"):
+        checkpoint.latest(ckpt)
+    assert hashed == [checkpoint.MODEL_FILE]
+
+
 def test_non_finite_weights_are_never_saved(tmp_path):
     from mindspore import Parameter, Tensor
 
