@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from msllm.config import Config, ModelConfig
+from msllm.staged import cache_root
 
 PACKAGES = {  # distribution -> what needs it
     "mindspore": "everything",
@@ -251,7 +252,7 @@ def _cgroup_cpu_quota() -> float | None:
 def memory_and_disk(s: Screen, run_dir: Path) -> tuple[int, int]:
     free_mem, limit = available_memory(), _cgroup_memory_limit()
     s.row("memory", f"{human_bytes(free_mem)} available" + (f" (cgroup limit {human_bytes(limit)})" if limit else ""))
-    cache = Path(os.environ.get("MSLLM_CACHE", Path.home() / ".cache" / "msllm"))
+    cache = cache_root()
     free_run, free_cache = (shutil.disk_usage(_existing_parent(p)).free for p in (run_dir, cache))
     s.row("disk", f"run dir {run_dir}: {human_bytes(free_run)} free; cache {cache}: {human_bytes(free_cache)} free")
     if free_run < 1 << 30:

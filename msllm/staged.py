@@ -109,8 +109,13 @@ def check_manifest(folder: Path) -> str | None:
 CHECKED_LIMIT = 1000  # files remembered as checked; the oldest are forgotten first
 
 
+def cache_root() -> Path:
+    """msllm's own cache: $MSLLM_CACHE, default ~/.cache/msllm (built kernels, checked checksums)."""
+    return Path(os.environ.get("MSLLM_CACHE", Path.home() / ".cache" / "msllm"))
+
+
 def _checked_file() -> Path:
-    return Path(os.environ.get("MSLLM_CACHE", Path.home() / ".cache" / "msllm")) / "checked-sha256.json"
+    return cache_root() / "checked-sha256.json"
 
 
 def _read_checked() -> dict[str, str]:

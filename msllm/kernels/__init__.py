@@ -31,6 +31,7 @@ from mindspore import nn, ops
 from mindspore.ops import signature as sig
 
 from msllm.errors import UserError
+from msllm.staged import cache_root
 from msllm.backends.cpu import SoftmaxAttention
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
@@ -52,7 +53,7 @@ class KernelBuildError(UserError, RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MSLLM_CACHE", Path.home() / ".cache" / "msllm")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> bytes:
