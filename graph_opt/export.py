@@ -145,7 +145,7 @@ def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     if dtype == "fp16":
         to_half(model)
     ids = ms.Tensor(shape=[None, None], dtype=ms.int32)
-    cache = ms.Tensor(shape=[cfg.num_layers, None, cfg.num_kv_heads, None, cfg.head_dim],
+    cache = ms.Tensor(shape=[cfg.num_layers, None, cfg.num_kv_heads, None, cfg.head_size],
                       dtype=ms.float16 if dtype == "fp16" else ms.float32)
     where = (ms.Tensor(shape=[1], dtype=ms.int32), ms.Tensor(shape=[None], dtype=ms.int32))  # start, pad
     cached = CachedForward(model)

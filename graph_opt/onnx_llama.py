@@ -53,7 +53,7 @@ def hf_weights(table: Table, cfg: ModelConfig, weights: dict[str, np.ndarray]) -
     stores as it is keeps its msllm name; one stored otherwise (fused, transposed) is cut by the table."""
     out = {}
     for e in entries(table, cfg):
-        whole = torch.from_numpy(weights[e.name])
+        whole = e.stored["msllm"].gather(e, lambda name: torch.from_numpy(weights[name]))
         parts = e.stored["hf"].scatter(e, whole)
         for name, part in parts:
             out[name] = (e.name if len(parts) == 1 and part is whole else name, part.numpy())
@@ -72,7 +72,7 @@ class LlamaGraph:
     """Records the nodes and initializers of one graph on an onnx_ir tape."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype: str):
-        self.cfg, self.table = cfg, FAMILIES[default_architecture(cfg)]
+        self.cfg, self.table = cfg, FAMILIES[default_architecture(cfg)].table
         self.weights = hf_weights(self.table, cfg, weights)
         self.np_dtype, self.dtype = DTYPES[dtype]
         self.tape = ir.tape.Tape()
@@ -113,19 +113,19 @@ class LlamaGraph:
 
     def heads(self, rows, n, seq) -> ir.Value:
         """[b*s, n*d] -> [b, n, s, d]."""
-        split = self.op("Reshape", rows, self.shape(-1, seq, n, self.cfg.head_dim))
+        split = self.op("Reshape", rows, self.shape(-1, seq, n, self.cfg.head_size))
         return self.op("Transpose", split, perm=[0, 2, 1, 3])
 
     def rope(self, x, cos, sin) -> ir.Value:
-        half = self.cfg.head_dim // 2
+        half = self.cfg.head_size // 2
         first = self.op("Slice", x, self.const([0]), self.const([half]), self.const([-1]))
-        second = self.op("Slice", x, self.const([half]), self.const([self.cfg.head_dim]), self.const([-1]))
+        second = self.op("Slice", x, self.const([half]), self.const([self.cfg.head_size]), self.const([-1]))
         rotated = self.op("Concat", self.op("Neg", second), first, axis=-1)
         return self.op("Add", self.op("Mul", x, cos), self.op("Mul", rotated, sin))
 
     def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
         q = self.rope(self.heads(self.linear(x, w["q"], w["q_bias"]), nh, seq), cos, sin)
         k = self.rope(self.heads(self.linear(x, w["k"], w["k_bias"]), nkv, seq), cos, sin)
         v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
@@ -224,7 +224,7 @@ class LlamaGraph:
 def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dtype: str = "fp32") -> ir.Model:
     """One of GRAPHS as an onnx_ir Model; weights are msllm parameter arrays by name (fp32)."""
     g = LlamaGraph(cfg, weights, dtype)
-    cache_shape = [cfg.num_layers, "batch", cfg.num_kv_heads, "max_len", cfg.head_dim]
+    cache_shape = [cfg.num_layers, "batch", cfg.num_kv_heads, "max_len", cfg.head_size]
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "sequence"])
     inputs = [input_ids]
     if kind != "model":

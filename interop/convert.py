@@ -50,7 +50,7 @@ class Result:
 def plan(source: Source) -> list[Entry]:
     """The family table's entries for this model, after checking the source holds exactly those tensors.
     (hf_config.architecture() has already refused architectures without a table.)"""
-    table = FAMILIES[source.architecture]
+    table = FAMILIES[source.architecture].table
     rows = entries(table, source.config.model)
     want = {}
     for e in rows:
@@ -70,9 +70,21 @@ def plan(source: Source) -> list[Entry]:
 
 
 def msllm_tensors(rows: list[Entry], layout: str, reader):
-    """(entry, msllm tensor) for each entry, read from a checkpoint stored in `layout`."""
+    """(entry, msllm tensor) for each entry, read from a checkpoint stored in `layout` (an entry of
+    joined msllm parameters gives them joined: see msllm_parameters)."""
     for e in rows:
         yield e, e.stored[layout].gather(e, reader.read)
+
+
+def msllm_parameters(rows: list[Entry], layout: str, reader):
+    """(msllm parameter name, tensor) for every parameter, read from a checkpoint stored in `layout`."""
+    for e, t in msllm_tensors(rows, layout, reader):
+        yield from e.stored["msllm"].scatter(e, t)
+
+
+def parameter_names(rows: list[Entry]) -> list[str]:
+    """The msllm parameter names of `rows`, in file order."""
+    return [name for e in rows for name in e.stored["msllm"].shapes(e)]
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -91,6 +103,9 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     if to not in LAYOUTS:
         raise InteropError(f"unknown destination layout {to!r} (expected {', '.join(LAYOUTS)})")
     rows = plan(source)
+    if any(e.stored[to] is None for e in rows):
+        raise InteropError(f"{source.path}: msllm has no {to} layout for {source.architecture} "
+                           f"(MindFormers names are mapped for Llama, Mistral and Qwen2)")
 
     def out_dtype(e: Entry) -> torch.dtype:
         first = next(iter(e.stored[source.layout].shapes(e)))

@@ -1,9 +1,11 @@
 """Hugging Face config.json <-> msllm ModelConfig.
 
-Supported: LlamaForCausalLM (Llama 2; Llama 3 with llama3 or linear rope scaling),
-MistralForCausalLM and Qwen2ForCausalLM. A config asking for something msllm does not compute
-(another activation, o_proj or MLP biases, head_dim != hidden/heads, another rope type, partial
-rotary) is refused, naming the key, rather than converted into a model that computes something else.
+Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
+text, Phi-3). The sizes, RoPE, sliding window and layer types are read from the config keys every
+family shares; what an architecture implies beyond them is its family spec. A config asking for
+something msllm does not compute (another activation, o_proj or MLP biases, another rope type,
+partial rotary, logit soft-capping) is refused, naming the key, rather than converted into a
+model that computes something else.
 """
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ import math
 from pathlib import Path
 
 from interop import InteropError, read_json
+from interop.maps import FAMILIES
 from msllm.config import ROPE_SCALING_KEYS, ModelConfig
 
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-QKV_BIAS = {"Qwen2ForCausalLM"}
-# msllm precomputes RoPE tables and a [max_seq_len, max_seq_len] fp32 causal mask, so HF's 128K
-# contexts would cost 64 GB; conversions cap the context here unless told otherwise.
+MODEL_TYPES = {arch: family.model_type for arch, family in FAMILIES.items()}
+# msllm precomputes RoPE tables per attention kind, so HF's 128K contexts would cost memory for
+# nothing; conversions cap the context here unless told otherwise.
 MAX_SEQ_LEN = 8192
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
 def architecture(hf: dict, source: str) -> str:
@@ -39,8 +42,17 @@ def check_dir(path: str | Path) -> None:
 
 
 def default_architecture(m: ModelConfig) -> str:
-    """For checkpoints that never came from HF: the family that computes what msllm computes."""
-    return "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+    """For checkpoints that never came from HF: the family whose spec computes what `m` computes
+    (Phi-3 computes Llama's maths, so a model is never given its fused layout by default)."""
+    def matches(family) -> bool:
+        spec = {**dict(qkv_bias=False, qk_norm=False, norm_offset=0.0, sandwich_norm=False, mlp="swiglu"), **family.spec}
+        return all(getattr(m, key) == value for key, value in spec.items())
+
+    arch = next((arch for arch, family in FAMILIES.items() if matches(family)), None)
+    if arch is None:
+        raise InteropError("no Hugging Face architecture computes this model (its q/k norm, norm offset, sandwich "
+                           "norms, MLP and qkv bias match no family of interop/maps)")
+    return arch
 
 
 def _rope(hf: dict, refuse) -> tuple[float, dict | None]:
@@ -54,7 +66,30 @@ def _rope(hf: dict, refuse) -> tuple[float, dict | None]:
     if not isinstance(params, dict):
         refuse(key, f"expected an object, got {params!r}")
     if any(isinstance(v, dict) for v in params.values()):
-        refuse(key, "per-layer-type rope parameters are not supported (msllm uses one RoPE for every layer)")
+        refuse(key, "per-layer-type rope parameters are read only as full_attention and sliding_attention")
+    return _rope_params(hf, params, key, refuse)
+
+
+def _rope_per_layer_type(hf: dict, refuse) -> tuple[float, dict | None, float]:
+    """(theta, scaling, local theta) where rope_parameters holds one dict per layer type (Gemma 3);
+    local theta 0 when there is none. Sliding layers take an unscaled RoPE in msllm."""
+    params = hf.get("rope_parameters")
+    if not (isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values())):
+        return (*_rope(hf, refuse), 0.0)
+    odd = sorted(set(params) - set(LAYER_TYPES))
+    if odd:
+        refuse("rope_parameters", f"unknown layer types {odd}; msllm reads {', '.join(LAYER_TYPES)}")
+    theta, scaling = _rope_params(hf, params.get("full_attention", {}), "rope_parameters.full_attention", refuse)
+    local = params.get("sliding_attention")
+    if local is None:
+        return theta, scaling, 0.0
+    local_theta, local_scaling = _rope_params(hf, local, "rope_parameters.sliding_attention", refuse)
+    if local_scaling:
+        refuse("rope_parameters.sliding_attention", "msllm computes sliding layers with an unscaled RoPE (default)")
+    return theta, scaling, local_theta
+
+
+def _rope_params(hf: dict, params: dict, key: str, refuse) -> tuple[float, dict | None]:
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     if not _is_number(theta) or theta <= 0:
         refuse("rope_theta", f"must be a number > 0, got {theta!r}")
@@ -62,6 +97,8 @@ def _rope(hf: dict, refuse) -> tuple[float, dict | None]:
     if partial not in (None, 1, 1.0):
         refuse("partial_rotary_factor", f"{partial!r}: msllm rotates the whole head (1.0)")
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "longrope":
+        refuse(key, "rope type 'longrope' (Phi-3 128K) is not supported; the 4K Phi-3 configs use the default RoPE")
     if kind == "default":
         return float(theta), None
     if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
@@ -92,28 +129,59 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         return value
 
     arch = architecture(hf, source)
-    if hf.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", f"{hf['hidden_act']!r} is not supported (silu)")
-    for key in ("attention_bias", "mlp_bias"):
+    family = FAMILIES[arch]
+    act_key = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
+    if hf.get(act_key, family.activation) != family.activation:
+        refuse(act_key, f"{hf[act_key]!r} is not supported for {arch} ({family.activation})")
+    for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
         if hf.get(key):
-            refuse(key, "msllm has no o_proj or MLP biases")
+            refuse(key, "msllm has no o_proj or MLP biases" if key != "use_bidirectional_attention"
+                   else "msllm computes causal attention")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            refuse(key, "logit soft-capping is not supported (null)")
     hidden, heads = count("hidden_size"), count("num_attention_heads")
-    if hf.get("head_dim") not in (None, hidden // heads) or hidden % heads:
-        refuse("head_dim", f"{hf.get('head_dim')} != hidden_size / num_attention_heads; msllm needs them equal")
-    theta, scaling = _rope(hf, refuse)
+    head_dim = count("head_dim", 0) if hf.get("head_dim") is not None else 0
+    if not head_dim and hidden % heads:
+        refuse("num_attention_heads", f"must divide hidden_size ({hidden}) when head_dim is not given")
+    theta, scaling, local_theta = _rope_per_layer_type(hf, refuse)
     eps = hf.get("rms_norm_eps", 1e-6)
     if not _is_number(eps) or eps <= 0:
         refuse("rms_norm_eps", f"must be a number > 0, got {eps!r}")
     context = count("max_position_embeddings", 2048)
-    # Sliding-window attention (Mistral, Qwen2 with use_sliding_window) equals full attention up to
-    # the window, so capping the context there keeps the converted model exact.
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
+    layers = count("num_hidden_layers")
+    window, layer_types = _windows(hf, arch, layers, refuse)
+    spec = dict(family.spec)
+    if arch == "Gemma3ForCausalLM":  # derived from its sizes, as Gemma3TextScaledWordEmbedding and its attention do
+        spec.update(embed_scale=hidden ** 0.5, attn_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5)
     return ModelConfig(
-        vocab_size=count("vocab_size"), hidden_size=hidden, num_layers=count("num_hidden_layers"), num_heads=heads,
+        vocab_size=count("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=count("num_key_value_heads", heads), ffn_size=count("intermediate_size"),
+        head_dim=0 if head_dim == hidden // heads and not hidden % heads else head_dim,
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(eps),
-        qkv_bias=arch in QKV_BIAS, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=max_seq_len or min(context, MAX_SEQ_LEN, window or context))
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=max_seq_len or min(context, MAX_SEQ_LEN), sliding_window=window, layer_types=layer_types,
+        rope_local_theta=local_theta if window else 0.0, **spec)
+
+
+def _windows(hf: dict, arch: str, layers: int, refuse) -> tuple[int, list | None]:
+    """(sliding_window, layer_types) as transformers applies them: `layer_types` names each layer's
+    attention; without it, every layer slides when a window is set (Mistral, Phi-3) and
+    use_sliding_window (Qwen2/3) allows it."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        refuse("sliding_window", f"must be a positive integer or null, got {window!r}")
+    named = hf.get("layer_types")
+    if named is None:
+        return (window or 0), None
+    if not isinstance(named, list) or len(named) != layers or not all(t in LAYER_TYPES for t in named):
+        refuse("layer_types", f"expected {layers} of {', '.join(LAYER_TYPES)}, got {named!r}")
+    kinds = [LAYER_TYPES[t] for t in named]
+    if "sliding" not in kinds:
+        return 0, None
+    if not window:
+        refuse("sliding_window", "layer_types has sliding layers but no window is set")
+    return window, None if set(kinds) == {"sliding"} else kinds
 
 
 def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None) -> dict:
@@ -124,16 +192,24 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
         if same == m:
             keys = [k for k in ("dtype", "torch_dtype") if k in base] or ["torch_dtype"]  # transformers 5, 4
             return {**base, **dict.fromkeys(keys, dtype)}
-    hf = {"architectures": [arch], "model_type": MODEL_TYPES[arch], "vocab_size": m.vocab_size,
+    family = FAMILIES[arch]
+    hf = {"architectures": [arch], "model_type": family.model_type, "vocab_size": m.vocab_size,
           "hidden_size": m.hidden_size, "intermediate_size": m.ffn_size, "num_hidden_layers": m.num_layers,
-          "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
-          "hidden_act": "silu", "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
-          "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": dtype}
+          "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_size,
+          "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+          "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": dtype,
+          "hidden_activation" if arch == "Gemma3ForCausalLM" else "hidden_act": family.activation,
+          "sliding_window": m.sliding_window or None}
     if m.rope_scaling:
         scaling = dict(m.rope_scaling)
         hf["rope_scaling"] = {"rope_type": scaling.pop("type", scaling.pop("rope_type", None)), **scaling}
-    if arch == "MistralForCausalLM":
-        hf["sliding_window"] = None
-    if arch == "Qwen2ForCausalLM":
-        hf["use_sliding_window"] = False
+    if m.layer_types is not None or (m.sliding_window and arch not in ("MistralForCausalLM", "Phi3ForCausalLM")):
+        hf["layer_types"] = [f"{kind}_attention" for kind in m.layer_kinds()]
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        hf["use_sliding_window"] = bool(m.sliding_window)
+    if arch == "Gemma3ForCausalLM":
+        full = {"rope_type": "default", "rope_theta": m.rope_theta, **(hf.pop("rope_scaling", None) or {})}
+        hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}}
+        hf["query_pre_attn_scalar"] = m.attn_scale ** -2 if m.attn_scale else m.head_size
     return hf

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from interop import InteropError, read_json
-from interop.convert import msllm_tensors, plan, write_json
+from interop.convert import msllm_parameters, parameter_names, plan, write_json
 from interop.layouts import Source, open_source
 from interop.maps import FAMILIES
 from interop.table import entries
@@ -94,11 +94,11 @@ class PretrainedWeights:
         by_name = {p.name: p for p in params}
         try:
             rows = plan(source)
-            missing = sorted(set(by_name) - {e.name for e in rows})
+            missing = sorted(set(by_name) - set(parameter_names(rows)))
             if missing:
                 raise InteropError(f"{self.path}: holds no {missing[0]} (and {len(missing) - 1} more) of the model")
-            for e, t in msllm_tensors(rows, source.layout, source.reader):
-                by_name[e.name].set_data(Tensor(t.to(torch.float32).numpy()))
+            for name, t in msllm_parameters(rows, source.layout, source.reader):
+                by_name[name].set_data(Tensor(t.to(torch.float32).numpy()))
         finally:
             source.reader.close()
 
@@ -143,7 +143,7 @@ def hf_module_names(arch: str, cfg: Config) -> dict[str, str]:
     from msllm.lora import TARGETS
 
     modules = {}
-    for e in entries(FAMILIES[arch], cfg.model):
+    for e in entries(FAMILIES[arch].table, cfg.model):
         module = e.name.removesuffix(".weight")
         if e.name.endswith(".weight") and module.split(".", 2)[-1] in TARGETS.values():
             modules[module] = e.stored["hf"].name.removesuffix(".weight")

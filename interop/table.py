@@ -7,6 +7,10 @@ layout (Hugging Face, MindFormers) stores it:
     Concat(dim, "a", "b", ...)    stored as parts joined along `dim`; the msllm shape spells that
                                   dim as one term per part ("q+kv+kv"), which gives the split back
     Transposed("name")            stored as the 2-D transpose
+    None                          this layout has no such tensor (the family is not in that layout)
+
+The msllm column may be a Concat too: Phi-3 stores q, k and v as one qkv_proj, so its row is
+one joined tensor whose msllm parts are the separate wq / wk / wv every family shares.
 
 Per-layer names are relative to the table's `layer_prefix` for that layout, where `{i}` is the
 layer index. `when` names a condition on the model config (CONDITIONS).
@@ -25,8 +29,8 @@ CONDITIONS = {"untied": lambda m: not m.tie_embeddings}
 
 
 def named_dims(m: ModelConfig) -> dict[str, int]:
-    return {"vocab": m.vocab_size, "hidden": m.hidden_size, "ffn": m.ffn_size,
-            "q": m.num_heads * m.head_dim, "kv": m.num_kv_heads * m.head_dim}
+    return {"vocab": m.vocab_size, "hidden": m.hidden_size, "ffn": m.ffn_size, "head": m.head_size,
+            "q": m.num_heads * m.head_size, "kv": m.num_kv_heads * m.head_size}
 
 
 class Same:
@@ -77,10 +81,10 @@ class Transposed(Same):
 
 
 class Row(NamedTuple):
-    msllm: str
+    msllm: str | Concat
     shape: str                         # named dims, e.g. "vocab, hidden" or "q+kv+kv, hidden"
     hf: str | Concat | Transposed
-    mindformers: str | Concat | Transposed
+    mindformers: str | Concat | Transposed | None
     when: str | None = None            # a key of CONDITIONS
 
 
@@ -93,11 +97,12 @@ class Table(NamedTuple):
 
 
 class Entry(NamedTuple):
-    """One msllm tensor of a concrete model, and the rule by which each layout stores it."""
-    name: str
+    """One msllm tensor of a concrete model (or several joined, see Row), and the rule by which each
+    layout stores it; a layout without it has None."""
+    name: str                           # the msllm name; joined parts: their names with "+"
     shape: tuple[int, ...]
     terms: tuple[tuple[int, ...], ...]  # per dim, the sizes of its "+" terms
-    stored: dict[str, Same | Concat | Transposed]
+    stored: dict[str, Same | Concat | Transposed | None]
 
 
 def entries(table: Table, m: ModelConfig) -> list[Entry]:
@@ -112,14 +117,27 @@ def entries(table: Table, m: ModelConfig) -> list[Entry]:
         if row.when and not CONDITIONS[row.when](m):
             continue
         terms = tuple(tuple(sizes[t.strip()] for t in dim.split("+")) for dim in row.shape.split(","))
-        stored = {layout: _rule(getattr(row, layout)).expand(prefix[layout], i) for layout in LAYOUTS}
+        stored = {layout: _rule(getattr(row, layout)) for layout in LAYOUTS}
+        stored = {layout: rule and rule.expand(prefix[layout], i) for layout, rule in stored.items()}
         for layout, rule in stored.items():  # a table bug, caught when the table is first used
             if isinstance(rule, Concat) and len(rule.parts) != len(terms[rule.dim]):
                 raise ValueError(f"table row {row.msllm}: {layout} joins {len(rule.parts)} parts but "
                                  f"dim {rule.dim} of {row.shape!r} has {len(terms[rule.dim])} terms")
-        out.append(Entry(stored["msllm"].name, tuple(map(sum, terms)), terms, stored))
+        mine = stored["msllm"]
+        name = "+".join(mine.parts) if isinstance(mine, Concat) else mine.name
+        out.append(Entry(name, tuple(map(sum, terms)), terms, stored))
     return out
 
 
-def _rule(spec) -> Same | Concat | Transposed:
+def msllm_arrays(rows: list[Entry], layout: str, read: Callable) -> dict[str, torch.Tensor]:
+    """msllm parameter name -> tensor, from tensors stored in `layout` (read by name)."""
+    return {name: part for e in rows for name, part in e.stored["msllm"].scatter(e, e.stored[layout].gather(e, read))}
+
+
+def stored_arrays(rows: list[Entry], layout: str, read: Callable) -> dict[str, torch.Tensor]:
+    """Tensors as `layout` names and stores them, from msllm parameters (read by msllm name)."""
+    return {name: part for e in rows for name, part in e.stored[layout].scatter(e, e.stored["msllm"].gather(e, read))}
+
+
+def _rule(spec) -> Same | Concat | Transposed | None:
     return Same(spec) if isinstance(spec, str) else spec

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from interop import InteropError
-from interop.convert import msllm_tensors, plan
+from interop.convert import msllm_parameters, plan
 from interop.layouts import Source, open_source
 
 # Measured max_rel on the 2-layer test models: fp32 3e-7, fp16 5e-4, bf16 4e-3; deeper models
@@ -79,8 +79,8 @@ def msllm_model(source: Source):
 
     rows = plan(source)
     # copy=True: own the memory rather than keep the file mappings (interop/formats) alive in the model
-    arrays = {e.name: t.to(torch.float32, copy=True).numpy()
-              for e, t in msllm_tensors(rows, source.layout, source.reader)}
+    arrays = {name: t.to(torch.float32, copy=True).numpy()
+              for name, t in msllm_parameters(rows, source.layout, source.reader)}
     source.reader.close()
     model = Llama(source.config.model)
     checkpoint.load_into(model.trainable_params(), arrays, str(source.path))

@@ -63,9 +63,9 @@ import torch
 from mindspore import Parameter, Tensor, nn, ops
 
 from interop import InteropError
-from interop.convert import plan
+from interop.convert import parameter_names, plan
 from interop.layouts import open_source
-from interop.table import Entry
+from interop.table import Entry, msllm_arrays, stored_arrays
 from interop.verify import hf_states, max_rel, msllm_model, msllm_states, open_hf, same_model
 from msllm.config import Config, OptimConfig, TrainConfig
 
@@ -180,11 +180,11 @@ def _what(c: Check) -> str:
 
 def to_msllm(rows: list[Entry], hf_tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """HF-named tensors -> msllm-named arrays, through the family table."""
-    return {e.name: e.stored["hf"].gather(e, hf_tensors.__getitem__).numpy() for e in rows}
+    return {name: t.numpy() for name, t in msllm_arrays(rows, "hf", hf_tensors.__getitem__).items()}
 
 
 def to_hf(rows: list[Entry], arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    return {name: part for e in rows for name, part in e.stored["hf"].scatter(e, torch.from_numpy(arrays[e.name]))}
+    return stored_arrays(rows, "hf", lambda name: torch.from_numpy(arrays[name]))
 
 
 def rel(ours: float, theirs: float) -> float:
@@ -271,7 +271,7 @@ def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int 
     built = build_train_step(cfg, model, wrap_optimizer=RecordGradients)
     recorder, adamw = built.train_step.optimizer, built.optimizer
     theirs = TorchSide(Path(hf_dir), rows, optim)
-    names = [e.name for e in rows]
+    names = parameter_names(rows)
     backward_order = names[::-1]  # from the loss towards the embeddings
     checks = []
     for step, tokens in enumerate(batches, 1):

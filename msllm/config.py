@@ -27,12 +27,15 @@ class ConfigError(UserError, ValueError):
 
 @dataclass
 class ModelConfig:
+    """A decoder LLM as data: sizes, then the parts that tell one family from another (the family
+    spec; interop/maps/ names the values each Hugging Face architecture sets). The defaults are Llama."""
     vocab_size: int = 2048
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     ffn_size: int = 352
+    head_dim: int = 0                 # 0: hidden_size // num_heads (Qwen3 and Gemma 3 set it apart)
     rope_theta: float = 10000.0
     # None, or {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"} / {"type": "linear", "factor"}
@@ -41,22 +44,40 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     max_seq_len: int = 256
+    # -- the family spec ---------------------------------------------------------------------------
+    qk_norm: bool = False             # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0          # every norm scales by (offset + weight): Gemma's (1 + w) is 1.0
+    sandwich_norm: bool = False       # also a norm on the attention and MLP outputs before the residual add
+    mlp: str = "swiglu"               # swiglu: silu(gate) * up | geglu_tanh: gelu_tanh(gate) * up (Gemma)
+    embed_scale: float = 1.0          # embeddings x this (Gemma: sqrt(hidden_size))
+    attn_scale: float = 0.0           # scores x this; 0: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
+    sliding_window: int = 0           # sliding layers attend to the last N positions (0: no sliding layers)
+    # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else full.
+    layer_types: Optional[list] = None
+    rope_local_theta: float = 0.0     # RoPE base of sliding layers, unscaled (Gemma 3); 0: as full layers
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def head_size(self) -> int:
+        """Features per attention head: head_dim, or hidden_size // num_heads when it is 0."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def layer_kinds(self) -> list[str]:
+        """"full" or "sliding" for each layer."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        return ["sliding" if self.sliding_window else "full"] * self.num_layers
 
     def num_params(self) -> int:
-        h, f, v, L = self.hidden_size, self.ffn_size, self.vocab_size, self.num_layers
-        kv = self.num_kv_heads * self.head_dim
-        attn = h * h * 2 + h * kv * 2 + ((h + 2 * kv) if self.qkv_bias else 0)
-        per_layer = attn + 3 * h * f + 2 * h
+        h, f, v, L, d = self.hidden_size, self.ffn_size, self.vocab_size, self.num_layers, self.head_size
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.qkv_bias else 0) + (2 * d if self.qk_norm else 0)
+        per_layer = attn + 3 * h * f + (4 if self.sandwich_norm else 2) * h
         return v * h * (1 if self.tie_embeddings else 2) + L * per_layer + h
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params + attention scores (PaLM appendix B)."""
         non_embed = self.num_params() - self.vocab_size * self.hidden_size * (0 if self.tie_embeddings else 1)
-        return 6.0 * non_embed + 12.0 * self.num_layers * self.hidden_size * seq_len
+        return 6.0 * non_embed + 12.0 * self.num_layers * self.num_heads * self.head_size * seq_len
 
 
 @dataclass
@@ -177,7 +198,9 @@ _CHOICES = {
     "train.block_graph": ("auto", "shared", "inlined"),
     "train.precision": ("fp32", "fp16", "bf16"),
     "train.recompute": ("none", "full", "selective"),
+    "model.mlp": ("swiglu", "geglu_tanh"),
 }
+LAYER_TYPES = ("full", "sliding")
 
 
 def _coerce(value: Any, annotation: str, source: str, key: str) -> Any:
@@ -292,15 +315,28 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size", "max_seq_len"):
         need(getattr(m, key) > 0, f"model.{key}", "must be > 0")
     need(m.vocab_size <= MAX_VOCAB, "model.vocab_size", f"must be <= {MAX_VOCAB} (token ids are int32)")
-    need(m.hidden_size % m.num_heads == 0, "model.num_heads",
-         f"must divide model.hidden_size ({m.hidden_size} % {m.num_heads} != 0)", "model.hidden_size")
+    need(m.head_dim >= 0, "model.head_dim", "must be >= 0 (0: hidden_size // num_heads)")
+    need(m.head_dim > 0 or m.hidden_size % m.num_heads == 0, "model.num_heads",
+         f"must divide model.hidden_size ({m.hidden_size} % {m.num_heads} != 0), or set model.head_dim",
+         "model.hidden_size")
     need(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
          f"must divide model.num_heads ({m.num_heads} % {m.num_kv_heads} != 0)", "model.num_heads")
-    need(m.head_dim % 2 == 0, "model.num_heads", f"head_dim {m.head_dim} must be even for RoPE", "model.hidden_size")
+    need(m.head_size % 2 == 0, "model.num_heads", f"head_dim {m.head_size} must be even for RoPE", "model.hidden_size")
     need(m.rope_theta > 0, "model.rope_theta", "must be > 0")
     need(m.norm_eps > 0, "model.norm_eps", "must be > 0")
     if m.rope_scaling is not None:
         _check_rope_scaling(m.rope_scaling, need)
+    need(m.embed_scale > 0, "model.embed_scale", "must be > 0")
+    need(m.attn_scale >= 0, "model.attn_scale", "must be >= 0 (0: 1/sqrt(head_dim))")
+    need(m.rope_local_theta >= 0, "model.rope_local_theta", "must be >= 0 (0: model.rope_theta)")
+    need(m.sliding_window >= 0, "model.sliding_window", "must be >= 0 (0: no sliding layers)")
+    if m.layer_types is not None:
+        need(len(m.layer_types) == m.num_layers, "model.layer_types",
+             f"needs one entry per layer ({m.num_layers}), got {len(m.layer_types)}", "model.num_layers")
+        odd = sorted(set(m.layer_types) - set(LAYER_TYPES))
+        need(not odd, "model.layer_types", f"unknown {', '.join(map(repr, odd))}; each is one of {', '.join(LAYER_TYPES)}")
+    need(m.sliding_window > 0 or "sliding" not in m.layer_kinds(), "model.sliding_window",
+         "model.layer_types has sliding layers: set the window (> 0)", "model.layer_types")
     need(d.seq_len > 1, "data.seq_len", "must be > 1")
     need(d.seq_len <= m.max_seq_len, "data.seq_len", f"must be <= model.max_seq_len ({m.max_seq_len})",
          "model.max_seq_len")

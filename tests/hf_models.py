@@ -3,8 +3,9 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64)
 CASES = {
@@ -14,11 +15,24 @@ CASES = {
         **SMALL, num_attention_heads=8, num_key_value_heads=2, intermediate_size=112, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 16})),
-    # window 32 < context 64: the converted model's context is capped at the window, where it is exact
+    # window 8 < the 16+ tokens the tests feed: the sliding window really hides keys
     "mistral_window": (MistralForCausalLM, MistralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2,
-                                                         intermediate_size=96, sliding_window=32, head_dim=16)),
+                                                         intermediate_size=96, sliding_window=8, head_dim=16)),
     "qwen2_bias_tied": (Qwen2ForCausalLM, Qwen2Config(**SMALL, num_attention_heads=4, num_key_value_heads=2,
                                                       intermediate_size=96, tie_word_embeddings=True)),
+    # head_dim 32 != hidden / heads 16, per-head q/k norms, tied
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                            intermediate_size=96, tie_word_embeddings=True)),
+    # sliding / full layers with their own RoPE bases, (1 + w) sandwich norms, GeGLU, scaled embeddings
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=3, max_position_embeddings=64, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, intermediate_size=96, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+    # fused qkv_proj and gate_up_proj
+    "phi3": (Phi3ForCausalLM, Phi3Config(**SMALL, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                         pad_token_id=0, eos_token_id=1, bos_token_id=2)),
 }
 
 

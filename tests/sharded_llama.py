@@ -111,7 +111,7 @@ def sigmoid(x):
 class Rope:
     def __init__(self, m: ModelConfig, s: int):
         cos, sin = rope_tables(m)
-        self.cos, self.sin, self.rot = cos[:s], sin[:s], rotate_half_matrix(m.head_dim)
+        self.cos, self.sin, self.rot = cos[:s], sin[:s], rotate_half_matrix(m.head_size)
 
     def __call__(self, x):  # [b, n, s, d]
         return x * self.cos + (x @ self.rot) * self.sin
@@ -258,7 +258,7 @@ class ShardedLlama:
     # -- a transformer block
     def block(self, i, x, b, s):
         m, p = self.m, f"layers.{i}."
-        d = m.head_dim
+        d = m.head_size
         a = self.norm(x, p + "attention_norm.weight", (b, s, i))
         proj = {}
         for name in ("wq", "wk", "wv"):
@@ -286,7 +286,7 @@ class ShardedLlama:
 
     def kv_of(self, r, p):
         """Local KV head of each local query head on rank r, from where the table put their rows."""
-        d, rep = self.m.head_dim, self.m.num_heads // self.m.num_kv_heads
+        d, rep = self.m.head_size, self.m.num_heads // self.m.num_kv_heads
         q0 = self.starts[r][p + "attention.wq.weight"][0] // d
         k0 = self.starts[r][p + "attention.wk.weight"][0] // d
         nq = self.weights[r][p + "attention.wq.weight"].shape[0] // d
@@ -294,7 +294,7 @@ class ShardedLlama:
 
     def block_back(self, i, dx, b, s):
         m, p = self.m, f"layers.{i}."
-        d = m.head_dim
+        d = m.head_size
         a, q, k, v, kv_of, probs, o, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
         # MLP
         dy = self.row_out_back(dx)

@@ -25,6 +25,6 @@ def test_bench_convert_smoke(tmp_path):
     from interop.hf_config import to_model_config
     from interop.maps import FAMILIES
     from interop.table import entries
-    sizes = [2 * math.prod(e.shape) for e in entries(FAMILIES["LlamaForCausalLM"], to_model_config(shape(4), "t"))]
+    sizes = [2 * math.prod(e.shape) for e in entries(FAMILIES["LlamaForCausalLM"].table, to_model_config(shape(4), "t"))]
     assert sum(sizes) <= result["total_mb"] * 1e6 <= sum(sizes) + 64_000
     assert result["largest_tensor_mb"] * 1e6 == max(sizes) == 2 * (16 * 128) * 128

@@ -20,7 +20,7 @@ GQA = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_
 @pytest.mark.parametrize("tied", [False, True])
 def test_table_lists_every_model_parameter_with_its_shape(arch, tied):
     m = dataclasses.replace(GQA, tie_embeddings=tied, qkv_bias=arch == "Qwen2ForCausalLM")
-    table = {e.name: e.shape for e in entries(maps.FAMILIES[arch], m)}
+    table = {e.name: e.shape for e in entries(maps.FAMILIES[arch].table, m)}
     model = {p.name: tuple(p.shape) for p in Llama(m).trainable_params()}
     assert table == model
 

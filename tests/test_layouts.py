@@ -63,8 +63,8 @@ def test_sharded_forward_and_backward_equal_unsharded(kv, dp, tp, sp, vocab):
     # the weights really were split: a rank holds 1/tp of q, and of kv unless kv < tp
     q = model.weights[0]["layers.0.attention.wq.weight"]
     k = model.weights[0]["layers.0.attention.wk.weight"]
-    assert q.shape[0] == m.num_heads * m.head_dim // tp
-    assert k.shape[0] == m.head_dim * max(kv // tp, 1)
+    assert q.shape[0] == m.num_heads * m.head_size // tp
+    assert k.shape[0] == m.head_size * max(kv // tp, 1)
 
 
 @pytest.mark.parametrize("pp, micro, tp", [(2, 2, 1), (2, 4, 2), (3, 4, 1)])

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from interop.convert import msllm_tensors
+from interop.convert import msllm_parameters
 from interop.formats import DictReader
 from interop.maps import FAMILIES
 from interop.table import entries
@@ -17,15 +17,15 @@ from tests.numerics import REORDER_RTOL
 
 def msllm_name(hf_name: str) -> str:
     """HF parameter name -> msllm name, from the interop table (Qwen2's: Llama's plus biases)."""
-    rows = entries(FAMILIES["Qwen2ForCausalLM"], ModelConfig(num_layers=8, qkv_bias=True))
+    rows = entries(FAMILIES["Qwen2ForCausalLM"].table, ModelConfig(num_layers=8, qkv_bias=True))
     return {e.stored["hf"].name: e.name for e in rows}[hf_name]
 
 
 def copy_hf_weights(hf, model):
     """Through the interop family table, the same mapping `msllm convert` uses."""
-    rows = entries(FAMILIES[type(hf).__name__], model.cfg)
+    rows = entries(FAMILIES[type(hf).__name__].table, model.cfg)
     state = {name: t.detach() for name, t in hf.state_dict().items()}
-    arrays = {e.name: t.numpy() for e, t in msllm_tensors(rows, "hf", DictReader(state))}
+    arrays = {name: t.numpy() for name, t in msllm_parameters(rows, "hf", DictReader(state))}
     checkpoint.load_into(model.trainable_params(), arrays, type(hf).__name__)
 
 

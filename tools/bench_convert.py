@@ -57,7 +57,7 @@ def generate(folder: Path, config: dict, shard_mb: int) -> None:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config))
     from interop.hf_config import to_model_config
-    rows = entries(FAMILIES["LlamaForCausalLM"], to_model_config(config, "bench"))
+    rows = entries(FAMILIES["LlamaForCausalLM"].table, to_model_config(config, "bench"))
     infos = {e.stored["hf"].name: TensorInfo(e.shape, torch.bfloat16) for e in rows}
     files = weight_files("hf", infos, "ckpt", shard_mb << 20)
     for name, file_infos in files:
@@ -89,7 +89,7 @@ def naive(src: Path, dst: Path) -> None:
     state = {}
     for path in sorted(src.glob("*.safetensors")):
         state.update(load_file(path))
-    rows = entries(FAMILIES[source.architecture], source.config.model)
+    rows = entries(FAMILIES[source.architecture].table, source.config.model)
     renamed = {e.name: state.pop(e.stored["hf"].name) for e in rows}
     dst.mkdir()
     save_file(renamed, dst / "model.safetensors")

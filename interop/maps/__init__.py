@@ -1,8 +1,25 @@
-"""One tensor table per model family, by Hugging Face architecture name."""
+"""The model families msllm converts, by Hugging Face architecture name: each is a family spec
+(what its Cells compute, as ModelConfig fields) beside its tensor table (interop/maps/<family>.py).
+Adding a family: a table, a SPEC, a line here, and a tiny random model in tests/hf_models.py."""
+from typing import NamedTuple
+
+from interop.maps import gemma3, phi3, qwen3
 from interop.maps.llama import LLAMA, QWEN2
+from interop.table import Table
+
+
+class Family(NamedTuple):
+    table: Table
+    model_type: str         # config.json's model_type
+    spec: dict              # ModelConfig fields the architecture implies (its config.json has the rest)
+    activation: str = "silu"  # the hidden_act / hidden_activation its MLP computes
+
 
 FAMILIES = {
-    "LlamaForCausalLM": LLAMA,
-    "MistralForCausalLM": LLAMA,   # same tensors; sliding window is a config matter (hf_config.py)
-    "Qwen2ForCausalLM": QWEN2,
+    "LlamaForCausalLM": Family(LLAMA, "llama", {}),
+    "MistralForCausalLM": Family(LLAMA, "mistral", {}),   # same tensors; its sliding window comes from config.json
+    "Qwen2ForCausalLM": Family(QWEN2, "qwen2", {"qkv_bias": True}),
+    "Qwen3ForCausalLM": Family(qwen3.QWEN3, "qwen3", qwen3.SPEC),
+    "Gemma3ForCausalLM": Family(gemma3.GEMMA3, "gemma3_text", gemma3.SPEC, "gelu_pytorch_tanh"),
+    "Phi3ForCausalLM": Family(phi3.PHI3, "phi3", phi3.SPEC),
 }

@@ -190,7 +190,7 @@ def sharding(m: ModelConfig, p: ParallelConfig) -> Sharding:
 
 def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of Llama(m) with its shape, in the model's order (no MindSpore needed)."""
-    h, d = m.hidden_size, m.head_dim
+    h, d = m.hidden_size, m.head_size
     q, kv = m.num_heads * d, m.num_kv_heads * d
     shapes = {"tok_embeddings.weight": (m.vocab_size, h)}
     for i in range(m.num_layers):
@@ -249,7 +249,7 @@ def ops_for(m: ModelConfig) -> list[Op]:
 def op_input_shapes(m: ModelConfig, batch: int, seq: int) -> dict[str, list[tuple[int, ...]]]:
     """The shapes each op's inputs have in a micro-batch of `batch` sequences of `seq` tokens
     (the global shapes: semi-auto parallel describes the whole computation, layouts cut it)."""
-    b, s, h, d, f, v = batch, seq, m.hidden_size, m.head_dim, m.ffn_size, m.vocab_size
+    b, s, h, d, f, v = batch, seq, m.hidden_size, m.head_size, m.ffn_size, m.vocab_size
     nh, kv = m.num_heads, m.num_kv_heads
     n, rep = b * s, nh // kv
     a = "layers.*.attention."

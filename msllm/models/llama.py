@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) as MindSpore Cells: plain, device-neutral maths.
+"""The decoder of every family (Llama 2/3, Mistral, Qwen2/3, Gemma 3, Phi-3) as MindSpore Cells:
+plain, device-neutral maths, composed from the family spec in ModelConfig (head_dim, q/k norm,
+norm offset, sandwich norms, MLP kind, embedding scale, sliding-window layers and their RoPE base).
 
 Each matmul, the norm core, the rope, the attention softmax and the activation is its own Cell, so
 msllm.backends can swap a device formulation in (msllm/backends/cpu.py) or attach a parallel
@@ -69,20 +71,32 @@ class RMSNormCore(nn.Cell):
 
 
 class RMSNorm(nn.Cell):
-    """Normalises in fp32 whatever the compute dtype, then casts back."""
+    """Normalises in fp32 whatever the compute dtype, then casts back. The scale is offset + weight
+    (Gemma stores w of (1 + w), offset 1; its weights start at 0 so the scale starts at 1)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.dim, self.eps = dim, eps
-        self.weight = Parameter(Tensor(np.ones((dim,), np.float32)), name="weight")
+        self.dim, self.eps, self.offset = dim, eps, offset
+        self.weight = Parameter(Tensor(np.full((dim,), 1.0 - offset, np.float32)), name="weight")
         self.core = RMSNormCore(dim, eps)
+
+    def scale(self):
+        return self.weight + self.offset if self.offset else self.weight
 
     def construct(self, x):
         if x.ndim == 2:  # the residual stream: no reshapes (with dynamic shapes each is a kernel)
-            return cast(self.core(cast(x, ms.float32), self.weight), x.dtype)
+            return cast(self.core(cast(x, ms.float32), self.scale()), x.dtype)
         dtype, shape = x.dtype, x.shape
         x = cast(x, ms.float32).reshape(-1, self.dim)
-        return cast(self.core(x, self.weight).reshape(shape), dtype)
+        return cast(self.core(x, self.scale()).reshape(shape), dtype)
+
+
+class HeadNorm(RMSNorm):
+    """RMSNorm over each head of a projection [rows, n*d] (Qwen3 / Gemma 3 q and k norms)."""
+
+    def construct(self, x):
+        shape = x.shape
+        return super().construct(x.reshape(-1, self.dim)).reshape(shape)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
@@ -106,8 +120,24 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarr
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+def attention_kinds(cfg: ModelConfig) -> tuple[list[tuple[int, float, dict | None]], list[int]]:
+    """The distinct kinds of attention layer, (window, rope theta, rope scaling) with window 0 for
+    full attention, and the kind of each layer. Sliding layers take rope_local_theta unscaled when
+    it is set (Gemma 3), the model's RoPE otherwise (Mistral)."""
+    full = (0, cfg.rope_theta, cfg.rope_scaling)
+    sliding = ((cfg.sliding_window, cfg.rope_local_theta, None) if cfg.rope_local_theta
+               else (cfg.sliding_window, cfg.rope_theta, cfg.rope_scaling))
+    per_layer = [sliding if kind == "sliding" else full for kind in cfg.layer_kinds()]
+    kinds = list(dict.fromkeys((w, t, repr(sc)) for w, t, sc in per_layer))
+    by_key = {(w, t, repr(sc)): (w, t, sc) for w, t, sc in per_layer}
+    return [by_key[k] for k in kinds], [kinds.index((w, t, repr(sc))) for w, t, sc in per_layer]
+
+
+def rope_tables(cfg: ModelConfig, theta: float | None = None, scaling: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_seq_len, head_dim] for RoPE base `theta` (default: the model's, with its scaling)."""
+    if theta is None:
+        theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    inv_freq = rope_inv_freq(cfg.head_size, theta, scaling)
     freqs = np.outer(np.arange(cfg.max_seq_len, dtype=np.float32), inv_freq).astype(np.float32)
     emb = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
@@ -124,12 +154,25 @@ def rotate_half(x):
     return ops.concat((-x[..., half:], x[..., :half]), -1)
 
 
-def causal_mask(s: int):
-    """Additive [s, s] mask, -1e9 above the diagonal, built in the graph (a [max_len, max_len]
-    table would hold 268 MB at an 8K context)."""
+def additive(visible):
+    """A boolean visibility [.., s, t] as the additive mask: 0 where visible, -1e9 elsewhere."""
+    return ops.select(visible, ops.zeros(visible.shape, ms.float32), ops.full(visible.shape, -1e9, dtype=ms.float32))
+
+
+def in_window(query_slots, key_slots, window: int):
+    """Key slot j visible from query slot i: j <= i, and i - j < window when window > 0 (the
+    sliding window as Hugging Face counts it). Slots broadcast against each other."""
+    visible = key_slots <= query_slots
+    if window:
+        visible = ops.logical_and(visible, query_slots - key_slots < window)
+    return visible
+
+
+def causal_mask(s: int, window: int = 0):
+    """Additive [s, s] mask, -1e9 above the diagonal (and left of the window), built in the graph
+    (a [max_len, max_len] table would hold 268 MB at an 8K context)."""
     slots = ops.arange(0, s, dtype=ms.int32)
-    future = slots.reshape(1, s) > slots.reshape(s, 1)
-    return ops.select(future, ops.full((s, s), -1e9, dtype=ms.float32), ops.zeros((s, s), ms.float32))
+    return additive(in_window(slots.reshape(s, 1), slots.reshape(1, s), window))
 
 
 class Rope(nn.Cell):
@@ -157,9 +200,9 @@ class AttentionCore(nn.Cell):
     Softmax runs in fp32. The scale is applied to q ([.., s, d]) rather than the scores ([.., s, t]).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float = 0.0):
         super().__init__()
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.scale = scale or 1.0 / math.sqrt(head_dim)
         self.softmax_attention = SoftmaxAttention(num_heads, num_kv_heads)
 
     def construct(self, q, k, v, mask):
@@ -221,21 +264,23 @@ class Attention(nn.Cell):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_size
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.wq = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
         self.wk = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.wv = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.num_heads * d, h)
+        self.q_norm = HeadNorm(d, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else nn.Identity()
+        self.k_norm = HeadNorm(d, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else nn.Identity()
         self.rope = Rope(d)
         self.cache_write = CacheWrite()
-        self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d)
+        self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d, cfg.attn_scale)
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
-        q = self.rope(self.wq(x), cos, sin)
+        q = self.rope(self.q_norm(self.wq(x)), cos, sin)
         if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: take the KV heads' rows
             cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
-        k = self.rope(self.wk(x), cos, sin)
+        k = self.rope(self.k_norm(self.wk(x)), cos, sin)
         v = split_heads(self.wv(x), self.head_dim, cos.shape[-2])
         if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
             k, v = self.cache_write(k, v, cache_k, cache_v, write)
@@ -254,22 +299,38 @@ class SwiGLU(nn.Cell):
         return gate * self.sigmoid(gate) * up
 
 
+class GeGLU(nn.Cell):
+    """gelu_tanh(gate) * up (Gemma), the tanh approximation written out as torch computes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.tanh = ops.Tanh()
+
+    def construct(self, gate, up):
+        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate * gate * gate)
+        return 0.5 * gate * (1.0 + self.tanh(inner)) * up
+
+
+ACTIVATIONS = {"swiglu": SwiGLU, "geglu_tanh": GeGLU}
+
+
 class FeedForward(nn.Cell):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+    """Gated MLP: w2(act(w1 x, w3 x)), act SwiGLU or GeGLU (ModelConfig.mlp)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = Linear(cfg.hidden_size, cfg.ffn_size)
         self.w2 = Linear(cfg.ffn_size, cfg.hidden_size)
         self.w3 = Linear(cfg.hidden_size, cfg.ffn_size)
-        self.act = SwiGLU()
+        self.act = ACTIVATIONS[cfg.mlp]()
 
     def construct(self, x):
         return self.w2(self.act(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Cell):
-    """Pre-norm transformer block; returns (x, keys, values) like Attention."""
+    """Pre-norm transformer block; returns (x, keys, values) like Attention. With sandwich norms
+    (Gemma) the attention and MLP outputs are normed too before they join the residual stream."""
 
     # lazy_inline: MindSpore builds one block graph for all layers, with each layer's weights as
     # its arguments. `no_inline` says what happens to it: False inlines it into the caller per
@@ -279,15 +340,18 @@ class Block(nn.Cell):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.no_inline = False
-        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        h, eps, offset = cfg.hidden_size, cfg.norm_eps, cfg.norm_offset
+        self.attention_norm = RMSNorm(h, eps, offset)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
+        self.ffn_norm = RMSNorm(h, eps, offset)
         self.feed_forward = FeedForward(cfg)
+        self.ffn_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         attn, k, v = self.attention(self.attention_norm(x), cos, sin, mask, cache_k, cache_v, write)
-        x = x + attn
-        return x + self.feed_forward(self.ffn_norm(x)), k, v
+        x = x + self.attention_out_norm(attn)
+        return x + self.ffn_out_norm(self.feed_forward(self.ffn_norm(x))), k, v
 
 
 class Llama(nn.Cell):
@@ -297,10 +361,13 @@ class Llama(nn.Cell):
     int32 [1] and pad int32 [b]: the s new tokens sit at slots start .. start+s-1 of every row,
     whose first pad[r] slots are left padding (the token at slot j is at position j - pad[r]).
     Returns (logits [b, vocab] of the last new token, keys, values with the new slots written);
-    each token attends to the filled, unpadded slots up to its own. This is how an engine
-    prefills (start 0) and decodes (s = 1), with the same shapes at every step.
+    each token attends to the filled, unpadded slots up to its own (within its layer's window).
+    This is how an engine prefills (start 0) and decodes (s = 1), with the same shapes at every step.
     Parameters are always fp32 (the master copy); `compute_dtype` (fp32, fp16 or bf16) is what
     matmuls and the residual stream run in. Norms, softmax and logits stay fp32.
+
+    Layers of one attention kind (window, RoPE base: attention_kinds) share their rope tables and
+    mask, built once per forward for each kind.
     """
 
     def __init__(self, cfg: ModelConfig, compute_dtype=ms.float32):
@@ -309,18 +376,26 @@ class Llama(nn.Cell):
         self.compute_dtype = compute_dtype
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.CellList([Block(cfg) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset)
         self.output = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_matmul = ops.MatMul(transpose_b=True)
-        cos, sin = rope_tables(cfg)
-        self.rope_cos, self.rope_sin = Tensor(cos), Tensor(sin)
+        kinds, layer_kind = attention_kinds(cfg)
+        self.layer_kind = tuple(layer_kind)
+        self.windows = tuple(window for window, _, _ in kinds)
+        tables = [rope_tables(cfg, theta, scaling) for _, theta, scaling in kinds]
+        # [kinds, max_seq_len, head_dim]: one row of tables per attention kind
+        self.rope_cos = Tensor(np.stack([cos for cos, _ in tables]))
+        self.rope_sin = Tensor(np.stack([sin for _, sin in tables]))
         # True: the rope tables and mask are broadcast to the heads' / scores' shapes once for all
         # layers instead of per use (a device formulation; msllm.backends sets it).
         self.broadcast_tables = False
 
     def embed(self, input_ids):
-        """Token embeddings in the compute dtype (input_ids of any shape)."""
-        return cast(self.tok_embeddings(input_ids), self.compute_dtype)
+        """Token embeddings in the compute dtype (input_ids of any shape), times the embedding scale."""
+        x = self.tok_embeddings(input_ids)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
+        return cast(x, self.compute_dtype)
 
     def logits(self, h):
         """Final norm + output projection; h [..., hidden] -> fp32 logits [..., vocab]."""
@@ -330,58 +405,77 @@ class Llama(nn.Cell):
             return cast(out.reshape(h.shape[:-1] + (-1,)), ms.float32)
         return cast(self.output(h), ms.float32)
 
-    def sample_tables(self, segments, positions):
+    def rope_at(self, kind: int, positions):
+        """cos, sin [b, 1, s, d] of attention kind `kind` at positions [b, s]."""
+        b, s = positions.shape
+        cos = ops.gather(self.rope_cos[kind], positions.reshape(-1), 0).reshape(b, 1, s, -1)
+        sin = ops.gather(self.rope_sin[kind], positions.reshape(-1), 0).reshape(b, 1, s, -1)
+        return cos, sin
+
+    def plain_tables(self, s: int, kind: int):
+        """One sequence per row: rope tables [s, d] and the causal mask [s, s] of attention kind `kind`."""
+        return self.rope_cos[kind][:s], self.rope_sin[kind][:s], causal_mask(s, self.windows[kind])
+
+    def sample_tables(self, segments, positions, kind: int):
         """Packed samples: segments, positions [b, s] int32 (a sample's tokens share a segment id, and
         count their positions from 0) -> rope tables [b, 1, s, d] at those positions and an additive
-        mask [b, 1, s, s] that is causal within a sample and closed between samples."""
+        mask [b, 1, s, s] that is causal within a sample (and its window) and closed between samples."""
         b, s = segments.shape
-        cos = ops.gather(self.rope_cos, positions.reshape(-1), 0).reshape(b, 1, s, -1)
-        sin = ops.gather(self.rope_sin, positions.reshape(-1), 0).reshape(b, 1, s, -1)
+        cos, sin = self.rope_at(kind, positions)
         same = segments.reshape(b, s, 1) == segments.reshape(b, 1, s)
-        mask = ops.select(same, ops.zeros((b, s, s), ms.float32), ops.full((b, s, s), -1e9, dtype=ms.float32))
-        mask = mask + causal_mask(s)
+        mask = additive(same) + causal_mask(s, self.windows[kind])
         return cos, sin, mask.reshape(b, 1, s, s)
 
-    def cache_tables(self, b: int, s: int, t: int, start, pad):
-        """cos / sin [b, 1, s, d] at each row's positions, the additive mask [b, 1, s, t] over the
-        cache slots, and where the new tokens are written (CacheWrite's `write`)."""
+    def cache_tables(self, b: int, s: int, t: int, start, pad, kind: int):
+        """cos / sin [b, 1, s, d] at each row's positions and the additive mask [b, 1, s, t] over the
+        cache slots (filled, unpadded and within the kind's window)."""
         new_slots = start + ops.arange(0, s, dtype=ms.int32)                      # [s]
         positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
-        cos = ops.gather(self.rope_cos, positions.reshape(-1), 0).reshape(b, 1, s, -1)
-        sin = ops.gather(self.rope_sin, positions.reshape(-1), 0).reshape(b, 1, s, -1)
+        cos, sin = self.rope_at(kind, positions)
         slots = ops.arange(0, t, dtype=ms.int32)                                   # [t]
-        visible = ops.logical_and(slots.reshape(1, 1, t) <= new_slots.reshape(1, s, 1),
+        visible = ops.logical_and(in_window(new_slots.reshape(1, s, 1), slots.reshape(1, 1, t), self.windows[kind]),
                                   slots.reshape(1, 1, t) >= pad.reshape(b, 1, 1))  # [b, s, t]
-        mask = ops.select(visible, ops.zeros((b, s, t), ms.float32), ops.full((b, s, t), -1e9, dtype=ms.float32))
-        fresh = ops.logical_and(slots >= start, slots < start + s).reshape(t, 1)
-        source = ops.clip(slots - start, 0, s - 1)
-        return cos, sin, mask.reshape(b, 1, s, t), (source, fresh, start)
+        return cos, sin, additive(visible).reshape(b, 1, s, t)
 
-    def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None):
-        b, s = input_ids.shape
+    @staticmethod
+    def cache_write_slots(s: int, t: int, start):
+        """Where the new tokens are written (CacheWrite's `write`)."""
+        slots = ops.arange(0, t, dtype=ms.int32)
+        fresh = ops.logical_and(slots >= start, slots < start + s).reshape(t, 1)
+        return ops.clip(slots - start, 0, s - 1), fresh, start
+
+    def tables(self, kind: int, b: int, s: int, t: int, start, pad, segments, positions):
+        """(cos, sin, mask) of one attention kind, in the compute dtype and broadcast as the backend asks."""
         cfg, dtype = self.cfg, self.compute_dtype
-        if keys is not None:
-            t = keys.shape[3]
-            cos, sin, mask, write = self.cache_tables(b, s, t, start, pad)
+        if start is not None:
+            cos, sin, mask = self.cache_tables(b, s, t, start, pad, kind)
         elif segments is not None:
-            t, write = s, None
-            cos, sin, mask = self.sample_tables(segments, positions)
+            cos, sin, mask = self.sample_tables(segments, positions, kind)
         else:
-            t, write = s, None
-            cos, sin, mask = self.rope_cos[:s], self.rope_sin[:s], causal_mask(s)
+            cos, sin, mask = self.plain_tables(s, kind)
         cos, sin = cast(cos, dtype), cast(sin, dtype)
         if self.broadcast_tables or mask.ndim == 4:  # a per-row mask broadcasts over the scores' head axes
             rows = scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, t)
             mask = ops.broadcast_to(mask.reshape((-1,) + (1,) * (len(rows) - 3) + (s, t)), rows)
         if self.broadcast_tables:
-            cos = ops.broadcast_to(cos, (b, cfg.num_heads, s, cfg.head_dim))
-            sin = ops.broadcast_to(sin, (b, cfg.num_heads, s, cfg.head_dim))
+            cos = ops.broadcast_to(cos, (b, cfg.num_heads, s, cfg.head_size))
+            sin = ops.broadcast_to(sin, (b, cfg.num_heads, s, cfg.head_size))
+        return cos, sin, mask
+
+    def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None):
+        b, s = input_ids.shape
+        t = s if keys is None else keys.shape[3]
+        kinds = ()
+        for kind in range(len(self.windows)):
+            kinds += (self.tables(kind, b, s, t, start, pad, segments, positions),)
+        write = None if keys is None else self.cache_write_slots(s, t, start)
         # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
         h = self.embed(input_ids.reshape(-1))
         new_keys, new_values = (), ()
         if keys is not None:  # one Unstack pass: indexing keys[i] is a StridedSlice per layer, far slower on CPU
             keys, values = ops.unstack(keys, 0), ops.unstack(values, 0)
         for i, layer in enumerate(self.layers):
+            cos, sin, mask = kinds[self.layer_kind[i]]
             if keys is None:
                 h, _, _ = layer(h, cos, sin, mask)
             else:

@@ -108,7 +108,7 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
     masks, GeLU MLP, fp16 softmax) but not in the structure: with sequence parallel every term is / t,
     full recompute keeps only the input, and flash attention or selective recompute drop the s^2 term.
     """
-    h, d, t = m.hidden_size, m.head_dim, sh.tp
+    h, d, t = m.hidden_size, m.head_size, sh.tp
     sp = t if sh.sequence_parallel else 1
     tokens = batch * seq
     kv_local = m.num_kv_heads // sh.tp_kv
@@ -146,7 +146,7 @@ def cpu_workspace(m, sh: L.Sharding, p: ParallelConfig, batch: int, seq: int, ac
       data parallel  DP_GRAD_COPIES (ZeRO-1: + ZERO1_COPIES) fp32 copies of the parameters held,
                    and COLLECTIVE_BUCKETS gradient buckets
     """
-    h, d, t = m.hidden_size, m.head_dim, sh.tp
+    h, d, t = m.hidden_size, m.head_size, sh.tp
     tokens = batch * seq
     kept = layers * tokens * (3 * h / t + m.num_kv_heads // sh.tp_kv * d) * act_bytes
     scores = 0 if flash else 2 * 4 * m.num_heads / t * seq * tokens
