@@ -1,13 +1,15 @@
-"""The ONNX graphs of an msllm Llama, written op by op from its config and weights.
+"""The ONNX graphs of an msllm model, written op by op from its config and weights.
 
 A static trace would bake batch and sequence lengths into Reshape nodes, so the graphs are
-built directly (onnx_ir) and mirror msllm/models/llama.py line for line:
+built directly (onnx_ir) and mirror msllm/models/llama.py line for line, reading the same family
+spec (ModelConfig):
   * the residual stream is kept as rows [batch*seq, hidden], so every linear is one
-    Gemm(x, W, b, transB=1) on the checkpoint's own [out, in] weight, under its own name;
-    which parameter is which comes from the family table (interop/maps), not from a copy here;
+    Gemm(x, W, b, transB=1) on the checkpoint's own [out, in] weight, under its msllm name;
   * rotate-half RoPE with the cos/sin tables of `rope_tables` (llama3/linear scaling
-    included) gathered at the token positions;
-  * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax.
+    included) gathered at the token positions, one pair of tables per attention kind
+    (full, or sliding with its window and RoPE base);
+  * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax;
+    q/k norms, (offset + w) norms, sandwich norms, GeGLU and the embedding scale as the spec says.
 Two graphs, both with dynamic batch, sequence and cache length:
   model    input_ids [b, s] -> logits [b, s, vocab]
   cached   input_ids [b, s], past_keys, past_values [layers, b, kv_heads, max_len, head_dim], start [1],
@@ -17,6 +19,7 @@ Two graphs, both with dynamic batch, sequence and cache length:
            them) are held once; a graph with s fixed at 1 decodes no faster.
 Simple constants are emitted where they are used (one Constant node each, Casts even when
 they are no-ops, like msllm's astype); graph_opt.onnx_passes folds and deduplicates them.
+Every weight given must be used: a parameter the graph does not compute is refused.
 """
 from __future__ import annotations
 
@@ -24,47 +27,31 @@ import math
 
 import numpy as np
 import onnx_ir as ir
-import torch
 
-from interop.hf_config import default_architecture
-from interop.maps import FAMILIES
-from interop.table import Table, entries
 from msllm.config import ModelConfig
-from msllm.models.llama import rope_tables
+from msllm.models.llama import attention_kinds, rope_tables
 
 OPSET = 17
 IR_VERSION = 8
 GRAPHS = ("model", "cached")
 DTYPES = {"fp32": (np.float32, ir.DataType.FLOAT), "fp16": (np.float16, ir.DataType.FLOAT16)}
-MASKED = -1e9  # the additive causal mask value msllm uses
+MASKED = -1e9  # the additive mask value msllm uses
+
+# Per layer, relative to "layers.{i}.": the msllm parameters of each role (norms may be absent).
+NORMS = ("attention_norm", "attention_out_norm", "ffn_norm", "ffn_out_norm", "attention.q_norm", "attention.k_norm")
+LINEARS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
+           "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+EMBED, FINAL_NORM, HEAD = "tok_embeddings.weight", "norm.weight", "output.weight"
 
 
-# The graph is written in Hugging Face's names for the Llama family's tensors; the family table
-# (interop/maps) maps them to msllm's parameters. Per layer, relative to the table's HF layer prefix:
-NORMS = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str, np.ndarray] | None]:
+    """Role -> (name, array) for layer i; a missing norm or bias is None."""
+    def named(name):
+        return (name, weights[name]) if name in weights else None
 
-
-def hf_weights(table: Table, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, tuple[str, np.ndarray]]:
-    """Hugging Face name -> (initializer name, array) through the family table, the one place that knows
-    msllm's parameter names and how HF stores each ([out, in], as Gemm(transB=1) reads it). A tensor HF
-    stores as it is keeps its msllm name; one stored otherwise (fused, transposed) is cut by the table."""
-    out = {}
-    for e in entries(table, cfg):
-        whole = e.stored["msllm"].gather(e, lambda name: torch.from_numpy(weights[name]))
-        parts = e.stored["hf"].scatter(e, whole)
-        for name, part in parts:
-            out[name] = (e.name if len(parts) == 1 and part is whole else name, part.numpy())
-    return out
-
-
-def layer_weights(hf: dict[str, tuple[str, np.ndarray]], prefix: str) -> dict[str, tuple[str, np.ndarray] | None]:
-    """Role -> (name, array) for the layer under `prefix`; a missing bias is None."""
-    out = {role: hf[f"{prefix}{name}.weight"] for role, name in NORMS.items()}
+    out = {norm: named(f"layers.{i}.{norm}.weight") for norm in NORMS}
     for role, name in LINEARS.items():
-        out[role], out[role + "_bias"] = hf[f"{prefix}{name}.weight"], hf.get(f"{prefix}{name}.bias")
+        out[role], out[role + "_bias"] = named(f"layers.{i}.{name}.weight"), named(f"layers.{i}.{name}.bias")
     return out
 
 
@@ -72,8 +59,8 @@ class LlamaGraph:
     """Records the nodes and initializers of one graph on an onnx_ir tape."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype: str):
-        self.cfg, self.table = cfg, FAMILIES[default_architecture(cfg)].table
-        self.weights = hf_weights(self.table, cfg, weights)
+        self.cfg, self.weights = cfg, weights
+        self.kinds, self.layer_kind = attention_kinds(cfg)
         self.np_dtype, self.dtype = DTYPES[dtype]
         self.tape = ir.tape.Tape()
         self.initializers: dict[str, ir.Value] = {}
@@ -105,11 +92,17 @@ class LlamaGraph:
         return self.op("Gemm", x, self.param(weight), *([self.param(bias)] if bias else []), transB=1)
 
     def rms_norm(self, x, weight) -> ir.Value:
+        """Over the last axis, scaled by (norm_offset + weight); x unchanged when the norm is absent."""
+        if weight is None:
+            return x
         x = self.op("Cast", x, to=ir.DataType.FLOAT)
         mean_square = self.op("ReduceMean", self.op("Mul", x, x), axes=[-1], keepdims=1)
         eps = self.const(self.cfg.norm_eps, np.float32)
         x = self.op("Div", x, self.op("Sqrt", self.op("Add", mean_square, eps)))
-        return self.op("Cast", self.op("Mul", x, self.param(weight, fp32=True)), to=self.dtype)
+        scale = self.param(weight, fp32=True)
+        if self.cfg.norm_offset:
+            scale = self.op("Add", scale, self.const(self.cfg.norm_offset, np.float32))
+        return self.op("Cast", self.op("Mul", x, scale), to=self.dtype)
 
     def heads(self, rows, n, seq) -> ir.Value:
         """[b*s, n*d] -> [b, n, s, d]."""
@@ -126,8 +119,10 @@ class LlamaGraph:
     def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-        q = self.rope(self.heads(self.linear(x, w["q"], w["q_bias"]), nh, seq), cos, sin)
-        k = self.rope(self.heads(self.linear(x, w["k"], w["k_bias"]), nkv, seq), cos, sin)
+        q = self.rope(self.rms_norm(self.heads(self.linear(x, w["q"], w["q_bias"]), nh, seq), w["attention.q_norm"]),
+                      cos, sin)
+        k = self.rope(self.rms_norm(self.heads(self.linear(x, w["k"], w["k_bias"]), nkv, seq), w["attention.k_norm"]),
+                      cos, sin)
         v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
         if cache_k is not None:  # the new tokens' slots take the new keys and values
             source, fresh = write
@@ -136,7 +131,8 @@ class LlamaGraph:
         # The nh/nkv query heads sharing a KV head become rows: [b, nkv, rep*s, d].
         q = self.op("Reshape", q, self.shape(0, nkv, -1, d))
         scores = self.op("MatMul", q, self.op("Transpose", k, perm=[0, 1, 3, 2]))
-        scores = self.op("Mul", self.op("Cast", scores, to=ir.DataType.FLOAT), self.const(1.0 / math.sqrt(d), np.float32))
+        scale = cfg.attn_scale or 1.0 / math.sqrt(d)
+        scores = self.op("Mul", self.op("Cast", scores, to=ir.DataType.FLOAT), self.const(scale, np.float32))
         probs = self.op("Softmax", self.op("Add", scores, mask), axis=-1)
         out = self.op("MatMul", self.op("Cast", probs, to=self.dtype), v)
         out = self.op("Transpose", self.op("Reshape", out, self.shape(0, nh, -1, d)), perm=[0, 2, 1, 3])
@@ -145,18 +141,40 @@ class LlamaGraph:
 
     def feed_forward(self, x, w) -> ir.Value:
         gate = self.linear(x, w["gate"], w["gate_bias"])
-        silu = self.op("Mul", gate, self.op("Sigmoid", gate))
-        return self.linear(self.op("Mul", silu, self.linear(x, w["up"], w["up_bias"])), w["down"], w["down_bias"])
+        if self.cfg.mlp == "geglu_tanh":  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+            cube = self.op("Mul", self.op("Mul", gate, gate), gate)
+            inner = self.op("Mul", self.const(math.sqrt(2.0 / math.pi), self.np_dtype),
+                            self.op("Add", gate, self.op("Mul", self.const(0.044715, self.np_dtype), cube)))
+            half = self.op("Mul", self.const(0.5, self.np_dtype), gate)
+            act = self.op("Mul", half, self.op("Add", self.const(1.0, self.np_dtype), self.op("Tanh", inner)))
+        else:
+            act = self.op("Mul", gate, self.op("Sigmoid", gate))
+        return self.linear(self.op("Mul", act, self.linear(x, w["up"], w["up_bias"])), w["down"], w["down_bias"])
 
-    def causal_mask(self, positions, total) -> ir.Value:
-        """[s, t] additive mask, tiled to the folded rows [rep*s, t]: key j is hidden from query i when j > i."""
-        key_positions = self.op("Range", self.const(0), total, self.const(1))
-        later = self.op("Greater", self.op("Unsqueeze", key_positions, self.const([0])),
-                        self.op("Unsqueeze", positions, self.const([1])))
-        mask = self.op("Where", later, self.const(MASKED, np.float32), self.const(0.0, np.float32))
+    def window(self, visible, query_slots, key_slots, window: int):
+        """visible, and within the last `window` slots of its query when window > 0."""
+        if not window:
+            return visible
+        near = self.op("Less", self.op("Sub", query_slots, key_slots), self.const(window))
+        return self.op("And", visible, near)
+
+    def rope_table(self, kind: int, which: int):
+        """The cos (0) or sin (1) table of attention kind `kind` as an initializer."""
+        _, theta, scaling = self.kinds[kind]
+        name = ("rope_cos", "rope_sin")[which] + (f"_{kind}" if kind else "")
+        return self.param((name, rope_tables(self.cfg, theta, scaling)[which]))
+
+    def causal_mask(self, positions, total, window: int) -> ir.Value:
+        """[s, t] additive mask, tiled to the folded rows [rep*s, t]: key j is visible from query i
+        when j <= i (and i - j < window)."""
+        key_positions = self.op("Unsqueeze", self.op("Range", self.const(0), total, self.const(1)), self.const([0]))
+        query_positions = self.op("Unsqueeze", positions, self.const([1]))
+        visible = self.window(self.op("LessOrEqual", key_positions, query_positions), query_positions,
+                              key_positions, window)
+        mask = self.op("Where", visible, self.const(0.0, np.float32), self.const(MASKED, np.float32))
         return self.op("Tile", mask, self.const([self.cfg.num_heads // self.cfg.num_kv_heads, 1]))
 
-    def cache_tables(self, seq, keys, start, pad):
+    def cache_tables(self, seq, keys, start, pad, kind: int):
         """As Llama.cache_tables: rope rows at each row's positions [b, 1, s, d], the mask over the
         cache slots [b, 1, rep*s, t] (key slot j visible from new slot i when pad <= j <= i), and
         where the new tokens go (source slot [t], fresh [t, 1])."""
@@ -164,12 +182,14 @@ class LlamaGraph:
         new_slots = self.op("Range", first, self.op("Add", first, self.op("Squeeze", seq)), self.const(1))  # [s]
         positions = self.op("Max", self.op("Sub", self.op("Unsqueeze", new_slots, self.const([0])),
                                            self.op("Unsqueeze", pad, self.const([1]))), self.const(0))  # [b, s]
-        cos_table, sin_table = rope_tables(self.cfg)
-        cos, sin = (self.op("Unsqueeze", self.op("Gather", self.param((name, table)), positions), self.const([1]))
-                    for name, table in (("rope_cos", cos_table), ("rope_sin", sin_table)))
+        cos, sin = (self.op("Unsqueeze", self.op("Gather", self.rope_table(kind, which), positions), self.const([1]))
+                    for which in (0, 1))
         slots = self.op("Range", self.const(0), self.op("Gather", self.op("Shape", keys), self.const(3)), self.const(1))
         key_slots = self.op("Unsqueeze", slots, self.const([0, 1]))  # [1, 1, t]
-        visible = self.op("And", self.op("LessOrEqual", key_slots, self.op("Unsqueeze", new_slots, self.const([0, 2]))),
+        query_slots = self.op("Unsqueeze", new_slots, self.const([0, 2]))  # [1, s, 1]
+        visible = self.window(self.op("LessOrEqual", key_slots, query_slots), query_slots, key_slots,
+                              self.kinds[kind][0])
+        visible = self.op("And", visible,
                           self.op("GreaterOrEqual", key_slots, self.op("Unsqueeze", pad, self.const([1, 2]))))
         mask = self.op("Where", visible, self.const(0.0, np.float32), self.const(MASKED, np.float32))  # [b, s, t]
         rep = self.cfg.num_heads // self.cfg.num_kv_heads
@@ -186,35 +206,41 @@ class LlamaGraph:
         cfg = self.cfg
         seq = self.op("Shape", input_ids, start=1, end=2)  # [1]
         write = None
-        if keys is None:
-            positions = self.op("Range", self.const(0), self.op("Squeeze", seq), self.const(1))
-            cos_table, sin_table = rope_tables(cfg)
-            cos = self.op("Gather", self.param(("rope_cos", cos_table)), positions)
-            sin = self.op("Gather", self.param(("rope_sin", sin_table)), positions)
-            mask = self.causal_mask(positions, self.op("Squeeze", seq))
-        else:
-            cos, sin, mask, write = self.cache_tables(seq, keys, start, pad)
+        tables = []  # (cos, sin, mask) per attention kind
+        for kind, (window, _, _) in enumerate(self.kinds):
+            if keys is None:
+                positions = self.op("Range", self.const(0), self.op("Squeeze", seq), self.const(1))
+                cos = self.op("Gather", self.rope_table(kind, 0), positions)
+                sin = self.op("Gather", self.rope_table(kind, 1), positions)
+                tables.append((cos, sin, self.causal_mask(positions, self.op("Squeeze", seq), window)))
+            else:
+                cos, sin, mask, write = self.cache_tables(seq, keys, start, pad, kind)
+                tables.append((cos, sin, mask))
 
-        embed = self.weights[EMBED]
+        embed = (EMBED, self.weights[EMBED])
         x = self.op("Reshape", self.op("Gather", self.param(embed), input_ids), self.shape(-1, cfg.hidden_size))
+        if cfg.embed_scale != 1.0:
+            x = self.op("Mul", x, self.const(cfg.embed_scale, self.np_dtype))
         new_keys, new_values = [], []
         for i in range(cfg.num_layers):
-            w = layer_weights(self.weights, self.table.layer_prefix["hf"].format(i=i))
+            w = layer_weights(self.weights, i)
             cache_k = cache_v = None
             if keys is not None:
                 cache_k = self.op("Gather", keys, self.const(i))
                 cache_v = self.op("Gather", values, self.const(i))
+            cos, sin, mask = tables[self.layer_kind[i]]
             out, k, v = self.attention(self.rms_norm(x, w["attention_norm"]), w, seq, cos, sin, mask, cache_k,
                                        cache_v, write)
-            x = self.op("Add", x, out)
-            x = self.op("Add", x, self.feed_forward(self.rms_norm(x, w["ffn_norm"]), w))
+            x = self.op("Add", x, self.rms_norm(out, w["attention_out_norm"]))
+            x = self.op("Add", x, self.rms_norm(self.feed_forward(self.rms_norm(x, w["ffn_norm"]), w), w["ffn_out_norm"]))
             new_keys.append(self.op("Unsqueeze", k, self.const([0])))
             new_values.append(self.op("Unsqueeze", v, self.const([0])))
         if keys is not None:  # logits only where the next token is read
             last = self.op("Sub", self.op("Squeeze", seq), self.const(1))
             x = self.op("Gather", self.op("Reshape", x, self.shape(-1, seq, cfg.hidden_size)), last, axis=1)
         # Tied: the embedding table is the output projection (Gemm transB reads it in place).
-        logits = self.linear(self.rms_norm(x, self.weights[FINAL_NORM]), self.weights.get(HEAD, embed))
+        head = (HEAD, self.weights[HEAD]) if HEAD in self.weights else embed
+        logits = self.linear(self.rms_norm(x, (FINAL_NORM, self.weights[FINAL_NORM])), head)
         if keys is None:
             logits = self.op("Reshape", logits, self.shape(-1, seq, cfg.vocab_size))
         logits = self.op("Cast", logits, to=ir.DataType.FLOAT)
@@ -231,9 +257,9 @@ def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dty
         inputs += [ir.val(name, g.dtype, cache_shape) for name in ("past_keys", "past_values")]
         inputs += [ir.val("start", ir.DataType.INT64, [1]), ir.val("pad", ir.DataType.INT64, ["batch"])]
     logits, keys, values = g.forward(*inputs)
-    unused = sorted({name for name, _ in g.weights.values()} - set(g.initializers))
-    if unused:  # a table row the graph does not compute: refuse rather than export another model
-        raise ValueError(f"the ONNX builder does not use {unused} of the {default_architecture(cfg)} table")
+    unused = sorted(set(g.weights) - set(g.initializers))
+    if unused:  # a parameter the graph does not compute: refuse rather than export another model
+        raise ValueError(f"the ONNX builder does not use {unused}")
     logits.name, logits.dtype = "logits", ir.DataType.FLOAT
     logits.shape = ir.Shape(["batch", "sequence", cfg.vocab_size] if kind == "model" else ["batch", cfg.vocab_size])
     outputs = [logits]

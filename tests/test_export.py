@@ -219,28 +219,15 @@ def test_clean_up_keeps_outputs(qwen_run):
         np.testing.assert_allclose(a, b, rtol=0, atol=REORDER_RTOL * np.abs(a).max())
 
 
-def test_onnx_parameters_come_from_the_family_table(qwen_run, monkeypatch):
-    """The ONNX initializers are the checkpoint's parameters by the names the family table gives them;
-    a renamed parameter follows the table, and a table row the graph does not compute is refused."""
-    from graph_opt import onnx_llama
-    from interop.maps import QWEN2
-    from interop.table import Row
-
+def test_onnx_initializers_are_the_checkpoint_parameters(qwen_run):
+    """The ONNX initializers are the checkpoint's parameters under their own names (plus the rope
+    tables); a parameter the graph does not compute is refused rather than exported as another model."""
     _, model, _, _ = load_model(qwen_run)
     weights = {p.name: p.asnumpy() for p in model.trainable_params()}
     assert set(build_graph(QWEN, weights, "model").graph.initializers) == set(weights) | {"rope_cos", "rope_sin"}
 
-    renamed = QWEN2._replace(after=[r._replace(msllm="final_norm.weight") if r.msllm == "norm.weight" else r
-                                    for r in QWEN2.after])
-    monkeypatch.setitem(onnx_llama.FAMILIES, "Qwen2ForCausalLM", renamed)
-    weights["final_norm.weight"] = weights.pop("norm.weight")
-    assert "final_norm.weight" in build_graph(QWEN, weights, "model").graph.initializers
-
-    qk_norm = renamed._replace(per_layer=renamed.per_layer + [
-        Row("attention.q_norm.weight", "hidden", "self_attn.q_norm.weight", "attention.q_norm.weight")])
-    monkeypatch.setitem(onnx_llama.FAMILIES, "Qwen2ForCausalLM", qk_norm)
-    weights.update({f"layers.{i}.attention.q_norm.weight": np.ones(64, np.float32) for i in range(2)})
-    with pytest.raises(ValueError, match=r"does not use \['layers.0.attention.q_norm.weight'"):
+    weights.update({f"layers.{i}.attention.extra_norm.weight": np.ones(64, np.float32) for i in range(2)})
+    with pytest.raises(ValueError, match=r"does not use \['layers.0.attention.extra_norm.weight'"):
         build_graph(QWEN, weights, "model")
 
 

@@ -19,8 +19,8 @@ GQA = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_
 @pytest.mark.parametrize("arch", list(maps.FAMILIES))
 @pytest.mark.parametrize("tied", [False, True])
 def test_table_lists_every_model_parameter_with_its_shape(arch, tied):
-    m = dataclasses.replace(GQA, tie_embeddings=tied, qkv_bias=arch == "Qwen2ForCausalLM")
-    table = {e.name: e.shape for e in entries(maps.FAMILIES[arch].table, m)}
+    m = dataclasses.replace(GQA, tie_embeddings=tied, **maps.FAMILIES[arch].spec)
+    table = {name: shape for e in entries(maps.FAMILIES[arch].table, m) for name, shape in e.stored["msllm"].shapes(e).items()}
     model = {p.name: tuple(p.shape) for p in Llama(m).trainable_params()}
     assert table == model
 
@@ -41,7 +41,7 @@ def fused(table):
 
 
 def test_fused_table_concats_splits_and_transposes_bitwise(tmp_path, monkeypatch):
-    monkeypatch.setitem(maps.FAMILIES, "LlamaForCausalLM", fused(LLAMA))
+    monkeypatch.setitem(maps.FAMILIES, "LlamaForCausalLM", maps.FAMILIES["LlamaForCausalLM"]._replace(table=fused(LLAMA)))
     hf = build("llama3_gqa_rope_scaling")
     hf.save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "fused", progress=False)
