@@ -161,7 +161,18 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(eps),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=max_seq_len or min(context, MAX_SEQ_LEN), sliding_window=window, layer_types=layer_types,
+        pad_token_id=_pad_token(hf, refuse),
         rope_local_theta=local_theta if window else 0.0, **spec)
+
+
+def _pad_token(hf: dict, refuse) -> int:
+    """The embedding's padding_idx as transformers builds it (pad_token_id, inside the vocabulary); -1: none."""
+    pad = hf.get("pad_token_id")
+    if pad is None:
+        return -1
+    if not isinstance(pad, int) or isinstance(pad, bool):
+        refuse("pad_token_id", f"must be an integer or null, got {pad!r}")
+    return pad if 0 <= pad < hf.get("vocab_size", 0) else -1
 
 
 def _windows(hf: dict, arch: str, layers: int, refuse) -> tuple[int, list | None]:
@@ -199,7 +210,7 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
           "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
           "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": dtype,
           "hidden_activation" if arch == "Gemma3ForCausalLM" else "hidden_act": family.activation,
-          "sliding_window": m.sliding_window or None}
+          "sliding_window": m.sliding_window or None, "pad_token_id": None if m.pad_token_id < 0 else m.pad_token_id}
     if m.rope_scaling:
         scaling = dict(m.rope_scaling)
         hf["rope_scaling"] = {"rope_type": scaling.pop("type", scaling.pop("rope_type", None)), **scaling}

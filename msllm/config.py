@@ -55,6 +55,7 @@ class ModelConfig:
     # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else full.
     layer_types: Optional[list] = None
     rope_local_theta: float = 0.0     # RoPE base of sliding layers, unscaled (Gemma 3); 0: as full layers
+    pad_token_id: int = -1            # its embedding row takes no gradient from lookups (HF padding_idx); -1: none
 
     @property
     def head_size(self) -> int:

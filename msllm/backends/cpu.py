@@ -127,7 +127,7 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
             cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels
                                       else SoftmaxAttention(n, kv))
-        elif isinstance(cell, llama.FeedForward):
+        elif isinstance(cell, llama.FeedForward) and not isinstance(cell.act, llama.GeGLU):  # GeGLU has no fused kernel
             cell.act = kernels.FusedSwiGLU() if fused_fp32 or decode_kernels else llama.SwiGLU()
         elif isinstance(cell, llama.Linear) and decode_kernels:
             cell.matmul = kernels.LinearFewRows()

@@ -46,7 +46,11 @@ PARAMS = (
     ("layers.*.attention.wv.weight",     ("kv", None),    "column"),
     ("layers.*.attention.wv.bias",       ("kv",),         "column"),
     ("layers.*.attention.wo.weight",     (None, "heads"), "row"),
+    ("layers.*.attention.q_norm.weight", (None,),         "replicated"),
+    ("layers.*.attention.k_norm.weight", (None,),         "replicated"),
+    ("layers.*.attention_out_norm.weight", (None,),       "replicated"),
     ("layers.*.ffn_norm.weight",         (None,),         "replicated"),
+    ("layers.*.ffn_out_norm.weight",     (None,),         "replicated"),
     ("layers.*.feed_forward.w1.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w3.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w2.weight",  (None, "ffn"),   "row"),
@@ -77,6 +81,8 @@ CONDITIONS = {
     "gqa": lambda m: m.num_kv_heads != m.num_heads,
     "tied": lambda m: m.tie_embeddings,
     "untied": lambda m: not m.tie_embeddings,
+    "sandwich": lambda m: m.sandwich_norm,
+    "qk_norm": lambda m: m.qk_norm,
 }
 
 _ROW_OUT = (("tokens", None),)
@@ -84,8 +90,9 @@ _ATTN = "layers.*.attention.core.softmax_attention"
 # RMSNorm cores: Ascend swaps in msllm.backends.ascend.RMSNormCore, whose primitives these are:
 # x [N, h] -> x * rsqrt(mean(x^2) + eps) * weight, rows cut over tokens.
 _NORM_OPS = tuple(
-    Op(cell, prim, inputs)
-    for cell in ("layers.*.attention_norm.core", "layers.*.ffn_norm.core", "norm.core")
+    Op(cell, prim, inputs, when=when)
+    for cell, when in (("layers.*.attention_norm.core", None), ("layers.*.ffn_norm.core", None), ("norm.core", None),
+                       ("layers.*.attention_out_norm.core", "sandwich"), ("layers.*.ffn_out_norm.core", "sandwich"))
     for prim, inputs in (
         ("square", (("tokens", None),)),
         ("mean", (("tokens", None),)),
@@ -201,10 +208,16 @@ def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
             if m.qkv_bias:
                 shapes[p + f"attention.{name}.bias"] = (out,)
         shapes[p + "attention.wo.weight"] = (h, q)
+        if m.qk_norm:
+            shapes[p + "attention.q_norm.weight"] = shapes[p + "attention.k_norm.weight"] = (d,)
+        if m.sandwich_norm:
+            shapes[p + "attention_out_norm.weight"] = (h,)
         shapes[p + "ffn_norm.weight"] = (h,)
         shapes[p + "feed_forward.w1.weight"] = (m.ffn_size, h)
         shapes[p + "feed_forward.w2.weight"] = (h, m.ffn_size)
         shapes[p + "feed_forward.w3.weight"] = (m.ffn_size, h)
+        if m.sandwich_norm:
+            shapes[p + "ffn_out_norm.weight"] = (h,)
     shapes["norm.weight"] = (h,)
     if not m.tie_embeddings:
         shapes["output.weight"] = (m.vocab_size, h)

@@ -50,13 +50,21 @@ class Linear(nn.Cell):
 
 
 class Embedding(nn.Cell):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    """Rows of the table by token id. Lookups of `padding_idx` (>= 0) pass no gradient to its row,
+    as torch's nn.Embedding(padding_idx) does for the Hugging Face models that set pad_token_id."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, padding_idx: int = -1):
         super().__init__()
         self.weight = Parameter(initializer("zeros", (vocab_size, hidden_size), ms.float32), name="weight")
         self.gather = ops.Gather()
+        self.padding_idx = padding_idx
 
     def construct(self, input_ids):
-        return self.gather(self.weight, input_ids, 0)
+        out = self.gather(self.weight, input_ids, 0)
+        if self.padding_idx >= 0:
+            pad = ops.broadcast_to(ops.expand_dims(input_ids == self.padding_idx, -1), out.shape)
+            out = ops.select(pad, ops.stop_gradient(out), out)
+        return out
 
 
 class RMSNormCore(nn.Cell):
@@ -374,7 +382,7 @@ class Llama(nn.Cell):
         super().__init__()
         self.cfg = cfg
         self.compute_dtype = compute_dtype
-        self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
         self.layers = nn.CellList([Block(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset)
         self.output = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
