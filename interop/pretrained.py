@@ -145,8 +145,9 @@ def hf_module_names(arch: str, cfg: Config) -> dict[str, str]:
     modules = {}
     for e in entries(FAMILIES[arch].table, cfg.model):
         module = e.name.removesuffix(".weight")
-        if e.name.endswith(".weight") and module.split(".", 2)[-1] in TARGETS.values():
-            modules[module] = e.stored["hf"].name.removesuffix(".weight")
+        stored = e.stored["hf"]
+        if e.name.endswith(".weight") and module.split(".", 2)[-1] in TARGETS.values() and hasattr(stored, "name"):
+            modules[module] = stored.name.removesuffix(".weight")  # a joined tensor (Phi-3's qkv_proj) has none
     return modules
 
 
@@ -170,7 +171,7 @@ def hf_leaves(arch: str) -> dict[str, str]:
 
     one_layer = Config(model=dataclasses.replace(Config().model, num_layers=1))
     leaves = {m.split(".", 2)[-1]: hf.rsplit(".", 1)[-1] for m, hf in hf_module_names(arch, one_layer).items()}
-    return {target: leaves[module] for target, module in TARGETS.items()}
+    return {target: leaves[module] for target, module in TARGETS.items() if module in leaves}
 
 
 class PeftAdapter:
@@ -272,10 +273,15 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
     from safetensors.numpy import save_file
 
     ckpt, state, cfg, weights, adapters = _lora_run(run, base)
+    leaves = hf_leaves(weights.architecture)
+    fused = [t for t in cfg.lora.targets if t not in leaves]
+    if fused:
+        raise InteropError(f"{ckpt}: lora.targets {fused}: {weights.architecture} stores them inside a fused "
+                           f"projection, which a PEFT adapter cannot hold; `msllm lora merge` makes a full model")
     keys = peft_keys(weights.architecture, cfg)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
               "lora_dropout": cfg.lora.dropout,
-              "target_modules": [hf_leaves(weights.architecture)[t] for t in cfg.lora.targets],
+              "target_modules": [leaves[t] for t in cfg.lora.targets],
               "base_model_name_or_path": str(weights.path.resolve()), "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
               "use_dora": False}

@@ -81,3 +81,52 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
     ours, theirs = model(ids).asnumpy(), full(ids).asnumpy()
     assert np.abs(ours[0, :1] - theirs[0, :1]).max() < 1e-5  # position 0: both RoPE bases agree (angle 0)
     assert np.abs(ours[0, 8:] - theirs[0, 8:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["gemma3", "phi3"])
+def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case):
+    """train --init-from on packed SFT rows (windowed masks per sample) with LoRA on every projection,
+    merged, converted back to HF: transformers computes the merged model. Gemma 3's adapter also
+    exports to PEFT; Phi-3's q/k/v and gate/up live inside fused projections, which PEFT cannot hold."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from interop import InteropError
+    from interop.pretrained import export_peft, merge
+    from msllm.cli import main
+
+    folder = converted[case][0]
+    rows = [{"prompt": f"def f{i % 7}(x):", "response": f" return x + {i % 5}"} for i in range(32)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    values = {"data.path": tmp_path / "sft.jsonl", "data.seq_len": 32, "train.run_dir": tmp_path / "run",
+              "train.steps": 4, "train.batch_size": 2, "train.eval_every": 4, "train.ckpt_every": 4,
+              "train.sample_tokens": 0, "optim.lr": 1e-2, "optim.warmup_steps": 0, "lora.rank": 4,
+              "lora.targets": "[q, k, v, o, gate, up, down]"}
+    args = ["train", "--init-from", str(folder / "hf")] + [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+    assert main([str(a) for a in args]) == 0
+    merged = merge(tmp_path / "run", tmp_path / "merged")
+    convert(merged, tmp_path / "back", to="hf", progress=False)
+    ids = np.random.default_rng(0).integers(0, 300, (2, 20))
+    device.setup("cpu", "pynative")
+    _, model, _, _ = load_run(merged)
+    ours = model(ms.Tensor(ids, ms.int32)).asnumpy()
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()(
+            torch.from_numpy(ids)).logits.numpy()
+        before = AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32).eval()(
+            torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-5 * np.abs(theirs).max())
+    assert np.abs(before - ours).max() > 1e-2  # training moved the model: the comparison can fail
+    if case == "phi3":
+        with pytest.raises(InteropError, match=r"lora.targets \['q', 'k', 'v', 'gate', 'up'\]: Phi3ForCausalLM"):
+            export_peft(tmp_path / "run", tmp_path / "peft")
+        assert not (tmp_path / "peft").exists()
+        return
+    from peft import PeftModel
+
+    export_peft(tmp_path / "run", tmp_path / "peft")
+    original = AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(original, tmp_path / "peft").eval()(torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(peft_logits, ours, rtol=0, atol=1e-5 * np.abs(peft_logits).max())

@@ -11,6 +11,8 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
     python tools/bench_train.py --compile-layers 2,32 --block-graph shared  # every depth shares the block graph
     python tools/bench_train.py --ab fused-kernels       # msllm with vs without msllm.kernels
     python tools/bench_train.py --ab block-graph         # one block graph for all layers vs inlined
+    python tools/bench_train.py --family gemma3 --variants msllm-graph,torch-eager,torch-compile
+                                                         # the workload's shape as Qwen3 / Gemma 3 (their spec)
 
 --ab builds both msllm steps in one process and alternates them (--rounds rounds of
 --steps-per-round steps each, the order flipped every round), so a machine that drifts
@@ -38,12 +40,33 @@ WORKLOADS = {
     "W2": dict(vocab=8192, hidden=1024, layers=8, heads=16, kv_heads=4, ffn=2816, seq=512, batch=4),
 }
 VARIANTS = ("msllm-graph", "msllm-pynative", "torch-eager", "torch-compile", "mindformers")
+# Family -> (transformers config class, model class, what the family adds to the workload's shape):
+# Qwen3's head_dim 128 apart from hidden / heads, Gemma 3's sliding window half the sequence.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 128}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 64, "query_pre_attn_scalar": 64,
+                                                         "sliding_window": "seq/2", "tie_word_embeddings": False}),
+}
 
 
-def model_config(w: dict):
-    from msllm.config import ModelConfig
-    return ModelConfig(vocab_size=w["vocab"], hidden_size=w["hidden"], num_layers=w["layers"], num_heads=w["heads"],
-                       num_kv_heads=w["kv_heads"], ffn_size=w["ffn"], max_seq_len=w["seq"])
+def hf_config(w: dict, family: str = "llama"):
+    import transformers
+    config_class, _, extra = FAMILIES[family]
+    extra = {k: w["seq"] // 2 if v == "seq/2" else v for k, v in extra.items()}
+    return getattr(transformers, config_class)(
+        vocab_size=w["vocab"], hidden_size=w["hidden"], num_hidden_layers=w["layers"], num_attention_heads=w["heads"],
+        num_key_value_heads=w["kv_heads"], intermediate_size=w["ffn"], max_position_embeddings=w["seq"], **extra)
+
+
+def model_config(w: dict, family: str = "llama"):
+    """msllm's model for the workload, read from the same transformers config the torch side builds."""
+    from interop.hf_config import to_model_config
+    if family == "llama":
+        from msllm.config import ModelConfig
+        return ModelConfig(vocab_size=w["vocab"], hidden_size=w["hidden"], num_layers=w["layers"],
+                           num_heads=w["heads"], num_kv_heads=w["kv_heads"], ffn_size=w["ffn"], max_seq_len=w["seq"])
+    return to_model_config(hf_config(w, family).to_dict(), f"{family} workload")
 
 
 def tokens(w: dict, seed: int = 0):
@@ -67,7 +90,8 @@ def time_steps(step_fn, steps: int, warmup: int) -> dict:
 
 
 def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: str = "O0",
-                     recompute: str = "none", fused_kernels: str = "auto", block_graph: str = "auto"):
+                     recompute: str = "none", fused_kernels: str = "auto", block_graph: str = "auto",
+                     family: str = "llama"):
     """The benchmarked msllm step on workload w (AdamW, clip 1.0) and its batch; also used by profile_step.py."""
     import mindspore as ms
     from msllm import device
@@ -75,7 +99,7 @@ def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: 
     from msllm.train.build import build_train_step
 
     device.setup("cpu", mode, threads, jit_level)
-    cfg = Config(model=model_config(w), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
+    cfg = Config(model=model_config(w, family), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
                  train=TrainConfig(steps=1000, batch_size=w["batch"], seed=0, mode=mode, threads=threads,
                                    jit_level=jit_level, recompute=recompute, fused_kernels=fused_kernels,
                                    block_graph=block_graph))
@@ -106,7 +130,7 @@ def ab_compare(w: dict, switch: str, rounds: int, steps_per_round: int, threads:
 
 def worker_msllm(w: dict, args) -> dict:
     step, batch = msllm_train_step(w, args.mode, args.threads, args.jit_level, args.recompute, args.fused_kernels,
-                                   args.block_graph)
+                                   args.block_graph, args.family)
     t0 = time.perf_counter()
     if args.mode == "graph":
         step.compile(batch)  # graph compile alone; the first step then adds first-touch memory faults
@@ -117,18 +141,16 @@ def worker_msllm(w: dict, args) -> dict:
     return result
 
 
-def hf_model(w: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(vocab_size=w["vocab"], hidden_size=w["hidden"], num_hidden_layers=w["layers"],
-                                        num_attention_heads=w["heads"], num_key_value_heads=w["kv_heads"],
-                                        intermediate_size=w["ffn"], max_position_embeddings=w["seq"]))
+def hf_model(w: dict, family: str = "llama"):
+    import transformers
+    return getattr(transformers, FAMILIES[family][1])(hf_config(w, family))
 
 
 def worker_torch(w: dict, args) -> dict:
     import torch
     torch.set_num_threads(args.threads or os.cpu_count())
     torch.manual_seed(0)
-    model = hf_model(w)
+    model = hf_model(w, args.family)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.from_numpy(tokens(w)).long()
@@ -157,7 +179,7 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
     if variant == "mindformers":
         return spawn_mindformers(workload, args)
     common = ["--workload", workload, "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--threads", str(args.threads), "--layers", str(layers)]
+              "--threads", str(args.threads), "--layers", str(layers), "--family", args.family]
     if variant.startswith("msllm"):
         extra = ["--worker", "msllm", "--mode", variant.split("-")[1], "--recompute", recompute,
                  "--jit-level", args.jit_level, "--fused-kernels", args.fused_kernels,
@@ -202,6 +224,7 @@ def save(args, stem: str, result: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="W1", choices=list(WORKLOADS))
+    p.add_argument("--family", default="llama", choices=list(FAMILIES), help="the workload's shape as this family")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--recompute", default="none", help="comma list for msllm variants: none,full,selective")
     p.add_argument("--compile-layers", default="", help="comma list of depths: report first-step compile time")
@@ -255,9 +278,10 @@ def main(argv=None) -> int:
                 print(f"  {variant:<16} {recompute:<10} " + (f"error: {r['error']}" if "error" in r else
                       f"{tokens_per_step / r['step_s']:>8.0f} tok/s  first {r['first_step_s']:.1f}s  "
                       f"rss {r['peak_rss_mb']:.0f} MB"), flush=True)
-        flops = model_config(w).flops_per_token(w["seq"])
+        flops = model_config(w, args.family).flops_per_token(w["seq"])
         base = next((r for r in rows if r["variant"] == "torch-eager" and "error" not in r), None)
-        print(f"\n{args.workload} {w}, {args.threads} threads, median of {args.steps} steps after {args.warmup} warm-up")
+        print(f"\n{args.workload} {args.family} {w}, {args.threads} threads, median of {args.steps} steps after "
+              f"{args.warmup} warm-up")
         print("| variant | recompute | tokens/s | vs torch eager | MFU | first step s | peak RSS MB |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
@@ -270,7 +294,8 @@ def main(argv=None) -> int:
             ratio = f"{r['vs_torch_eager']:.2f}x" if base else "n/a"
             print(f"| {r['variant']} | {r['recompute']} | {tps:,.0f} | {ratio} | {r['mfu']:.1%} | "
                   f"{r['first_step_s']:.1f} | {r['peak_rss_mb']:.0f} |")
-    save(args, f"bench_{args.workload}", {"workload": args.workload, "shape": w, "threads": args.threads, "rows": rows})
+    save(args, f"bench_{args.workload}_{args.family}", {"workload": args.workload, "family": args.family, "shape": w,
+                                                        "threads": args.threads, "rows": rows})
     return 0
 
 
