@@ -16,10 +16,12 @@ def stored_shapes(path: Path) -> dict[str, tuple]:
     return dict(SafetensorsReader(path).shapes)
 
 
-def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int) -> dict:
+def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int, head_dim: int) -> dict:
     """The model.* values msllm's tensor names and shapes imply. num_heads is not visible in them;
     num_kv_heads is, given the configured head_dim, when the hidden size agrees."""
-    implied = {"qkv_bias": "layers.0.attention.wq.bias" in shapes, "tie_embeddings": "output.weight" not in shapes}
+    implied = {"qkv_bias": "layers.0.attention.wq.bias" in shapes, "tie_embeddings": "output.weight" not in shapes,
+               "qk_norm": "layers.0.attention.q_norm.weight" in shapes,
+               "sandwich_norm": "layers.0.ffn_out_norm.weight" in shapes}
     if "tok_embeddings.weight" in shapes:
         implied["vocab_size"], implied["hidden_size"] = shapes["tok_embeddings.weight"]
     layers = {int(name.split(".")[1]) for name in shapes if name.startswith("layers.")}
@@ -28,7 +30,7 @@ def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int) -
     if "layers.0.feed_forward.w1.weight" in shapes:
         implied["ffn_size"] = shapes["layers.0.feed_forward.w1.weight"][0]
     if "layers.0.attention.wk.weight" in shapes and implied.get("hidden_size") == hidden_size:
-        implied["num_kv_heads"] = shapes["layers.0.attention.wk.weight"][0] // (hidden_size // num_heads)
+        implied["num_kv_heads"] = shapes["layers.0.attention.wk.weight"][0] // head_dim
     return implied
 
 
@@ -39,7 +41,8 @@ def check_weights(m: ModelConfig, path: Path, source: str) -> None:
     except (OSError, UserError):
         return  # unreadable: loading it says so
     differ = [f"model.{key} {value!r} (config: {getattr(m, key)!r})"
-              for key, value in implied_config(shapes, m.hidden_size, m.num_heads).items() if getattr(m, key) != value]
+              for key, value in implied_config(shapes, m.hidden_size, m.num_heads, m.head_size).items()
+              if getattr(m, key) != value]
     if differ:
         raise ConfigError(source, "model", f"{path.name} holds weights of another model: " + ", ".join(differ)
                           + "; resume with the config that wrote them")
