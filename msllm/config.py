@@ -44,7 +44,6 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     max_seq_len: int = 256
-    # -- the family spec ---------------------------------------------------------------------------
     qk_norm: bool = False             # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     norm_offset: float = 0.0          # every norm scales by (offset + weight): Gemma's (1 + w) is 1.0
     sandwich_norm: bool = False       # also a norm on the attention and MLP outputs before the residual add
