@@ -222,5 +222,6 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
         full = {"rope_type": "default", "rope_theta": m.rope_theta, **(hf.pop("rope_scaling", None) or {})}
         hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}}
-        hf["query_pre_attn_scalar"] = m.attn_scale ** -2 if m.attn_scale else m.head_size
+        scalar = m.attn_scale ** -2 if m.attn_scale else m.head_size
+        hf["query_pre_attn_scalar"] = round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar  # an int in HF
     return hf

@@ -15,6 +15,7 @@ from msllm.backends import specialise
 from msllm.checkpoint import load_run
 from msllm.generate import generate
 from msllm.inference import cell_engine
+from tests.conftest import run_cli
 from tests.hf_models import build, save_tokenizer
 
 NEW_TOKENS, PROMPT = 16, 12
@@ -158,3 +159,25 @@ def test_a_gemma_spec_trains_with_recompute_and_resumes_bit_identically(corpus, 
         assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a), name
     assert "layers.1.ffn_out_norm.weight" in load_file(str(tmp_path / "straight" / "checkpoints" / "step_0000004" /
                                                            "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b"])
+def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(name):
+    """configs/<name>.yaml describes the real model: its parameter count equals transformers' for the
+    same config (built on the meta device), and `msllm plan` lays it out on 64 devices."""
+    from interop.hf_config import default_architecture, to_hf_config
+    from msllm.config import load_config
+    from tests.conftest import REPO
+    import transformers
+
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    arch = default_architecture(cfg.model)
+    assert arch == {"qwen3_8b": "Qwen3ForCausalLM", "gemma3_1b": "Gemma3ForCausalLM"}[name]
+    hf = to_hf_config(cfg.model, arch, "float32")
+    config_class = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("meta"):
+        model = getattr(transformers, arch)(config_class)
+    assert cfg.model.num_params() == sum(p.numel() for p in model.parameters())
+    proc = run_cli("plan", "--config", str(REPO / "configs" / f"{name}.yaml"), "--devices", "64", "--device-mem",
+                   "64GB", "--global-batch", "64")
+    assert proc.returncode == 0 and "of them fit" in proc.stdout, proc.stderr[-2000:]
