@@ -56,7 +56,7 @@ def test_msllm_engine_generates_what_transformers_does(converted, case):
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "mindir"])
-@pytest.mark.parametrize("case", ["qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("case", FAMILIES)
 def test_exported_graphs_generate_what_transformers_does(converted, tmp_path, case, fmt):
     folder, prompt, want = converted[case]
     manifest = export(folder / "msllm", fmt, tmp_path / fmt, log=lambda line: None)
