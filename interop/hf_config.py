@@ -46,7 +46,7 @@ def default_architecture(m: ModelConfig) -> str:
     (Phi-3 computes Llama's maths, so a model is never given its fused layout by default)."""
     def matches(family) -> bool:
         spec = {**dict(qkv_bias=False, qk_norm=False, norm_offset=0.0, sandwich_norm=False, mlp="swiglu"), **family.spec}
-        return all(getattr(m, key) == value for key, value in spec.items())
+        return family.moe == (m.num_experts > 0) and all(getattr(m, key) == value for key, value in spec.items())
 
     arch = next((arch for arch, family in FAMILIES.items() if matches(family)), None)
     if arch is None:
@@ -161,8 +161,26 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(eps),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=max_seq_len or min(context, MAX_SEQ_LEN), sliding_window=window, layer_types=layer_types,
-        pad_token_id=_pad_token(hf, refuse),
+        pad_token_id=_pad_token(hf, refuse), **_experts(hf, layers, refuse),
         rope_local_theta=local_theta if window else 0.0, **spec)
+
+
+def _experts(hf: dict, layers: int, refuse) -> dict:
+    """MoE fields: how many experts, top-k, their size, renormalisation, and which layers are MoE
+    (Qwen3-MoE: not in mlp_only_layers and every decoder_sparse_step-th; Mixtral: all)."""
+    experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+    if not experts:
+        return {}
+    if hf.get("router_jitter_noise"):
+        refuse("router_jitter_noise", "msllm routes without noise (0)")
+    top_k = hf.get("num_experts_per_tok", 2)
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        refuse("num_experts_per_tok", f"must be in [1, {experts}] (the experts), got {top_k!r}")
+    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
+    kinds = ["dense" if i in dense or (i + 1) % step else "moe" for i in range(layers)]
+    return {"num_experts": experts, "experts_per_token": top_k, "moe_ffn_size": hf.get("moe_intermediate_size") or 0,
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            "mlp_types": None if set(kinds) == {"moe"} else kinds}
 
 
 def _pad_token(hf: dict, refuse) -> int:
@@ -216,7 +234,14 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
         hf["rope_scaling"] = {"rope_type": scaling.pop("type", scaling.pop("rope_type", None)), **scaling}
     if m.layer_types is not None or (m.sliding_window and arch not in ("MistralForCausalLM", "Phi3ForCausalLM")):
         hf["layer_types"] = [f"{kind}_attention" for kind in m.layer_kinds()]
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if m.num_experts:
+        hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob)
+        if arch == "MixtralForCausalLM":
+            hf.update(num_local_experts=m.num_experts, intermediate_size=m.moe_ffn_size or m.ffn_size)
+        else:
+            hf.update(num_experts=m.num_experts, moe_intermediate_size=m.moe_ffn_size or m.ffn_size,
+                      decoder_sparse_step=1, mlp_only_layers=[i for i, k in enumerate(m.mlp_kinds()) if k == "dense"])
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         hf["use_sliding_window"] = bool(m.sliding_window)
     if arch == "Gemma3ForCausalLM":
         full = {"rope_type": "default", "rope_theta": m.rope_theta, **(hf.pop("rope_scaling", None) or {})}

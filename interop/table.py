@@ -7,6 +7,7 @@ layout (Hugging Face, MindFormers) stores it:
     Concat(dim, "a", "b", ...)    stored as parts joined along `dim`; the msllm shape spells that
                                   dim as one term per part ("q+kv+kv"), which gives the split back
     Transposed("name")            stored as the 2-D transpose
+    Stacked("name.{e}.w")         stored one tensor per expert e; msllm stacks them on a new dim 0
     None                          this layout has no such tensor (the family is not in that layout)
 
 The msllm column may be a Concat too: Phi-3 stores q, k and v as one qkv_proj, so its row is
@@ -25,12 +26,16 @@ import torch
 from msllm.config import ModelConfig
 
 LAYOUTS = ("msllm", "hf", "mindformers")
-CONDITIONS = {"untied": lambda m: not m.tie_embeddings}
+# A condition on the model config and the layer index (0 outside the layers).
+CONDITIONS = {"untied": lambda m, i: not m.tie_embeddings,
+              "dense": lambda m, i: m.mlp_kinds()[i] == "dense",
+              "moe": lambda m, i: m.mlp_kinds()[i] == "moe"}
 
 
 def named_dims(m: ModelConfig) -> dict[str, int]:
     return {"vocab": m.vocab_size, "hidden": m.hidden_size, "ffn": m.ffn_size, "head": m.head_size,
-            "q": m.num_heads * m.head_size, "kv": m.num_kv_heads * m.head_size}
+            "q": m.num_heads * m.head_size, "kv": m.num_kv_heads * m.head_size,
+            "experts": m.num_experts, "expert_ffn": m.moe_ffn_size or m.ffn_size}
 
 
 class Same:
@@ -80,6 +85,28 @@ class Transposed(Same):
         return [(self.name, t.T.contiguous())]
 
 
+class Stacked:
+    """One stored tensor per expert, named by a pattern with {e}; msllm holds them stacked [E, ...]."""
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+
+    def expand(self, prefix: str, i: int):
+        return Stacked((prefix + self.pattern).replace("{e}", "{{e}}").format(i=i))
+
+    def names(self, entry: "Entry") -> list[str]:
+        return [self.pattern.format(e=e) for e in range(entry.shape[0])]
+
+    def shapes(self, entry: "Entry") -> dict[str, tuple]:
+        return dict.fromkeys(self.names(entry), entry.shape[1:])
+
+    def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
+        return torch.stack([read(name) for name in self.names(entry)])
+
+    def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(name, part.contiguous()) for name, part in zip(self.names(entry), t.unbind(0), strict=True)]
+
+
 class Row(NamedTuple):
     msllm: str | Concat
     shape: str                         # named dims, e.g. "vocab, hidden" or "q+kv+kv, hidden"
@@ -114,7 +141,7 @@ def entries(table: Table, m: ModelConfig) -> list[Entry]:
               + [(row, no_prefix, 0) for row in table.after])
     out = []
     for row, prefix, i in placed:
-        if row.when and not CONDITIONS[row.when](m):
+        if row.when and not CONDITIONS[row.when](m, i):
             continue
         terms = tuple(tuple(sizes[t.strip()] for t in dim.split("+")) for dim in row.shape.split(","))
         stored = {layout: _rule(getattr(row, layout)) for layout in LAYOUTS}

@@ -65,6 +65,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from interop import InteropError
 from interop.convert import parameter_names, plan
 from interop.layouts import open_source
+from interop.maps import moe
 from interop.table import Entry, msllm_arrays, stored_arrays
 from interop.verify import hf_states, max_rel, msllm_model, msllm_states, open_hf, same_model
 from msllm.config import Config, OptimConfig, TrainConfig
@@ -202,7 +203,7 @@ class TorchSide:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
-        self.rows, self.optim = rows, optim
+        self.rows, self.optim, self.arch = rows, optim, type(self.model).__name__
         self.params = dict(self.model.named_parameters())  # tied embeddings appear once
         matrices = [p for p in self.params.values() if p.dim() >= 2]
         others = [p for p in self.params.values() if p.dim() < 2]
@@ -213,10 +214,10 @@ class TorchSide:
     def load(self, weights: dict, exp_avg: dict, exp_avg_sq: dict, step: int) -> None:
         """Take msllm's weights and AdamW state after `step` steps (msllm names)."""
         with torch.no_grad():
-            for name, t in to_hf(self.rows, weights).items():
+            for name, t in self.in_memory(weights).items():
                 self.params[name].copy_(t)
-            second = to_hf(self.rows, exp_avg_sq)
-            for name, first in to_hf(self.rows, exp_avg).items():
+            second = self.in_memory(exp_avg_sq)
+            for name, first in self.in_memory(exp_avg).items():
                 self.adamw.state[self.params[name]] = {"step": torch.tensor(float(step)), "exp_avg": first.clone(),
                                                        "exp_avg_sq": second[name].clone()}
 
@@ -228,7 +229,7 @@ class TorchSide:
         labels = torch.from_numpy(tokens[:, 1:]).long()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
         loss.backward()
-        grads = to_msllm(self.rows, {n: p.grad.clone() for n, p in self.params.items()})
+        grads = self.msllm_named({n: p.grad.clone() for n, p in self.params.items()})
         clip = self.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.params.values(), clip if clip > 0 else float("inf")).item()
         coef = min(clip / (norm + 1e-6), 1.0) if clip > 0 else 1.0  # what clip_grad_norm_ multiplied by
@@ -237,12 +238,19 @@ class TorchSide:
     def update(self, grads: dict, lr: float) -> dict:
         """torch AdamW applied to `grads` (msllm names, already clipped) at `lr`; the new weights."""
         with torch.no_grad():
-            for name, g in to_hf(self.rows, grads).items():
+            for name, g in self.in_memory(grads).items():
                 self.params[name].grad = g.clone()
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
-        return to_msllm(self.rows, {n: p.detach() for n, p in self.params.items()})
+        return self.msllm_named({n: p.detach() for n, p in self.params.items()})
+
+    def in_memory(self, arrays: dict) -> dict:
+        """msllm-named arrays -> tensors by the in-memory parameter names of the HF model."""
+        return moe.from_saved(self.arch, to_hf(self.rows, arrays), list(self.params))
+
+    def msllm_named(self, tensors: dict) -> dict:
+        return to_msllm(self.rows, moe.to_saved(self.arch, tensors))
 
 
 def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int = 3, seq_len: int = 32,

@@ -55,6 +55,12 @@ class ModelConfig:
     layer_types: Optional[list] = None
     rope_local_theta: float = 0.0     # RoPE base of sliding layers, unscaled (Gemma 3); 0: as full layers
     pad_token_id: int = -1            # its embedding row takes no gradient from lookups (HF padding_idx); -1: none
+    num_experts: int = 0              # routed experts of each MoE layer (0: every MLP dense)
+    experts_per_token: int = 2        # top-k experts each token is routed to
+    moe_ffn_size: int = 0             # each expert's hidden size; 0: ffn_size
+    norm_topk_prob: bool = True       # renormalise the top-k routing weights to sum to 1 (Mixtral; Qwen3-MoE's flag)
+    # Per layer "dense" or "moe"; None: every layer moe when num_experts > 0 (Qwen3-MoE's mlp_only_layers).
+    mlp_types: Optional[list] = None
 
     @property
     def head_size(self) -> int:
@@ -67,12 +73,19 @@ class ModelConfig:
             return list(self.layer_types)
         return ["sliding" if self.sliding_window else "full"] * self.num_layers
 
+    def mlp_kinds(self) -> list[str]:
+        """"dense" or "moe" for each layer."""
+        if self.mlp_types is not None:
+            return list(self.mlp_types)
+        return ["moe" if self.num_experts else "dense"] * self.num_layers
+
     def num_params(self) -> int:
-        h, f, v, L, d = self.hidden_size, self.ffn_size, self.vocab_size, self.num_layers, self.head_size
+        h, f, v, d = self.hidden_size, self.ffn_size, self.vocab_size, self.head_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.qkv_bias else 0) + (2 * d if self.qk_norm else 0)
-        per_layer = attn + 3 * h * f + (4 if self.sandwich_norm else 2) * h
-        return v * h * (1 if self.tie_embeddings else 2) + L * per_layer + h
+        mlp = {"dense": 3 * h * f, "moe": self.num_experts * (3 * h * (self.moe_ffn_size or f) + h)}
+        layers = sum(attn + mlp[kind] + (4 if self.sandwich_norm else 2) * h for kind in self.mlp_kinds())
+        return v * h * (1 if self.tie_embeddings else 2) + layers + h
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params + attention scores (PaLM appendix B)."""
@@ -201,6 +214,7 @@ _CHOICES = {
     "model.mlp": ("swiglu", "geglu_tanh"),
 }
 LAYER_TYPES = ("full", "sliding")
+MLP_TYPES = ("dense", "moe")
 
 
 def _coerce(value: Any, annotation: str, source: str, key: str) -> Any:
@@ -335,6 +349,18 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
              f"needs one entry per layer ({m.num_layers}), got {len(m.layer_types)}", "model.num_layers")
         odd = sorted(set(m.layer_types) - set(LAYER_TYPES))
         need(not odd, "model.layer_types", f"unknown {', '.join(map(repr, odd))}; each is one of {', '.join(LAYER_TYPES)}")
+    need(m.num_experts >= 0 and m.moe_ffn_size >= 0, "model.num_experts", "must be >= 0 (0: dense MLPs)")
+    need(m.num_experts == 0 or 1 <= m.experts_per_token <= m.num_experts, "model.experts_per_token",
+         f"must be in [1, model.num_experts ({m.num_experts})]", "model.num_experts")
+    if m.mlp_types is not None:
+        need(len(m.mlp_types) == m.num_layers, "model.mlp_types",
+             f"needs one entry per layer ({m.num_layers}), got {len(m.mlp_types)}", "model.num_layers")
+        odd = sorted(set(m.mlp_types) - set(MLP_TYPES))
+        need(not odd, "model.mlp_types", f"unknown {', '.join(map(repr, odd))}; each is one of {', '.join(MLP_TYPES)}")
+        need(m.num_experts > 0 or "moe" not in m.mlp_types, "model.num_experts",
+             "model.mlp_types has moe layers: set the number of experts (> 0)", "model.mlp_types")
+    need(t.block_graph != "shared" or len(set(m.mlp_kinds())) == 1, "train.block_graph",
+         "shared needs every block alike; model.mlp_types mixes dense and moe layers", "model.mlp_types")
     need(m.sliding_window > 0 or "sliding" not in m.layer_kinds(), "model.sliding_window",
          "model.layer_types has sliding layers: set the window (> 0)", "model.layer_types")
     need(d.seq_len > 1, "data.seq_len", "must be > 1")

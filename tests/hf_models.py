@@ -4,8 +4,8 @@ from pathlib import Path
 
 import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64)
 CASES = {
@@ -33,6 +33,13 @@ CASES = {
     # fused qkv_proj and gate_up_proj
     "phi3": (Phi3ForCausalLM, Phi3Config(**SMALL, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                                          pad_token_id=0, eos_token_id=1, bos_token_id=2)),
+    # 4 experts, top 2 without renormalising, layer 0 dense (mlp_only_layers)
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        **SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0])),
+    # 4 experts, top 2 renormalised, every layer MoE
+    "mixtral": (MixtralForCausalLM, MixtralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2,
+                                                  intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

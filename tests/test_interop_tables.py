@@ -19,7 +19,9 @@ GQA = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_
 @pytest.mark.parametrize("arch", list(maps.FAMILIES))
 @pytest.mark.parametrize("tied", [False, True])
 def test_table_lists_every_model_parameter_with_its_shape(arch, tied):
-    m = dataclasses.replace(GQA, tie_embeddings=tied, **maps.FAMILIES[arch].spec)
+    family = maps.FAMILIES[arch]
+    experts = dict(num_experts=4, moe_ffn_size=24, mlp_types=["dense", "moe"]) if family.moe else {}
+    m = dataclasses.replace(GQA, tie_embeddings=tied, **family.spec, **experts)
     table = {name: shape for e in entries(maps.FAMILIES[arch].table, m) for name, shape in e.stored["msllm"].shapes(e).items()}
     model = {p.name: tuple(p.shape) for p in Llama(m).trainable_params()}
     assert table == model

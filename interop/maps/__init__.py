@@ -3,7 +3,7 @@
 Adding a family: a table, a SPEC, a line here, and a tiny random model in tests/hf_models.py."""
 from typing import NamedTuple
 
-from interop.maps import gemma3, phi3, qwen3
+from interop.maps import gemma3, moe, phi3, qwen3
 from interop.maps.llama import LLAMA, QWEN2
 from interop.table import Table
 
@@ -13,6 +13,7 @@ class Family(NamedTuple):
     model_type: str         # config.json's model_type
     spec: dict              # ModelConfig fields the architecture implies (its config.json has the rest)
     activation: str = "silu"  # the hidden_act / hidden_activation its MLP computes
+    moe: bool = False       # its MLPs are routed experts (config.json says how many and where)
 
 
 FAMILIES = {
@@ -22,4 +23,6 @@ FAMILIES = {
     "Qwen3ForCausalLM": Family(qwen3.QWEN3, "qwen3", qwen3.SPEC),
     "Gemma3ForCausalLM": Family(gemma3.GEMMA3, "gemma3_text", gemma3.SPEC, "gelu_pytorch_tanh"),
     "Phi3ForCausalLM": Family(phi3.PHI3, "phi3", phi3.SPEC),
+    "Qwen3MoeForCausalLM": Family(moe.QWEN3_MOE, "qwen3_moe", qwen3.SPEC, moe=True),
+    "MixtralForCausalLM": Family(moe.MIXTRAL, "mixtral", {}, moe=True),
 }

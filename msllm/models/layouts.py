@@ -51,6 +51,9 @@ PARAMS = (
     ("layers.*.attention_out_norm.weight", (None,),       "replicated"),
     ("layers.*.ffn_norm.weight",         (None,),         "replicated"),
     ("layers.*.ffn_out_norm.weight",     (None,),         "replicated"),
+    # MoE: router and stacked experts whole on every rank (no expert parallel in this table yet)
+    ("layers.*.feed_forward.router.weight", (None, None),   "replicated"),
+    ("layers.*.feed_forward.experts.w*",   (None, None, None), "replicated"),
     ("layers.*.feed_forward.w1.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w3.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w2.weight",  (None, "ffn"),   "row"),
@@ -213,9 +216,16 @@ def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         if m.sandwich_norm:
             shapes[p + "attention_out_norm.weight"] = (h,)
         shapes[p + "ffn_norm.weight"] = (h,)
-        shapes[p + "feed_forward.w1.weight"] = (m.ffn_size, h)
-        shapes[p + "feed_forward.w2.weight"] = (h, m.ffn_size)
-        shapes[p + "feed_forward.w3.weight"] = (m.ffn_size, h)
+        if m.mlp_kinds()[i] == "moe":
+            e, f = m.num_experts, m.moe_ffn_size or m.ffn_size
+            shapes[p + "feed_forward.router.weight"] = (e, h)
+            shapes[p + "feed_forward.experts.w1"] = (e, f, h)
+            shapes[p + "feed_forward.experts.w2"] = (e, h, f)
+            shapes[p + "feed_forward.experts.w3"] = (e, f, h)
+        else:
+            shapes[p + "feed_forward.w1.weight"] = (m.ffn_size, h)
+            shapes[p + "feed_forward.w2.weight"] = (h, m.ffn_size)
+            shapes[p + "feed_forward.w3.weight"] = (m.ffn_size, h)
         if m.sandwich_norm:
             shapes[p + "ffn_out_norm.weight"] = (h,)
     shapes["norm.weight"] = (h,)

@@ -345,15 +345,16 @@ class Block(nn.Cell):
     # layer; True keeps one sub-graph that every layer calls (set by msllm.backends). Left unset,
     # MindSpore would treat it as Ascend cell reuse, which the CPU backend refuses.
     @ms.lazy_inline
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, mlp: str = "dense"):
         super().__init__()
+        from msllm.models.moe import MoE  # moe.py builds on this file's Cells
         self.no_inline = False
         h, eps, offset = cfg.hidden_size, cfg.norm_eps, cfg.norm_offset
         self.attention_norm = RMSNorm(h, eps, offset)
         self.attention = Attention(cfg)
         self.attention_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
         self.ffn_norm = RMSNorm(h, eps, offset)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if mlp == "moe" else FeedForward(cfg)
         self.ffn_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
@@ -383,7 +384,7 @@ class Llama(nn.Cell):
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
-        self.layers = nn.CellList([Block(cfg) for _ in range(cfg.num_layers)])
+        self.layers = nn.CellList([Block(cfg, mlp) for mlp in cfg.mlp_kinds()])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset)
         self.output = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_matmul = ops.MatMul(transpose_b=True)
@@ -531,7 +532,7 @@ def init_weights(model: Llama, seed: int) -> None:
         if name.endswith(".bias"):
             value = np.zeros(p.shape, np.float32)
         else:
-            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
             value = rng.normal(0.0, std, size=p.shape).astype(np.float32)
         p.set_data(Tensor(value))
 

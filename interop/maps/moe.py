@@ -1,0 +1,85 @@
+"""Mixture-of-experts families: Qwen3-MoE (Qwen3ForCausalLM's attention, q/k norms) and Mixtral
+(Mistral's attention). Hugging Face stores one tensor per expert; msllm stacks a layer's experts
+into one [E, ...] tensor per projection (Stacked). A layer is MoE or dense by the model's
+mlp_types (Qwen3-MoE's mlp_only_layers / decoder_sparse_step). Not mapped to MindFormers."""
+from interop.maps.llama import LLAMA
+from interop.maps.qwen3 import QWEN3
+import torch
+
+from interop.table import Row, Stacked
+
+_DENSE = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
+
+
+def _moe_rows(block: str, gate: str, down: str, up: str) -> list[Row]:
+    """The router and stacked experts under the HF module `block` (per expert names with {e})."""
+    return [
+        #   msllm                          shape                              Hugging Face                        MindFormers
+        Row("feed_forward.router.weight",  "experts, hidden",                 f"{block}.gate.weight",              None, when="moe"),
+        Row("feed_forward.experts.w1",     "experts, expert_ffn, hidden",     Stacked(f"{block}.experts.{{e}}.{gate}.weight"), None, when="moe"),
+        Row("feed_forward.experts.w2",     "experts, hidden, expert_ffn",     Stacked(f"{block}.experts.{{e}}.{down}.weight"), None, when="moe"),
+        Row("feed_forward.experts.w3",     "experts, expert_ffn, hidden",     Stacked(f"{block}.experts.{{e}}.{up}.weight"), None, when="moe"),
+    ]
+
+
+def _with_moe(table, moe_rows):
+    per_layer = [row._replace(mindformers=None, when="dense") if row.msllm in _DENSE else row._replace(mindformers=None)
+                 for row in table.per_layer]
+    return table._replace(per_layer=per_layer + moe_rows,
+                          before=[r._replace(mindformers=None) for r in table.before],
+                          after=[r._replace(mindformers=None) for r in table.after])
+
+
+QWEN3_MOE = _with_moe(QWEN3, _moe_rows("mlp", "gate_proj", "down_proj", "up_proj"))
+MIXTRAL = _with_moe(LLAMA, _moe_rows("block_sparse_moe", "w1", "w2", "w3"))
+
+
+# transformers 5 holds a layer's experts in memory as two stacked tensors (mlp.experts.gate_up_proj
+# [E, 2f, h], mlp.experts.down_proj [E, h, f]) and converts them to the per-expert names above when
+# it saves or loads. verify --train drives the in-memory model, so it converts the same way:
+# architecture -> (saved block, gate, up, down names).
+SAVED_EXPERTS = {"Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def to_saved(arch: str, tensors: dict) -> dict:
+    """In-memory parameter names and tensors -> the names and tensors save_pretrained writes."""
+    if arch not in SAVED_EXPERTS:
+        return tensors
+    block, gate, up, down = SAVED_EXPERTS[arch]
+    out = {}
+    for name, t in tensors.items():
+        layer, _, leaf = name.partition(".mlp.")
+        if leaf == "experts.gate_up_proj":
+            for e, (g, u) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{layer}.{block}.experts.{e}.{gate}.weight"] = g
+                out[f"{layer}.{block}.experts.{e}.{up}.weight"] = u
+        elif leaf == "experts.down_proj":
+            out.update({f"{layer}.{block}.experts.{e}.{down}.weight": d for e, d in enumerate(t.unbind(0))})
+        elif leaf == "gate.weight":
+            out[f"{layer}.{block}.gate.weight"] = t
+        else:
+            out[name] = t
+    return out
+
+
+def from_saved(arch: str, tensors: dict, memory_names: list[str]) -> dict:
+    """The inverse of to_saved, for the in-memory parameters `memory_names`."""
+    if arch not in SAVED_EXPERTS:
+        return tensors
+    block, gate, up, down = SAVED_EXPERTS[arch]
+    out = {}
+    for name in memory_names:
+        layer, _, leaf = name.partition(".mlp.")
+        experts = sorted({int(k.split(".experts.")[1].split(".")[0]) for k in tensors
+                          if k.startswith(f"{layer}.{block}.experts.")})
+        if leaf == "experts.gate_up_proj":
+            out[name] = torch.stack([torch.cat([tensors[f"{layer}.{block}.experts.{e}.{gate}.weight"],
+                                                tensors[f"{layer}.{block}.experts.{e}.{up}.weight"]]) for e in experts])
+        elif leaf == "experts.down_proj":
+            out[name] = torch.stack([tensors[f"{layer}.{block}.experts.{e}.{down}.weight"] for e in experts])
+        elif leaf == "gate.weight":
+            out[name] = tensors[f"{layer}.{block}.gate.weight"]
+        elif name in tensors:
+            out[name] = tensors[name]
+    return out
