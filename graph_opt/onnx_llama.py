@@ -50,6 +50,8 @@ def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str
         return (name, weights[name]) if name in weights else None
 
     out = {norm: named(f"layers.{i}.{norm}.weight") for norm in NORMS}
+    out["router"] = named(f"layers.{i}.feed_forward.router.weight")
+    out.update({f"experts.{w}": named(f"layers.{i}.feed_forward.experts.{w}") for w in ("w1", "w2", "w3")})
     for role, name in LINEARS.items():
         out[role], out[role + "_bias"] = named(f"layers.{i}.{name}.weight"), named(f"layers.{i}.{name}.bias")
     return out
@@ -139,8 +141,7 @@ class LlamaGraph:
         out = self.op("Reshape", out, self.shape(-1, nh * d))
         return self.linear(out, w["o"], w["o_bias"]), k, v
 
-    def feed_forward(self, x, w) -> ir.Value:
-        gate = self.linear(x, w["gate"], w["gate_bias"])
+    def activation(self, gate, up) -> ir.Value:
         if self.cfg.mlp == "geglu_tanh":  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
             cube = self.op("Mul", self.op("Mul", gate, gate), gate)
             inner = self.op("Mul", self.const(math.sqrt(2.0 / math.pi), self.np_dtype),
@@ -149,7 +150,36 @@ class LlamaGraph:
             act = self.op("Mul", half, self.op("Add", self.const(1.0, self.np_dtype), self.op("Tanh", inner)))
         else:
             act = self.op("Mul", gate, self.op("Sigmoid", gate))
-        return self.linear(self.op("Mul", act, self.linear(x, w["up"], w["up_bias"])), w["down"], w["down_bias"])
+        return self.op("Mul", act, up)
+
+    def feed_forward(self, x, w) -> ir.Value:
+        if w["router"] is not None:
+            return self.experts(x, w)
+        hidden = self.activation(self.linear(x, w["gate"], w["gate_bias"]), self.linear(x, w["up"], w["up_bias"]))
+        return self.linear(hidden, w["down"], w["down_bias"])
+
+    def experts(self, x, w) -> ir.Value:
+        """As msllm.models.moe: softmax top-k routing (fp32), every expert on every token, outputs summed
+        with the routing weights (0 for experts not chosen). x [N, h] -> [N, h]."""
+        cfg = self.cfg
+        probs = self.op("Softmax", self.op("Cast", self.linear(x, w["router"]), to=ir.DataType.FLOAT), axis=-1)
+        weights, chosen = self.tape.op_multi_out("TopK", [probs, self.const([cfg.experts_per_token])], num_outputs=2,
+                                                 attributes={"axis": -1, "largest": 1, "sorted": 1})
+        if cfg.norm_topk_prob:
+            weights = self.op("Div", weights, self.op("ReduceSum", weights, self.const([-1]), keepdims=1))
+        one_hot = self.op("OneHot", chosen, self.const([cfg.num_experts]), self.const([0.0, 1.0], np.float32), axis=-1)
+        combine = self.op("ReduceSum", self.op("Mul", one_hot, self.op("Unsqueeze", weights, self.const([-1]))),
+                          self.const([1]), keepdims=0)                                         # [N, E]
+        xs = self.op("Unsqueeze", x, self.const([0]))                                          # [1, N, h]
+
+        def batched(value, weight):  # [E or 1, N, in] @ W[E, out, in]^T
+            return self.op("MatMul", value, self.op("Transpose", self.param(weight), perm=[0, 2, 1]))
+
+        hidden = self.activation(batched(xs, w["experts.w1"]), batched(xs, w["experts.w3"]))
+        out = batched(hidden, w["experts.w2"])                                                 # [E, N, h]
+        scale = self.op("Unsqueeze", self.op("Cast", self.op("Transpose", combine, perm=[1, 0]), to=self.dtype),
+                        self.const([-1]))                                                      # [E, N, 1]
+        return self.op("ReduceSum", self.op("Mul", out, scale), self.const([0]), keepdims=0)
 
     def window(self, visible, query_slots, key_slots, window: int):
         """visible, and within the last `window` slots of its query when window > 0."""

@@ -181,3 +181,29 @@ def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(
     proc = run_cli("plan", "--config", str(REPO / "configs" / f"{name}.yaml"), "--devices", "64", "--device-mem",
                    "64GB", "--global-batch", "64")
     assert proc.returncode == 0 and "of them fit" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_moe_bad_inputs_are_one_line_and_write_nothing(converted, tmp_path):
+    """top-k above the experts, and an expert tensor missing: one line naming the key or tensor, exit 2."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf = converted["mixtral"][0] / "hf"
+    bad = tmp_path / "topk"
+    shutil.copytree(hf, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 5}))
+    proc = run_cli("convert", str(bad), str(tmp_path / "out"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "config.json: num_experts_per_tok: must be in [1, 4]" in proc.stderr
+    missing = tmp_path / "missing"
+    shutil.copytree(hf, missing)
+    tensors = load_file(missing / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, missing / "model.safetensors")
+    proc = run_cli("convert", str(missing), str(tmp_path / "out"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "missing [model.layers.1.block_sparse_moe.experts.3.w3.weight]" in proc.stderr
+    assert not (tmp_path / "out").exists()
