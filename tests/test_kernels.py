@@ -15,7 +15,7 @@ from mindspore import Tensor, nn, ops
 
 from msllm import device, kernels
 from msllm.backends.cpu import Rope, RMSNormCore, SoftmaxAttention
-from msllm.models.llama import CacheWrite, SwiGLU, scores_shape
+from msllm.models.llama import CacheWrite, GeGLU, SwiGLU, scores_shape
 from tests.numerics import U32
 
 
@@ -65,6 +65,26 @@ def test_swiglu_forward_and_backward_match_portable(arch):
     np.testing.assert_allclose(h, h_ref, rtol=1e-6, atol=1e-6)
     loss_ref, (dgate_ref, dup_ref) = value_and_grads(SwiGLU(), *inputs)
     loss, (dgate, dup) = value_and_grads(kernels.FusedSwiGLU(), *inputs)
+    np.testing.assert_allclose(loss.asnumpy(), loss_ref.asnumpy(), rtol=1e-5)
+    np.testing.assert_allclose(dup.asnumpy(), dup_ref.asnumpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dgate.asnumpy(), dgate_ref.asnumpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_geglu_forward_and_backward_match_portable_and_torch(arch):
+    import torch
+
+    rng = np.random.default_rng(1)
+    gate = np.concatenate([rng.normal(0, 3, 200_000), np.linspace(-40, 40, 2000)]).reshape(-1, 101)
+    up, weights = rng.normal(size=(2, *gate.shape))
+    inputs = [Tensor(x.astype(np.float32)) for x in (gate, up, weights)]
+    h_ref = GeGLU()(*inputs[:2]).asnumpy()
+    h = kernels.FusedGeGLU()(*inputs[:2]).asnumpy()
+    np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-6)
+    g = torch.tensor(gate, dtype=torch.float32)
+    np.testing.assert_allclose(h, (torch.nn.functional.gelu(g, approximate="tanh") * torch.tensor(up).float()).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    loss_ref, (dgate_ref, dup_ref) = value_and_grads(GeGLU(), *inputs)
+    loss, (dgate, dup) = value_and_grads(kernels.FusedGeGLU(), *inputs)
     np.testing.assert_allclose(loss.asnumpy(), loss_ref.asnumpy(), rtol=1e-5)
     np.testing.assert_allclose(dup.asnumpy(), dup_ref.asnumpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dgate.asnumpy(), dgate_ref.asnumpy(), rtol=1e-4, atol=1e-5)

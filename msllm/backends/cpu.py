@@ -127,8 +127,10 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
             cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels
                                       else SoftmaxAttention(n, kv))
-        elif isinstance(cell, llama.FeedForward) and not isinstance(cell.act, llama.GeGLU):  # GeGLU has no fused kernel
-            cell.act = kernels.FusedSwiGLU() if fused_fp32 or decode_kernels else llama.SwiGLU()
+        elif isinstance(cell, llama.FeedForward):
+            plain, fused_act = ((llama.GeGLU, kernels.FusedGeGLU) if cell.activation == "geglu_tanh"
+                                else (llama.SwiGLU, kernels.FusedSwiGLU))
+            cell.act = fused_act() if fused_fp32 or decode_kernels else plain()
         elif isinstance(cell, llama.Linear) and decode_kernels:
             cell.matmul = kernels.LinearFewRows()
     model.broadcast_tables = training and not fused_tables

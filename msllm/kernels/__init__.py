@@ -172,6 +172,22 @@ class FusedSwiGLU(nn.Cell):
         return self.swiglu(gate, up)
 
 
+class FusedGeGLU(nn.Cell):
+    """gelu_tanh(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.llama.GeGLU."""
+
+    def __init__(self):
+        super().__init__()
+        grad = _aot("GeGLUGrad", lambda g, u, d: (g, g), lambda g, u, d: (g, g))
+
+        def bprop(gate, up, out, dout):
+            return grad(gate, up, dout)
+
+        self.geglu = _aot("GeGLU", bprop=bprop)
+
+    def construct(self, gate, up):
+        return self.geglu(gate, up)
+
+
 class FusedRMSNormCore(nn.Cell):
     """x [N, h] fp32, weight [h] -> x / rms(x) * weight in one C++ pass each way; see msllm.backends.cpu.RMSNormCore."""
 

@@ -248,6 +248,44 @@ extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shape
   return 0;
 }
 
+// GeGLU activation with the tanh approximation (Gemma): h = gelu_tanh(gate) * up. As
+// 1 + tanh(u) = 2 sigmoid(2u), gelu_tanh(g) = g * sigmoid(2u), u = c (g + 0.044715 g^3), c = sqrt(2/pi).
+// inputs: gate, up [same shape, fp32]; output: h.
+constexpr float kGeluC = 0.7978845608028654f, kGeluA = 0.044715f;
+
+extern "C" int GeGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                     void *stream, void *extra) {
+  const float *__restrict gate = static_cast<const float *>(params[0]);
+  const float *__restrict up = static_cast<const float *>(params[1]);
+  float *__restrict h = static_cast<float *>(params[2]);
+  parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float g = gate[i];
+      h[i] = g * sigmoid(2.0f * kGeluC * (g + kGeluA * g * g * g)) * up[i];
+    }
+  });
+  return 0;
+}
+
+// Its gradient, s = sigmoid(2u) recomputed: d up = dh * g * s,
+// d gate = dh * up * (s + g * s * (1 - s) * 2c (1 + 3 * 0.044715 g^2)). inputs: gate, up, dh; outputs: d gate, d up.
+extern "C" int GeGLUGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                         void *stream, void *extra) {
+  const float *__restrict gate = static_cast<const float *>(params[0]);
+  const float *__restrict up = static_cast<const float *>(params[1]);
+  const float *__restrict dh = static_cast<const float *>(params[2]);
+  float *__restrict dgate = static_cast<float *>(params[3]);
+  float *__restrict dup = static_cast<float *>(params[4]);
+  parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float g = gate[i], s = sigmoid(2.0f * kGeluC * (g + kGeluA * g * g * g));
+      dup[i] = dh[i] * g * s;
+      dgate[i] = dh[i] * up[i] * (s + g * s * (1.0f - s) * 2.0f * kGeluC * (1.0f + 3.0f * kGeluA * g * g));
+    }
+  });
+  return 0;
+}
+
 // RMSNorm over the last axis: y = x * r * w with r = 1 / sqrt(mean(x^2) + eps) per row, one pass
 // instead of MindSpore's square, row-sum, rsqrt, broadcast and multiply kernels.
 // inputs: x [N, H], w [H], eps [1] (fp32); output: y [N, H].

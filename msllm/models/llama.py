@@ -308,15 +308,17 @@ class SwiGLU(nn.Cell):
 
 
 class GeGLU(nn.Cell):
-    """gelu_tanh(gate) * up (Gemma), the tanh approximation written out as torch computes it."""
+    """gelu_tanh(gate) * up (Gemma): 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), written as
+    g * sigmoid(2u), the same function: MindSpore's CPU Tanh is off by up to ~1e-4 near +-1, which
+    1 + tanh(u) turns into a large relative error for negative g."""
 
     def __init__(self):
         super().__init__()
-        self.tanh = ops.Tanh()
+        self.sigmoid = ops.Sigmoid()
 
     def construct(self, gate, up):
-        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate * gate * gate)
-        return 0.5 * gate * (1.0 + self.tanh(inner)) * up
+        inner = (2.0 * math.sqrt(2.0 / math.pi)) * (gate + 0.044715 * gate * gate * gate)
+        return gate * self.sigmoid(inner) * up
 
 
 ACTIVATIONS = {"swiglu": SwiGLU, "geglu_tanh": GeGLU}
@@ -330,6 +332,7 @@ class FeedForward(nn.Cell):
         self.w1 = Linear(cfg.hidden_size, cfg.ffn_size)
         self.w2 = Linear(cfg.ffn_size, cfg.hidden_size)
         self.w3 = Linear(cfg.hidden_size, cfg.ffn_size)
+        self.activation = cfg.mlp  # which one, for the backends that swap in a fused kernel
         self.act = ACTIVATIONS[cfg.mlp]()
 
     def construct(self, x):
