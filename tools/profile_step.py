@@ -56,7 +56,7 @@ def kernel_profile(w: dict, args) -> dict:
     from mindspore.profiler import Profiler
 
     step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels,
-                                   block_graph=args.block_graph)
+                                   block_graph=args.block_graph, family=args.family)
     num_params = len(step.optimizer.params)
     for _ in range(args.warmup):
         step(batch)[0].asnumpy()
@@ -84,7 +84,7 @@ def kernel_profile(w: dict, args) -> dict:
 
 def compile_worker(w: dict, args) -> None:
     step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels,
-                                   block_graph=args.block_graph)
+                                   block_graph=args.block_graph, family=args.family)
     t0 = time.perf_counter()
     step.compile(batch)
     print(f"COMPILE_S {time.perf_counter() - t0}", flush=True)
@@ -115,6 +115,7 @@ def compile_profile(w: dict, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="W1", choices=list(WORKLOADS))
+    p.add_argument("--family", default="llama", help="the workload's shape as this family (bench_train.FAMILIES)")
     p.add_argument("--shape", default="", help="overrides of the workload, e.g. hidden=64,layers=2")
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="profile the compile instead of the step")
