@@ -6,12 +6,17 @@ stage starts from an empty heap. The worker is a new interpreter (a fork would c
 threads; multiprocessing's spawn would re-run the caller's script), gets the caller's sys.path and
 warning filters, streams log lines back through a pipe as they come, and its exception is raised
 here with its own type; a worker that dies without a word becomes a UserError.
+
+Ctrl-C belongs to the caller: the worker ignores SIGINT (a terminal sends it to the whole process
+group) and the caller kills it on its way out. A worker whose caller is gone, at any moment (before
+the job arrived, while it works, while it answers), leaves silently: nobody is left to tell.
 """
 from __future__ import annotations
 
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import traceback
@@ -26,21 +31,33 @@ _BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
 
 def serve(fd: int) -> None:
     """The worker's side: (pickled warning filters, fn, args) from stdin; ("log" | "ok" | "error", value) to fd."""
-    with os.fdopen(fd, "wb") as out:
-        def send(kind, value):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out = os.fdopen(fd, "wb")
+
+    def send(kind, value):
+        try:
             pickle.dump((kind, value), out)
             out.flush()
+        except OSError:  # the caller is gone (BrokenPipeError): nobody to tell
+            os._exit(1)
 
+    try:
         try:
             filters, fn, args = pickle.load(sys.stdin.buffer)
-            try:
-                warnings.filters[:] = pickle.loads(filters)
-            except Exception:  # a warning class of the caller's own script: the defaults, then
-                pass
-            send("ok", fn(*args, log=lambda line: send("log", line)))
-        except BaseException as e:  # noqa: BLE001 -- every failure goes back to the caller, with its type
-            e.add_note("in the worker process:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
-            send("error", portable(e))
+        except (EOFError, pickle.UnpicklingError):  # cut short: the caller went away before the job arrived
+            os._exit(1)
+        try:
+            warnings.filters[:] = pickle.loads(filters)
+        except Exception:  # a warning class of the caller's own script: the defaults, then
+            pass
+        send("ok", fn(*args, log=lambda line: send("log", line)))
+    except BaseException as e:  # noqa: BLE001 -- every failure goes back to the caller, with its type
+        e.add_note("in the worker process:\n" + "".join(traceback.format_tb(e.__traceback__)).rstrip())
+        send("error", portable(e))
+    try:
+        out.close()
+    except OSError:
+        os._exit(1)
 
 
 def portable(e: BaseException) -> BaseException:
@@ -58,8 +75,9 @@ def run_isolated(fn: Callable, *args, log: Callable[[str], None], what: str):
     """fn(*args, log=...) in a new Python process; returns what it returns. fn and args must pickle;
     `what` names the work in the message if the process dies (killed, out of memory)."""
     read_fd, write_fd = os.pipe()
+    # Its own session: a terminal's Ctrl-C reaches only the caller, which then kills the worker.
     worker = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path), str(write_fd)],
-                              stdin=subprocess.PIPE, pass_fds=(write_fd,))
+                              stdin=subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True)
     os.close(write_fd)  # the worker holds the only writer: reading ends with EOFError when it is gone
     finished = False
     try:

@@ -69,3 +69,92 @@ def test_the_callers_warning_filters_hold_in_the_worker():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         assert run_isolated(warn, log=print, what="warning") == "warned"
+
+
+# --- a caller that goes away or is interrupted, at each moment: the worker leaves without a word
+
+def slow(n, log):
+    import time
+
+    for i in range(n):
+        log(f"line {i}")
+        time.sleep(0.05)
+    return n
+
+
+def start_worker():
+    """A worker started as run_isolated starts it; returns (process, read end of its message pipe)."""
+    import json
+    import subprocess
+    import sys
+
+    from msllm.isolated import _BOOT
+
+    read_fd, write_fd = os.pipe()
+    worker = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path), str(write_fd)],
+                              stdin=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_fd,))
+    os.close(write_fd)
+    return worker, read_fd
+
+
+def job(fn, *args) -> bytes:
+    import pickle
+
+    return pickle.dumps((pickle.dumps(warnings.filters), fn, args))
+
+
+def test_a_job_cut_short_ends_the_worker_silently():
+    """The caller was interrupted while it wrote the job: half of it arrives, then end of input."""
+    worker, read_fd = start_worker()
+    data = job(work, 3)
+    worker.stdin.write(data[:len(data) // 2])
+    worker.stdin.close()
+    assert worker.wait(timeout=60) == 1 and worker.stderr.read() == b""
+    assert os.read(read_fd, 100) == b""  # nothing sent
+    os.close(read_fd)
+
+
+def test_a_caller_gone_while_the_worker_answers_ends_it_silently():
+    """The caller stopped reading (it exited): the worker's next message finds no reader."""
+    worker, read_fd = start_worker()
+    os.close(read_fd)
+    worker.stdin.write(job(slow, 5))
+    worker.stdin.close()
+    assert worker.wait(timeout=60) == 1 and worker.stderr.read() == b""
+
+
+def children() -> list[int]:
+    """Pids of this process's live children (from /proc)."""
+    out = []
+    for p in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{p}/stat").read()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if p.isdigit() and int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out.append(int(p))
+    return out
+
+
+def test_ctrl_c_reaches_the_caller_not_the_worker(capfd):
+    """SIGINT to the worker (as a terminal sends it to a process group) changes nothing: the worker
+    finishes and answers. The caller's own Ctrl-C (raised here from its log callback) stops it, and
+    the worker is gone without a word."""
+    interrupted = []
+
+    def log(line):
+        if line == "line 1" and not interrupted:
+            [worker] = children()
+            os.kill(worker, signal.SIGINT)
+            interrupted.append(worker)
+
+    assert run_isolated(slow, 4, log=log, what="slow") == 4 and interrupted
+
+    def interrupt(line):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_isolated(slow, 50, log=interrupt, what="slow")
+    assert children() == []
+    assert capfd.readouterr().err == ""
