@@ -103,11 +103,13 @@ def job(fn, *args) -> bytes:
     return pickle.dumps((pickle.dumps(warnings.filters), fn, args))
 
 
-def test_a_job_cut_short_ends_the_worker_silently():
-    """The caller was interrupted while it wrote the job: half of it arrives, then end of input."""
+@pytest.mark.parametrize("sent", [0, 0.5])
+def test_a_job_cut_short_ends_the_worker_silently(sent):
+    """The caller was interrupted before it wrote the job (nothing arrives: the `EOFError: Ran out of
+    input` of issue 31) or while it wrote it (half arrives), then end of input."""
     worker, read_fd = start_worker()
     data = job(work, 3)
-    worker.stdin.write(data[:len(data) // 2])
+    worker.stdin.write(data[:int(len(data) * sent)])
     worker.stdin.close()
     assert worker.wait(timeout=60) == 1 and worker.stderr.read() == b""
     assert os.read(read_fd, 100) == b""  # nothing sent
@@ -119,6 +121,18 @@ def test_a_caller_gone_while_the_worker_answers_ends_it_silently():
     worker, read_fd = start_worker()
     os.close(read_fd)
     worker.stdin.write(job(slow, 5))
+    worker.stdin.close()
+    assert worker.wait(timeout=60) == 1 and worker.stderr.read() == b""
+
+
+def answer(n, log):
+    return b"x" * n  # no log line: the first write to the caller is the result itself
+
+
+def test_a_caller_gone_before_the_result_is_written_ends_the_worker_silently():
+    worker, read_fd = start_worker()
+    os.close(read_fd)
+    worker.stdin.write(job(answer, 1 << 20))
     worker.stdin.close()
     assert worker.wait(timeout=60) == 1 and worker.stderr.read() == b""
 
