@@ -112,7 +112,9 @@ class DataConfig:
 class OptimConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 30
+    warmup_steps: int = 30            # linear warmup to lr over this many steps (optim.warmup_ratio wins when set)
+    warmup_ratio: Optional[float] = None  # warmup as a fraction of train.steps, rounded up (as HF trainers);
+                                          # null: optim.warmup_steps
     decay: str = "cosine"             # cosine | linear | constant
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -379,6 +381,12 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(o.lr > 0, "optim.lr", "must be > 0")
     need(0 <= o.min_lr <= o.lr, "optim.min_lr", "must be in [0, optim.lr]", "optim.lr")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    if o.warmup_ratio is not None:
+        need(0 <= o.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio!r}")
+        # Both changed from their defaults: which one was meant is a guess, so ask.
+        need(o.warmup_steps == OptimConfig.warmup_steps, "optim.warmup_ratio",
+             f"set either optim.warmup_ratio or optim.warmup_steps ({o.warmup_steps}), not both",
+             "optim.warmup_steps")
     need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(0 <= o.beta1 < 1, "optim.beta1", "must be in [0, 1)")
     need(0 <= o.beta2 < 1, "optim.beta2", "must be in [0, 1)")

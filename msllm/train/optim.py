@@ -15,13 +15,33 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from msllm.config import OptimConfig
 
 
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """The warmup length: optim.warmup_ratio of the run, rounded up (as HF's get_warmup_steps), when
+    set, else optim.warmup_steps."""
+    if cfg.warmup_ratio is not None:
+        return math.ceil(cfg.warmup_ratio * total_steps)
+    return cfg.warmup_steps
+
+
+def warmup_warning(cfg: OptimConfig, total_steps: int) -> str | None:
+    """One line when warmup takes more than half the run (a fixed warmup_steps on a short fine-tune),
+    else None."""
+    warm = warmup_steps(cfg, total_steps)
+    if warm * 2 <= total_steps:
+        return None
+    key = "optim.warmup_ratio" if cfg.warmup_ratio is not None else "optim.warmup_steps"
+    return (f"warning: {min(warm, total_steps)} of the {total_steps} train.steps are LR warmup ({key}): "
+            f"lower it, e.g. --set optim.warmup_ratio=0.1")
+
+
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Python reference of the in-graph schedule (1-based step); used in tests and logs."""
-    if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
+    warm = warmup_steps(cfg, total_steps)
+    if warm and step <= warm:
+        return cfg.lr * step / warm
     if cfg.decay == "constant":
         return cfg.lr
-    progress = min(1.0, max(0.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)))
+    progress = min(1.0, max(0.0, (step - warm) / max(1, total_steps - warm)))
     if cfg.decay == "linear":
         return cfg.lr - (cfg.lr - cfg.min_lr) * progress
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
@@ -33,8 +53,9 @@ class LRSchedule(nn.Cell):
     def __init__(self, cfg: OptimConfig, total_steps: int):
         super().__init__()
         self.lr, self.min_lr, self.decay = cfg.lr, cfg.min_lr, cfg.decay
-        self.warmup = float(cfg.warmup_steps)
-        self.decay_steps = float(max(1, total_steps - cfg.warmup_steps))
+        warm = warmup_steps(cfg, total_steps)
+        self.warmup = float(warm)
+        self.decay_steps = float(max(1, total_steps - warm))
 
     def construct(self, step):
         warm = self.lr * step / max(self.warmup, 1.0)

@@ -27,6 +27,7 @@ from msllm.preflight import make_dir
 from msllm.train import nonfinite
 from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
+from msllm.train.optim import warmup_warning
 
 # Sections that must not change when resuming: they define the weights and the data stream.
 FIXED_ON_RESUME = ("model", "data", "lora")
@@ -185,6 +186,8 @@ class Trainer:
         flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
         info(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers; {t.mode} mode on "
              f"{t.device}, {t.precision}; {remaining} steps of {tokens_per_step} tokens")
+        if self.rank == 0 and (warning := warmup_warning(cfg.optim, t.steps)):
+            info(warning)
         info(f"global batch {self.global_batch} = batch_size {t.batch_size} x accum_steps {t.accum_steps} x "
              f"{self.world} worker{'s' if self.world > 1 else ''}"
              + (", optimizer state sharded (ZeRO-1)" if cfg.parallel.optimizer_shard and self.world > 1 else ""))
