@@ -297,7 +297,7 @@ def cmd_plan(args) -> int:
     memory = plan.parse_bytes(args.device_mem) if args.device_mem else None
     return plan.run(cfg, args.config, args.devices, device, memory, args.global_batch, args.seq_len,
                     check=args.check, top=args.top, flash=args.flash,
-                    err=lambda line: print(line, file=sys.stderr))
+                    err=lambda line: print(line, file=sys.stderr), given=args.set)
 
 
 # --- argument types: a bad value is an argparse error naming the option

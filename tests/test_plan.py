@@ -1,5 +1,6 @@
 """The layout checker's rules and `msllm plan`: closed forms for memory, the CLI's table and its
 parallel: block (which must pass the checker), nothing-fits and --check. No MindSpore here."""
+import shlex
 import subprocess
 import sys
 
@@ -170,7 +171,17 @@ def plan_cli(capsys, *args):
     return code, out, err
 
 
-def test_plan_prints_layouts_and_a_parallel_block_that_passes_the_checker(capsys):
+def train_config(config, overrides_line: str):
+    """The config `msllm train --config <config> <overrides_line>` trains with: the train command's own
+    parser and the real loader."""
+    from msllm.cli import build_parser
+
+    args, extra = build_parser().parse_known_args(["train", "--config", str(config), *shlex.split(overrides_line)])
+    assert extra == []
+    return load_config(args.config, args.set)
+
+
+def test_plan_prints_layouts_and_set_overrides_that_train_the_planned_layout(capsys):
     code, out, _ = plan_cli(capsys, "--config", str(LLAMA2), "--devices", "8", "--global-batch", "64",
                             "--set", "train.precision=bf16")
     assert code == 0
@@ -180,14 +191,35 @@ def test_plan_prints_layouts_and_a_parallel_block_that_passes_the_checker(capsys
     assert len(rows) >= 5 and all(int(r[0]) * int(r[1]) * int(r[2]) == 8 for r in rows)
     step_times = [float(r[-3]) for r in rows]
     assert step_times == sorted(step_times)
-    block = yaml.safe_load(out[out.index("\nparallel:") + 1:])
-    cfg = load_config(LLAMA2, ["train.precision=bf16"] + [f"{s}.{k}={v}" for s, kv in block.items()
-                                                          for k, v in kv.items()])
+    assert lines[-2] == (f"# as --set overrides: append them to `msllm train --config {LLAMA2}` (or to the train "
+                         "command after `msllm launch ... --`):")
+    assert "parallel:" not in out  # no YAML block: appended to the config it would repeat train:
+    cfg = train_config(LLAMA2, lines[-1])  # the plan's own --set is in the line: bf16 without repeating it
+    dp, tp, pp, micro, zero1, sp, recompute = rows[0][:7]  # the best layout, the table's first row
+    p = cfg.parallel
+    assert (p.dp, p.tp, p.pp, p.micro_batches) == (int(dp), int(tp), int(pp), int(micro))
+    assert (p.optimizer_shard, p.sequence_parallel, cfg.train.recompute) == (zero1 == "y", sp == "y", recompute)
+    assert cfg.train.precision == "bf16" and lines[-1].count("train.precision") == 1
     check_parallel(cfg, 8)
-    assert global_batch_of(cfg) == 64 and cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == 8
+    assert global_batch_of(cfg) == 64
     e = P.estimate(cfg, device="910b")
     assert e["total"] <= 0.9 * 64 * 2 ** 30
     assert f"{e['time']['step']:.2f} s/step" in out
+
+
+def test_plan_overrides_replace_the_plans_own_layout_keys(capsys, tmp_path):
+    """A --set the layout re-decides (parallel.dp here) is not repeated; other keys are; a config path
+    with a space survives the shell."""
+    config = tmp_path / "my config.yaml"
+    config.write_text(LLAMA2.read_text())
+    code, out, _ = plan_cli(capsys, "--config", str(config), "--devices", "8", "--global-batch", "64",
+                            "--set", "parallel.dp=4", "--set", "train.precision=bf16", "--set", "optim.lr=1e-4")
+    assert code == 0
+    line = out.splitlines()[-1]
+    assert line.count("parallel.dp=") == 1 and line.startswith("--set train.precision=bf16 --set optim.lr=1e-4 --set parallel.dp=")
+    cfg = train_config(config, line)
+    assert cfg.optim.lr == 1e-4 and cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == 8
+    assert f"`msllm train --config '{config}'`" in out
 
 
 def test_plan_nothing_fits_exits_1_with_what_would(capsys):

@@ -1,5 +1,5 @@
 """msllm plan: every valid layout of a config on N devices, its per-device memory, per-step
-communication and estimated step time, ranked; the best printed as a `parallel:` block.
+communication and estimated step time, ranked; the best printed as `--set` overrides for `msllm train`.
 
 Analytic (pure Python, instant). The model, per device, for the busiest pipeline stage:
 
@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import shlex
+import typing
 from dataclasses import dataclass
 
 from msllm.config import Config, ParallelConfig
@@ -353,21 +355,27 @@ def table(rows: list[Candidate]) -> list[str]:
     return lines
 
 
-def yaml_block(c: Candidate, cfg: Config) -> list[str]:
+def overrides(c: Candidate, cfg: Config, given: typing.Sequence[str] = ()) -> list[str]:
+    """The best layout as `--set` overrides for `msllm train --config <the planned config>`: the plan's
+    own --set first (what it planned includes them) unless the layout sets the same key, then the
+    layout and the train keys it assumes. Overrides rather than a YAML block: a block appended to
+    the config repeats its train: section, which the loader rightly refuses."""
     p = c.cfg.parallel
     keys = ("dp", "tp", "pp", "micro_batches", "optimizer_shard", "sequence_parallel", "vocab_parallel")
-    lines = ["parallel:"] + [f"  {k}: {str(getattr(p, k)).lower()}" for k in keys]
-    lines += ["train:", f"  batch_size: {c.cfg.train.batch_size}", "  accum_steps: 1",
-              f"  recompute: {c.cfg.train.recompute}"]
+    sets = [f"parallel.{k}={str(getattr(p, k)).lower()}" for k in keys]
+    sets += [f"train.batch_size={c.cfg.train.batch_size}", "train.accum_steps=1", f"train.recompute={c.cfg.train.recompute}"]
     if c.cfg.data.seq_len != cfg.data.seq_len:
-        lines += ["data:", f"  seq_len: {c.cfg.data.seq_len}"]
-    return lines
+        sets.append(f"data.seq_len={c.cfg.data.seq_len}")
+    planned = {s.split("=", 1)[0] for s in sets}
+    kept = [s for s in given if s.split("=", 1)[0].strip() not in planned]
+    return kept + sets
 
 
 def run(cfg: Config, source: str, devices: int, device: str, memory: float | None = None,
         global_batch: int | None = None, seq_len: int | None = None, check: bool = False, top: int = 10,
-        flash: bool = False, out=print, err=print) -> int:
-    """msllm plan: 0 = printed a plan (or --check passed), 1 = nothing fits; bad input raises (exit 2)."""
+        flash: bool = False, out=print, err=print, given: typing.Sequence[str] = ()) -> int:
+    """msllm plan: 0 = printed a plan (or --check passed), 1 = nothing fits; bad input raises (exit 2).
+    `given`: the --set overrides cfg was loaded with (repeated in the printed overrides)."""
     from msllm.parallel.check import check_execution, check_parallel
 
     if device not in DEVICES:
@@ -430,6 +438,7 @@ def run(cfg: Config, source: str, devices: int, device: str, memory: float | Non
         + " / ".join(_gb(acts[r, True]) for r in RECOMPUTE) + " GB with")
     out(f"# best: {describe(best)}: est. {best.est['time']['step']:.2f} s/step, "
         f"{_gb(best.est['total'])} of {mem_text} per device")
-    for line in yaml_block(best, cfg):
-        out(line)
+    out(f"# as --set overrides: append them to `msllm train --config {shlex.quote(source)}` (or to the train command "
+        f"after `msllm launch ... --`):")
+    out(" ".join(f"--set {shlex.quote(s)}" for s in overrides(best, cfg, given)))
     return 0
