@@ -109,9 +109,9 @@ def test_text_stream_holds_back_partial_characters_and_stops():
 def test_top_p_samples_only_the_nucleus():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     rng = np.random.default_rng(0)
-    picks = [pick_next(logits, Sampling(top_p=0.8), rng) for _ in range(2000)]
+    picks = [pick_next(logits, Sampling(top_p=0.75), rng) for _ in range(2000)]
     counts = np.bincount(picks, minlength=4) / 2000
-    assert counts[2] == counts[3] == 0  # 0.5 + 0.3 reaches 0.8
+    assert counts[2] == counts[3] == 0  # 0.5 + 0.3 reaches 0.75 (0.8 itself is a rounding tie: exp differs by CPU)
     assert abs(counts[0] - 0.625) < 0.04  # 0.5 / 0.8
     picks = [pick_next(logits, Sampling(top_p=0.81, top_k=2), rng) for _ in range(200)]
     assert set(picks) == {0, 1}  # top_k applies first

@@ -128,9 +128,11 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
             cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels
                                       else SoftmaxAttention(n, kv))
         elif isinstance(cell, llama.FeedForward):
-            plain, fused_act = ((llama.GeGLU, kernels.FusedGeGLU) if cell.activation == "geglu_tanh"
-                                else (llama.SwiGLU, kernels.FusedSwiGLU))
-            cell.act = fused_act() if fused_fp32 or decode_kernels else plain()
+            geglu = cell.activation == "geglu_tanh"
+            if fused_fp32 or decode_kernels:
+                cell.act = kernels.FusedGeGLU() if geglu else kernels.FusedSwiGLU()
+            else:
+                cell.act = llama.GeGLU() if geglu else llama.SwiGLU()
         elif isinstance(cell, llama.Linear) and decode_kernels:
             cell.matmul = kernels.LinearFewRows()
     model.broadcast_tables = training and not fused_tables
