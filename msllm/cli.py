@@ -131,8 +131,19 @@ def cmd_launch(args) -> int:
         raise ConfigError("--set" if any(s.startswith("parallel.dp=") for s in train_args.set) else "config",
                           "parallel.dp", f"is {cfg.parallel.dp} but this launch starts {layout.world} workers; "
                           f"set it to {layout.world} or leave it at 1 (data parallel over all workers)")
-    log_dir = Path(cfg.train.run_dir) / "logs"
-    return launch(layout, (["--verbose"] if args.verbose else []) + rest, log_dir, args.timeout, args.verbose)
+    run_dir = Path(cfg.train.run_dir)
+    log_dir = run_dir / "logs"
+    verbose = ["--verbose"] if args.verbose else []
+    restarts = cfg.train.max_restarts if args.max_restarts is None else args.max_restarts
+    if restarts == 0:
+        return launch(layout, verbose + rest, log_dir, args.timeout, args.verbose)
+    from msllm.parallel.launch import launch_with_restarts
+
+    # A restart continues the run from its checkpoints; the overrides it was started with still apply.
+    kept = [a for s in train_args.set for a in ("--set", s)]
+    kept += [a for flag in ("mode", "device") if getattr(train_args, flag) for a in (f"--{flag}", getattr(train_args, flag))]
+    resume = verbose + ["train", "--resume", str(run_dir), *kept]
+    return launch_with_restarts(layout, verbose + rest, resume, run_dir, log_dir, restarts, args.timeout, args.verbose)
 
 
 def cmd_generate(args) -> int:
@@ -533,6 +544,9 @@ def build_parser() -> Parser:
                    help="node 0's address and a free port (default: 127.0.0.1 and a free port, one node only)")
     p.add_argument("--timeout", type=int_at_least(5), default=60,
                    help="seconds to wait for every worker to join, and for a silent one (default 60)")
+    p.add_argument("--max-restarts", type=int_at_least(0), default=None,
+                   help="when a worker dies, restart all workers from the newest checkpoint up to N times "
+                        "(default: train.max_restarts, 0)")
     p.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ARGS",
                    help="the msllm train command every worker runs")
     p.set_defaults(func=cmd_launch)

@@ -147,6 +147,7 @@ class TrainConfig:
     debug_nonfinite: bool = False     # re-run the first non-finite step eagerly, name the Cell (docs/debugging.md);
                                       # always done when max_bad_steps stops a run
     keep_checkpoints: int = 3         # newest K checkpoints kept
+    max_restarts: int = 0             # msllm launch: restarts from the newest checkpoint when a worker dies
     log_every: int = 20
     eval_every: int = 100
     eval_batches: int = 8
@@ -399,6 +400,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
                 "max_bad_steps", "keep_checkpoints"):
         need(getattr(t, key) > 0, f"train.{key}", "must be > 0")
     need(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips the sample)")
+    need(t.max_restarts >= 0, "train.max_restarts", "must be >= 0 (0: a dead worker ends the job)")
     need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
     need(t.loss_scale >= 1, "train.loss_scale", "must be >= 1")
     _check_lora(cfg, need)

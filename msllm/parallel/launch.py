@@ -9,6 +9,7 @@ code, and its log file.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -155,16 +156,21 @@ def kill_tree(proc: subprocess.Popen, log_dir: Path) -> None:
     proc.wait()
 
 
-def launch(layout: Layout, args: list[str], log_dir: Path, timeout: int = 60, verbose: bool = False) -> int:
-    """Run `msllm ARGS` on this node's workers; the exit code of the job (non-zero: one line on stderr)."""
-    layout.check()
+@dataclass
+class Outcome:
+    """How one start of the worker group ended."""
+    code: int                  # the job's exit code: 0 finished, else non-zero
+    message: str = ""          # the one error line, without "msllm launch: error: "
+    rank: int | None = None    # the rank that died, when msrun named one
+    cause: str = ""            # what happened to it: "was killed by SIGKILL (signal 9)", "exited with code 1 (...)"
+
+
+def run_group(layout: Layout, args: list[str], log_dir: Path, timeout: int, verbose: bool) -> Outcome:
+    """Start msrun once and wait for it; stop everything as soon as msrun reports a dead worker."""
     command = msrun_command(layout, log_dir, timeout, args)
     log_dir.mkdir(parents=True, exist_ok=True)
     for stale in log_dir.glob("rank_*.pid"):
         stale.unlink()
-    first = layout.node_rank * layout.nproc
-    print(f"msllm launch: ranks {first}-{first + layout.nproc - 1} of {layout.world} on this node, logs in {log_dir}",
-          file=sys.stderr, flush=True)
     proc = subprocess.Popen(command, env=worker_env(layout, log_dir, timeout),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     failure = None
@@ -188,11 +194,110 @@ def launch(layout: Layout, args: list[str], log_dir: Path, timeout: int = 60, ve
         log = log_dir / f"worker_{rank}.log" if rank is not None else log_dir
         said = last_line(log) if rank is not None and exit_code > 0 else ""
         who = f"rank {rank}" if rank is not None else f"worker pid {pid}"
-        print(f"msllm launch: error: {who} {describe(exit_code)}{f' ({said})' if said else ''}; its log: {log}",
-              file=sys.stderr, flush=True)
-        return exit_code if exit_code > 0 else 1
+        cause = f"{describe(exit_code)}{f' ({said})' if said else ''}"
+        return Outcome(exit_code if exit_code > 0 else 1, f"{who} {cause}; its log: {log}", rank, cause)
     if code != 0:
-        print(f"msllm launch: error: msrun exited with code {code} (the cluster did not form or its scheduler "
-              f"failed); see {log_dir}/scheduler.log and the worker logs there", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        return Outcome(1, f"msrun exited with code {code} (the cluster did not form or its scheduler failed); "
+                          f"see {log_dir}/scheduler.log and the worker logs there", None, f"msrun exited with code {code}")
+    return Outcome(0)
+
+
+def announce(layout: Layout, log_dir: Path) -> None:
+    first = layout.node_rank * layout.nproc
+    print(f"msllm launch: ranks {first}-{first + layout.nproc - 1} of {layout.world} on this node, logs in {log_dir}",
+          file=sys.stderr, flush=True)
+
+
+def launch(layout: Layout, args: list[str], log_dir: Path, timeout: int = 60, verbose: bool = False) -> int:
+    """Run `msllm ARGS` on this node's workers; the exit code of the job (non-zero: one line on stderr)."""
+    layout.check()
+    announce(layout, log_dir)
+    outcome = run_group(layout, args, log_dir, timeout, verbose)
+    if outcome.code:
+        print(f"msllm launch: error: {outcome.message}", file=sys.stderr, flush=True)
+    return outcome.code
+
+
+# ---- restarts ------------------------------------------------------------------------------------
+
+BACKOFF_S = 2.0       # before the first restart; doubled for each further one
+MAX_BACKOFF_S = 60.0
+USER_ERROR = 2        # a worker's one-line msllm error (bad config, bad data): a restart would repeat it
+
+
+def newest_step(run_dir: Path) -> int | None:
+    """The step of the newest checkpoint that verifies (what `train --resume` continues from), or None."""
+    from msllm import checkpoint
+
+    try:
+        return checkpoint.read_state(checkpoint.latest(run_dir))["step"]
+    except UserError:
+        return None
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The last train step the run logged (metrics.jsonl): how far it got before the fault."""
+    last = 0
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a row cut short by the crash
+            if row.get("kind") == "train":
+                last = max(last, int(row.get("step", 0)))
+    except OSError:
+        pass
+    return last
+
+
+def keep_logs(log_dir: Path, restart: int) -> Path:
+    """Move the failed start's logs aside (msrun would overwrite them): log_dir/before_restart_K/."""
+    kept = log_dir / f"before_restart_{restart}"
+    kept.mkdir(parents=True, exist_ok=True)
+    for path in log_dir.glob("*.log"):
+        path.rename(kept / path.name)
+    return kept
+
+
+def launch_with_restarts(layout: Layout, args: list[str], resume_args: list[str], run_dir: Path, log_dir: Path,
+                         max_restarts: int, timeout: int = 60, verbose: bool = False) -> int:
+    """launch(), and when the group fails, restart every worker up to max_restarts times, each from the
+    run's newest complete checkpoint (`resume_args`; `args` again while there is none), after a
+    back-off. One line per restart, a row per restart in metrics.jsonl; the history when it gives up."""
+    layout.check()
+    if layout.nnodes > 1:
+        raise LaunchError("--max-restarts: one node only (restarting every node needs a launcher on each to agree)")
+    announce(layout, log_dir)
+    history, command = [], args
+    while True:
+        outcome = run_group(layout, command, log_dir, timeout, verbose)
+        if outcome.code == 0:
+            if history:
+                print(f"msllm launch: finished after {len(history)} restart{'s' if len(history) > 1 else ''}",
+                      file=sys.stderr, flush=True)
+            return 0
+        print(f"msllm launch: error: {outcome.message}", file=sys.stderr, flush=True)
+        if outcome.code == USER_ERROR and outcome.cause.startswith("exited"):
+            return outcome.code  # the same input would fail the same way
+        if len(history) == max_restarts:
+            print(f"msllm launch: gave up after {max_restarts} restart{'s' if max_restarts != 1 else ''}: "
+                  + "; ".join(history), file=sys.stderr, flush=True)
+            return outcome.code
+        restart = len(history) + 1
+        step, reached = newest_step(run_dir), last_logged_step(run_dir)
+        command = resume_args if step is not None else args
+        backoff = min(BACKOFF_S * 2 ** (restart - 1), MAX_BACKOFF_S)
+        who = f"rank {outcome.rank}" if outcome.rank is not None else "the group"
+        lost = max(0, reached - (step or 0))
+        kept = keep_logs(log_dir, restart)
+        print(f"msllm launch: restart {restart}/{max_restarts} in {backoff:.0f} s: {who} {outcome.cause}; resuming "
+              + (f"from step {step}" if step is not None else "from the start (no checkpoint yet)")
+              + f", {lost} logged step{'s' if lost != 1 else ''} lost; logs of the failed start in {kept}",
+              file=sys.stderr, flush=True)
+        history.append(f"{restart}) {who} {outcome.cause} at step ~{reached}, resumed from step {step or 0}")
+        with open(run_dir / "metrics.jsonl", "a") as metrics:  # no worker is running: nobody else writes it
+            metrics.write(json.dumps({"kind": "restart", "restart": restart, "rank": outcome.rank,
+                                      "cause": outcome.cause, "resumed_from": step or 0, "reached": reached,
+                                      "lost_steps": lost, "backoff_s": backoff, "time": time.time()}) + "\n")
+        time.sleep(backoff)
