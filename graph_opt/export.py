@@ -84,14 +84,13 @@ def verify_graph(export_dir: Path, manifest: dict, graph: str, inputs: list[np.n
 
 
 def to_half(model) -> None:
-    """fp16 compute with fp16 weights and rope tables stored in the file (half the size); norm
-    weights stay fp32 (they scale fp32 statistics)."""
+    """fp16 compute with fp16 weights stored in the file (half the size); norm weights stay fp32
+    (they scale fp32 statistics), and RoPE rows are computed in fp32 from positions, then cast."""
     import mindspore as ms
 
     for p in model.trainable_params():
         if not p.name.endswith("norm.weight"):
             p.set_data(p.astype(ms.float16))
-    model.rope_cos, model.rope_sin = model.rope_cos.astype(ms.float16), model.rope_sin.astype(ms.float16)
     model.compute_dtype = ms.float16
 
 

@@ -138,6 +138,9 @@ class TrainConfig:
     block_graph: str = "auto"         # shared: every layer calls one compiled block graph (compile ~flat in
                                       # depth, steps ~2% slower; no recompute) | inlined | auto: shared on CPU
                                       # from 16 layers without recompute
+    attention: str = "auto"           # flash: by blocks of keys, memory linear in the sequence (CPU: the fused
+                                      # kernel, so fused_kernels auto) | softmax: the [s, t] scores |
+                                      # auto: flash on CPU with the fused kernels from FLASH_MIN_SEQ tokens
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)
@@ -212,6 +215,7 @@ _CHOICES = {
     "train.jit_level": ("O0", "O1", "O2"),
     "train.fused_kernels": ("auto", "off"),
     "train.block_graph": ("auto", "shared", "inlined"),
+    "train.attention": ("auto", "flash", "softmax"),
     "train.precision": ("fp32", "fp16", "bf16"),
     "train.recompute": ("none", "full", "selective"),
     "model.mlp": ("swiglu", "geglu_tanh"),
@@ -404,6 +408,9 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
     need(t.loss_scale >= 1, "train.loss_scale", "must be >= 1")
     _check_lora(cfg, need)
+    need(not (t.attention == "flash" and t.device == "cpu" and t.fused_kernels == "off"), "train.attention",
+         "flash on CPU is a fused kernel; set train.fused_kernels: auto, or train.attention: softmax",
+         "train.fused_kernels")
     need(not (t.block_graph == "shared" and t.recompute != "none"), "train.block_graph",
          "shared cannot recompute (MindSpore 2.10 ignores recompute inside the shared block graph); "
          "use inlined or auto with train.recompute", "train.recompute")

@@ -24,7 +24,12 @@ class Specialisation:
     recompute: str
     lora_rank: int        # > 0: base weights frozen, adapters on lora.targets (msllm/lora.py)
     packed: bool          # SFT rows: per-sample positions and attention masks as inputs
+    flash: bool           # attention by blocks of keys from visibility indices (train.attention)
 
+
+# From this many tokens `train.attention: auto` takes the flash core on CPU: below it the fused
+# softmax core over [s, t] scores is as fast (benchmarks/ has the figures) and fits in memory.
+FLASH_MIN_SEQ = 1024
 
 # From this depth `auto` shares the block graph on CPU: below it inlined and shared compile
 # alike, and shared steps are slightly slower (benchmarks/ has the figures).
@@ -63,13 +68,29 @@ def packed_samples(cfg: Config) -> bool:
     return is_sft(cfg.data.path)
 
 
+def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
+    """train.attention: flash / softmax as asked; auto: flash on CPU with the fused kernels once the
+    sequence (training: data.seq_len; inference: the model's context) reaches FLASH_MIN_SEQ."""
+    t = cfg.train
+    if t.attention == "softmax" or t.device != "cpu":  # Ascend's FlashAttentionScore is not wired yet
+        return False
+    if not fused:
+        if t.attention == "flash":
+            from msllm.kernels import KernelBuildError
+            raise KernelBuildError("train.attention: flash needs the fused CPU kernels (g++); "
+                                   "set train.attention: softmax")
+        return False
+    seq = cfg.data.seq_len if training else cfg.model.max_seq_len
+    return t.attention == "flash" or seq >= FLASH_MIN_SEQ
+
+
 def plan(cfg: Config, training: bool = True) -> Specialisation:
     from msllm import kernels
 
     t = cfg.train
     fused = t.device == "cpu" and kernels.enabled(t.fused_kernels)
     return Specialisation(t.device, fused, training and shares_block_graph(cfg), t.recompute if training else "none",
-                          cfg.lora.rank, training and packed_samples(cfg))
+                          cfg.lora.rank, training and packed_samples(cfg), uses_flash(cfg, fused, training))
 
 
 def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
@@ -83,7 +104,7 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
     if spec.device == "cpu":
         from msllm.backends import cpu
         cpu.specialise(model, fused=spec.fused_kernels, share_blocks=spec.shared_blocks, training=training,
-                       per_sample_tables=spec.packed)
+                       per_sample_tables=spec.packed, flash=spec.flash)
     elif spec.device == "ascend" and training:  # generated and checked here; executed only on Ascend
         from msllm.backends import ascend
         ascend.specialise(model, cfg)

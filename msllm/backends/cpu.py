@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor, ops
+from mindspore import Tensor, nn, ops
 
 from msllm.models import llama
 from msllm.models.llama import cast, split_heads
@@ -92,8 +92,15 @@ class SoftmaxAttention(llama.SoftmaxAttention):
         return dq, dk, dv, ops.zeros_like(mask)
 
 
+class VisibilityIndices(nn.Cell):
+    """Llama.attention_mask for a flash core: the visibility indices as they are, no [s, t] mask."""
+
+    def construct(self, visibility, b: int):
+        return visibility
+
+
 def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training: bool,
-               per_sample_tables: bool = False) -> None:
+               per_sample_tables: bool = False, flash: bool = False) -> None:
     """Swap the CPU formulations into `model` in place.
 
     fused: msllm.kernels' one-pass C++ ops (they take fixed shapes and, except the norm, fp32
@@ -105,13 +112,15 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
     which read the [s, d] and [s, s] tables per row. per_sample_tables (packed SFT samples:
     positions and masks differ per row) keeps the rope and softmax on the CPU formulations, which
     broadcast any table; the fused norm, activation and optimizer still apply.
+    flash: the attention core is msllm.kernels.FlashAttention (needs the kernels), which reads the
+    visibility indices: no [s, t] mask, score or probability tensor, training or inference.
     """
     fp32 = model.compute_dtype == ms.float32
     decode_kernels = fused and fp32 and not training
     fused = fused and training
     fused_fp32 = fused and fp32
     fused_tables = fused_fp32 and not per_sample_tables
-    if fused or decode_kernels:
+    if fused or decode_kernels or flash:
         from msllm import kernels
     if decode_kernels:  # one-token decode steps: a matmul of a few rows reads each weight once
         model.lm_matmul = kernels.LinearFewRows()
@@ -125,8 +134,11 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
                 cell.cache_write = kernels.FusedCacheWrite()
         elif isinstance(cell, llama.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
-            cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels
-                                      else SoftmaxAttention(n, kv))
+            if flash:
+                cell.softmax_attention = kernels.FlashAttention(n, kv)
+            else:
+                cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels
+                                          else SoftmaxAttention(n, kv))
         elif isinstance(cell, llama.FeedForward):
             geglu = cell.activation == "geglu_tanh"
             if fused_fp32 or decode_kernels:
@@ -136,5 +148,10 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
         elif isinstance(cell, llama.Linear) and decode_kernels:
             cell.matmul = kernels.LinearFewRows()
     model.broadcast_tables = training and not fused_tables
+    if flash:
+        model.attention_mask = VisibilityIndices()
+    else:
+        model.attention_mask = llama.AdditiveMask(model.cfg.num_heads, model.cfg.num_kv_heads)
+        model.attention_mask.broadcast = model.broadcast_tables
     for block in model.layers:
         block.no_inline = share_blocks and training

@@ -1,4 +1,4 @@
-"""Fused CPU kernels (C++, cpu_kernels.cc) as MindSpore AOT Custom ops.
+"""Fused CPU kernels (C++: cpu_kernels.cc, flash_attention.cc) as MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -33,8 +33,10 @@ from mindspore.ops import signature as sig
 from msllm.errors import UserError
 from msllm.staged import cache_root
 from msllm.backends.cpu import SoftmaxAttention
+from msllm.models.llama import cast
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cc", "flash_attention.cc")]
+HEADERS = [Path(__file__).with_name("common.h")]
 # -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
 FLAGS = ["-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
 
@@ -67,7 +69,8 @@ def _cpu_flags() -> bytes:
 def library_path(arch: str | None = None) -> Path:
     """Where the build for -march=`arch` (default march()) on this CPU is cached."""
     build = " ".join(flags(arch)).encode()
-    key = hashlib.sha256(SOURCE.read_bytes() + b"\0" + build + b"\0" + _cpu_flags()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(code + b"\0" + build + b"\0" + _cpu_flags()).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels-{key}.so"
 
 
@@ -88,11 +91,11 @@ def _library(arch: str) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags(arch), "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags(arch), "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
         if done.returncode != 0:
             lines = done.stderr.strip().splitlines() or ["no output"]
             first_error = next((line for line in lines if "error" in line), lines[-1])
-            raise KernelBuildError(f"building {SOURCE} failed: {first_error}; "
+            raise KernelBuildError(f"building {SOURCES[0].parent}/*.cc failed: {first_error}; "
                                    f"set train.fused_kernels: off to train without it")
         os.replace(tmp, target)
     finally:
@@ -271,3 +274,29 @@ class FusedRope(nn.Cell):
 
     def construct(self, x, cos, sin):
         return self.rope(x, cos, sin)
+
+
+class FlashAttention(nn.Cell):
+    """(out, lse) = softmax(q k^T over the visible keys) v, by blocks of keys with an online softmax:
+    no [s, t] tensor forward or backward (flash_attention.cc says how). q [b, nh, s, d] already
+    scaled, k / v [b, nkv, t, d]; `visibility` = (query slots, query segments [1 or b, s], key
+    segments [1 or b, t], window [1]), int32 (msllm.models.llama.visibility). The same call as
+    SoftmaxAttention, whose additive mask it replaces. Runs in fp32 whatever the compute dtype."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        grad = _aot("FlashAttentionGrad", lambda q, k, v, *_: (q, k, v), lambda q, k, v, *_: (q, k, v))
+
+        def bprop(q, k, v, slot, q_seg, k_seg, window, out, dout):
+            dq, dk, dv = grad(q, k, v, slot, q_seg, k_seg, window, out[0], out[1], dout[0])
+            return (dq, dk, dv, ops.zeros_like(slot), ops.zeros_like(q_seg), ops.zeros_like(k_seg),
+                    ops.zeros_like(window))
+
+        self.attention = _aot("FlashAttention", lambda q, *_: (q, q[:3]), lambda q, *_: (q, q), bprop=bprop)
+
+    def construct(self, q, k, v, visibility):
+        slot, q_seg, k_seg, window = visibility
+        out, lse = self.attention(cast(q, ms.float32), cast(k, ms.float32), cast(v, ms.float32), slot, q_seg, k_seg,
+                                  window)
+        return cast(out, q.dtype), lse

@@ -142,7 +142,8 @@ def attention_kinds(cfg: ModelConfig) -> tuple[list[tuple[int, float, dict | Non
 
 
 def rope_tables(cfg: ModelConfig, theta: float | None = None, scaling: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_seq_len, head_dim] for RoPE base `theta` (default: the model's, with its scaling)."""
+    """cos, sin [max_seq_len, head_dim] for RoPE base `theta` (default: the model's, with its scaling):
+    the tables of graphs that store them (ONNX); Llama computes its rows from positions."""
     if theta is None:
         theta, scaling = cfg.rope_theta, cfg.rope_scaling
     inv_freq = rope_inv_freq(cfg.head_size, theta, scaling)
@@ -167,20 +168,43 @@ def additive(visible):
     return ops.select(visible, ops.zeros(visible.shape, ms.float32), ops.full(visible.shape, -1e9, dtype=ms.float32))
 
 
-def in_window(query_slots, key_slots, window: int):
-    """Key slot j visible from query slot i: j <= i, and i - j < window when window > 0 (the
-    sliding window as Hugging Face counts it). Slots broadcast against each other."""
-    visible = key_slots <= query_slots
-    if window:
-        visible = ops.logical_and(visible, query_slots - key_slots < window)
-    return visible
+NO_WINDOW = 2**31 - 1
 
 
-def causal_mask(s: int, window: int = 0):
-    """Additive [s, s] mask, -1e9 above the diagonal (and left of the window), built in the graph
-    (a [max_len, max_len] table would hold 268 MB at an 8K context)."""
-    slots = ops.arange(0, s, dtype=ms.int32)
-    return additive(in_window(slots.reshape(s, 1), slots.reshape(1, s), window))
+def visibility(slots, query_segments, key_segments, window):
+    """Which keys each query sees, as indices (int32): query slots and segments [1 or b, s], key
+    segments [1 or b, t] (key j sits at slot j), window [1] (0: none). Key j is visible from query i
+    when j <= slot[i], slot[i] - j < window, and the segments match: causal attention, sliding
+    windows (as Hugging Face counts them), packed samples and left padding (key segment -1) alike.
+    The attention core reads it through `attention_mask`: as an additive mask for the softmax
+    core, as is by a flash core (msllm.kernels.FlashAttention), which never builds [s, t]."""
+    return slots, query_segments, key_segments, window
+
+
+class AdditiveMask(nn.Cell):
+    """A visibility as the additive mask of the softmax core: [s, t] when every row of the batch
+    sees alike, else [b, 1, s, t] broadcast to the scores' shape (scores_shape). `broadcast`: also
+    broadcast the shared [s, t] mask once for all layers (a device formulation; msllm.backends)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.broadcast = False
+
+    def construct(self, visibility, b: int):
+        slots, query_segments, key_segments, window = visibility
+        s, t = slots.shape[-1], key_segments.shape[-1]
+        query = slots.reshape(-1, s, 1)
+        keys = ops.arange(0, t, dtype=ms.int32).reshape(1, 1, t)
+        reach = ops.select(window > 0, window, ops.full(window.shape, NO_WINDOW, dtype=ms.int32))
+        visible = ops.logical_and(ops.logical_and(keys <= query, query - keys < reach),
+                                  query_segments.reshape(-1, s, 1) == key_segments.reshape(-1, 1, t))
+        mask = additive(visible)
+        rows = mask.shape[0]
+        if rows == 1 and not self.broadcast:
+            return mask.reshape(s, t)
+        shape = scores_shape(self.num_heads, self.num_kv_heads, b, s, t)
+        return ops.broadcast_to(mask.reshape((rows,) + (1,) * (len(shape) - 3) + (s, t)), shape)
 
 
 class Rope(nn.Cell):
@@ -394,12 +418,12 @@ class Llama(nn.Cell):
         kinds, layer_kind = attention_kinds(cfg)
         self.layer_kind = tuple(layer_kind)
         self.windows = tuple(window for window, _, _ in kinds)
-        tables = [rope_tables(cfg, theta, scaling) for _, theta, scaling in kinds]
-        # [kinds, max_seq_len, head_dim]: one row of tables per attention kind
-        self.rope_cos = Tensor(np.stack([cos for cos, _ in tables]))
-        self.rope_sin = Tensor(np.stack([sin for _, sin in tables]))
-        # True: the rope tables and mask are broadcast to the heads' / scores' shapes once for all
-        # layers instead of per use (a device formulation; msllm.backends sets it).
+        # [kinds, head_dim / 2]: RoPE rows are computed from positions, so an unused context costs nothing
+        self.inv_freq = Tensor(np.stack([rope_inv_freq(cfg.head_size, theta, scaling) for _, theta, scaling in kinds]))
+        self.kind_windows = Tensor(np.array(self.windows, np.int32))
+        self.attention_mask = AdditiveMask(cfg.num_heads, cfg.num_kv_heads)  # a flash core takes the indices as is
+        # True: the rope tables are broadcast to the heads' shape once for all layers instead of
+        # per use (a device formulation; msllm.backends sets it).
         self.broadcast_tables = False
 
     def embed(self, input_ids):
@@ -418,36 +442,41 @@ class Llama(nn.Cell):
         return cast(self.output(h), ms.float32)
 
     def rope_at(self, kind: int, positions):
-        """cos, sin [b, 1, s, d] of attention kind `kind` at positions [b, s]."""
-        b, s = positions.shape
-        cos = ops.gather(self.rope_cos[kind], positions.reshape(-1), 0).reshape(b, 1, s, -1)
-        sin = ops.gather(self.rope_sin[kind], positions.reshape(-1), 0).reshape(b, 1, s, -1)
-        return cos, sin
+        """cos, sin [.., d] of attention kind `kind` at int32 positions [..] (fp32, as HF: the angle
+        position * inv_freq rounded to fp32, then its cosine and sine)."""
+        freqs = positions.astype(ms.float32).reshape(positions.shape + (1,)) * self.inv_freq[kind]
+        angles = ops.concat((freqs, freqs), -1)
+        return ops.cos(angles), ops.sin(angles)
+
+    def window_of(self, kind: int):
+        return self.kind_windows[kind:kind + 1]
 
     def plain_tables(self, s: int, kind: int):
-        """One sequence per row: rope tables [s, d] and the causal mask [s, s] of attention kind `kind`."""
-        return self.rope_cos[kind][:s], self.rope_sin[kind][:s], causal_mask(s, self.windows[kind])
+        """One sequence per row: rope tables [s, d] and the causal visibility of attention kind `kind`."""
+        slots = ops.arange(0, s, dtype=ms.int32)
+        cos, sin = self.rope_at(kind, slots)
+        zeros = ops.zeros((1, s), ms.int32)
+        return cos, sin, visibility(slots.reshape(1, s), zeros, zeros, self.window_of(kind))
 
     def sample_tables(self, segments, positions, kind: int):
         """Packed samples: segments, positions [b, s] int32 (a sample's tokens share a segment id, and
-        count their positions from 0) -> rope tables [b, 1, s, d] at those positions and an additive
-        mask [b, 1, s, s] that is causal within a sample (and its window) and closed between samples."""
+        count their positions from 0) -> rope tables [b, 1, s, d] at those positions and a visibility
+        causal within a sample (and its window) and closed between samples."""
         b, s = segments.shape
         cos, sin = self.rope_at(kind, positions)
-        same = segments.reshape(b, s, 1) == segments.reshape(b, 1, s)
-        mask = additive(same) + causal_mask(s, self.windows[kind])
-        return cos, sin, mask.reshape(b, 1, s, s)
+        slots = ops.arange(0, s, dtype=ms.int32).reshape(1, s)
+        return cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1), visibility(slots, segments, segments, self.window_of(kind))
 
     def cache_tables(self, b: int, s: int, t: int, start, pad, kind: int):
-        """cos / sin [b, 1, s, d] at each row's positions and the additive mask [b, 1, s, t] over the
-        cache slots (filled, unpadded and within the kind's window)."""
-        new_slots = start + ops.arange(0, s, dtype=ms.int32)                      # [s]
-        positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
+        """cos / sin [b, 1, s, d] at each row's positions and the visibility of the cache slots
+        (filled, unpadded and within the kind's window; padding is key segment -1)."""
+        new_slots = (start + ops.arange(0, s, dtype=ms.int32)).reshape(1, s)
+        positions = ops.maximum(new_slots - pad.reshape(b, 1), 0)                  # [b, s], padding at 0
         cos, sin = self.rope_at(kind, positions)
-        slots = ops.arange(0, t, dtype=ms.int32)                                   # [t]
-        visible = ops.logical_and(in_window(new_slots.reshape(1, s, 1), slots.reshape(1, 1, t), self.windows[kind]),
-                                  slots.reshape(1, 1, t) >= pad.reshape(b, 1, 1))  # [b, s, t]
-        return cos, sin, additive(visible).reshape(b, 1, s, t)
+        slots = ops.arange(0, t, dtype=ms.int32).reshape(1, t)
+        key_segments = ops.select(slots >= pad.reshape(b, 1), ops.zeros((b, t), ms.int32), ops.full((b, t), -1, dtype=ms.int32))
+        seen = visibility(new_slots, ops.zeros((1, s), ms.int32), key_segments, self.window_of(kind))
+        return cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1), seen
 
     @staticmethod
     def cache_write_slots(s: int, t: int, start):
@@ -460,15 +489,13 @@ class Llama(nn.Cell):
         """(cos, sin, mask) of one attention kind, in the compute dtype and broadcast as the backend asks."""
         cfg, dtype = self.cfg, self.compute_dtype
         if start is not None:
-            cos, sin, mask = self.cache_tables(b, s, t, start, pad, kind)
+            cos, sin, seen = self.cache_tables(b, s, t, start, pad, kind)
         elif segments is not None:
-            cos, sin, mask = self.sample_tables(segments, positions, kind)
+            cos, sin, seen = self.sample_tables(segments, positions, kind)
         else:
-            cos, sin, mask = self.plain_tables(s, kind)
+            cos, sin, seen = self.plain_tables(s, kind)
         cos, sin = cast(cos, dtype), cast(sin, dtype)
-        if self.broadcast_tables or mask.ndim == 4:  # a per-row mask broadcasts over the scores' head axes
-            rows = scores_shape(cfg.num_heads, cfg.num_kv_heads, b, s, t)
-            mask = ops.broadcast_to(mask.reshape((-1,) + (1,) * (len(rows) - 3) + (s, t)), rows)
+        mask = self.attention_mask(seen, b)
         if self.broadcast_tables:
             cos = ops.broadcast_to(cos, (b, cfg.num_heads, s, cfg.head_size))
             sin = ops.broadcast_to(sin, (b, cfg.num_heads, s, cfg.head_size))

@@ -1,0 +1,292 @@
+// Flash attention for the CPU: out = softmax(q k^T, over the visible keys) v, forward and backward,
+// without any [s, t] score, probability or mask tensor. Keys are visited in blocks with an online
+// softmax (running row max and sum); forward keeps only each row's log-sum-exp, and backward
+// recomputes the probabilities block by block from it (Dao et al., FlashAttention 1 and 2).
+//
+// Which keys a query sees is computed from indices, not read from a mask:
+//   key slot j is visible from query row i  iff  j <= slot[i]                     (causal)
+//                                          and  slot[i] - j < window (window > 0)  (sliding window)
+//                                          and  q_seg[i] == k_seg[j]               (same sample)
+// slot[i] is the query's cache slot (i in training, start + i in a cached forward), k_seg marks
+// packed samples and left padding (-1). A row that sees no key gets out 0 and lse +inf (its
+// probabilities are 0 in backward). Keys after the last query's slot are never read, so a decode
+// step reads only the filled part of a static cache.
+// GQA: query head h reads KV head h / (heads / kv_heads); K and V are never repeated.
+#include <atomic>
+#include <limits>
+
+#include "common.h"
+
+using namespace msllm_kernels;
+
+namespace {
+
+constexpr int64_t kQueryBlock = 32;  // query rows per forward work unit
+constexpr int64_t kKeyBlock = 64;    // keys per block (a [kKeyBlock, d] slice of K and V stays in L1/L2)
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Runs fn(unit, thread) for unit in [0, units), units handed out one at a time (causal units differ
+// in cost), thread in [0, pool size). Falls back to the calling thread when the pool is busy.
+template <typename Fn>
+void run_units(int64_t units, Fn fn) {
+  std::atomic<int64_t> next{0};
+  auto work = [&](int thread) {
+    for (int64_t u = next++; u < units; u = next++) fn(u, thread);
+  };
+  const int threads = static_cast<int>(std::min<int64_t>(pool().size(), units));
+  if (threads <= 1 || !pool().Run(threads, work)) work(0);
+}
+
+// The index inputs: q_slot, q_seg [1 or b, s], k_seg [1 or b, t] (int32; 1 row: shared by the
+// batch); window [1].
+struct Visibility {
+  const int32_t *q_slot, *q_seg, *k_seg;
+  int64_t slot_rows, q_seg_rows, k_seg_rows, s, t;
+  int32_t window;
+
+  Visibility(void **params, int64_t **shapes, int first) {
+    q_slot = static_cast<const int32_t *>(params[first]);
+    q_seg = static_cast<const int32_t *>(params[first + 1]);
+    k_seg = static_cast<const int32_t *>(params[first + 2]);
+    window = *static_cast<const int32_t *>(params[first + 3]);
+    slot_rows = shapes[first][0], q_seg_rows = shapes[first + 1][0], k_seg_rows = shapes[first + 2][0];
+    s = shapes[first][1], t = shapes[first + 2][1];
+  }
+  const int32_t *slots(int64_t batch) const { return q_slot + batch % slot_rows * s; }
+  const int32_t *query_segments(int64_t batch) const { return q_seg + batch % q_seg_rows * s; }
+  const int32_t *key_segments(int64_t batch) const { return k_seg + batch % k_seg_rows * t; }
+  bool visible(int32_t slot, int32_t q_segment, int64_t j, int32_t k_segment) const {
+    return j <= slot && (window == 0 || slot - j < window) && q_segment == k_segment;
+  }
+};
+
+// Min and max of a range of ints.
+struct Range {
+  int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+  Range(const int32_t *x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+  }
+};
+
+enum class Cover { kNone, kSome, kAll };
+
+// Whether queries (slots, segments) see none, some or all of keys j0 .. j0+n-1 (segments).
+Cover cover(const Range &slot, const Range &q_seg, int64_t j0, int64_t n, const Range &k_seg, int32_t window) {
+  const int64_t j_last = j0 + n - 1;
+  if (j0 > slot.hi || (window && slot.lo - j_last >= window) || q_seg.hi < k_seg.lo || q_seg.lo > k_seg.hi)
+    return Cover::kNone;
+  if (j_last <= slot.lo && (!window || slot.hi - j0 < window) && q_seg.lo == q_seg.hi && k_seg.lo == k_seg.hi &&
+      q_seg.lo == k_seg.lo)
+    return Cover::kAll;
+  return Cover::kSome;
+}
+
+// Block of keys transposed to [d][kKeyBlock] (zeros past n), so a query row's scores are an
+// axpy over d of contiguous, vectorizable kKeyBlock-wide rows.
+void transpose_block(const float *x, int64_t n, int64_t d, float *xt) {
+  for (int64_t c = 0; c < d; ++c) {
+    float *row = xt + c * kKeyBlock;
+    for (int64_t j = 0; j < n; ++j) row[j] = x[j * d + c];
+    for (int64_t j = n; j < kKeyBlock; ++j) row[j] = 0.f;
+  }
+}
+
+// scores[j] = sum_c q[c] * kt[c][j], j < kKeyBlock. D > 0 fixes the head size at compile time.
+template <int D>
+inline void row_scores(const float *__restrict q, const float *__restrict kt, int64_t d, float *__restrict scores) {
+  const int64_t dim = D ? D : d;
+  float acc[kKeyBlock] = {0};
+  for (int64_t c = 0; c < dim; ++c) {
+    const float qc = q[c];
+    const float *kc = kt + c * kKeyBlock;
+    for (int64_t j = 0; j < kKeyBlock; ++j) acc[j] += qc * kc[j];
+  }
+  std::memcpy(scores, acc, sizeof acc);
+}
+
+// y[c] += a * x[c], c < d.
+template <int D>
+inline void axpy(float a, const float *__restrict x, int64_t d, float *__restrict y) {
+  const int64_t dim = D ? D : d;
+  for (int64_t c = 0; c < dim; ++c) y[c] += a * x[c];
+}
+
+template <int D>
+void forward(const float *q, const float *k, const float *v, const Visibility &vis, int64_t b, int64_t heads,
+             int64_t kv_heads, int64_t d, float *out, float *lse) {
+  const int64_t s = vis.s, t = vis.t, rep = heads / kv_heads;
+  const int64_t query_blocks = (s + kQueryBlock - 1) / kQueryBlock;
+  run_units(b * heads * query_blocks, [&](int64_t unit, int) {
+    // Later query blocks see more keys under a causal mask: hand them out first.
+    const int64_t qb = query_blocks - 1 - unit % query_blocks, bh = unit / query_blocks;
+    const int64_t batch = bh / heads, head = bh % heads, kv = batch * kv_heads + head / rep;
+    const int64_t i0 = qb * kQueryBlock, rows = std::min(kQueryBlock, s - i0);
+    const float *qb_rows = q + (bh * s + i0) * d, *kh = k + kv * t * d, *vh = v + kv * t * d;
+    const int32_t *slot = vis.slots(batch) + i0, *q_seg = vis.query_segments(batch) + i0;
+    const int32_t *k_seg = vis.key_segments(batch);
+    const Range slots(slot, rows), q_segs(q_seg, rows);
+    std::vector<float> kt(d * kKeyBlock), scores(kQueryBlock * kKeyBlock), acc(rows * d, 0.f);
+    std::vector<float> row_max(rows, -kInf), row_sum(rows, 0.f);
+    const int64_t j_end = std::min<int64_t>(t, int64_t{slots.hi} + 1);
+    const int64_t j_begin = vis.window ? std::max<int64_t>(0, int64_t{slots.lo} - vis.window + 1) : 0;
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, j_end - j0);
+      const Cover seen = cover(slots, q_segs, j0, n, Range(k_seg + j0, n), vis.window);
+      if (seen == Cover::kNone) continue;
+      transpose_block(kh + j0 * d, n, d, kt.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        float *sr = scores.data() + r * kKeyBlock;
+        row_scores<D>(qb_rows + r * d, kt.data(), d, sr);
+        float top = -kInf;
+        for (int64_t j = 0; j < n; ++j) {
+          if (seen == Cover::kSome && !vis.visible(slot[r], q_seg[r], j0 + j, k_seg[j0 + j])) sr[j] = -kInf;
+          top = std::max(top, sr[j]);
+        }
+        const float new_max = std::max(row_max[r], top);
+        if (new_max == -kInf) {  // nothing visible to this row yet
+          std::fill(sr, sr + n, 0.f);
+          continue;
+        }
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          sr[j] = sr[j] == -kInf ? 0.f : exp_approx(sr[j] - new_max);
+          sum += sr[j];
+        }
+        const float rescale = row_max[r] == -kInf ? 0.f : exp_approx(row_max[r] - new_max);
+        row_sum[r] = row_sum[r] * rescale + sum;
+        row_max[r] = new_max;
+        float *ar = acc.data() + r * d;
+        if (rescale != 1.f)
+          for (int64_t c = 0; c < d; ++c) ar[c] *= rescale;
+        for (int64_t j = 0; j < n; ++j)
+          if (sr[j] != 0.f) axpy<D>(sr[j], vh + (j0 + j) * d, d, ar);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float *o = out + (bh * s + i0 + r) * d;
+      const float *ar = acc.data() + r * d;
+      const bool any = row_sum[r] > 0.f;
+      const float inv = any ? 1.f / row_sum[r] : 0.f;
+      for (int64_t c = 0; c < d; ++c) o[c] = ar[c] * inv;
+      lse[bh * s + i0 + r] = any ? row_max[r] + std::log(row_sum[r]) : kInf;
+    }
+  });
+}
+
+// Gradients for one block of keys at a time (its dk, dv owned by one thread), every query that
+// can see it; dq rows are summed in one buffer per thread, then added up.
+template <int D>
+void backward(const float *q, const float *k, const float *v, const float *out, const float *lse, const float *d_out,
+              const Visibility &vis, int64_t b, int64_t heads, int64_t kv_heads, int64_t d, float *dq, float *dk,
+              float *dv) {
+  const int64_t s = vis.s, t = vis.t, rep = heads / kv_heads;
+  const int64_t q_size = b * heads * s * d;
+  std::vector<float> delta(b * heads * s);  // rowsum(dO * O) = rowsum(dP * P)
+  parallel_for(b * heads * s, [&](int64_t lo, int64_t hi, int) {
+    for (int64_t row = lo; row < hi; ++row) delta[row] = lane_dot<false>(d_out + row * d, out + row * d, nullptr, d);
+  }, std::max<int64_t>(1, (1 << 14) / d));
+  const int threads = pool().size();
+  std::vector<std::vector<float>> dq_partial(threads - 1);
+  std::fill(dq, dq + q_size, 0.f);
+  const int64_t key_blocks = (t + kKeyBlock - 1) / kKeyBlock;
+  run_units(b * kv_heads * key_blocks, [&](int64_t unit, int thread) {
+    float *dq_rows = dq;
+    if (thread > 0) {
+      auto &mine = dq_partial[thread - 1];
+      if (mine.empty()) mine.assign(q_size, 0.f);
+      dq_rows = mine.data();
+    }
+    const int64_t kb = unit / (b * kv_heads), bk = unit % (b * kv_heads), batch = bk / kv_heads;
+    const int64_t j0 = kb * kKeyBlock, n = std::min(kKeyBlock, t - j0);
+    const float *kh = k + (bk * t + j0) * d, *vh = v + (bk * t + j0) * d;
+    const int32_t *k_seg = vis.key_segments(batch) + j0;
+    const Range k_segs(k_seg, n);
+    std::vector<float> kt(d * kKeyBlock), vt(d * kKeyBlock), p(kKeyBlock), dp(kKeyBlock);
+    std::vector<float> dk_acc(n * d, 0.f), dv_acc(n * d, 0.f);
+    transpose_block(kh, n, d, kt.data());
+    transpose_block(vh, n, d, vt.data());
+    const int32_t *slot_all = vis.slots(batch), *q_seg_all = vis.query_segments(batch);
+    for (int64_t i0 = 0; i0 < s; i0 += kQueryBlock) {
+      const int64_t rows = std::min(kQueryBlock, s - i0);
+      const int32_t *slot = slot_all + i0, *q_seg = q_seg_all + i0;
+      const Cover seen = cover(Range(slot, rows), Range(q_seg, rows), j0, n, k_segs, vis.window);
+      if (seen == Cover::kNone) continue;
+      for (int64_t h = (bk % kv_heads) * rep, h_end = h + rep; h < h_end; ++h) {
+        const int64_t bh = batch * heads + h;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t row = bh * s + i0 + r;
+          const float row_lse = lse[row];
+          if (row_lse == kInf) continue;
+          const float *qr = q + row * d, *dor = d_out + row * d;
+          row_scores<D>(qr, kt.data(), d, p.data());
+          bool any = false;
+          for (int64_t j = 0; j < n; ++j) {
+            const bool shown = seen == Cover::kAll || vis.visible(slot[r], q_seg[r], j0 + j, k_seg[j]);
+            p[j] = shown ? exp_approx(p[j] - row_lse) : 0.f;
+            any = any || shown;
+          }
+          if (!any) continue;
+          row_scores<D>(dor, vt.data(), d, dp.data());
+          float *dqr = dq_rows + row * d;
+          for (int64_t j = 0; j < n; ++j) {
+            if (p[j] == 0.f) continue;
+            const float ds = p[j] * (dp[j] - delta[row]);
+            axpy<D>(p[j], dor, d, dv_acc.data() + j * d);
+            axpy<D>(ds, qr, d, dk_acc.data() + j * d);
+            axpy<D>(ds, kh + j * d, d, dqr);
+          }
+        }
+      }
+    }
+    std::memcpy(dk + (bk * t + j0) * d, dk_acc.data(), sizeof(float) * n * d);
+    std::memcpy(dv + (bk * t + j0) * d, dv_acc.data(), sizeof(float) * n * d);
+  });
+  for (auto &partial : dq_partial) {
+    if (partial.empty()) continue;
+    parallel_for(q_size, [&](int64_t lo, int64_t hi, int) {
+      for (int64_t i = lo; i < hi; ++i) dq[i] += partial[i];
+    });
+  }
+}
+
+// The head sizes compiled with a fixed inner loop length; others take the generic loop.
+template <typename Fn>
+void by_head_size(int64_t d, Fn fn) {
+  switch (d) {
+    case 64: fn(std::integral_constant<int, 64>()); break;
+    case 128: fn(std::integral_constant<int, 128>()); break;
+    case 256: fn(std::integral_constant<int, 256>()); break;
+    default: fn(std::integral_constant<int, 0>());
+  }
+}
+
+}  // namespace
+
+// inputs: q [b, heads, s, d] (already scaled), k, v [b, kv_heads, t, d], q_slot, q_seg [1 or b, s],
+// k_seg [1 or b, t] (int32), window [1] (int32) (fp32 otherwise); outputs: out [b, heads, s, d], lse [b, heads, s].
+extern "C" int FlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  const Visibility vis(params, shapes, 3);
+  const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
+  by_head_size(d, [&](auto head_size) {
+    forward<decltype(head_size)::value>(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
+                                        static_cast<const float *>(params[2]), vis, b, heads, kv_heads, d,
+                                        static_cast<float *>(params[7]), static_cast<float *>(params[8]));
+  });
+  return 0;
+}
+
+// inputs: q, k, v, q_slot, q_seg, k_seg, window (as FlashAttention), out, lse, d_out;
+// outputs: dq, dk, dv.
+extern "C" int FlashAttentionGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                  void *stream, void *extra) {
+  const Visibility vis(params, shapes, 3);
+  const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
+  auto in = [&](int i) { return static_cast<const float *>(params[i]); };
+  auto result = [&](int i) { return static_cast<float *>(params[i]); };
+  by_head_size(d, [&](auto head_size) {
+    backward<decltype(head_size)::value>(in(0), in(1), in(2), in(7), in(8), in(9), vis, b, heads, kv_heads, d,
+                                         result(10), result(11), result(12));
+  });
+  return 0;
+}

@@ -1,0 +1,157 @@
+"""The flash attention core (msllm.kernels.FlashAttention) computes the softmax core's maths from
+visibility indices, forward and backward, without [s, t] tensors: causal, packed samples, sliding
+windows, GQA, cached forwards over left padding, odd lengths and head sizes; and a model specialised
+with it trains and generates as the plain model does."""
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, nn, ops
+
+from msllm import backends, device, kernels
+from msllm.backends import cpu
+from msllm.config import ModelConfig
+from msllm.models import llama
+from tests.conftest import step_config
+
+pytestmark = pytest.mark.skipif(not kernels.enabled("auto"), reason="the fused kernels need g++")
+
+
+@pytest.fixture(autouse=True)
+def graph_mode():
+    device.setup("cpu", "graph")
+
+
+class Core(nn.Cell):
+    """sum(attention(q, k, v, visibility) * upstream); the visibility as the core reads it."""
+
+    def __init__(self, attention, mask):
+        super().__init__()
+        self.attention, self.mask = attention, mask
+
+    def construct(self, q, k, v, slots, q_seg, k_seg, window, upstream):
+        seen = llama.visibility(slots, q_seg, k_seg, window)
+        return (self.attention(q, k, v, self.mask(seen, q.shape[0]))[0] * upstream).sum()
+
+
+def run(core, inputs):
+    loss, grads = ops.value_and_grad(core, grad_position=(0, 1, 2))(*inputs)
+    return [loss.asnumpy()] + [g.asnumpy() for g in grads]
+
+
+def segments_of(rng, b, s, samples):
+    cuts = [np.sort(rng.choice(np.arange(1, s), samples - 1, replace=False)) for _ in range(b)]
+    return np.stack([np.searchsorted(c, np.arange(s), side="right") for c in cuts]).astype(np.int32)
+
+
+# (b, heads, kv_heads, s, t, d, window, form): form plain (training), packed (SFT samples) or
+# cache (start 7, row 1 left-padded by 3).
+CASES = [
+    (2, 4, 4, 64, 64, 16, 0, "plain"),
+    (1, 4, 2, 131, 131, 64, 0, "plain"),       # odd length, GQA, a vectorised head size
+    (2, 2, 1, 97, 97, 128, 17, "plain"),       # sliding window, one KV head
+    (2, 4, 2, 90, 90, 8, 0, "packed"),
+    (1, 2, 2, 70, 70, 24, 9, "packed"),        # window inside samples
+    (2, 4, 2, 5, 40, 32, 0, "cache"),          # a prefill into a static cache
+    (2, 4, 2, 1, 300, 64, 50, "cache"),        # a decode step under a window
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[-1]}-s{c[3]}-d{c[5]}-w{c[6]}-gqa{c[1] // c[2]}" for c in CASES])
+def test_flash_core_equals_softmax_core(case):
+    b, heads, kv_heads, s, t, d, window, form = case
+    rng = np.random.default_rng(s * d + window)
+    q = rng.normal(size=(b, heads, s, d)).astype(np.float32) / np.sqrt(d)
+    k, v = (rng.normal(size=(b, kv_heads, t, d)).astype(np.float32) for _ in range(2))
+    slots, q_seg, k_seg = np.arange(s)[None], np.zeros((1, s)), np.zeros((1, t))
+    if form == "packed":
+        q_seg = k_seg = segments_of(rng, b, s, 4)
+    if form == "cache":
+        slots = 7 + np.arange(s)[None]
+        k_seg = np.stack([np.where(np.arange(t) >= pad, 0, -1) for pad in (0, 3)])
+        k_seg[:, 7 + s:] = 0  # unfilled slots: hidden by causality alone
+    up = rng.normal(size=q.shape).astype(np.float32)
+    inputs = [Tensor(x) for x in (q, k, v)] + [Tensor(np.asarray(x, np.int32)) for x in (slots, q_seg, k_seg, [window])]
+    inputs.append(Tensor(up))
+    want = run(Core(llama.SoftmaxAttention(heads, kv_heads), llama.AdditiveMask(heads, kv_heads)), inputs)
+    got = run(Core(kernels.FlashAttention(heads, kv_heads), cpu.VisibilityIndices()), inputs)
+    for name, g, w in zip(("loss", "dq", "dk", "dv"), got, want):
+        scale = np.abs(w).max()
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * scale, err_msg=name)
+
+
+def test_rows_that_see_no_key_are_zero_with_zero_gradients():
+    """A left-padding query row sees no key: flash gives it 0 (the softmax core a uniform average
+    of hidden keys, which nothing reads) and passes it no gradient."""
+    rng = np.random.default_rng(0)
+    q, k, v = (Tensor(rng.normal(size=(1, 2, 4, 16)).astype(np.float32)) for _ in range(3))
+    seen = [Tensor(np.asarray(x, np.int32)) for x in ([[0, 1, 2, 3]], [[0, 0, 0, 0]], [[-1, -1, 0, 0]], [0])]
+    out, lse = kernels.FlashAttention(2, 2)(q, k, v, tuple(seen))
+    assert np.all(out.asnumpy()[:, :, :2] == 0) and np.all(np.isinf(lse.asnumpy()[:, :, :2]))
+    assert np.all(np.abs(out.asnumpy()[:, :, 2:]) > 0)
+    up = Tensor(np.ones((1, 2, 4, 16), np.float32))
+    dq = run(Core(kernels.FlashAttention(2, 2), cpu.VisibilityIndices()), [q, k, v, *seen, up])[1]
+    assert np.all(dq[:, :, :2] == 0) and np.all(np.isfinite(dq))
+
+
+GEMMA_LIKE = ModelConfig(vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, ffn_size=96,
+                         max_seq_len=80, head_dim=32, qk_norm=True, sliding_window=12,
+                         layer_types=["sliding", "full", "sliding"], rope_local_theta=10000.0, rope_theta=1e6)
+
+
+class LossCell(nn.Cell):
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.loss = model, llama.CausalLMLoss()
+
+    def construct(self, ids, labels, segments, positions):
+        return self.loss(self.model(ids, segments=segments, positions=positions), labels)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_model_with_flash_core_trains_as_the_plain_model(packed):
+    """Loss and every parameter's gradient of a sliding/full-layer model, flash vs plain softmax."""
+    rng = np.random.default_rng(1)
+    b, s = 2, 64
+    ids = Tensor(rng.integers(0, GEMMA_LIKE.vocab_size, (b, s)).astype(np.int32))
+    labels = Tensor(rng.integers(0, GEMMA_LIKE.vocab_size, (b, s)).astype(np.int32))
+    segments = segments_of(rng, b, s, 3)
+    positions = np.stack([np.arange(s) - np.searchsorted(row, row, side="left") for row in segments]).astype(np.int32)
+    extra = (Tensor(segments), Tensor(positions)) if packed else (None, None)
+    results = []
+    for attention in ("softmax", "flash"):
+        model = llama.build_model(GEMMA_LIKE, seed=2)
+        cfg = step_config(GEMMA_LIKE, attention=attention)
+        spec = backends.plan(cfg)
+        assert spec.flash == (attention == "flash")
+        cpu.specialise(model, fused=True, share_blocks=False, training=True, per_sample_tables=packed,
+                       flash=spec.flash)
+        net = LossCell(model)
+        loss, grads = ms.value_and_grad(net, None, net.trainable_params())(ids, labels, *extra)
+        results.append((loss.asnumpy(), [g.asnumpy() for g in grads]))
+    (want_loss, want), (got_loss, got) = results
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4 * np.abs(w).max())
+
+
+def test_cached_generation_with_flash_core_equals_plain():
+    """Prefill of left-padded rows then decode steps through a static cache: the flash-specialised
+    model's logits equal the plain model's at every step."""
+    rng = np.random.default_rng(3)
+    b, prompt, t = 2, 20, 40
+    pad = Tensor(np.array([0, 5], np.int32))
+    ids = rng.integers(0, GEMMA_LIKE.vocab_size, (b, prompt + 6)).astype(np.int32)
+    models = []
+    for flash in (False, True):
+        model = llama.build_model(GEMMA_LIKE, seed=5)
+        cpu.specialise(model, fused=True, share_blocks=False, training=False, flash=flash)
+        models.append(model)
+    shape = (GEMMA_LIKE.num_layers, b, GEMMA_LIKE.num_kv_heads, t, GEMMA_LIKE.head_size)
+    caches = [[Tensor(np.zeros(shape, np.float32)) for _ in range(2)] for _ in models]
+    for step in range(7):
+        start, chunk = (0, ids[:, :prompt]) if step == 0 else (prompt + step - 1, ids[:, prompt + step - 1:prompt + step])
+        outs = []
+        for model, cache in zip(models, caches):
+            logits, cache[0], cache[1] = model(Tensor(chunk), cache[0], cache[1], Tensor([start], ms.int32), pad)
+            outs.append(logits.asnumpy())
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4 * np.abs(outs[0]).max(), err_msg=f"step {step}")
