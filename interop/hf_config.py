@@ -18,9 +18,6 @@ from interop.maps import FAMILIES
 from msllm.config import ROPE_SCALING_KEYS, ModelConfig
 
 MODEL_TYPES = {arch: family.model_type for arch, family in FAMILIES.items()}
-# msllm precomputes RoPE tables per attention kind, so HF's 128K contexts would cost memory for
-# nothing; conversions cap the context here unless told otherwise.
-MAX_SEQ_LEN = 8192
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
@@ -160,7 +157,7 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         head_dim=0 if head_dim == hidden // heads and not hidden % heads else head_dim,
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(eps),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=max_seq_len or min(context, MAX_SEQ_LEN), sliding_window=window, layer_types=layer_types,
+        max_seq_len=max_seq_len or context, sliding_window=window, layer_types=layer_types,
         pad_token_id=_pad_token(hf, refuse), **_experts(hf, layers, refuse),
         rope_local_theta=local_theta if window else 0.0, **spec)
 

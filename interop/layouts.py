@@ -70,7 +70,7 @@ def detect(path: Path) -> str:
 
 
 def open_source(path: str | Path, max_seq_len: int | None = None) -> Source:
-    """`max_seq_len` caps the context of a model read from an HF config (see hf_config.MAX_SEQ_LEN)."""
+    """`max_seq_len` shrinks the context of a model read from an HF config (default: its own)."""
     path = Path(path)
     opener = {"hf": _open_hf, "msllm": _open_msllm, "mindformers": _open_mindformers}[detect(path)]
     return opener(path, max_seq_len)

@@ -474,7 +474,7 @@ def build_parser() -> Parser:
     p.add_argument("--max-shard-mb", type=int_at_least(1), default=5120,
                    help="HF destination shard size in MB (default 5120)")
     p.add_argument("--max-seq-len", type=int_at_least(2), default=None,
-                   help="msllm context (default: HF max_position_embeddings, capped at 8192)")
+                   help="shrink the msllm context (default: HF max_position_embeddings)")
     p.add_argument("--force", action="store_true", help="replace an existing destination")
     p.add_argument("--verify", action="store_true", help="then run verify on the HF side and the msllm side")
     _verify_options(p)

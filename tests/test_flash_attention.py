@@ -155,3 +155,30 @@ def test_cached_generation_with_flash_core_equals_plain():
             logits, cache[0], cache[1] = model(Tensor(chunk), cache[0], cache[1], Tensor([start], ms.int32), pad)
             outs.append(logits.asnumpy())
         np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4 * np.abs(outs[0]).max(), err_msg=f"step {step}")
+
+
+def test_converted_128k_context_is_kept_and_costs_nothing_until_used():
+    """An HF config's own context (131,072) survives conversion; the model holds no per-position
+    table, RoPE rows at position 100,000 are HF's (cos / sin of the fp32 angle), and since RoPE is
+    relative, three tokens at positions 100,000.. give the logits they give at 0.. (a clamped or
+    wrapped position would not)."""
+    from interop.hf_config import to_model_config
+
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 48,
+          "max_position_embeddings": 131072, "rope_theta": 500000.0}
+    cfg = to_model_config(hf, "config.json")
+    assert cfg.max_seq_len == 131072
+    model = llama.build_model(cfg, seed=0)
+    held = sum(int(np.prod(t.shape)) for t in (model.inv_freq, model.kind_windows))
+    assert held < 100  # [kinds, head_dim / 2] frequencies, not [131072, head_dim] tables
+    t = 8
+    cache = [Tensor(np.zeros((1, 1, cfg.num_kv_heads, t, cfg.head_size), np.float32)) for _ in range(2)]
+    near, far = (model(Tensor(np.array([[5, 6, 7]], np.int32)), *cache, Tensor([0], ms.int32), Tensor([-start], ms.int32))[0]
+                 for start in (0, 100000))
+    np.testing.assert_allclose(far.asnumpy(), near.asnumpy(), rtol=1e-3, atol=1e-4)
+    cos, sin = model.rope_at(0, Tensor(np.array([100000, 131071], np.int32)))
+    angles = np.float32([100000, 131071])[:, None] * model.inv_freq.asnumpy()[0]
+    angles = np.concatenate([angles, angles], -1).astype(np.float64)
+    np.testing.assert_allclose(cos.asnumpy(), np.cos(angles), atol=1e-6)
+    np.testing.assert_allclose(sin.asnumpy(), np.sin(angles), atol=1e-6)

@@ -11,6 +11,7 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
     python tools/bench_train.py --compile-layers 2,32 --block-graph shared  # every depth shares the block graph
     python tools/bench_train.py --ab fused-kernels       # msllm with vs without msllm.kernels
     python tools/bench_train.py --ab block-graph         # one block graph for all layers vs inlined
+    python tools/bench_train.py --ab attention --workload L --seq 2048   # flash vs softmax attention core
     python tools/bench_train.py --family gemma3 --variants msllm-graph,torch-eager,torch-compile
                                                          # the workload's shape as Qwen3 / Gemma 3 (their spec)
 
@@ -38,6 +39,8 @@ sys.path.insert(0, str(REPO))
 WORKLOADS = {
     "W1": dict(vocab=4096, hidden=512, layers=4, heads=8, kv_heads=8, ffn=1376, seq=256, batch=4),
     "W2": dict(vocab=8192, hidden=1024, layers=8, heads=16, kv_heads=4, ffn=2816, seq=512, batch=4),
+    # long context (tools/bench_long_context.py): a small model whose attention dominates; --seq sets the length
+    "L": dict(vocab=4096, hidden=256, layers=2, heads=4, kv_heads=4, ffn=704, seq=2048, batch=1),
 }
 VARIANTS = ("msllm-graph", "msllm-pynative", "torch-eager", "torch-compile", "mindformers")
 # Family -> (transformers config class, model class, what the family adds to the workload's shape):
@@ -91,7 +94,7 @@ def time_steps(step_fn, steps: int, warmup: int) -> dict:
 
 def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: str = "O0",
                      recompute: str = "none", fused_kernels: str = "auto", block_graph: str = "auto",
-                     family: str = "llama"):
+                     family: str = "llama", attention: str = "auto"):
     """The benchmarked msllm step on workload w (AdamW, clip 1.0) and its batch; also used by profile_step.py."""
     import mindspore as ms
     from msllm import device
@@ -102,12 +105,14 @@ def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: 
     cfg = Config(model=model_config(w, family), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
                  train=TrainConfig(steps=1000, batch_size=w["batch"], seed=0, mode=mode, threads=threads,
                                    jit_level=jit_level, recompute=recompute, fused_kernels=fused_kernels,
-                                   block_graph=block_graph))
+                                   block_graph=block_graph, attention=attention))
+    cfg.data.seq_len = w["seq"]
     return build_train_step(cfg).train_step, ms.Tensor(tokens(w))
 
 
 # --ab SWITCH: the msllm_train_step keyword it flips, and its values for on and off.
-AB_SWITCHES = {"fused-kernels": ("fused_kernels", "auto", "off"), "block-graph": ("block_graph", "shared", "inlined")}
+AB_SWITCHES = {"fused-kernels": ("fused_kernels", "auto", "off"), "block-graph": ("block_graph", "shared", "inlined"),
+               "attention": ("attention", "flash", "softmax")}
 
 
 def ab_compare(w: dict, switch: str, rounds: int, steps_per_round: int, threads: int = 2) -> dict:
@@ -130,7 +135,7 @@ def ab_compare(w: dict, switch: str, rounds: int, steps_per_round: int, threads:
 
 def worker_msllm(w: dict, args) -> dict:
     step, batch = msllm_train_step(w, args.mode, args.threads, args.jit_level, args.recompute, args.fused_kernels,
-                                   args.block_graph, args.family)
+                                   args.block_graph, args.family, args.attention)
     t0 = time.perf_counter()
     if args.mode == "graph":
         step.compile(batch)  # graph compile alone; the first step then adds first-touch memory faults
@@ -168,8 +173,15 @@ def worker_torch(w: dict, args) -> dict:
     return time_steps(step, args.steps, args.warmup)
 
 
+def workload(args) -> dict:
+    """The --workload's shape with --layers and --seq applied."""
+    w = dict(WORKLOADS[args.workload])
+    w.update({key: value for key, value in (("layers", args.layers), ("seq", args.seq)) if value})
+    return w
+
+
 def run_worker(args) -> None:
-    w = WORKLOADS[args.workload] if not args.layers else {**WORKLOADS[args.workload], "layers": args.layers}
+    w = workload(args)
     result = worker_msllm(w, args) if args.worker == "msllm" else worker_torch(w, args)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
@@ -179,11 +191,11 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
     if variant == "mindformers":
         return spawn_mindformers(workload, args)
     common = ["--workload", workload, "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--threads", str(args.threads), "--layers", str(layers), "--family", args.family]
+              "--threads", str(args.threads), "--layers", str(layers), "--family", args.family, "--seq", str(args.seq)]
     if variant.startswith("msllm"):
         extra = ["--worker", "msllm", "--mode", variant.split("-")[1], "--recompute", recompute,
                  "--jit-level", args.jit_level, "--fused-kernels", args.fused_kernels,
-                 "--block-graph", args.block_graph]
+                 "--block-graph", args.block_graph, "--attention", args.attention]
     else:
         extra = ["--worker", "torch"] + (["--compile"] if variant == "torch-compile" else [])
     proc = subprocess.run([sys.executable, __file__, *common, *extra], capture_output=True, text=True,
@@ -235,6 +247,8 @@ def main(argv=None) -> int:
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "off"])
     p.add_argument("--block-graph", default="auto", choices=["auto", "shared", "inlined"],
                    help="train.block_graph: shared = one block graph called by every layer")
+    p.add_argument("--attention", default="auto", choices=["auto", "flash", "softmax"], help="train.attention")
+    p.add_argument("--seq", type=int, default=0, help="sequence length instead of the workload's")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="in-process A/B of one switch, on vs off")
     p.add_argument("--rounds", type=int, default=12, help="--ab: alternations")
     p.add_argument("--steps-per-round", type=int, default=3)
@@ -250,10 +264,9 @@ def main(argv=None) -> int:
         run_worker(args)
         return 0
 
-    w = WORKLOADS[args.workload]
+    w = workload(args)
     tokens_per_step = w["batch"] * w["seq"]
     if args.ab:
-        w = {**w, "layers": args.layers or w["layers"]}
         r = ab_compare(w, args.ab, args.rounds, args.steps_per_round, args.threads)
         print(f"{args.workload}: {args.ab} on {r['on_step_s'] * 1e3:.1f} ms/step "
               f"({tokens_per_step / r['on_step_s']:,.0f} tok/s), off {r['off_step_s'] * 1e3:.1f} ms/step "
