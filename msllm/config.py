@@ -103,6 +103,9 @@ class DataConfig:
     max_bytes: int = 12_000_000       # cap on corpus bytes read (0 = no cap)
     tokenizer: Optional[str] = None   # tokenizer.json to reuse; None trains one (train.init_from: the source's)
     seq_len: int = 128
+    # Pretraining windows cut the EOS-joined documents; true: each token attends only within its
+    # own document and positions restart at each (document-aware packing; an SFT .jsonl always is)
+    document_attention: bool = False
     val_fraction: float = 0.02
     seed: int = 1234
     shuffle: bool = True

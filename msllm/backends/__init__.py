@@ -61,11 +61,12 @@ def apply_recompute(model, mode: str) -> None:
 
 
 def packed_samples(cfg: Config) -> bool:
-    """SFT data (a .jsonl file, or a shard made from one): samples packed into windows, each
-    attending only to itself, so the step takes per-sample positions and masks."""
+    """SFT data (a .jsonl file, or a shard made from one), or pretraining windows with
+    data.document_attention: samples packed into windows, each attending only to itself, so the
+    step takes per-sample positions and masks."""
     from msllm.data.sft import is_sft
 
-    return is_sft(cfg.data.path)
+    return cfg.data.document_attention or is_sft(cfg.data.path)
 
 
 def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:

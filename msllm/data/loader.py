@@ -28,6 +28,25 @@ class PackedWindows:
         return (np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32),)
 
 
+class DocumentWindows(PackedWindows):
+    """The same windows with each token attending only within its own document (data.document_attention):
+    segments 1, 2, .. per document in the window (an EOS closes its document), positions restarting
+    at each document, and every label counted (mask 1), the SFT step's inputs."""
+    columns = ["tokens", "mask", "segments", "positions"]
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, eos: int):
+        super().__init__(tokens, seq_len)
+        self.eos = eos
+
+    def __getitem__(self, i):
+        from msllm.data.sft import positions
+
+        (window,) = super().__getitem__(i)
+        closes = window[:-2] == self.eos  # a token after an EOS starts the next document
+        segments = np.concatenate([[1], 1 + np.cumsum(closes)]).astype(np.int32)
+        return window, np.ones(self.seq_len, np.float32), segments, positions(segments)
+
+
 def global_order(num_samples: int, seed: int, shuffle: bool, epoch: int) -> np.ndarray:
     if not shuffle:
         return np.arange(num_samples)

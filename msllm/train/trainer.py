@@ -18,7 +18,7 @@ import numpy as np
 from msllm import backends, checkpoint, device
 from msllm.config import Config, ConfigError, config_from_dict, save_config
 from msllm.data import shards
-from msllm.data.loader import make_dataset, windows_of
+from msllm.data.loader import DocumentWindows, make_dataset, windows_of
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
@@ -107,6 +107,10 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
         self.train_tokens = shards.open_split(self.shard_dir, "train")
         self.val_tokens = shards.open_split(self.shard_dir, "val")
+        if cfg.data.document_attention and not hasattr(self.train_tokens, "columns"):
+            eos = shards.read_index(self.shard_dir)["eos_id"]
+            self.train_tokens, self.val_tokens = (DocumentWindows(split, cfg.data.seq_len, eos)
+                                                  for split in (self.train_tokens, self.val_tokens))
 
         load_base = pretrained.load_base if pretrained is not None and (lora or not resume_from) else None
         built = build_train_step(cfg, world=self.world, rank=self.rank, load_weights=load_base)
