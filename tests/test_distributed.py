@@ -127,13 +127,15 @@ def reference_run(tmp_path_factory, corpus):
     return run_dir
 
 
-def test_launch_names_a_killed_worker_and_the_resumed_run_is_exact(tmp_path, corpus, reference_run):
+def test_launch_names_a_killed_worker_within_seconds(tmp_path, corpus):
+    """Without --max-restarts the job stops, naming the dead rank and its log; that a resumed run ends
+    bit-identical to an uninterrupted one is tests/test_restarts.py's (the same kill, restarted)."""
     run_dir = tmp_path / "faulty"
     proc = subprocess.Popen(launch_cmd(run_dir, corpus), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     pid_file = run_dir / "logs" / "rank_1.pid"
     deadline = time.time() + 240
-    while not (run_dir / "checkpoints" / "step_0000040").exists() and proc.poll() is None and time.time() < deadline:
+    while not (run_dir / "checkpoints" / "step_0000020").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
     os.kill(int(pid_file.read_text()), signal.SIGKILL)
@@ -143,11 +145,7 @@ def test_launch_names_a_killed_worker_and_the_resumed_run_is_exact(tmp_path, cor
     assert proc.returncode != 0
     last = err.strip().splitlines()[-1]
     assert "rank 1 was killed by SIGKILL" in last and str(run_dir / "logs" / "worker_1.log") in last, err[-2000:]
-    assert list((run_dir / "checkpoints").glob("step_*"))       # at least the step-40 checkpoint survived
-
-    run(resume_cmd(run_dir))
-    want, got = final_weights(reference_run), final_weights(run_dir)
-    assert all(np.array_equal(got[k], want[k]) for k in want)   # bit for bit
+    assert list((run_dir / "checkpoints").glob("step_*"))       # at least the step-20 checkpoint survived
 
 
 def copy_run_until(src: Path, dst: Path, step: int) -> Path:
