@@ -21,7 +21,7 @@ using namespace msllm_kernels;
 
 namespace {
 
-constexpr int64_t kQueryBlock = 32;  // query rows per forward work unit
+constexpr int64_t kQueryBlock = 48;  // query rows per work unit (a multiple of accumulate's 3 outputs)
 constexpr int64_t kKeyBlock = 64;    // keys per block (a [kKeyBlock, d] slice of K and V stays in L1/L2)
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -91,41 +91,119 @@ void transpose_block(const float *x, int64_t n, int64_t d, float *xt) {
   }
 }
 
-// scores[j] = sum_c q[c] * kt[c][j], j < kKeyBlock. D > 0 fixes the head size at compile time.
-template <int D>
-inline void row_scores(const float *__restrict q, const float *__restrict kt, int64_t d, float *__restrict scores) {
-  const int64_t dim = D ? D : d;
-  float acc[kKeyBlock] = {0};
-  for (int64_t c = 0; c < dim; ++c) {
-    const float qc = q[c];
-    const float *kc = kt + c * kKeyBlock;
-    for (int64_t j = 0; j < kKeyBlock; ++j) acc[j] += qc * kc[j];
+// 8 floats as one value (GCC vector extension): a ymm register with AVX2 (and on AVX-512 machines).
+typedef float vec8 __attribute__((vector_size(32)));
+inline vec8 load8(const float *p) { vec8 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store8(float *p, vec8 v) { std::memcpy(p, &v, sizeof v); }
+
+constexpr int kColumns = 32;  // columns of y per register block: 4 x 8 floats
+
+// K outputs of a small matmul on a 32-column slice: y[k][c] += sum_i w[k * w_out + i * w_in] x[i][c],
+// c < kColumns, i < n (x rows x_stride apart, y rows y_stride apart). The K x 32 accumulators stay in
+// registers (12 + 3 + 1 of AVX2's 16 for K = 3) and each x load serves K outputs: without the blocking
+// these loops were bound by loads and stores, not arithmetic.
+template <int K>
+inline void accumulate_block(const float *__restrict w, int64_t w_out, int64_t w_in, const float *__restrict x,
+                             int64_t x_stride, int64_t n, float *__restrict y, int64_t y_stride) {
+  vec8 acc[K][4];
+  for (int k = 0; k < K; ++k)
+    for (int v = 0; v < 4; ++v) acc[k][v] = load8(y + k * y_stride + 8 * v);
+  for (int64_t i = 0; i < n; ++i) {
+    float wk[K];
+    for (int k = 0; k < K; ++k) wk[k] = w[k * w_out + i * w_in];
+    for (int v = 0; v < 4; ++v) {
+      const vec8 xv = load8(x + i * x_stride + 8 * v);
+      for (int k = 0; k < K; ++k) acc[k][v] += wk[k] * xv;
+    }
   }
-  std::memcpy(scores, acc, sizeof acc);
+  for (int k = 0; k < K; ++k)
+    for (int v = 0; v < 4; ++v) store8(y + k * y_stride + 8 * v, acc[k][v]);
 }
 
-// y[c] += sum_i w[i * w_stride] * x[i][c] over n rows x [n, d]: a row of a small matmul. With D
-// fixed, y stays in registers across the rows (the store-bound alternative, one y update per row,
-// ran at half the speed).
-template <int D>
-inline void accumulate(const float *__restrict w, int64_t w_stride, const float *__restrict x, int64_t n, int64_t d,
-                       float *__restrict y) {
-  if constexpr (D > 0 && D <= 128) {
-    float acc[D];
-    std::memcpy(acc, y, sizeof acc);
-    for (int64_t i = 0; i < n; ++i) {
-      const float wi = w[i * w_stride];
-      const float *xi = x + i * D;
-      for (int c = 0; c < D; ++c) acc[c] += wi * xi[c];
-    }
-    std::memcpy(y, acc, sizeof acc);
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const float wi = w[i * w_stride];
-      const float *xi = x + i * d;
-      for (int64_t c = 0; c < d; ++c) y[c] += wi * xi[c];
-    }
+// y [outs, width] += w-weighted sums of x [n, width] rows (as accumulate_block), in register blocks
+// when width is a multiple of 32 (head sizes 32, 64, 128, 256, and the key block), else plainly.
+void accumulate(const float *w, int64_t w_out, int64_t w_in, const float *x, int64_t n, int64_t width, float *y,
+                int64_t y_stride, int64_t outs) {
+  if (width % kColumns) {
+    for (int64_t k = 0; k < outs; ++k)
+      for (int64_t i = 0; i < n; ++i) {
+        const float wk = w[k * w_out + i * w_in];
+        for (int64_t c = 0; c < width; ++c) y[k * y_stride + c] += wk * x[i * width + c];
+      }
+    return;
   }
+  for (int64_t c = 0; c < width; c += kColumns) {
+    int64_t k = 0;
+    for (; k + 3 <= outs; k += 3)
+      accumulate_block<3>(w + k * w_out, w_out, w_in, x + c, width, n, y + k * y_stride + c, y_stride);
+    for (; k < outs; ++k)
+      accumulate_block<1>(w + k * w_out, w_out, w_in, x + c, width, n, y + k * y_stride + c, y_stride);
+  }
+}
+
+// Scores of hidden keys to -inf: keys n.. of a short last block, and (vis given) those the query
+// (slot, segment) cannot see among keys j0 .. j0+n-1 (their segments k_seg).
+inline void hide(float *scores, int64_t n, const Visibility *vis, int32_t slot, int32_t q_seg, int64_t j0,
+                 const int32_t *k_seg) {
+  if (vis)
+    for (int64_t j = 0; j < n; ++j)
+      if (!vis->visible(slot, q_seg, j0 + j, k_seg[j])) scores[j] = -kInf;
+  for (int64_t j = n; j < kKeyBlock; ++j) scores[j] = -kInf;
+}
+
+// max of a block's kKeyBlock scores, 8 lanes at a time.
+inline float max_of_block(const float *x) {
+  vec8 top = load8(x);
+  for (int64_t j = 8; j < kKeyBlock; j += 8) {
+    const vec8 v = load8(x + j);
+    top = top > v ? top : v;
+  }
+  float m = top[0];
+  for (int k = 1; k < 8; ++k) m = std::max(m, top[k]);
+  return m;
+}
+
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+
+// exp_approx (common.h) on 8 lanes: the same steps, written on vectors because GCC leaves the
+// scalar loop over it unvectorized here.
+inline vec8 exp8(vec8 x) {
+  const vec8 hi = vec8{} + 88.0f, lo = vec8{} - 87.0f, shifter = vec8{} + 12582912.0f;
+  x = x > hi ? hi : (x < lo ? lo : x);
+  const vec8 n = (x * 1.44269504088896341f + shifter) - shifter;
+  vec8 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vec8 p = vec8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vec8 y = p * r * r + r + 1.0f;
+  const ivec8 bits = (__builtin_convertvector(n, ivec8) + 127) << 23;
+  vec8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// x[j] = exp(x[j] - shift) (0 for -inf) over a block; returns their sum (8 lanes, then across).
+inline float exp_block(float *x, float shift) {
+  vec8 sum = vec8{};
+  for (int64_t j = 0; j < kKeyBlock; j += 8) {
+    const vec8 v = load8(x + j);
+    const vec8 e = v == -kInf ? vec8{} : exp8(v - shift);
+    store8(x + j, e);
+    sum += e;
+  }
+  float total = 0.f;
+  for (int k = 0; k < 8; ++k) total += sum[k];
+  return total;
+}
+
+// scores [rows, kKeyBlock] = q [rows, d] @ kt [d, kKeyBlock] (overwritten).
+void block_scores(const float *q, int64_t rows, const float *kt, int64_t d, float *scores) {
+  std::fill(scores, scores + rows * kKeyBlock, 0.f);
+  accumulate(q, d, 1, kt, d, kKeyBlock, scores, kKeyBlock, rows);
 }
 
 template <int D>
@@ -133,50 +211,48 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
              int64_t kv_heads, int64_t d, float *out, float *lse) {
   const int64_t s = vis.s, t = vis.t, rep = heads / kv_heads;
   const int64_t query_blocks = (s + kQueryBlock - 1) / kQueryBlock;
+  // K transposed once, block by block ([b * kv_heads][key_blocks][d][kKeyBlock]), not once per query block.
+  const int64_t key_blocks = (t + kKeyBlock - 1) / kKeyBlock, block_size = d * kKeyBlock;
+  std::vector<float> k_t(b * kv_heads * key_blocks * block_size);
+  parallel_for(b * kv_heads * key_blocks, [&](int64_t lo, int64_t hi, int) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t j0 = u % key_blocks * kKeyBlock;
+      transpose_block(k + (u / key_blocks * t + j0) * d, std::min(kKeyBlock, t - j0), d, k_t.data() + u * block_size);
+    }
+  }, 16);
   run_units(b * heads * query_blocks, [&](int64_t unit, int) {
     // Later query blocks see more keys under a causal mask: hand them out first.
     const int64_t qb = query_blocks - 1 - unit % query_blocks, bh = unit / query_blocks;
     const int64_t batch = bh / heads, head = bh % heads, kv = batch * kv_heads + head / rep;
     const int64_t i0 = qb * kQueryBlock, rows = std::min(kQueryBlock, s - i0);
-    const float *qb_rows = q + (bh * s + i0) * d, *kh = k + kv * t * d, *vh = v + kv * t * d;
+    const float *qb_rows = q + (bh * s + i0) * d, *vh = v + kv * t * d;
     const int32_t *slot = vis.slots(batch) + i0, *q_seg = vis.query_segments(batch) + i0;
     const int32_t *k_seg = vis.key_segments(batch);
     const Range slots(slot, rows), q_segs(q_seg, rows);
-    std::vector<float> kt(d * kKeyBlock), scores(kQueryBlock * kKeyBlock), acc(rows * d, 0.f);
+    std::vector<float> scores(kQueryBlock * kKeyBlock), acc(rows * d, 0.f);
     std::vector<float> row_max(rows, -kInf), row_sum(rows, 0.f);
     const int64_t j_end = std::min<int64_t>(t, int64_t{slots.hi} + 1);
-    const int64_t j_begin = vis.window ? std::max<int64_t>(0, int64_t{slots.lo} - vis.window + 1) : 0;
+    const int64_t j_begin = vis.window ? std::max<int64_t>(0, int64_t{slots.lo} - vis.window + 1) / kKeyBlock * kKeyBlock : 0;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, j_end - j0);
       const Cover seen = cover(slots, q_segs, j0, n, Range(k_seg + j0, n), vis.window);
       if (seen == Cover::kNone) continue;
-      transpose_block(kh + j0 * d, n, d, kt.data());
+      block_scores(qb_rows, rows, k_t.data() + (kv * key_blocks + j0 / kKeyBlock) * block_size, d, scores.data());
       for (int64_t r = 0; r < rows; ++r) {
         float *sr = scores.data() + r * kKeyBlock;
-        row_scores<D>(qb_rows + r * d, kt.data(), d, sr);
-        float top = -kInf;
-        for (int64_t j = 0; j < n; ++j) {
-          if (seen == Cover::kSome && !vis.visible(slot[r], q_seg[r], j0 + j, k_seg[j0 + j])) sr[j] = -kInf;
-          top = std::max(top, sr[j]);
-        }
-        const float new_max = std::max(row_max[r], top);
+        hide(sr, n, seen == Cover::kSome ? &vis : nullptr, slot[r], q_seg[r], j0, k_seg + j0);
+        const float new_max = std::max(row_max[r], max_of_block(sr));
         if (new_max == -kInf) {  // nothing visible to this row yet
-          std::fill(sr, sr + n, 0.f);
+          std::fill(sr, sr + kKeyBlock, 0.f);
           continue;
         }
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          sr[j] = sr[j] == -kInf ? 0.f : exp_approx(sr[j] - new_max);
-          sum += sr[j];
-        }
         const float rescale = row_max[r] == -kInf ? 0.f : exp_approx(row_max[r] - new_max);
-        row_sum[r] = row_sum[r] * rescale + sum;
+        row_sum[r] = row_sum[r] * rescale + exp_block(sr, new_max);
         row_max[r] = new_max;
-        float *ar = acc.data() + r * d;
         if (rescale != 1.f)
-          for (int64_t c = 0; c < d; ++c) ar[c] *= rescale;
-        accumulate<D>(sr, 1, vh + j0 * d, n, d, ar);
+          for (float *ar = acc.data() + r * d, *end = ar + d; ar < end; ++ar) *ar *= rescale;
       }
+      accumulate(scores.data(), kKeyBlock, 1, vh + j0 * d, n, d, acc.data(), d, rows);  // acc += P V
     }
     for (int64_t r = 0; r < rows; ++r) {
       float *o = out + (bh * s + i0 + r) * d;
@@ -217,8 +293,9 @@ void backward(const float *q, const float *k, const float *v, const float *out, 
     const float *kh = k + (bk * t + j0) * d, *vh = v + (bk * t + j0) * d;
     const int32_t *k_seg = vis.key_segments(batch) + j0;
     const Range k_segs(k_seg, n);
-    std::vector<float> kt(d * kKeyBlock), vt(d * kKeyBlock), dp(kKeyBlock);
-    std::vector<float> p(kQueryBlock * kKeyBlock), ds(kQueryBlock * kKeyBlock);  // of one query block
+    std::vector<float> kt(d * kKeyBlock), vt(d * kKeyBlock);
+    // P, dP and dS of one query block's rows against this key block
+    std::vector<float> p(kQueryBlock * kKeyBlock), dp(kQueryBlock * kKeyBlock), ds(kQueryBlock * kKeyBlock);
     std::vector<float> dk_acc(n * d, 0.f), dv_acc(n * d, 0.f);
     transpose_block(kh, n, d, kt.data());
     transpose_block(vh, n, d, vt.data());
@@ -231,29 +308,23 @@ void backward(const float *q, const float *k, const float *v, const float *out, 
       for (int64_t h = (bk % kv_heads) * rep, h_end = h + rep; h < h_end; ++h) {
         const int64_t first = (batch * heads + h) * s + i0;  // the block's first row of q, out, lse
         // P and dS = P * (dP - delta) of the block's rows against the key block (0 where hidden).
+        block_scores(q + first * d, rows, kt.data(), d, p.data());
+        block_scores(d_out + first * d, rows, vt.data(), d, dp.data());
         for (int64_t r = 0; r < rows; ++r) {
-          float *pr = p.data() + r * kKeyBlock, *dsr = ds.data() + r * kKeyBlock;
-          const float row_lse = lse[first + r];
-          if (row_lse == kInf) {  // sees no key at all
+          float *pr = p.data() + r * kKeyBlock, *dpr = dp.data() + r * kKeyBlock, *dsr = ds.data() + r * kKeyBlock;
+          const float row_lse = lse[first + r], row_delta = delta[first + r];
+          if (row_lse == kInf) {  // the row sees no key: its P is 0
             std::fill(pr, pr + kKeyBlock, 0.f);
             std::fill(dsr, dsr + kKeyBlock, 0.f);
             continue;
           }
-          row_scores<D>(q + (first + r) * d, kt.data(), d, pr);
-          row_scores<D>(d_out + (first + r) * d, vt.data(), d, dp.data());
-          for (int64_t j = 0; j < kKeyBlock; ++j) {
-            const bool shown = j < n && (seen == Cover::kAll || vis.visible(slot[r], q_seg[r], j0 + j, k_seg[j]));
-            pr[j] = shown ? exp_approx(pr[j] - row_lse) : 0.f;
-            dsr[j] = pr[j] * (dp[j] - delta[first + r]);
-          }
+          hide(pr, n, seen == Cover::kSome ? &vis : nullptr, slot[r], q_seg[r], j0, k_seg);
+          exp_block(pr, row_lse);
+          for (int64_t j = 0; j < kKeyBlock; ++j) dsr[j] = pr[j] * (dpr[j] - row_delta);
         }
-        // dV[j] += P[:, j]^T dO, dK[j] += dS[:, j]^T Q (a key's sums in registers), dQ[r] += dS[r] K.
-        for (int64_t j = 0; j < n; ++j) {
-          accumulate<D>(p.data() + j, kKeyBlock, d_out + first * d, rows, d, dv_acc.data() + j * d);
-          accumulate<D>(ds.data() + j, kKeyBlock, q + first * d, rows, d, dk_acc.data() + j * d);
-        }
-        for (int64_t r = 0; r < rows; ++r)
-          accumulate<D>(ds.data() + r * kKeyBlock, 1, kh, n, d, dq_rows + (first + r) * d);
+        accumulate(p.data(), 1, kKeyBlock, d_out + first * d, rows, d, dv_acc.data(), d, n);  // dV += P^T dO
+        accumulate(ds.data(), 1, kKeyBlock, q + first * d, rows, d, dk_acc.data(), d, n);     // dK += dS^T Q
+        accumulate(ds.data(), kKeyBlock, 1, kh, n, d, dq_rows + first * d, d, rows);          // dQ += dS K
       }
     }
     std::memcpy(dk + (bk * t + j0) * d, dk_acc.data(), sizeof(float) * n * d);
