@@ -279,8 +279,8 @@ class FusedRope(nn.Cell):
 class FlashAttention(nn.Cell):
     """(out, lse) = softmax(q k^T over the visible keys) v, by blocks of keys with an online softmax:
     no [s, t] tensor forward or backward (flash_attention.cc says how). q [b, nh, s, d] already
-    scaled, k / v [b, nkv, t, d]; `visibility` = (query slots, query segments [1 or b, s], key
-    segments [1 or b, t], window [1]), int32 (msllm.models.llama.visibility). The same call as
+    scaled, k / v [b, nkv, t, d]; `visibility` = (query slots [s], query segments [s] or [b, s],
+    key segments [t] or [b, t], window [1]), int32 (msllm.models.llama.visibility). The same call as
     SoftmaxAttention, whose additive mask it replaces. Runs in fp32 whatever the compute dtype."""
 
     def __init__(self, num_heads: int, num_kv_heads: int):

@@ -37,20 +37,21 @@ void run_units(int64_t units, Fn fn) {
   if (threads <= 1 || !pool().Run(threads, work)) work(0);
 }
 
-// The index inputs: q_slot, q_seg [1 or b, s], k_seg [1 or b, t] (int32; 1 row: shared by the
-// batch); window [1].
+// The index inputs: q_slot [s], q_seg [s] or [b, s], k_seg [t] or [b, t] (int32; 1-D: shared by
+// the batch); window [1].
 struct Visibility {
   const int32_t *q_slot, *q_seg, *k_seg;
   int64_t slot_rows, q_seg_rows, k_seg_rows, s, t;
   int32_t window;
 
-  Visibility(void **params, int64_t **shapes, int first) {
+  Visibility(void **params, int *ndims, int64_t **shapes, int first) {
     q_slot = static_cast<const int32_t *>(params[first]);
     q_seg = static_cast<const int32_t *>(params[first + 1]);
     k_seg = static_cast<const int32_t *>(params[first + 2]);
     window = *static_cast<const int32_t *>(params[first + 3]);
-    slot_rows = shapes[first][0], q_seg_rows = shapes[first + 1][0], k_seg_rows = shapes[first + 2][0];
-    s = shapes[first][1], t = shapes[first + 2][1];
+    auto rows = [&](int i) { return ndims[i] == 2 ? shapes[i][0] : int64_t{1}; };
+    slot_rows = rows(first), q_seg_rows = rows(first + 1), k_seg_rows = rows(first + 2);
+    s = shapes[first][ndims[first] - 1], t = shapes[first + 2][ndims[first + 2] - 1];
   }
   const int32_t *slots(int64_t batch) const { return q_slot + batch % slot_rows * s; }
   const int32_t *query_segments(int64_t batch) const { return q_seg + batch % q_seg_rows * s; }
@@ -351,11 +352,11 @@ void by_head_size(int64_t d, Fn fn) {
 
 }  // namespace
 
-// inputs: q [b, heads, s, d] (already scaled), k, v [b, kv_heads, t, d], q_slot, q_seg [1 or b, s],
-// k_seg [1 or b, t] (int32), window [1] (int32) (fp32 otherwise); outputs: out [b, heads, s, d], lse [b, heads, s].
+// inputs: q [b, heads, s, d] (already scaled), k, v [b, kv_heads, t, d], q_slot [s], q_seg [s] or [b, s],
+// k_seg [t] or [b, t], window [1] (int32; fp32 otherwise); outputs: out [b, heads, s, d], lse [b, heads, s].
 extern "C" int FlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
-  const Visibility vis(params, shapes, 3);
+  const Visibility vis(params, ndims, shapes, 3);
   const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
   by_head_size(d, [&](auto head_size) {
     forward<decltype(head_size)::value>(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
@@ -369,7 +370,7 @@ extern "C" int FlashAttention(int nparam, void **params, int *ndims, int64_t **s
 // outputs: dq, dk, dv.
 extern "C" int FlashAttentionGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                   void *stream, void *extra) {
-  const Visibility vis(params, shapes, 3);
+  const Visibility vis(params, ndims, shapes, 3);
   const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
   auto in = [&](int i) { return static_cast<const float *>(params[i]); };
   auto result = [&](int i) { return static_cast<float *>(params[i]); };

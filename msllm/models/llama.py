@@ -172,12 +172,13 @@ NO_WINDOW = 2**31 - 1
 
 
 def visibility(slots, query_segments, key_segments, window):
-    """Which keys each query sees, as indices (int32): query slots and segments [1 or b, s], key
-    segments [1 or b, t] (key j sits at slot j), window [1] (0: none). Key j is visible from query i
-    when j <= slot[i], slot[i] - j < window, and the segments match: causal attention, sliding
-    windows (as Hugging Face counts them), packed samples and left padding (key segment -1) alike.
-    The attention core reads it through `attention_mask`: as an additive mask for the softmax
-    core, as is by a flash core (msllm.kernels.FlashAttention), which never builds [s, t]."""
+    """Which keys each query sees, as indices (int32): query slots [s], query segments [s] or [b, s],
+    key segments [t] or [b, t] (1-D: shared by every row; key j sits at slot j), window [1] (0: none).
+    Key j is visible from query i when j <= slot[i], slot[i] - j < window, and the segments match:
+    causal attention, sliding windows (as Hugging Face counts them), packed samples and left padding
+    (key segment -1) alike. The attention core reads it through `attention_mask`: as an additive mask
+    for the softmax core, as is by a flash core (msllm.kernels.FlashAttention), which never builds
+    [s, t]. Whether rows share it is told by rank, not by a dimension's size, which may be dynamic."""
     return slots, query_segments, key_segments, window
 
 
@@ -194,17 +195,17 @@ class AdditiveMask(nn.Cell):
     def construct(self, visibility, b: int):
         slots, query_segments, key_segments, window = visibility
         s, t = slots.shape[-1], key_segments.shape[-1]
-        query = slots.reshape(-1, s, 1)
-        keys = ops.arange(0, t, dtype=ms.int32).reshape(1, 1, t)
+        query = slots.reshape(s, 1)
+        keys = ops.arange(0, t, dtype=ms.int32).reshape(1, t)
         reach = ops.select(window > 0, window, ops.full(window.shape, NO_WINDOW, dtype=ms.int32))
-        visible = ops.logical_and(ops.logical_and(keys <= query, query - keys < reach),
-                                  query_segments.reshape(-1, s, 1) == key_segments.reshape(-1, 1, t))
-        mask = additive(visible)
-        rows = mask.shape[0]
-        if rows == 1 and not self.broadcast:
-            return mask.reshape(s, t)
+        causal = ops.logical_and(keys <= query, query - keys < reach)                     # [s, t]
         shape = scores_shape(self.num_heads, self.num_kv_heads, b, s, t)
-        return ops.broadcast_to(mask.reshape((rows,) + (1,) * (len(shape) - 3) + (s, t)), shape)
+        if query_segments.ndim == 1 and key_segments.ndim == 1:
+            mask = additive(ops.logical_and(causal, query_segments.reshape(s, 1) == key_segments.reshape(1, t)))
+            return ops.broadcast_to(mask, shape) if self.broadcast else mask
+        same = query_segments.reshape(-1, s, 1) == key_segments.reshape(-1, 1, t)        # [b, s, t]
+        mask = additive(ops.logical_and(causal, same))
+        return ops.broadcast_to(mask.reshape((-1,) + (1,) * (len(shape) - 3) + (s, t)), shape)
 
 
 class Rope(nn.Cell):
@@ -455,8 +456,8 @@ class Llama(nn.Cell):
         """One sequence per row: rope tables [s, d] and the causal visibility of attention kind `kind`."""
         slots = ops.arange(0, s, dtype=ms.int32)
         cos, sin = self.rope_at(kind, slots)
-        zeros = ops.zeros((1, s), ms.int32)
-        return cos, sin, visibility(slots.reshape(1, s), zeros, zeros, self.window_of(kind))
+        zeros = ops.zeros_like(slots)
+        return cos, sin, visibility(slots, zeros, zeros, self.window_of(kind))
 
     def sample_tables(self, segments, positions, kind: int):
         """Packed samples: segments, positions [b, s] int32 (a sample's tokens share a segment id, and
@@ -464,18 +465,18 @@ class Llama(nn.Cell):
         causal within a sample (and its window) and closed between samples."""
         b, s = segments.shape
         cos, sin = self.rope_at(kind, positions)
-        slots = ops.arange(0, s, dtype=ms.int32).reshape(1, s)
+        slots = ops.arange(0, s, dtype=ms.int32)
         return cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1), visibility(slots, segments, segments, self.window_of(kind))
 
     def cache_tables(self, b: int, s: int, t: int, start, pad, kind: int):
         """cos / sin [b, 1, s, d] at each row's positions and the visibility of the cache slots
         (filled, unpadded and within the kind's window; padding is key segment -1)."""
-        new_slots = (start + ops.arange(0, s, dtype=ms.int32)).reshape(1, s)
-        positions = ops.maximum(new_slots - pad.reshape(b, 1), 0)                  # [b, s], padding at 0
+        new_slots = start + ops.arange(0, s, dtype=ms.int32)                       # [s]
+        positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
         cos, sin = self.rope_at(kind, positions)
         slots = ops.arange(0, t, dtype=ms.int32).reshape(1, t)
         key_segments = ops.select(slots >= pad.reshape(b, 1), ops.zeros((b, t), ms.int32), ops.full((b, t), -1, dtype=ms.int32))
-        seen = visibility(new_slots, ops.zeros((1, s), ms.int32), key_segments, self.window_of(kind))
+        seen = visibility(new_slots, ops.zeros_like(new_slots), key_segments, self.window_of(kind))
         return cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1), seen
 
     @staticmethod
