@@ -154,6 +154,8 @@ class TrainConfig:
                                       # always done when max_bad_steps stops a run
     keep_checkpoints: int = 3         # newest K checkpoints kept
     max_restarts: int = 0             # msllm launch: restarts from the newest checkpoint when a worker dies
+    hang_timeout_s: float = 300.0     # msllm launch: a worker without a step for the larger of this and 10x
+                                      # its median step is hung: stacks dumped, group stopped (and restarted)
     log_every: int = 20
     eval_every: int = 100
     eval_batches: int = 8
@@ -408,6 +410,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         need(getattr(t, key) > 0, f"train.{key}", "must be > 0")
     need(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips the sample)")
     need(t.max_restarts >= 0, "train.max_restarts", "must be >= 0 (0: a dead worker ends the job)")
+    need(t.hang_timeout_s > 0, "train.hang_timeout_s", "must be > 0 (seconds)")
     need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
     need(t.loss_scale >= 1, "train.loss_scale", "must be >= 1")
     _check_lora(cfg, need)

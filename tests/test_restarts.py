@@ -1,6 +1,8 @@
-"""msllm launch --max-restarts (issue 31): a worker killed by kill -9 mid-run, all workers restarted from
-the newest complete checkpoint, one line per restart, a row per restart in metrics.jsonl, and the final
-weights bit-identical to an uninterrupted run; the restart policy itself on a scripted group."""
+"""msllm launch --max-restarts (issue 31): a worker killed by kill -9 mid-run, then (after that restart)
+a worker stopped by SIGSTOP, which the hang watchdog catches: each time all workers restart from the
+newest complete checkpoint, one line per restart, a row per restart in metrics.jsonl, the hung
+workers' Python stacks in their logs, and the final weights bit-identical to an uninterrupted run;
+the restart policy itself on a scripted group."""
 import json
 import os
 import re
@@ -20,29 +22,45 @@ def restart_rows(run_dir: Path) -> list[dict]:
     return [r for r in rows if r.get("kind") == "restart"]
 
 
-def test_a_killed_worker_is_restarted_from_the_newest_checkpoint_and_the_run_is_exact(tmp_path, corpus,
-                                                                                      reference_run):
-    run_dir = tmp_path / "faulty"
-    proc = subprocess.Popen(launch_cmd(run_dir, corpus, extra=("--max-restarts", "2")), cwd=REPO, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not (run_dir / "checkpoints" / "step_0000040").exists() and proc.poll() is None and time.time() < deadline:
+def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 240) -> None:
+    deadline = time.time() + seconds
+    while not path.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(int((run_dir / "logs" / "rank_1.pid").read_text()), signal.SIGKILL)
+    assert proc.poll() is None, f"the run ended before {path.name} appeared"
+
+
+def test_a_killed_and_a_hung_worker_are_restarted_and_the_run_is_exact(tmp_path, corpus, reference_run):
+    run_dir = tmp_path / "faulty"
+    logs = run_dir / "logs"
+    proc = subprocess.Popen(launch_cmd(run_dir, corpus, "--set", "train.hang_timeout_s=10",
+                                       extra=("--max-restarts", "3")),
+                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(run_dir / "checkpoints" / "step_0000040", proc)
+    os.kill(int((logs / "rank_1.pid").read_text()), signal.SIGKILL)
+    wait_for(logs / "before_restart_1", proc)                     # restarted: the step-80 checkpoint is the new group's
+    wait_for(run_dir / "checkpoints" / "step_0000080", proc)
+    os.kill(int((logs / "rank_0.pid").read_text()), signal.SIGSTOP)  # a hang: alive, silent
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-3000:]
-    [line] = [x for x in err.splitlines() if x.startswith("msllm launch: restart")]
-    found = re.fullmatch(r"msllm launch: restart 1/2 in 2 s: rank 1 was killed by SIGKILL \(signal 9\); resuming "
-                         r"from step (\d+), (\d+) logged steps? lost; logs of the failed start in (.+)", line)
-    assert found, line
-    step, lost = int(found.group(1)), int(found.group(2))
+    lines = [x for x in err.splitlines() if x.startswith("msllm launch: restart")]
+    assert len(lines) == 2, err[-3000:]
+    killed = re.fullmatch(r"msllm launch: restart 1/3 in 2 s: rank 1 was killed by SIGKILL \(signal 9\); resuming "
+                          r"from step (\d+), (\d+) logged steps? lost; logs of the failed start in (.+)", lines[0])
+    assert killed, lines[0]
+    step, lost = int(killed.group(1)), int(killed.group(2))
     assert step >= 40 and step % 20 == 0                         # a checkpoint step, at or after the kill's
-    assert (Path(found.group(3)) / "worker_1.log").is_file()     # the dead worker's log kept
-    assert err.splitlines()[-1] == "msllm launch: finished after 1 restart"
-    [row] = restart_rows(run_dir)
-    assert (row["restart"], row["rank"], row["resumed_from"], row["lost_steps"]) == (1, 1, step, lost)
-    assert row["cause"] == "was killed by SIGKILL (signal 9)"
+    assert (Path(killed.group(3)) / "worker_1.log").is_file()    # the dead worker's log kept
+    hung = re.fullmatch(r"msllm launch: restart 2/3 in 4 s: the group hung: ranks? [0-9, ]+ made no step for (\d+) s "
+                        r"\(deadline 10 s\) after step (\d+); Python stacks in the worker logs; resuming from step "
+                        r"(\d+), .* logs of the failed start in (.+)", lines[1])
+    assert hung, lines[1]
+    assert 10 <= int(hung.group(1)) < 30 and int(hung.group(3)) >= 80
+    stacks = [(Path(hung.group(4)) / f"worker_{r}.log").read_text(errors="replace") for r in (0, 1)]
+    assert all("most recent call first" in text for text in stacks)  # faulthandler's dump, from both ranks
+    assert err.splitlines()[-1] == "msllm launch: finished after 2 restarts"
+    rows = restart_rows(run_dir)
+    assert [(r["restart"], r["rank"], r["resumed_from"]) for r in rows] == [(1, 1, step), (2, None, int(hung.group(3)))]
+    assert rows[0]["lost_steps"] == lost and rows[1]["cause"].startswith("hung: ")
     want, got = final_weights(reference_run), final_weights(run_dir)
     assert all(np.array_equal(got[k], want[k]) for k in want)   # bit for bit
 
@@ -106,3 +124,27 @@ def test_max_restarts_config_key_is_validated_and_several_nodes_are_refused(tmp_
     with pytest.raises(L.LaunchError, match="--max-restarts: one node only"):
         L.launch_with_restarts(L.Layout(2, nnodes=2, master="127.0.0.1:8118"), ["train"], ["train"], tmp_path,
                                tmp_path / "logs", 1)
+
+
+def test_watchdog_judges_each_rank_by_its_own_deadline(tmp_path, monkeypatch):
+    """Heartbeat deadlines: the compile's allowance before the first step, then the larger of
+    train.hang_timeout_s and 10x the median step; `stalled` names the late ranks only."""
+    from msllm.parallel import watchdog
+
+    monkeypatch.setenv("MSLLM_PID_DIR", str(tmp_path))
+    beats = [watchdog.Heartbeat(30.0, rank) for rank in (0, 1)]
+    beats[0].beat(0)
+    assert json.loads(watchdog.beat_path(tmp_path, 0).read_text())["deadline_s"] == watchdog.FIRST_STEP_S
+    for step, seconds in enumerate([0.1, 9.0, 8.0, 7.0], 1):   # median 7.5 s: deadline 75 s
+        beats[0].beat(step, seconds)
+    beats[1].beat(4, 0.5)                                      # 10 x 0.5 < 30: deadline 30 s
+    beat = json.loads(watchdog.beat_path(tmp_path, 0).read_text())
+    assert beat["step"] == 4 and beat["deadline_s"] == 75.0
+    now = beat["time"]
+    assert watchdog.stalled(tmp_path, now + 29) is None
+    assert watchdog.stalled(tmp_path, now + 40) == ("hung: rank 1 made no step for 40 s (deadline 30 s) after step 4; "
+                                                     "Python stacks in the worker logs")
+    assert watchdog.stalled(tmp_path, now + 80).startswith("hung: ranks 0, 1 made no step for 80 s (deadline 75 s)")
+    monkeypatch.delenv("MSLLM_PID_DIR")
+    watchdog.Heartbeat(30.0, 0).beat(1, 1.0)                   # outside msllm launch: nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0.beat", "rank_1.beat"]

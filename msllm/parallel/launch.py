@@ -5,7 +5,8 @@ RANK_ID / MS_* in its environment and its output in LOG_DIR/worker_RANK.log; `ms
 takes rank and world size from mindspore.communication. msrun notices a dead worker within a
 second and kills the others, but then waits for its scheduler's time-out; this module stops the
 whole job as soon as msrun reports the death and prints one line: the rank, its signal or exit
-code, and its log file.
+code, and its log file. A worker that stops making steps is stopped the same way, after its
+Python stacks are dumped (msllm/parallel/watchdog.py).
 """
 from __future__ import annotations
 
@@ -16,17 +17,20 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import msllm
 from msllm.errors import UserError
+from msllm.parallel import watchdog
 
 WORKER_SCRIPT = Path(__file__).with_name("entry") / "msllm_worker.py"
 DIED = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 MSLLM_ERROR = re.compile(r"^msllm \w+: (error|interrupted)")
 EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
+WATCH_EVERY_S = 1.0  # how often the watchdog reads the heartbeats
 MINDSPORE_LOG = re.compile(r"^\[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] |^Start (scheduler|worker) process")
 
 
@@ -140,14 +144,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(proc: subprocess.Popen, log_dir: Path) -> None:
-    """msrun, its scheduler and tail processes, and the workers (which msrun starts in sessions of their own)."""
-    pids = descendants(proc.pid)
+def worker_pids(log_dir: Path) -> list[int]:
+    pids = []
     for path in log_dir.glob("rank_*.pid"):
         try:
             pids.append(int(path.read_text()))
         except (OSError, ValueError):
             pass
+    return pids
+
+
+def kill_tree(proc: subprocess.Popen, log_dir: Path) -> None:
+    """msrun, its scheduler and tail processes, and the workers (which msrun starts in sessions of their own)."""
+    pids = descendants(proc.pid) + worker_pids(log_dir)
     for pid in [proc.pid, *pids]:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -165,15 +174,35 @@ class Outcome:
     cause: str = ""            # what happened to it: "was killed by SIGKILL (signal 9)", "exited with code 1 (...)"
 
 
+def start_watchdog(proc: subprocess.Popen, log_dir: Path, hung: list) -> threading.Event:
+    """Poll the workers' heartbeats (msllm/parallel/watchdog.py) until the returned event is set; on a
+    hang, record it in `hung`, have the workers dump their stacks and stop the group."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(WATCH_EVERY_S):
+            said = watchdog.stalled(log_dir)
+            if said:
+                hung.append(said)
+                watchdog.dump_stacks(worker_pids(log_dir))
+                kill_tree(proc, log_dir)
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done
+
+
 def run_group(layout: Layout, args: list[str], log_dir: Path, timeout: int, verbose: bool) -> Outcome:
-    """Start msrun once and wait for it; stop everything as soon as msrun reports a dead worker."""
+    """Start msrun once and wait for it; stop everything as soon as msrun reports a dead worker, or
+    the watchdog a hung one."""
     command = msrun_command(layout, log_dir, timeout, args)
     log_dir.mkdir(parents=True, exist_ok=True)
-    for stale in log_dir.glob("rank_*.pid"):
+    for stale in [*log_dir.glob("rank_*.pid"), *log_dir.glob("rank_*.beat")]:
         stale.unlink()
     proc = subprocess.Popen(command, env=worker_env(layout, log_dir, timeout),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    failure = None
+    failure, hung = None, []
+    watching = start_watchdog(proc, log_dir, hung)
     try:
         for line in proc.stdout:
             died = DIED.search(line)
@@ -188,6 +217,10 @@ def run_group(layout: Layout, args: list[str], log_dir: Path, timeout: int, verb
     except KeyboardInterrupt:
         kill_tree(proc, log_dir)
         raise
+    finally:
+        watching.set()
+    if hung:
+        return Outcome(1, f"{hung[0]} ({log_dir})", None, hung[0])
     if failure is not None:
         pid, exit_code = failure
         rank = rank_of(pid, log_dir)

@@ -19,6 +19,7 @@ from msllm import backends, checkpoint, device
 from msllm.config import Config, ConfigError, config_from_dict, save_config
 from msllm.data import shards
 from msllm.data.loader import DocumentWindows, make_dataset, windows_of
+from msllm.parallel.watchdog import Heartbeat
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
@@ -197,12 +198,15 @@ class Trainer:
              + (", optimizer state sharded (ZeRO-1)" if cfg.parallel.optimizer_shard and self.world > 1 else ""))
         step, last, bad_run = self.start_step, {}, 0
         window_t, window_steps = time.perf_counter(), 0
+        heartbeat = Heartbeat(t.hang_timeout_s, self.rank)  # under msllm launch: its hang watchdog reads it
+        heartbeat.beat(step)
         for batch in data.create_tuple_iterator(num_epochs=1):
             t0 = time.perf_counter()
             loss, norm, lr, finite, scale = self.train_step(*batch)
             loss = float(loss.asnumpy())  # also synchronises
             step += 1
             window_steps += 1
+            heartbeat.beat(step, None if step == self.start_step + 1 else time.perf_counter() - t0)
             if step == self.start_step + 1:
                 compile_s = time.perf_counter() - t0
                 self.metrics.log({"kind": "compile", "step": step, "first_step_s": compile_s, "loss": loss},
@@ -244,11 +248,13 @@ class Trainer:
                 last["val_loss"] = val
                 self.metrics.log({"kind": "eval", "step": step, "val_loss": val},
                                  f"step {step:>6}  val_loss {val:.4f}  (ln vocab = {math.log(cfg.model.vocab_size):.2f})")
+                heartbeat.beat(step)
                 window_t, window_steps = time.perf_counter(), 0
             if step % t.ckpt_every == 0 or step == t.steps:
                 path = self.save(step)
                 if path:
                     info(f"checkpoint: {path}")
+                heartbeat.beat(step)
                 window_t, window_steps = time.perf_counter(), 0
         self.metrics.close()
         last["step"] = step
