@@ -142,8 +142,9 @@ class TrainConfig:
                                       # depth, steps ~2% slower; no recompute) | inlined | auto: shared on CPU
                                       # from 16 layers without recompute
     attention: str = "auto"           # flash: by blocks of keys, memory linear in the sequence (CPU: the fused
-                                      # kernel, so fused_kernels auto) | softmax: the [s, t] scores |
-                                      # auto: flash on CPU with the fused kernels from FLASH_MIN_SEQ tokens
+                                      # kernel, so fused_kernels auto; Ascend: FlashAttentionScore, fp16/bf16)
+                                      # | softmax: the [s, t] scores | auto: flash on CPU with the fused kernels
+                                      # from FLASH_MIN_SEQ tokens, on Ascend whenever FlashAttentionScore can
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)
@@ -417,6 +418,12 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(not (t.attention == "flash" and t.device == "cpu" and t.fused_kernels == "off"), "train.attention",
          "flash on CPU is a fused kernel; set train.fused_kernels: auto, or train.attention: softmax",
          "train.fused_kernels")
+    if t.attention == "flash" and t.device == "ascend":  # late: msllm.backends reads Config
+        from msllm.backends import ascend_flash_problem, packed_samples
+
+        problem = ascend_flash_problem(cfg, packed_samples(cfg))
+        if problem is not None:
+            need(False, "train.attention", problem[1], problem[0])
     need(not (t.block_graph == "shared" and t.recompute != "none"), "train.block_graph",
          "shared cannot recompute (MindSpore 2.10 ignores recompute inside the shared block graph); "
          "use inlined or auto with train.recompute", "train.recompute")

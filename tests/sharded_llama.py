@@ -11,6 +11,11 @@ stay split (heads, ffn, vocab), row-parallel outputs are partial sums (all-reduc
 onto tokens under sequence parallel), the vocab-parallel loss takes its max, sum of exponentials
 and target logit across shards, and a weight several ranks hold receives the sum of their
 partial gradients (KV heads shared by a GQA group; norms under sequence parallel; everything over dp).
+
+flash=True runs each rank's attention as the table's FlashAttentionScore rows lay it out (Ascend's
+core): its q and K/V head slices (after repeat_kv) checked against what the rank's projections
+hold, so no data moves between them, and its query heads grouped onto its K/V heads by the
+primitive's own GQA rule within the rank (local head j reads local K/V head j // (n1 / n2)).
 """
 from __future__ import annotations
 
@@ -159,8 +164,8 @@ class ShardedLlama:
     """Llama split as the table says over `sh`'s dp x tp ranks; pipeline stages are subsets of its
     units (embed, block i, head) run in order. Gradients accumulate per rank in `grads`."""
 
-    def __init__(self, params: dict, m: ModelConfig, sh: L.Sharding, seq: int):
-        self.m, self.sh, self.ranks = m, sh, Ranks(sh)
+    def __init__(self, params: dict, m: ModelConfig, sh: L.Sharding, seq: int, flash: bool = False):
+        self.m, self.sh, self.ranks, self.flash = m, sh, Ranks(sh), flash
         self.rope = Rope(m, seq)
         self.mask = np.triu(np.full((seq, seq), -1e9, np.float32), k=1)
         self.weights, self.starts = [], []
@@ -271,6 +276,11 @@ class ShardedLlama:
         k = [self.rope(t) for t in proj["wk"]]
         v = proj["wv"]
         kv_of = [self.kv_of(r, p) for r in range(len(a))]
+        copies = [1] * len(a)
+        if self.flash:
+            kv_of, copies = zip(*[self.flash_layout(r, p) for r in range(len(a))])
+            k = [np.repeat(ki, c, axis=1) for ki, c in zip(k, copies)]  # repeat_kv: copies of the rank's own heads
+            v = [np.repeat(vi, c, axis=1) for vi, c in zip(v, copies)]
         att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, self.mask), q, k, v, kv_of)
         o = [merge(oi) for oi, _ in att]
         attn_out = self.row_out([oi @ wi.T for oi, wi in zip(o, self.w(p + "attention.wo.weight"))])
@@ -281,8 +291,31 @@ class ShardedLlama:
         hmid = [gi * sigmoid(gi) * ui for gi, ui in zip(g, u)]
         mlp_out = self.row_out([hi @ wi.T for hi, wi in zip(hmid, self.w(p + "feed_forward.w2.weight"))])
         x = [xi + yi for xi, yi in zip(x, mlp_out)]
-        self.caches[(b, s, i), "block"] = (a, q, k, v, kv_of, [pi for _, pi in att], o, a2, g, u, hmid)
+        self.caches[(b, s, i), "block"] = (a, q, k, v, kv_of, copies, [pi for _, pi in att], o, a2, g, u, hmid)
         return x
+
+    def flash_layout(self, r, p):
+        """Rank r's FlashAttentionScore as the table lays it out: (kv_of, K/V copies the rank holds).
+        Checks that the primitive's q heads are the rank's wq heads and its K/V heads the repeat_kv
+        copies of the rank's wk heads (same slices: nothing to redistribute)."""
+        m, sh, d = self.m, self.sh, self.m.head_size
+        rows = {op.prim: op for op in L.ops_for(m, flash=True)}
+        flash, repeat, c = rows["flash"], rows["repeat_kv"], self.ranks.coords[r]
+        nh, kv, n = m.num_heads, m.num_kv_heads, sh.tp_rep
+        q0 = self.starts[r][p + "attention.wq.weight"][0] // d
+        k0 = self.starts[r][p + "attention.wk.weight"][0] // d
+        nq = self.weights[r][p + "attention.wq.weight"].shape[0] // d
+        nk = self.weights[r][p + "attention.wk.weight"].shape[0] // d
+        q_heads = L.shard_slices((sh.dp, nh, 1, d), flash.inputs[0], sh, c, flat=flash.flat)[1]
+        assert (q_heads.start, q_heads.stop) == (q0, q0 + nq)
+        kv_in = L.shard_slices((sh.dp, kv, 1, 1, d), repeat.inputs[0], sh, c)[1]
+        held = L.shard_slices((1, 1, n, 1, 1), repeat.inputs[1], sh, c)[2]
+        assert (kv_in.start, kv_in.stop) == (k0, k0 + nk)
+        repeated = [h * n + j for h in range(kv_in.start, kv_in.stop) for j in range(held.start, held.stop)]
+        k_heads = L.shard_slices((sh.dp, kv * n, 1, d), flash.inputs[1], sh, c, flat=flash.flat)[1]
+        assert flash.inputs[1] == flash.inputs[2] and list(range(k_heads.start, k_heads.stop)) == repeated
+        group = nq // len(repeated)
+        return [j // group for j in range(nq)], held.stop - held.start
 
     def kv_of(self, r, p):
         """Local KV head of each local query head on rank r, from where the table put their rows."""
@@ -295,7 +328,7 @@ class ShardedLlama:
     def block_back(self, i, dx, b, s):
         m, p = self.m, f"layers.{i}."
         d = m.head_size
-        a, q, k, v, kv_of, probs, o, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
+        a, q, k, v, kv_of, copies, probs, o, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
         # MLP
         dy = self.row_out_back(dx)
         w2 = self.w(p + "feed_forward.w2.weight")
@@ -316,8 +349,9 @@ class ShardedLlama:
         do = [heads(dyi @ wi, d, b, s) for dyi, wi in zip(dy, wo)]
         back = each(attention_back, do, q, k, v, probs, kv_of)
         dq = [self.rope.back(dqi / np.float32(math.sqrt(d))) for dqi, _, _ in back]
-        dk = [self.rope.back(dki) for _, dki, _ in back]
-        dv = [dvi for _, _, dvi in back]
+        # repeat_kv's backward sums a rank's copies (the copies other ranks hold: the tp_rep sum below)
+        dk = [self.rope.back(dki.reshape(b, -1, c, s, d).sum(2)) for (_, dki, _), c in zip(back, copies)]
+        dv = [dvi.reshape(b, -1, c, s, d).sum(2) for (_, _, dvi), c in zip(back, copies)]
         da = [np.zeros_like(ai) for ai in a]
         for name, grads in (("wq", dq), ("wk", dk), ("wv", dv)):
             flat = [merge(gi) for gi in grads]
@@ -419,9 +453,9 @@ def back_units(model: ShardedLlama, units, ids, key, dx=None):
     return dx
 
 
-def loss_and_grads(params, m, sh, ids, labels):
+def loss_and_grads(params, m, sh, ids, labels, flash=False):
     """One forward and backward of the whole batch on every rank; returns (loss, per-rank grads)."""
-    model = ShardedLlama(params, m, sh, ids.shape[1])
+    model = ShardedLlama(params, m, sh, ids.shape[1], flash)
     loss = run_units(model, model.units(), ids, labels, ids.size, "all")
     back_units(model, model.units(), ids, "all")
     model.reduce_dp()

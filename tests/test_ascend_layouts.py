@@ -267,3 +267,179 @@ def test_trainer_checkpoints_carry_the_strategy_file_under_the_parallel_wrapper(
     assert (saved / "strategy_rank_0.ckpt").read_bytes() == b"fake strategy of rank 0"
     assert "strategy_rank_0.ckpt" in json.loads((saved / MANIFEST).read_text())
     assert check_manifest(saved) is None and checkpoint.latest(tmp_path / "run") == saved
+
+
+# ---- FlashAttentionScore (train.attention auto / flash on Ascend) --------------------------------
+
+def flash_golden(want, dp, tp, kv_split, copies=1):
+    """The golden strategies with the softmax core's rows replaced by FlashAttentionScore's."""
+    out = {k: v for k, v in want.items() if not k.startswith(C)}
+    out[C + "repeat_kv"] = {"in": ((dp, kv_split, 1, 1, 1), (1, 1, copies, 1, 1)), "out": None}
+    out[C + "flash"] = {"in": ((dp, tp, 1, 1),) * 3 + ((1, 1),), "out": None}   # flat (dp, tp) mesh; mask whole
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_golden_flash_strategies_for_the_real_shapes(name):
+    _, _, layout, _, want, _, _ = CASES[name]
+    cfg, devices = case_config(name)
+    m = cfg.model
+    sh = L.sharding(m, cfg.parallel)
+    assert L.op_strategies(m, sh, flash=True) == flash_golden(want, layout["dp"], layout["tp"], layout["tp"])
+    assert L.strategy_problems(m, sh, 16, cfg.data.seq_len) == []
+
+
+def gemma_like(tp: int, **train):
+    """A Gemma-3-like tiny model (q/k norms, sandwich norms, GeGLU, sliding and full layers, GQA 8/2)
+    laid out for Ascend with bf16 compute, where train.attention auto means FlashAttentionScore."""
+    model = dict(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=16,
+                 ffn_size=16 * tp, max_seq_len=64, qk_norm=True, sandwich_norm=True, norm_offset=1.0,
+                 mlp="geglu_tanh", sliding_window=12, layer_types=["sliding", "full", "sliding", "full"],
+                 rope_local_theta=10000.0, rope_theta=1e6)
+    return config_from_dict({"model": model, "data": {"seq_len": 32},
+                             "train": {"device": "ascend", "precision": "bf16", "batch_size": 4, **train},
+                             "parallel": {"tp": tp, "sequence_parallel": tp > 1}})
+
+
+@pytest.mark.parametrize("tp", [2, 8])   # kv = tp: K/V heads as they are; kv < tp: 4 copies of each
+def test_flash_attention_swapped_in_per_layer_kind_with_the_table_layouts(tp):
+    """Through the backend seam (built and inspected on CPU; FlashAttentionScore cannot run here):
+    every layer's core is FlashAttentionScore with its kind's sparse mode, the model hands it the
+    compressed causal mask instead of an [s, t] mask, and the layouts read back from the primitives
+    are the table's flash rows."""
+    import mindspore as ms
+    from mindspore.ops.operations.nn_ops import FlashAttentionScore
+
+    from msllm import backends
+    from msllm.backends import ascend
+    from msllm.models.llama import Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    cfg = gemma_like(tp)
+    m = cfg.model
+    sh = L.sharding(m, cfg.parallel)
+    assert (sh.tp_kv, sh.tp_rep) == ((2, 1) if tp == 2 else (2, 4))
+    model = Llama(m)
+    spec = backends.specialise(model, cfg)
+    assert spec.flash and spec.device == "ascend"
+    bnsd = FlashAttentionScore(head_num=8, input_layout="BNSD").input_layout
+    for i, block in enumerate(model.layers):
+        core = block.attention.core.softmax_attention
+        assert isinstance(core, ascend.FlashAttention), i
+        prim = core.flash
+        sliding = m.layer_kinds()[i] == "sliding"
+        assert core.window == (12 if sliding else 0)
+        assert (prim.sparse_mode, prim.pre_tokens, prim.next_tokens) == ((4, 11, 0) if sliding else
+                                                                           (2, ascend.UNBOUNDED, 0)), i
+        assert (prim.head_num, prim.scale_value, prim.keep_prob, prim.input_layout) == (8, 1.0, 1.0, bnsd)
+        assert core.kv_copies == sh.tp_rep and hasattr(core, "repeat_kv") == (sh.tp_rep > 1)
+    assert isinstance(model.attention_mask, ascend.CompressedCausalMask)
+    mask = model.attention_mask(None, 4).asnumpy()
+    assert mask.shape == (2048, 2048) and mask.dtype == np.uint8
+    assert (mask == np.triu(np.ones((2048, 2048), np.uint8), 1)).all()
+
+    want = L.op_strategies(m, sh, flash=True)
+    assert not any(path.endswith((".qk", ".pv", ".softmax")) for path in want)
+    cells = dict(model.cells_and_names())
+    for op in L.ops_for(m, flash=True):
+        found = [c for n, c in cells.items()
+                 if fnmatch.fnmatchcase(n, op.cell) and getattr(c, op.prim, None) is not None]
+        assert len(found) in ((0, m.num_layers) if op.optional and op.cell.startswith("layers.") else
+                              (m.num_layers,) if op.cell.startswith("layers.") else (1,)), op.path
+        for cell in found:
+            attrs = getattr(cell, op.prim).attrs
+            assert tuple(applied_strategy(x) for x in attrs["in_layout"]) == want[op.path]["in"], op.path
+            if op.flat:
+                assert all(x["device_matrix"] == (1, tp) and x["alias_name"] == ("dp", "tp")
+                           for x in attrs["in_layout"])
+    flash = model.layers[0].attention.core.softmax_attention.flash.attrs["in_layout"]
+    assert [x["tensor_map"] for x in flash] == [(1, 0, -1, -1)] * 3 + [(-1, -1)]   # batch dp, heads tp
+    if sh.tp_rep > 1:   # the copies run on CPU: each KV head repeated in place, as the oracle's np.repeat
+        k = np.random.default_rng(0).standard_normal((2, 2, 5, 16)).astype(np.float32)
+        copied = model.layers[0].attention.core.softmax_attention.repeat(ms.Tensor(k)).asnumpy()
+        assert (copied == np.repeat(k, sh.tp_rep, axis=1)).all()
+        repeat = model.layers[0].attention.core.softmax_attention.repeat_kv.attrs["in_layout"]
+        # kv over tp_kv, copies over tp_rep
+        assert [x["tensor_map"] for x in repeat] == [(2, 1, -1, -1, -1), (-1, -1, 0, -1, -1)]
+
+
+def documented_visible(sparse_mode, pre_tokens, next_tokens, s, t):
+    """Which keys FlashAttentionScore keeps, as MindSpore 2.10 documents its sparse modes: 2
+    (leftUpCausal) the lower triangle from the top-left corner; 4 (band) keys from pre_tokens before
+    to next_tokens after the query, counted from the bottom-right corner."""
+    i, j = np.arange(s)[:, None], np.arange(t)[None, :]
+    if sparse_mode == 2:
+        return j <= i
+    assert sparse_mode == 4
+    return (j >= i + (t - s) - pre_tokens) & (j <= i + (t - s) + next_tokens)
+
+
+@pytest.mark.parametrize("window, s", [(0, 16), (0, 37), (1, 16), (5, 37), (12, 16), (40, 37)])
+def test_each_window_maps_to_a_sparse_mode_that_sees_what_the_model_sees(window, s):
+    """flash_form(window) under the documented semantics keeps exactly the keys the model's own
+    visibility (AdditiveMask, which the softmax core and the oracle use) keeps; the compressed
+    mask is sparse mode 2's table."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm.backends import ascend
+    from msllm.models import llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    slots = Tensor(np.arange(s, dtype=np.int32).reshape(1, s))
+    zeros = Tensor(np.zeros((1, s), np.int32))
+    seen = llama.visibility(slots, zeros, zeros, Tensor(np.array([window], np.int32)))
+    model_visible = llama.AdditiveMask(4, 2)(seen, 1).asnumpy() == 0
+    assert (documented_visible(*ascend.flash_form(window), s, s) == model_visible).all()
+    assert (ascend.compressed_causal_mask() == ~documented_visible(2, 0, 0, 2048, 2048)).all()
+
+
+def test_ascend_attention_resolves_and_refuses_in_one_line(tmp_path):
+    """auto: FlashAttentionScore on Ascend whenever it can take the config (fp16 / bf16, head size a
+    multiple of 16, no packed samples), else the softmax core; flash where it cannot: one line at load;
+    softmax: never flash; Ascend inference keeps the softmax core."""
+    from msllm import backends
+    from msllm.config import ConfigError
+
+    assert backends.plan(gemma_like(2)).flash
+    assert not backends.plan(gemma_like(2), training=False).flash
+    assert not backends.plan(gemma_like(2, attention="softmax")).flash
+    assert not backends.plan(gemma_like(2, precision="fp32")).flash
+    assert backends.plan(gemma_like(2, precision="fp16")).flash
+    with pytest.raises(ConfigError) as err:
+        gemma_like(2, attention="flash", precision="fp32")
+    assert err.value.key == "train.attention" and "\n" not in str(err.value)
+    assert "FlashAttentionScore, which takes fp16 / bf16 only (train.precision: fp32)" in str(err.value)
+    data = {"model": dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=8, ffn_size=64,
+                          max_seq_len=64),
+            "data": {"seq_len": 32}, "train": {"device": "ascend", "precision": "bf16", "attention": "flash"}}
+    with pytest.raises(ConfigError, match="multiples of 16 up to 512 \\(this model's: 8\\)"):
+        config_from_dict(data)
+    data["model"]["head_dim"] = 16
+    config_from_dict(data)
+    data["data"]["document_attention"] = True
+    with pytest.raises(ConfigError, match="actual sequence lengths .* packed samples \\(data.document_attention\\)"):
+        config_from_dict(data)
+    data["train"]["attention"] = "auto"
+    packed = config_from_dict(data)
+    assert not backends.plan(packed).flash   # packed: the softmax core
+    import dataclasses
+    asked = dataclasses.replace(packed, train=dataclasses.replace(packed.train, attention="flash"))
+    with pytest.raises(ConfigError, match="train.attention: flash on Ascend .* packed samples"):
+        backends.plan(asked)                 # the seam refuses it too (an SFT shard is known only there)
+
+
+def test_checker_applies_flash_attention_rules(monkeypatch):
+    """The checker holds the flash rows to FlashAttentionScore's own rules: a table row cutting the
+    keys' sequence is reported."""
+    import dataclasses
+
+    cfg = gemma_like(2)
+    sh = L.sharding(cfg.model, cfg.parallel)
+    assert L.strategy_problems(cfg.model, sh, 4, 32) == []
+    rows = list(L.OPS)
+    i = next(i for i, op in enumerate(rows) if op.prim == "flash")
+    kv = ("batch", "heads", "batch", None)
+    rows[i] = dataclasses.replace(rows[i], inputs=(rows[i].inputs[0], kv, kv, rows[i].inputs[3]))
+    monkeypatch.setattr(L, "OPS", tuple(rows))
+    assert any("keys' sequence" in p for p in L.strategy_problems(cfg.model, sh, 4, 32))

@@ -1,6 +1,6 @@
 """The layout table's maths proven on CPU: sharded forward and backward (tests/sharded_llama.py)
-equal to unsharded, pipeline stages equal to the whole model, and the oracle's one-rank model
-equal to msllm's MindSpore Llama."""
+equal to unsharded, with the softmax core's and FlashAttentionScore's attention layouts, pipeline
+stages equal to the whole model, and the oracle's one-rank model equal to msllm's MindSpore Llama."""
 import numpy as np
 import pytest
 
@@ -65,6 +65,27 @@ def test_sharded_forward_and_backward_equal_unsharded(kv, dp, tp, sp, vocab):
     k = model.weights[0]["layers.0.attention.wk.weight"]
     assert q.shape[0] == m.num_heads * m.head_size // tp
     assert k.shape[0] == m.head_size * max(kv // tp, 1)
+
+
+@pytest.mark.parametrize("kv, dp, tp, sp", [
+    (8, 1, 2, False),   # MHA
+    (4, 1, 4, False),   # GQA, kv = tp: no copies
+    (2, 1, 4, False),   # GQA kv < tp: each KV head repeated to its 2 ranks
+    (1, 1, 4, True),    # MQA: one KV head, 4 copies, sequence parallel
+    (2, 2, 4, True),    # dp x tp, kv < tp, sequence parallel
+])
+def test_flash_attention_layout_equals_unsharded(kv, dp, tp, sp):
+    """Ascend's FlashAttentionScore rows: each rank's q and K/V heads (after repeat_kv) are the ones
+    its projections hold, and the primitive's GQA grouping within the rank, forward and backward
+    (with the copies' gradients summed), gives every rank the unsharded gradient's slice."""
+    m = tiny(num_kv_heads=kv)
+    params = init_params(m, seed=6)
+    ids, labels = batch(m)
+    ref_loss, ref_grads = reference(params, m, ids, labels)
+    sh = L.sharding(m, ParallelConfig(dp=dp, tp=tp, sequence_parallel=sp))
+    loss, model = loss_and_grads(params, m, sh, ids, labels, flash=True)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_ranks_hold_the_reference(model, ref_grads, sh)
 
 
 @pytest.mark.parametrize("pp, micro, tp", [(2, 2, 1), (2, 4, 2), (3, 4, 1)])

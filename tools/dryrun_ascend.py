@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from mindspore import Tensor, nn, ops  # noqa: E402
 from mindspore.communication import get_group_size, get_rank, init  # noqa: E402
 
+from msllm import backends  # noqa: E402
 from msllm.backends import ascend  # noqa: E402
 from msllm.config import load_config  # noqa: E402
 from msllm.models.llama import CausalLMLoss, build_model  # noqa: E402
@@ -73,8 +74,10 @@ def main() -> int:
     devices, rank = get_group_size(), get_rank()
     check_parallel(cfg, devices, args.config)
 
-    model = build_model(cfg.model)
-    applied = ascend.specialise(model, cfg)
+    model = build_model(cfg.model, compute_dtype={"fp32": ms.float32, "fp16": ms.float16,
+                                                  "bf16": ms.bfloat16}[cfg.train.precision])
+    flash = backends.uses_flash(cfg, fused=False, training=True)  # FlashAttentionScore per layer (train.attention)
+    applied = ascend.specialise(model, cfg, flash=flash)
     loss = CausalLMLoss()
     ascend.use_vocab_parallel_loss(loss, cfg)
     net = ascend.micro_batches(LossNet(model, loss), cfg)
@@ -86,8 +89,9 @@ def main() -> int:
     p = cfg.parallel
     local_batch = global_batch_of(cfg) // p.dp  # each dp replica's rows (dataset_strategy ((dp, 1),))
     tokens = Tensor(np.zeros((local_batch, cfg.data.seq_len + 1), np.int32))
-    print(f"rank {rank}/{devices}: dp {p.dp} x tp {p.tp} x pp {p.pp}, {sum(applied.values())} primitives laid out; "
-          f"compiling tokens {tuple(tokens.shape)}", flush=True)
+    print(f"rank {rank}/{devices}: dp {p.dp} x tp {p.tp} x pp {p.pp}, {sum(applied.values())} primitives laid out, "
+          f"{'FlashAttentionScore' if flash else 'softmax'} attention; compiling tokens {tuple(tokens.shape)}",
+          flush=True)
     start = time.perf_counter()
     wrapped.compile(tokens)
     print(f"rank {rank}: compiled in {time.perf_counter() - start:.1f} s; strategy file {strategy}", flush=True)

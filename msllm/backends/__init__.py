@@ -24,7 +24,8 @@ class Specialisation:
     recompute: str
     lora_rank: int        # > 0: base weights frozen, adapters on lora.targets (msllm/lora.py)
     packed: bool          # SFT rows: per-sample positions and attention masks as inputs
-    flash: bool           # attention by blocks of keys from visibility indices (train.attention)
+    flash: bool           # attention by blocks of keys (train.attention): CPU's kernel over visibility
+                          # indices, Ascend's FlashAttentionScore
 
 
 # From this many tokens `train.attention: auto` takes the flash core on CPU: below it the fused
@@ -69,20 +70,60 @@ def packed_samples(cfg: Config) -> bool:
     return cfg.data.document_attention or is_sft(cfg.data.path)
 
 
-def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
-    """train.attention: flash / softmax as asked; auto: flash on CPU with the fused kernels once the
-    sequence (training: data.seq_len; inference: the model's context) reaches FLASH_MIN_SEQ."""
+def ascend_flash_problem(cfg: Config, packed: bool) -> tuple[str, str] | None:
+    """(key, one-line message) when Ascend's FlashAttentionScore cannot take this config's attention,
+    else None: it takes fp16 / bf16 only and head sizes that are multiples of 16 up to 512; packed
+    samples (`packed`: SFT rows, data.document_attention) would need its actual sequence lengths
+    (TND layout), which msllm does not build."""
+    d = cfg.model.head_size
+    if cfg.train.precision == "fp32":
+        key, why = "train.precision", "takes fp16 / bf16 only (train.precision: fp32)"
+    elif d % 16 or d > 512:
+        key, why = "model.head_dim", f"takes head sizes that are multiples of 16 up to 512 (this model's: {d})"
+    elif packed:
+        key = "data.document_attention" if cfg.data.document_attention else "data.path"
+        why = (f"would need actual sequence lengths (TND layout) for packed samples ({key}), "
+               "which msllm does not build")
+    else:
+        return None
+    return key, f"flash on Ascend is FlashAttentionScore, which {why}; set train.attention: softmax (or auto)"
+
+
+def resolves_to_flash(cfg: Config, device: str, fused: bool, seq: int, packed: bool) -> bool:
+    """train.attention as `device` resolves it (pure: no kernel is built). softmax: never. CPU: flash,
+    or auto from FLASH_MIN_SEQ tokens (`seq`), with the fused kernels. Ascend: flash and auto alike
+    take FlashAttentionScore when it can (ascend_flash_problem), as Ascend LLM training does. Other
+    devices have no flash core."""
     t = cfg.train
-    if t.attention == "softmax" or t.device != "cpu":  # Ascend's FlashAttentionScore is not wired yet
+    if t.attention == "softmax":
         return False
-    if not fused:
-        if t.attention == "flash":
-            from msllm.kernels import KernelBuildError
-            raise KernelBuildError("train.attention: flash needs the fused CPU kernels (g++); "
-                                   "set train.attention: softmax")
+    if device == "ascend":
+        return ascend_flash_problem(cfg, packed) is None
+    if device != "cpu":
+        return False
+    return fused and (t.attention == "flash" or seq >= FLASH_MIN_SEQ)
+
+
+def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
+    """Whether the attention core is a flash one (resolves_to_flash; training reads data.seq_len,
+    inference the model's context). A flash core asked for and unavailable is one line:
+    train.attention: flash without the fused CPU kernels, or what FlashAttentionScore cannot take.
+    Ascend is specialised for training only, so its inference keeps the softmax core."""
+    t = cfg.train
+    packed = training and packed_samples(cfg)
+    if t.attention == "flash" and t.device == "ascend":
+        problem = ascend_flash_problem(cfg, packed)
+        if problem is not None:
+            from msllm.config import ConfigError
+            raise ConfigError("<config>", "train.attention", problem[1])
+    if t.attention == "flash" and t.device == "cpu" and not fused:
+        from msllm.kernels import KernelBuildError
+        raise KernelBuildError("train.attention: flash needs the fused CPU kernels (g++); "
+                               "set train.attention: softmax")
+    if t.device == "ascend" and not training:
         return False
     seq = cfg.data.seq_len if training else cfg.model.max_seq_len
-    return t.attention == "flash" or seq >= FLASH_MIN_SEQ
+    return resolves_to_flash(cfg, t.device, fused, seq, packed)
 
 
 def plan(cfg: Config, training: bool = True) -> Specialisation:
@@ -108,7 +149,7 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
                        per_sample_tables=spec.packed, flash=spec.flash)
     elif spec.device == "ascend" and training:  # generated and checked here; executed only on Ascend
         from msllm.backends import ascend
-        ascend.specialise(model, cfg)
+        ascend.specialise(model, cfg, flash=spec.flash)
     return spec
 
 

@@ -1,7 +1,8 @@
 """Ascend: the Llama layout table (msllm/models/layouts.py) applied through MindSpore 2.10's
 semi-auto parallel, and the Ascend execution profile checked against the config.
 
-    specialise(model, cfg)                       # shardable norm cores, op layouts, pipeline stages
+    specialise(model, cfg, flash)                # FlashAttentionScore per layer, shardable norm cores,
+                                                 # op layouts, pipeline stages
     use_vocab_parallel_loss(causal_lm_loss, cfg) # the loss reduces across vocab shards
     loss_net = micro_batches(loss_cell, cfg)     # Pipeline / GradAccumulation over parallel.micro_batches
     net = parallel_wrapper(train_step, cfg, strategy_file(run_dir, rank))
@@ -9,7 +10,8 @@ semi-auto parallel, and the Ascend execution profile checked against the config.
 Generated here, executed only on Ascend (none was available to this project: tools/dryrun_ascend.sh
 compiles it with MindSpore's simulation for users with CANN). On a stand-alone CPU graph
 Primitive.shard and pipeline_stage are accepted and ignored, which is how the tests check what
-this module produces.
+this module produces. FlashAttentionScore does not run on CPU at all: its Cells are built and
+inspected there, never called.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from mindspore import Layout, Tensor, nn, ops
+from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from msllm.config import Config
 from msllm.models import layouts as L
@@ -64,39 +67,124 @@ class VocabParallelCrossEntropy(nn.Cell):
         return self.mean(self.minus(log_z, target))
 
 
-def mesh(sh: L.Sharding) -> Layout:
-    return Layout(sh.mesh, L.MESH_AXES)
+# ---- FlashAttentionScore -------------------------------------------------------------------------
+
+SPARSE_CAUSAL, SPARSE_BAND = 2, 4   # FlashAttentionScore's leftUpCausal and band sparse modes
+UNBOUNDED = 2**31 - 1               # pre_tokens / next_tokens without a limit (the primitive's default)
 
 
-def ms_layout(device_mesh: Layout, sh: L.Sharding, layout: tuple):
+def flash_form(window: int) -> tuple[int, int, int]:
+    """(sparse_mode, pre_tokens, next_tokens) of FlashAttentionScore for an attention kind's window
+    (msllm.models.llama.visibility): 0, causal: sparse mode 2 (the lower triangle from the top
+    left; pre/next tokens unused). w > 0, causal within the last w keys: band mode 4, query i sees
+    keys i - pre_tokens .. i + next_tokens, so pre_tokens = w - 1 and next_tokens = 0. Both read
+    the compressed [2048, 2048] mask. Training runs s = t, where the top-left and bottom-right
+    corners MindSpore counts the modes from coincide."""
+    if window:
+        return SPARSE_BAND, window - 1, 0
+    return SPARSE_CAUSAL, UNBOUNDED, 0
+
+
+def compressed_causal_mask() -> np.ndarray:
+    """[2048, 2048] uint8, 1 above the diagonal (masked): the table sparse modes 2 / 3 / 4 read."""
+    return np.triu(np.ones((L.COMPRESSED_MASK, L.COMPRESSED_MASK), np.uint8), 1)
+
+
+class CompressedCausalMask(nn.Cell):
+    """Llama.attention_mask for FlashAttentionScore: every attention kind gets the one compressed
+    causal mask; no [s, t] mask is built. Causal order and the window are each layer's sparse mode
+    (flash_form, fixed when specialising); packed samples, whose segments the visibility carries,
+    are refused before this is used (msllm.backends.ascend_flash_problem)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = Tensor(compressed_causal_mask())
+
+    def construct(self, visibility, b: int):
+        return self.table
+
+
+class FlashAttention(nn.Cell):
+    """(out, softmax_max) = FlashAttentionScore(q, k, v): the same call as llama.SoftmaxAttention,
+    whose place it takes. q [b, nh, s, d] already scaled (scale_value 1.0), k / v [b, nkv, t, d] in
+    fp16 / bf16 (the primitive takes nothing else), mask: CompressedCausalMask's table. BNSD layout;
+    GQA is native (nkv divides nh), so K/V are not repeated, except kv_copies > 1: a layout with
+    fewer KV heads than tp (tp_rep = kv_copies) repeats each KV head so that K/V heads are cut
+    exactly as the query heads (layouts.OPS, repeat_kv). `window`: the layer's sliding window
+    (0: none), a compile-time sparse mode (flash_form)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, window: int = 0, kv_copies: int = 1):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.window, self.kv_copies = num_heads, num_kv_heads, window, kv_copies
+        sparse_mode, pre_tokens, next_tokens = flash_form(window)
+        self.flash = FlashAttentionScore(head_num=num_heads, keep_prob=1.0, scale_value=1.0, pre_tokens=pre_tokens,
+                                         next_tokens=next_tokens, input_layout="BNSD", sparse_mode=sparse_mode)
+        if kv_copies > 1:
+            self.repeat_kv = ops.Mul()
+            self.copies = Tensor(np.ones((1, 1, kv_copies, 1, 1), np.float32))
+
+    def repeat(self, x):
+        b, n, t, d = x.shape
+        copies = self.repeat_kv(x.reshape(b, n, 1, t, d), self.copies.astype(x.dtype))  # [b, n, kv_copies, t, d]
+        return copies.reshape(b, n * self.kv_copies, t, d)
+
+    def construct(self, q, k, v, mask):
+        if self.kv_copies > 1:
+            k, v = self.repeat(k), self.repeat(v)
+        softmax_max, _, _, out = self.flash(q, k, v, None, None, None, mask, None, None, None)
+        return out, softmax_max
+
+
+def use_flash_attention(model, cfg: Config) -> int:
+    """Swap every layer's attention core for FlashAttention with that layer's window, and the
+    model's attention_mask for the compressed causal mask. Returns the layers swapped."""
+    sh = L.sharding(cfg.model, cfg.parallel)
+    for i, block in enumerate(model.layers):
+        core = block.attention.core.softmax_attention
+        window = model.windows[model.layer_kind[i]]
+        block.attention.core.softmax_attention = FlashAttention(core.num_heads, core.num_kv_heads, window, sh.tp_rep)
+    model.attention_mask = CompressedCausalMask()
+    return len(model.layers)
+
+
+# ---- layouts -------------------------------------------------------------------------------------
+
+def mesh(sh: L.Sharding, flat: bool = False) -> Layout:
+    """The device mesh (dp, tp_kv, tp_rep), or for `flat` ops (dp, tp): the same ranks in the same order."""
+    return Layout(sh.flat_mesh, L.FLAT_AXES) if flat else Layout(sh.mesh, L.MESH_AXES)
+
+
+def ms_layout(device_mesh: Layout, sh: L.Sharding, layout: tuple, flat: bool = False):
     """A table layout as a MindSpore tensor layout: per dim "None", one mesh axis, or a tuple of them."""
-    return device_mesh(*["None" if not axes else axes[0] if len(axes) == 1 else axes for axes in sh.dims(layout)])
+    dims = sh.dims(layout, flat)
+    return device_mesh(*["None" if not axes else axes[0] if len(axes) == 1 else axes for axes in dims])
 
 
-def _shard(prim, device_mesh, sh, op: L.Op):
-    ins = tuple(ms_layout(device_mesh, sh, layout) for layout in op.inputs)
+def _shard(prim, sh, op: L.Op):
+    device_mesh = mesh(sh, op.flat)
+    ins = tuple(ms_layout(device_mesh, sh, layout, op.flat) for layout in op.inputs)
     out = None
     if op.out is not None and sh.sequence_parallel:
-        out = tuple(ms_layout(device_mesh, sh, layout) for layout in op.out)
+        out = tuple(ms_layout(device_mesh, sh, layout, op.flat) for layout in op.out)
     prim.shard(ins, out)
 
 
-def apply_layout(model, cfg: Config) -> dict[str, int]:
-    """Set every table op's layout on `model`'s primitives and, with pp > 1, each Cell's
-    pipeline_stage. Returns {op path: primitives set}; a required op the model lacks is an error
-    (the table and the model disagree). The norm rows need use_shardable_norms first (specialise)."""
+def apply_layout(model, cfg: Config, flash: bool = False) -> dict[str, int]:
+    """Set every table op's layout on `model`'s primitives (the attention core's rows: the softmax
+    core's, or with `flash` FlashAttentionScore's) and, with pp > 1, each Cell's pipeline_stage.
+    Returns {op path: primitives set}; a required op the model lacks is an error (the table and
+    the model disagree). The norm rows need use_shardable_norms first (specialise)."""
     m, p = cfg.model, cfg.parallel
     sh = L.sharding(m, p)
-    device_mesh = mesh(sh)
     cells = dict(model.cells_and_names())
     applied = {}
-    for op in L.ops_for(m):
+    for op in L.ops_for(m, flash):
         found = [cells[name] for name in cells
                  if fnmatch.fnmatchcase(name, op.cell) and getattr(cells[name], op.prim, None) is not None]
         if not found and not op.optional:
             raise KeyError(f"{op.path}: the model has no such primitive; msllm/models/layouts.py is out of date")
         for cell in found:
-            _shard(getattr(cell, op.prim), device_mesh, sh, op)
+            _shard(getattr(cell, op.prim), sh, op)
         applied[op.path] = len(found)
     if p.pp > 1:
         for name, stage in L.stage_cells(m, p.pp).items():
@@ -120,17 +208,19 @@ def use_vocab_parallel_loss(loss, cfg: Config) -> bool:
     if not sh.vocab_split:
         return False
     loss.cross_entropy = VocabParallelCrossEntropy(cfg.model.vocab_size)
-    device_mesh = mesh(sh)
     for op in L.LOSS_OPS:
-        _shard(getattr(loss.cross_entropy, op.prim), device_mesh, sh, op)
+        _shard(getattr(loss.cross_entropy, op.prim), sh, op)
     return True
 
 
-def specialise(model, cfg: Config) -> dict[str, int]:
-    """Everything Ascend changes on a built Llama for a layout (the seam in msllm.backends calls it)."""
+def specialise(model, cfg: Config, flash: bool = False) -> dict[str, int]:
+    """Everything Ascend changes on a built Llama for a layout (the seam in msllm.backends calls it,
+    with flash = msllm.backends.uses_flash: train.attention as Ascend resolves it)."""
     execution_profile(cfg)
+    if flash:
+        use_flash_attention(model, cfg)
     use_shardable_norms(model)
-    return apply_layout(model, cfg)
+    return apply_layout(model, cfg, flash)
 
 
 def micro_batches(loss_net, cfg: Config):

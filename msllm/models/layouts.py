@@ -13,7 +13,13 @@ The table is data, a placement per tensor, so it can move to DTensor-style place
 The mesh: tp = tp_kv x tp_rep. tp_kv splits the KV heads; when a model has fewer KV heads than
 tp (GQA), each KV head is held by tp_rep = tp / num_kv_heads ranks: those serving the query
 heads of its group. Rank order within a stage is (dp, tp_kv, tp_rep), tp innermost, so a tp
-group is adjacent devices (one node).
+group is adjacent devices (one node). Ops marked `flat` are laid out over the flat mesh (dp, tp)
+instead: the same ranks in the same order, tp = tp_kv x tp_rep as one axis (Ascend's
+FlashAttentionScore maps each dim of its query to one mesh axis).
+
+The attention core has two formulations with their own rows (`Op.core`): the softmax core's
+BatchMatMuls and softmax, and Ascend's FlashAttentionScore (msllm.backends.ascend); `ops_for(m,
+flash)` picks one, the checker checks both.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 from msllm.config import ModelConfig, ParallelConfig
 
 MESH_AXES = ("dp", "tp_kv", "tp_rep")
+FLAT_AXES = ("dp", "tp")
 
 # Split names, what they split, and over which mesh axes (see Sharding.axes):
 #   batch      sequences: rows of the [b*s, h] stream, token ids            dp
@@ -30,6 +37,7 @@ MESH_AXES = ("dp", "tp_kv", "tp_rep")
 #   heads      query heads (q projection outputs, o projection inputs)       tp
 #   kv         key / value heads                                             tp_kv
 #   group      query rows of one KV head's group, [b, kv, rep*s, d] view     tp_rep
+#   copies     copies of a KV head, one per rank of its group (flash, kv < tp) tp_rep
 #   head_rows  rows of the per-head [b*heads*s, d] view (RoPE)               dp x tp
 #   ffn        MLP hidden features                                           tp
 #   vocab      vocabulary rows                                               tp, or nothing (replicated,
@@ -73,6 +81,8 @@ class Op:
     out: tuple | None = None
     when: str | None = None   # a CONDITIONS key
     optional: bool = False    # held only by some formulations of the Cell (applied when present)
+    core: str | None = None   # "softmax" / "flash": a row of that attention core only (ops_for)
+    flat: bool = False        # laid out over the flat (dp, tp) mesh (FLAT_AXES), not (dp, tp_kv, tp_rep)
 
     @property
     def path(self) -> str:
@@ -115,11 +125,21 @@ OPS = _NORM_OPS + (
     # q is viewed [b, kv, rep*s, d] so one BatchMatMul serves a KV head's group. A hand-written
     # backward (when present) reuses them and adds pt_x (dv, dk), whose contraction over the
     # group's rows is cut by tp_rep: those partial sums are all-reduced.
-    Op(_ATTN, "qk", (("batch", "kv", "group", None), ("batch", "kv", None, None))),
-    Op(_ATTN, "pv", (("batch", "kv", "group", None), ("batch", "kv", None, None))),
-    Op(_ATTN, "pt_x", (("batch", "kv", "group", None), ("batch", "kv", "group", None)), optional=True),
-    Op(_ATTN, "softmax", (("batch", "heads", None, None),), when="mha"),           # [b, h, s, t]
-    Op(_ATTN, "softmax", (("batch", "kv", "group", None, None),), when="gqa"),     # [b, kv, rep, s, t]
+    Op(_ATTN, "qk", (("batch", "kv", "group", None), ("batch", "kv", None, None)), core="softmax"),
+    Op(_ATTN, "pv", (("batch", "kv", "group", None), ("batch", "kv", None, None)), core="softmax"),
+    Op(_ATTN, "pt_x", (("batch", "kv", "group", None), ("batch", "kv", "group", None)), optional=True,
+       core="softmax"),
+    Op(_ATTN, "softmax", (("batch", "heads", None, None),), when="mha", core="softmax"),        # [b, h, s, t]
+    Op(_ATTN, "softmax", (("batch", "kv", "group", None, None),), when="gqa", core="softmax"),  # [b, kv, rep, s, t]
+    # Ascend's FlashAttentionScore in its place (BNSD): q [b, nh, s, d], k and v [b, kv', s, d], the
+    # compressed [2048, 2048] causal mask whole. MindSpore cuts K/V heads exactly as the query heads
+    # and never the keys' sequence, so with kv < tp each KV head is first repeated tp_rep times
+    # (repeat_kv, a broadcasting Mul by ones: [b, kv, 1, s, d] x [1, 1, tp_rep, 1, 1]), each rank
+    # computing only the copy of its own KV head (kv' = kv x tp_rep = tp); the copies' gradients
+    # are summed over tp_rep in backward. Batch over dp, heads over tp, one mesh axis per dim (flat).
+    Op(_ATTN, "repeat_kv", (("batch", "kv", None, None, None), (None, None, "copies", None, None)),
+       optional=True, core="flash"),
+    Op(_ATTN, "flash", (("batch", "heads", None, None),) * 3 + ((None, None),), core="flash", flat=True),
     Op("layers.*.attention.wo", "matmul", (("batch", "heads"), (None, "heads")), out=_ROW_OUT),
     Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None))),
     Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None))),
@@ -164,28 +184,35 @@ class Sharding:
     def mesh(self) -> tuple[int, int, int]:
         return (self.dp, self.tp_kv, self.tp_rep)
 
-    def axes(self, name: str | None) -> tuple[str, ...]:
+    @property
+    def flat_mesh(self) -> tuple[int, int]:
+        return (self.dp, self.tp)
+
+    def axes(self, name: str | None, flat: bool = False) -> tuple[str, ...]:
+        """Mesh axes a split name cuts over; flat: over (dp, tp), where only whole-tp splits exist."""
+        if flat:
+            return {None: (), "batch": ("dp",), "heads": ("tp",)}[name]
         tp = ("tp_kv", "tp_rep")
         return {
             None: (), "batch": ("dp",), "tokens": ("dp",) + tp if self.sequence_parallel else ("dp",),
-            "heads": tp, "kv": ("tp_kv",), "group": ("tp_rep",), "head_rows": ("dp",) + tp,
-            "ffn": tp, "vocab": tp if self.vocab_split else (),
+            "heads": tp, "kv": ("tp_kv",), "group": ("tp_rep",), "copies": ("tp_rep",),
+            "head_rows": ("dp",) + tp, "ffn": tp, "vocab": tp if self.vocab_split else (),
         }[name]
 
     def ways(self, axes: tuple[str, ...]) -> int:
-        sizes = dict(zip(MESH_AXES, self.mesh))
+        sizes = {**dict(zip(MESH_AXES, self.mesh)), "tp": self.tp}
         out = 1
         for a in axes:
             out *= sizes[a]
         return out
 
-    def dims(self, layout: tuple) -> tuple[tuple[str, ...], ...]:
+    def dims(self, layout: tuple, flat: bool = False) -> tuple[tuple[str, ...], ...]:
         """Split names -> mesh axes per dim."""
-        return tuple(self.axes(name) for name in layout)
+        return tuple(self.axes(name, flat) for name in layout)
 
-    def strategy(self, layout: tuple) -> tuple[int, ...]:
+    def strategy(self, layout: tuple, flat: bool = False) -> tuple[int, ...]:
         """Split names -> how many ways each dim is cut (a MindSpore in_strategy tuple)."""
-        return tuple(self.ways(axes) for axes in self.dims(layout))
+        return tuple(self.ways(axes) for axes in self.dims(layout, flat))
 
 
 def sharding(m: ModelConfig, p: ParallelConfig) -> Sharding:
@@ -247,14 +274,19 @@ def shard_shape(shape: tuple[int, ...], layout: tuple, sh: Sharding) -> tuple[in
     return tuple(n // k for n, k in zip(shape, sh.strategy(layout), strict=True))
 
 
-def shard_slices(shape: tuple[int, ...], layout: tuple, sh: Sharding, rank: dict[str, int]) -> tuple[slice, ...]:
+def shard_slices(shape: tuple[int, ...], layout: tuple, sh: Sharding, rank: dict[str, int],
+                 flat: bool = False) -> tuple[slice, ...]:
     """Index of the slice held by the rank at mesh coordinates `rank` ({"dp": i, "tp_kv": j, "tp_rep": k}).
 
     A dim split over several axes is cut in their order, the first outermost (MindSpore's
-    tensor_map and DTensor agree on this)."""
+    tensor_map and DTensor agree on this). flat: a layout over (dp, tp), where the rank's tp
+    coordinate is j x tp_rep + k (the same rank order)."""
     sizes = dict(zip(MESH_AXES, sh.mesh))
+    if flat:
+        sizes = dict(zip(FLAT_AXES, sh.flat_mesh))
+        rank = {"dp": rank.get("dp", 0), "tp": rank.get("tp_kv", 0) * sh.tp_rep + rank.get("tp_rep", 0)}
     out = []
-    for n, axes in zip(shape, sh.dims(layout), strict=True):
+    for n, axes in zip(shape, sh.dims(layout, flat), strict=True):
         chunk, ways = 0, 1
         for a in axes:
             chunk, ways = chunk * sizes[a] + rank.get(a, 0), ways * sizes[a]
@@ -265,18 +297,31 @@ def shard_slices(shape: tuple[int, ...], layout: tuple, sh: Sharding, rank: dict
 
 # ---- ops ----------------------------------------------------------------------------------------
 
-def ops_for(m: ModelConfig) -> list[Op]:
+# FlashAttentionScore's optimised causal mask for its sparse modes 2, 3 and 4: always [2048, 2048]
+COMPRESSED_MASK = 2048
+
+
+def ops_for(m: ModelConfig, flash: bool = False) -> list[Op]:
+    """The table's rows for model m with the softmax attention core, or (flash) Ascend's FlashAttentionScore."""
+    core = "flash" if flash else "softmax"
+    return [op for op in OPS if (op.when is None or CONDITIONS[op.when](m)) and op.core in (None, core)]
+
+
+def table_ops(m: ModelConfig) -> list[Op]:
+    """Every row of model m, both attention cores (what the checker checks)."""
     return [op for op in OPS if op.when is None or CONDITIONS[op.when](m)]
 
 
-def op_input_shapes(m: ModelConfig, batch: int, seq: int) -> dict[str, list[tuple[int, ...]]]:
+def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """The shapes each op's inputs have in a micro-batch of `batch` sequences of `seq` tokens
-    (the global shapes: semi-auto parallel describes the whole computation, layouts cut it)."""
+    (the global shapes: semi-auto parallel describes the whole computation, layouts cut it), both
+    attention cores. kv_copies: how many times flash attention repeats each KV head (the layout's tp_rep)."""
     b, s, h, d, f, v = batch, seq, m.hidden_size, m.head_size, m.ffn_size, m.vocab_size
     nh, kv = m.num_heads, m.num_kv_heads
     n, rep = b * s, nh // kv
     a = "layers.*.attention."
     c = _ATTN + "."
+    kv_in = kv * kv_copies
     shapes = {
         "tok_embeddings.gather": [(v, h), (n,)],
         a + "wq.matmul": [(n, h), (nh * d, h)],
@@ -287,6 +332,8 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int) -> dict[str, list[tupl
         c + "pv": [(b, kv, rep * s, s), (b, kv, s, d)],
         c + "pt_x": [(b, kv, rep * s, s), (b, kv, rep * s, d)],
         c + "softmax": [(b, nh, s, s)] if rep == 1 else [(b, kv, rep, s, s)],
+        c + "repeat_kv": [(b, kv, 1, s, d), (1, 1, kv_copies, 1, 1)],
+        c + "flash": [(b, nh, s, d), (b, kv_in, s, d), (b, kv_in, s, d), (COMPRESSED_MASK, COMPRESSED_MASK)],
         a + "wo.matmul": [(n, nh * d), (h, nh * d)],
         "layers.*.feed_forward.w1.matmul": [(n, h), (f, h)],
         "layers.*.feed_forward.w3.matmul": [(n, h), (f, h)],
@@ -298,7 +345,7 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int) -> dict[str, list[tupl
     for op in _NORM_OPS:
         shapes[op.path] = {"square": [(n, h)], "mean": [(n, h)], "add": [(n, 1), (1, 1)], "rsqrt": [(n, 1)],
                            "scale": [(n, h), (n, 1)], "weigh": [(n, h), (h,)]}[op.prim]
-    return {op.path: shapes[op.path] for op in ops_for(m)}
+    return {op.path: shapes[op.path] for op in table_ops(m)}
 
 
 # Which input dims each matmul contracts: (dim of input 0, dim of input 1). Both must be cut alike.
@@ -312,11 +359,32 @@ def _contraction(op: Op) -> tuple[int, int] | None:
     return _CONTRACTS.get(op.prim)
 
 
+def _flash_problems(op: Op, sh: Sharding, shapes: list[tuple[int, ...]]) -> list[str]:
+    """FlashAttentionScore's own rules (BNSD; MindSpore 2.10's parallel implementation checks them):
+    one mesh axis per dim, K and V cut alike, batch and heads of q and K/V cut alike (the KV
+    heads exactly as the query heads), the keys' sequence and the compressed mask whole, and
+    the KV heads a divisor of the query heads."""
+    q, k, v, mask = (sh.dims(layout, op.flat) for layout in op.inputs)
+    out = []
+    if any(len(axes) > 1 for axes in q):
+        out.append(f"{op.path}: each dim of q may map to one mesh axis only")
+    if k != v:
+        out.append(f"{op.path}: k and v cut differently")
+    if q[:2] != k[:2]:
+        out.append(f"{op.path}: batch and heads of q and k/v must be cut alike")
+    if k[2] or any(mask):
+        out.append(f"{op.path}: the keys' sequence and the compressed mask are never cut")
+    if shapes[0][1] % shapes[1][1]:
+        out.append(f"{op.path}: {shapes[1][1]} KV heads do not divide {shapes[0][1]} query heads")
+    return out
+
+
 def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int) -> list[str]:
-    """Each op's layout against its input shapes: rank, divisibility, and contraction dims cut alike."""
+    """Each op's layout against its input shapes (both attention cores): rank, divisibility,
+    contraction dims cut alike, and FlashAttentionScore's own rules."""
     problems = []
-    shapes = op_input_shapes(m, batch, seq)
-    for op in ops_for(m):
+    shapes = op_input_shapes(m, batch, seq, sh.tp_rep)
+    for op in table_ops(m):
         ins = shapes[op.path]
         if len(ins) != len(op.inputs):
             problems.append(f"{op.path}: {len(op.inputs)} input layouts for {len(ins)} inputs")
@@ -325,7 +393,7 @@ def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int) -> lis
             if len(shape) != len(layout):
                 problems.append(f"{op.path}: input {i} layout has {len(layout)} dims, the tensor {len(shape)}")
                 continue
-            for dim, (n, k) in enumerate(zip(shape, sh.strategy(layout))):
+            for dim, (n, k) in enumerate(zip(shape, sh.strategy(layout, op.flat))):
                 if n % k:
                     problems.append(f"{op.path}: input {i} dim {dim} of size {n} cannot be cut {k} ways")
         pair = _contraction(op)
@@ -336,15 +404,18 @@ def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int) -> lis
         if op.prim in ("qk", "pv", "pt_x"):  # BatchMatMul: the batch dims [b, kv] must be cut alike
             if sh.dims(op.inputs[0])[:2] != sh.dims(op.inputs[1])[:2]:
                 problems.append(f"{op.path}: batch dims cut differently")
+        if op.prim == "flash":
+            problems += _flash_problems(op, sh, ins)
     return problems
 
 
-def op_strategies(m: ModelConfig, sh: Sharding) -> dict[str, dict]:
-    """{op path: {"in": per-input strategy tuples, "out": output strategies or None}} for model m."""
+def op_strategies(m: ModelConfig, sh: Sharding, flash: bool = False) -> dict[str, dict]:
+    """{op path: {"in": per-input strategy tuples, "out": output strategies or None}} for model m
+    with the softmax attention core, or (flash) FlashAttentionScore."""
     out = {}
-    for op in ops_for(m):
+    for op in ops_for(m, flash):
         sp_out = op.out if (op.out is not None and sh.sequence_parallel) else None
-        out[op.path] = {"in": tuple(sh.strategy(layout) for layout in op.inputs),
+        out[op.path] = {"in": tuple(sh.strategy(layout, op.flat) for layout in op.inputs),
                         "out": None if sp_out is None else tuple(sh.strategy(layout) for layout in sp_out)}
     return out
 
