@@ -307,7 +307,7 @@ def cmd_plan(args) -> int:
     device = args.device or {"ascend": "910b", "gpu": "h100", "cpu": "cpu"}[cfg.train.device]
     memory = plan.parse_bytes(args.device_mem) if args.device_mem else None
     return plan.run(cfg, args.config, args.devices, device, memory, args.global_batch, args.seq_len,
-                    check=args.check, top=args.top, flash=args.flash,
+                    check=args.check, top=args.top,
                     err=lambda line: print(line, file=sys.stderr), given=args.set)
 
 
@@ -531,7 +531,6 @@ def build_parser() -> Parser:
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (default: train.batch_size x accum_steps x parallel.dp)")
     p.add_argument("--check", action="store_true", help="validate the config's parallel section for --devices")
-    p.add_argument("--flash", action="store_true", help="activations as with a fused flash-attention kernel")
     p.add_argument("--top", type=int_at_least(1), default=10, help="layouts shown")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     p.set_defaults(func=cmd_plan)

@@ -109,11 +109,32 @@ def test_activations_follow_korthikanti_closed_forms(t, sp):
     linear = s * b * h * (8 / sp_div + 8 / t + 6 * f / (h * t))
     assert act("none") == pytest.approx(linear + 4 * a * s * s * b / t)
     assert act("none", flash=True) == pytest.approx(linear + 4 * a * s * b / t)
+    # FlashAttentionScore keeps softmax_max and softmax_sum, [b, a, s, 8] fp32 each, not one log-sum-exp
+    assert P.layer_activations(m, sh, b, s, 2, "none", True, 64) == pytest.approx(linear + 64 * a * s * b / t)
     assert act("selective") == pytest.approx(s * b * h * (8 / sp_div + 8 / t))
     assert act("full") == pytest.approx(2 * s * b * h / sp_div)
     if sp:
         assert act("none") == pytest.approx(P.layer_activations(m, L.sharding(m, ParallelConfig()), b, s, 2, "none",
                                                                 False) / t)
+
+
+def test_the_attention_core_counted_is_the_one_train_attention_resolves_to():
+    """No --flash: on 910b (Ascend) auto and flash count FlashAttentionScore whenever it takes the
+    config (16-bit compute here), softmax the [s, t] probabilities; cpu as auto picks there (from
+    1,024 tokens); h100 has no flash core in msllm."""
+    def est(device, *sets):
+        cfg = P.with_layout(load_config(LLAMA2, list(sets)), ParallelConfig(), global_batch=8)
+        return P.uses_flash(cfg, P.DEVICES[device]), P.estimate(cfg, device=device)
+
+    for sets, flash in ((["train.precision=bf16"], True), (["train.precision=bf16", "train.attention=flash"], True),
+                        (["train.precision=bf16", "train.attention=softmax"], False), ([], False)):
+        resolved, e = est("910b", *sets)
+        assert resolved == flash, sets
+        assert e["activations"] == e["activations_by_recompute"]["none", flash], sets
+    assert est("910b", "train.precision=bf16")[1]["total"] < est("910b", "train.precision=bf16",
+                                                                "train.attention=softmax")[1]["total"]
+    assert est("cpu", "data.seq_len=512")[0] is False and est("cpu", "data.seq_len=2048")[0] is True
+    assert est("h100", "train.precision=bf16")[0] is False
 
 
 def test_pipeline_keeps_in_flight_micro_batches_on_the_first_stage():
@@ -205,6 +226,17 @@ def test_plan_prints_layouts_and_set_overrides_that_train_the_planned_layout(cap
     e = P.estimate(cfg, device="910b")
     assert e["total"] <= 0.9 * 64 * 2 ** 30
     assert f"{e['time']['step']:.2f} s/step" in out
+
+
+def test_plan_says_which_attention_core_it_counts_and_has_no_flash_option(capsys):
+    args = ("--config", str(LLAMA2), "--devices", "8", "--global-batch", "64", "--set", "train.precision=bf16")
+    code, out, _ = plan_cli(capsys, *args)
+    assert code == 0 and "by estimated step time (flash attention):" in out
+    code, out, _ = plan_cli(capsys, *args, "--set", "train.attention=softmax")
+    assert code == 0 and "by estimated step time:" in out
+    with pytest.raises(SystemExit) as exited:
+        plan_cli(capsys, *args, "--flash")
+    assert exited.value.code == 2 and "unrecognized arguments: --flash" in capsys.readouterr().err
 
 
 def test_plan_overrides_replace_the_plans_own_layout_keys(capsys, tmp_path):

@@ -14,7 +14,8 @@ Analytic (pure Python, instant). The model, per device, for the busiest pipeline
                                          layer_activations); times the layers on the stage, times the
                                          micro-batches in flight (1F1B: pp - stage), plus the one
                                          layer rebuilt in backward under recompute, plus fp32 logits
-                                         on the last stage.
+                                         on the last stage. The attention core is the one
+                                         train.attention resolves to on the device (uses_flash).
   communication                          ring all-reduce sends 2 (g-1)/g of the buffer per device:
                                          DP gradients once per step (fp32: MindSpore's
                                          gradient_fp32_sync), TP 4 all-reduces per layer and
@@ -66,17 +67,19 @@ class Device:
     efficiency: float   # fraction of peak_flops the matmuls are assumed to reach
     runtime: float = 0.0  # bytes a process holds before any model (counted only where USABLE does not cover it)
     host: bool = False    # a device is one host process: count what MindSpore's CPU step holds (cpu_workspace)
+    backend: str = "ascend"  # the train.device whose attention core the plan counts (uses_flash)
+    flash_stats: int = 4     # bytes per head and query row a flash core keeps for backward (layer_activations)
 
 
 # Vendor datasheet figures (16-bit dense), not measured here; cpu is this project's 2-core CI
 # machine (the fp32 GEMM rate torch reaches, as train.peak_flops' default), one process per host.
 DEVICES = {
-    "910b": Device("910b", 2.8e14, 64 * GB, 1.6e12, 1.96e11, 2.5e10, 8, 0.5),   # HCCS; 200 Gb/s RoCE
-    "h100": Device("h100", 9.89e14, 80 * GB, 3.35e12, 4.5e11, 5.0e10, 8, 0.5),  # NVLink 4; 400 Gb/s IB
+    "910b": Device("910b", 2.8e14, 64 * GB, 1.6e12, 1.96e11, 2.5e10, 8, 0.5, flash_stats=64),  # HCCS; 200 Gb/s RoCE
+    "h100": Device("h100", 9.89e14, 80 * GB, 3.35e12, 4.5e11, 5.0e10, 8, 0.5, backend="gpu"),  # NVLink 4; 400 Gb/s IB
     # runtime: the RSS of a process that imported MindSpore 2.10, set the CPU context and compiled and
     # ran a trivial graph (Python, MindSpore's libraries, its runtime and thread pools); measured by
     # tools/bench_plan_memory.py, the same alone and as an msrun worker.
-    "cpu": Device("cpu", 3.8e11, 16 * GB, 2.0e10, 5.0e9, 5.0e9, 1, 1.0, runtime=0.5 * GB, host=True),
+    "cpu": Device("cpu", 3.8e11, 16 * GB, 2.0e10, 5.0e9, 5.0e9, 1, 1.0, runtime=0.5 * GB, host=True, backend="cpu"),
 }
 STATE_BYTES = {"fp32": (4, 4, 8), "fp16": (2, 2, 12), "bf16": (2, 2, 12)}  # weights, grads, optimizer per parameter
 RECOMPUTE = ("none", "selective", "full")
@@ -96,7 +99,8 @@ def parse_bytes(text: str) -> float:
 
 # ---- memory ----------------------------------------------------------------------------------------
 
-def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, recompute: str, flash: bool) -> float:
+def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, recompute: str, flash: bool,
+                      flash_stats: int = 4) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch of `batch` sequences, on one device.
 
     Per token (t = tp, sp = t under sequence parallel else 1, e = act_bytes, a = heads):
@@ -104,7 +108,9 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
       attention   (2h/t + 2 kv_local d) e   q and the output projection's input; k and v
       mlp         3f e / t       gate, up and their SwiGLU product
       scores      4 a s / t      fp32 softmax probabilities (msllm keeps the softmax in fp32);
-                                 a fused flash-attention kernel keeps 4 a / t (log-sum-exp) instead
+                                 a flash-attention core keeps its row statistics instead,
+                                 flash_stats a / t: 4 for a log-sum-exp (msllm's CPU kernel), 64 for
+                                 FlashAttentionScore's softmax_max and softmax_sum ([b, n, s, 8] fp32)
     none = all four; selective (msllm's: attention core and MLP recomputed) = norms + attention;
     full = the layer input, h e / sp. Korthikanti et al.'s GPT count differs in its terms (dropout
     masks, GeLU MLP, fp16 softmax) but not in the structure: with sequence parallel every term is / t,
@@ -121,7 +127,7 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
     if recompute == "selective":
         return tokens * (norms + attention)
     mlp = 3 * m.ffn_size * act_bytes / t
-    scores = 4 * m.num_heads / t * (1 if flash else seq)
+    scores = m.num_heads / t * (flash_stats if flash else 4 * seq)
     return tokens * (norms + attention + mlp + scores)
 
 
@@ -181,16 +187,31 @@ def with_layout(cfg: Config, p: ParallelConfig, recompute: str | None = None, gl
     return dataclasses.replace(cfg, parallel=p, train=train, data=data)
 
 
-def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | Device = "910b", flash: bool = False,
-             params_per_stage=None) -> dict:
+def uses_flash(cfg: Config, dev: Device, seq: int | None = None) -> bool:
+    """Whether the planned step runs a flash attention core: train.attention as the device's backend
+    resolves it (msllm.backends.resolves_to_flash) at `seq` tokens (default data.seq_len). Ascend
+    (910b): auto and flash alike, when FlashAttentionScore takes the config (fp16 / bf16, head
+    sizes multiples of 16, no packed samples); softmax never. CPU: as train.attention: auto picks there."""
+    from msllm import backends
+
+    seq = cfg.data.seq_len if seq is None else seq
+    return backends.resolves_to_flash(cfg, dev.backend, cfg.train.fused_kernels != "off", seq,
+                                      backends.packed_samples(cfg))
+
+
+def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | Device = "910b",
+             flash: bool | None = None, params_per_stage=None) -> dict:
     """Per-device memory (bytes), per-step communication (bytes sent per device) and time (s) of
     cfg laid out as `layout` (default cfg.parallel) with cfg.train.recompute, for the busiest
-    pipeline stage. Keys: runtime, weights, grads, optimizer, activations, workspace, total, stage, params,
+    pipeline stage; flash: count a flash attention core's activations (None: uses_flash). Keys:
+    runtime, weights, grads, optimizer, activations, workspace, total, stage, params,
     optimizer_by_zero1, activations_by_recompute[(recompute, flash)], comm, time, bubble,
     tokens_per_s_per_device, mfu."""
     if layout is not None:
         cfg = dataclasses.replace(cfg, parallel=layout)
     dev = DEVICES[device] if isinstance(device, str) else device
+    if flash is None:
+        flash = uses_flash(cfg, dev)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sh = L.sharding(m, p)
     seq, batch = cfg.data.seq_len, global_batch_of(cfg)
@@ -203,8 +224,8 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
 
     def activations(stage: int, recompute: str, with_flash: bool) -> float:
         in_flight = min(p.pp - stage, p.micro_batches)
-        per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash)
-        full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash)
+        per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash, dev.flash_stats)
+        full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash, dev.flash_stats)
         rebuilt = full_layer - per_layer  # one layer's dropped activations, rebuilt during its backward
         logits = 2 * 4 * tokens * m.vocab_size / (p.tp if sh.vocab_split else 1) if stage == p.pp - 1 else 0.0
         return layers[stage] * per_layer * in_flight + rebuilt + logits
@@ -307,8 +328,10 @@ def candidates(cfg: Config, devices: int, global_batch: int, seq_len: int, devic
 
 
 def plan(cfg: Config, devices: int, device: Device, memory: float, global_batch: int, seq_len: int,
-         flash: bool = False) -> tuple[list[Candidate], list[Candidate]]:
-    """(fitting candidates best first, all valid candidates)."""
+         flash: bool | None = None) -> tuple[list[Candidate], list[Candidate]]:
+    """(fitting candidates best first, all valid candidates); flash: None, as uses_flash resolves it."""
+    if flash is None:
+        flash = uses_flash(cfg, device, seq_len)
     every = list(candidates(cfg, devices, global_batch, seq_len, device, flash))
     fits = sorted((c for c in every if c.est["total"] <= USABLE * memory), key=lambda c: c.key)
     return fits, every
@@ -373,9 +396,10 @@ def overrides(c: Candidate, cfg: Config, given: typing.Sequence[str] = ()) -> li
 
 def run(cfg: Config, source: str, devices: int, device: str, memory: float | None = None,
         global_batch: int | None = None, seq_len: int | None = None, check: bool = False, top: int = 10,
-        flash: bool = False, out=print, err=print, given: typing.Sequence[str] = ()) -> int:
+        out=print, err=print, given: typing.Sequence[str] = ()) -> int:
     """msllm plan: 0 = printed a plan (or --check passed), 1 = nothing fits; bad input raises (exit 2).
-    `given`: the --set overrides cfg was loaded with (repeated in the printed overrides)."""
+    `given`: the --set overrides cfg was loaded with (repeated in the printed overrides). The
+    attention core counted is the one train.attention resolves to on the device (uses_flash)."""
     from msllm.parallel.check import check_execution, check_parallel
 
     if device not in DEVICES:
@@ -391,6 +415,7 @@ def run(cfg: Config, source: str, devices: int, device: str, memory: float | Non
         raise PlanError("--global-batch: must be >= 1")
     batch = global_batch_of(cfg) if global_batch is None else global_batch
     mem_text = f"{memory / GB:.0f} GB"
+    flash = uses_flash(cfg, dev, seq)
 
     if check:
         laid = with_layout(cfg, cfg.parallel, global_batch=global_batch, seq_len=seq_len)
