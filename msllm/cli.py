@@ -116,6 +116,7 @@ def removed_on_failure(folder: Path):
 
 
 def cmd_launch(args) -> int:
+    from msllm.parallel.check import data_replicas
     from msllm.parallel.launch import Layout, launch
 
     rest = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
@@ -127,10 +128,8 @@ def cmd_launch(args) -> int:
     train_args = build_parser().commands["train"].parse_args(rest[1:])
     train_args.command, train_args.verbose = "train", args.verbose
     cfg = train_config(train_args)  # a bad config fails here, once, before any worker starts
-    if cfg.parallel.dp not in (1, layout.world):
-        raise ConfigError("--set" if any(s.startswith("parallel.dp=") for s in train_args.set) else "config",
-                          "parallel.dp", f"is {cfg.parallel.dp} but this launch starts {layout.world} workers; "
-                          f"set it to {layout.world} or leave it at 1 (data parallel over all workers)")
+    data_replicas(cfg, layout.world, "--set" if any(s.startswith(("parallel.dp=", "parallel.cp=")) for s in train_args.set)
+                  else "config")
     run_dir = Path(cfg.train.run_dir)
     log_dir = run_dir / "logs"
     verbose = ["--verbose"] if args.verbose else []

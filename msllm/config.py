@@ -182,6 +182,8 @@ class ParallelConfig:
     """
     dp: int = 1                       # data-parallel replicas
     tp: int = 1                       # tensor-parallel group: heads, ffn and vocab split over it
+    cp: int = 1                       # context parallel: each sequence split over cp ranks (zig-zag chunks;
+                                      # CPU over msrun: workers = dp x cp; docs/long-context.md)
     pp: int = 1                       # pipeline stages (layers split by stage)
     micro_batches: int = 1            # pipeline micro-batches per step (>= pp)
     optimizer_shard: bool = False     # ZeRO-1: Adam states (and fp32 master) split over dp

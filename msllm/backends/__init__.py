@@ -1,7 +1,8 @@
 """The one seam where a plain model is specialised: for its device, for memory, for a layout.
 
     model = build_model(cfg.model)            # plain maths (msllm/models/llama.py)
-    plan = specialise(model, cfg)             # LoRA, CPU formulations / fused kernels, block graph, recompute
+    plan = specialise(model, cfg)             # LoRA, CPU formulations / fused kernels, block graph, recompute,
+                                              # context parallel
     model = specialise(model, cfg, training=False)   # the same weights, ready for generation
 
 Everything device-specific is decided here from the config and applied to the built model; the
@@ -26,6 +27,7 @@ class Specialisation:
     packed: bool          # SFT rows: per-sample positions and attention masks as inputs
     flash: bool           # attention by blocks of keys (train.attention): CPU's kernel over visibility
                           # indices, Ascend's FlashAttentionScore
+    cp: int = 1           # context parallel: each sequence split over this many ranks (msllm/parallel/cp.py)
 
 
 # From this many tokens `train.attention: auto` takes the flash core on CPU: below it the fused
@@ -132,7 +134,8 @@ def plan(cfg: Config, training: bool = True) -> Specialisation:
     t = cfg.train
     fused = t.device == "cpu" and kernels.enabled(t.fused_kernels)
     return Specialisation(t.device, fused, training and shares_block_graph(cfg), t.recompute if training else "none",
-                          cfg.lora.rank, training and packed_samples(cfg), uses_flash(cfg, fused, training))
+                          cfg.lora.rank, training and packed_samples(cfg), uses_flash(cfg, fused, training),
+                          cfg.parallel.cp if training else 1)
 
 
 def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
@@ -150,6 +153,9 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
     elif spec.device == "ascend" and training:  # generated and checked here; executed only on Ascend
         from msllm.backends import ascend
         ascend.specialise(model, cfg, flash=spec.flash)
+    if spec.device == "cpu":  # sequences split over the cp group (training), or whole again
+        from msllm.parallel import cp
+        cp.specialise(model, cfg, training)
     return spec
 
 

@@ -208,6 +208,30 @@ class AdditiveMask(nn.Cell):
         return ops.broadcast_to(mask.reshape((-1,) + (1,) * (len(shape) - 3) + (s, t)), shape)
 
 
+class WholeSequence(nn.Cell):
+    """Token-aligned inputs [.., s] -> the tokens this process computes: all of them. Context parallel
+    (msllm.parallel.cp, through msllm.backends) swaps in its rank's chunks of the sequence."""
+
+    def construct(self, x):
+        return x
+
+
+class OwnKeys(nn.Cell):
+    """Keys and values [b, nkv, q, d] of the tokens this process computes -> those of the whole
+    sequence: the same, when the process holds all of it (context parallel swaps in an exchange)."""
+
+    def construct(self, k, v):
+        return k, v
+
+
+class OneRankMean(nn.Cell):
+    """A scalar -> its mean over the processes that share one sequence: itself, unless context parallel
+    splits the sequence (then the loss of each rank's tokens is averaged over the cp group)."""
+
+    def construct(self, x):
+        return x
+
+
 class Rope(nn.Cell):
     """A q or k projection [b*s, n*d] -> heads [b, n, s, d] with rotate-half RoPE applied.
 
@@ -291,8 +315,8 @@ class Attention(nn.Cell):
     """x [b*s, h] -> (out [b*s, h], keys, values [b, nkv, t, d]).
 
     cache_k / cache_v [b, nkv, t, d]: a preallocated cache, into which `cache_write` puts the new
-    keys and values (`write`: see CacheWrite). Without a cache t = s. The sequence length comes
-    from the rope table.
+    keys and values (`write`: see CacheWrite). Without a cache t = s, the whole sequence (`whole_kv`
+    joins the other ranks' keys under context parallel). The length of x's sequence comes from the rope table.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -306,6 +330,7 @@ class Attention(nn.Cell):
         self.q_norm = HeadNorm(d, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else nn.Identity()
         self.k_norm = HeadNorm(d, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else nn.Identity()
         self.rope = Rope(d)
+        self.whole_kv = OwnKeys()  # context parallel: the other ranks' keys and values joined in
         self.cache_write = CacheWrite()
         self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d, cfg.attn_scale)
 
@@ -315,6 +340,7 @@ class Attention(nn.Cell):
             cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
         k = self.rope(self.k_norm(self.wk(x)), cos, sin)
         v = split_heads(self.wv(x), self.head_dim, cos.shape[-2])
+        k, v = self.whole_kv(k, v)
         if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
             k, v = self.cache_write(k, v, cache_k, cache_v, write)
         out = self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(-1, self.num_heads * self.head_dim)
@@ -392,7 +418,8 @@ class Block(nn.Cell):
 
 
 class Llama(nn.Cell):
-    """input_ids [b, s] int32 -> logits [b, s, vocab] fp32.
+    """input_ids [b, s] int32 -> logits [b, s, vocab] fp32 (under context parallel [b, q, vocab], of the
+    q tokens `local_tokens` gives this rank).
 
     With a cache, keys / values [layers, b, kv_heads, max_len, head_dim] (preallocated), start
     int32 [1] and pad int32 [b]: the s new tokens sit at slots start .. start+s-1 of every row,
@@ -423,6 +450,10 @@ class Llama(nn.Cell):
         self.inv_freq = Tensor(np.stack([rope_inv_freq(cfg.head_size, theta, scaling) for _, theta, scaling in kinds]))
         self.kind_windows = Tensor(np.array(self.windows, np.int32))
         self.attention_mask = AdditiveMask(cfg.num_heads, cfg.num_kv_heads)  # a flash core takes the indices as is
+        # Which tokens of each sequence this process computes, and the mean of a loss over the processes
+        # sharing a sequence: all, and itself, unless context parallel splits it (msllm.backends).
+        self.local_tokens = WholeSequence()
+        self.sequence_mean = OneRankMean()
         # True: the rope tables are broadcast to the heads' shape once for all layers instead of
         # per use (a device formulation; msllm.backends sets it).
         self.broadcast_tables = False
@@ -453,20 +484,25 @@ class Llama(nn.Cell):
         return self.kind_windows[kind:kind + 1]
 
     def plain_tables(self, s: int, kind: int):
-        """One sequence per row: rope tables [s, d] and the causal visibility of attention kind `kind`."""
+        """One sequence of s tokens per row: rope tables [q, d] of the q tokens computed here
+        (local_tokens) and their causal visibility over all s keys, for attention kind `kind`."""
         slots = ops.arange(0, s, dtype=ms.int32)
-        cos, sin = self.rope_at(kind, slots)
+        mine = self.local_tokens(slots)
+        cos, sin = self.rope_at(kind, mine)
         zeros = ops.zeros_like(slots)
-        return cos, sin, visibility(slots, zeros, zeros, self.window_of(kind))
+        return cos, sin, visibility(mine, self.local_tokens(zeros), zeros, self.window_of(kind))
 
     def sample_tables(self, segments, positions, kind: int):
         """Packed samples: segments, positions [b, s] int32 (a sample's tokens share a segment id, and
         count their positions from 0) -> rope tables [b, 1, s, d] at those positions and a visibility
-        causal within a sample (and its window) and closed between samples."""
+        causal within a sample (and its window) and closed between samples; the rows are the tokens
+        computed here (local_tokens), the keys all s."""
         b, s = segments.shape
-        cos, sin = self.rope_at(kind, positions)
-        slots = ops.arange(0, s, dtype=ms.int32)
-        return cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1), visibility(slots, segments, segments, self.window_of(kind))
+        cos, sin = self.rope_at(kind, self.local_tokens(positions))
+        q = cos.shape[-2]
+        slots = self.local_tokens(ops.arange(0, s, dtype=ms.int32))
+        seen = visibility(slots, self.local_tokens(segments), segments, self.window_of(kind))
+        return cos.reshape(b, 1, q, -1), sin.reshape(b, 1, q, -1), seen
 
     def cache_tables(self, b: int, s: int, t: int, start, pad, kind: int):
         """cos / sin [b, 1, s, d] at each row's positions and the visibility of the cache slots
@@ -498,8 +534,9 @@ class Llama(nn.Cell):
         cos, sin = cast(cos, dtype), cast(sin, dtype)
         mask = self.attention_mask(seen, b)
         if self.broadcast_tables:
-            cos = ops.broadcast_to(cos, (b, cfg.num_heads, s, cfg.head_size))
-            sin = ops.broadcast_to(sin, (b, cfg.num_heads, s, cfg.head_size))
+            q = cos.shape[-2]  # the tokens computed here
+            cos = ops.broadcast_to(cos, (b, cfg.num_heads, q, cfg.head_size))
+            sin = ops.broadcast_to(sin, (b, cfg.num_heads, q, cfg.head_size))
         return cos, sin, mask
 
     def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None):
@@ -509,7 +546,8 @@ class Llama(nn.Cell):
         for kind in range(len(self.windows)):
             kinds += (self.tables(kind, b, s, t, start, pad, segments, positions),)
         write = None if keys is None else self.cache_write_slots(s, t, start)
-        # The residual stream stays 2-D [b*s, hidden]: every projection is a plain 2-D matmul.
+        input_ids = self.local_tokens(input_ids)  # context parallel: this rank's chunks of the sequence
+        # The residual stream stays 2-D [b*q, hidden]: every projection is a plain 2-D matmul.
         h = self.embed(input_ids.reshape(-1))
         new_keys, new_values = (), ()
         if keys is not None:  # one Unstack pass: indexing keys[i] is a StridedSlice per layer, far slower on CPU
@@ -523,7 +561,7 @@ class Llama(nn.Cell):
                 new_keys += (k,)
                 new_values += (v,)
         if keys is None:
-            return self.logits(h).reshape(b, s, -1)
+            return self.logits(h).reshape(b, input_ids.shape[1], -1)
         last = h.reshape(b, s, -1)[:, -1]  # logits only where the next token is read
         return self.logits(last), ops.stack(new_keys), ops.stack(new_values)
 
@@ -543,14 +581,18 @@ class CausalLMLoss(nn.Cell):
 
 class MaskedCausalLMLoss(nn.Cell):
     """Next-token cross-entropy in fp32 averaged over the positions where mask is 1 (SFT: the
-    response tokens); masked positions contribute exactly nothing, to the loss or its gradient."""
+    response tokens); masked positions contribute exactly nothing, to the loss or its gradient.
+    `count`: what to divide by instead of this mask's sum (context parallel: the cp group's mean)."""
 
-    def construct(self, logits, labels, mask):
+    def construct(self, logits, labels, mask, count=None):
         logits = cast(logits, ms.float32).reshape(-1, logits.shape[-1])
         log_probs = ops.log_softmax(logits, -1)
         nll = -ops.gather_elements(log_probs, 1, labels.reshape(-1, 1)).reshape(-1)
         mask = mask.reshape(-1)
-        return ops.sum(nll * mask) / ops.maximum(ops.sum(mask), 1.0)
+        if count is None:
+            count = ops.sum(mask)
+        # no label at all: 0 / tiny = 0 (a cp group's mean count may be a fraction, so not max(count, 1))
+        return ops.sum(nll * mask) / ops.maximum(count, 1e-6)
 
 
 def init_weights(model: Llama, seed: int) -> None:

@@ -20,14 +20,18 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
     m, p = cfg.model, cfg.parallel
     batch = global_batch_of(cfg) if global_batch is None else global_batch
     seq = cfg.data.seq_len if seq_len is None else seq_len
-    for key in ("dp", "tp", "pp", "micro_batches"):
+    for key in ("dp", "tp", "pp", "cp", "micro_batches"):
         if getattr(p, key) < 1:
             return f"parallel.{key}", "must be >= 1"
     if p.sink_size < 0:
         return "parallel.sink_size", "must be >= 0 (0 = no data sink)"
-    if devices is not None and p.dp * p.tp * p.pp != devices:
-        return "parallel", (f"dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = {p.dp * p.tp * p.pp} "
+    if devices is not None and p.dp * p.cp * p.tp * p.pp != devices:
+        names, sizes = ("dp x cp x tp x pp", (p.dp, p.cp, p.tp, p.pp)) if p.cp > 1 else ("dp x tp x pp", (p.dp, p.tp, p.pp))
+        return "parallel", (f"{names} = {' x '.join(map(str, sizes))} = {p.dp * p.cp * p.tp * p.pp} "
                             f"must equal the device count {devices}")
+    problem = context_parallel_problem(cfg, seq)
+    if problem is not None:
+        return problem
     if m.num_heads % p.tp:
         return "parallel.tp", f"must divide model.num_heads ({m.num_heads} % {p.tp} != 0)"
     if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:
@@ -56,6 +60,44 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
     if problems:
         return "parallel", f"layout table: {problems[0]}"
     return None
+
+
+def context_parallel_problem(cfg: Config, seq: int) -> tuple[str, str] | None:
+    """(key, message) when parallel.cp cannot split this config's sequences, else None. Executed on
+    CPU (msllm.parallel.cp) with data parallel only; zig-zag needs 2 cp equal chunks."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp == 1:
+        return None
+    if seq % (2 * p.cp):
+        return "parallel.cp", (f"needs data.seq_len divisible by 2 x cp = {2 * p.cp} ({seq} % {2 * p.cp} != 0): "
+                               f"each rank takes two of 2 x cp equal chunks (zig-zag)")
+    if t.device != "cpu":
+        return "parallel.cp", f"context parallel runs on CPU only (train.device: {t.device})"
+    for key, on in (("pp", p.pp > 1), ("tp", p.tp > 1), ("sequence_parallel", p.sequence_parallel)):
+        if on:
+            return "parallel.cp", (f"does not combine with parallel.{key} on CPU (only with data parallel: "
+                                   f"workers = dp x cp)")
+    if t.debug_nonfinite:
+        return "train.debug_nonfinite", ("re-runs the step in one process, which cannot take a sequence split "
+                                         "over the cp group (parallel.cp); set it false")
+    return None
+
+
+def data_replicas(cfg: Config, world: int, source: str = "config") -> int:
+    """Data-parallel replicas among `world` workers: world / parallel.cp (a cp group reads one replica's
+    samples). ConfigError (one line) when cp does not divide the workers or parallel.dp is neither 1
+    nor the replica count."""
+    p = cfg.parallel
+    if world % p.cp:
+        raise ConfigError(source, "parallel.cp", f"is {p.cp} but {world} worker{'s' if world > 1 else ''} "
+                          f"{'were' if world > 1 else 'was'} launched; cp must divide the worker count "
+                          f"(workers = dp x cp: msllm launch --nproc N -- train ...)")
+    replicas = world // p.cp
+    if p.dp not in (1, replicas):
+        split = f" / parallel.cp {p.cp} = {replicas} replicas" if p.cp > 1 else ""
+        raise ConfigError(source, "parallel.dp", f"is {p.dp} but this launch starts {world} workers{split}; "
+                          f"set it to {replicas} or leave it at 1 (data parallel over all replicas)")
+    return replicas
 
 
 def check_parallel(cfg: Config, devices: int | None = None, source: str = "<config>",

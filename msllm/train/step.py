@@ -23,7 +23,11 @@ class LossCell(nn.Cell):
     """tokens [b, s+1] -> scale * mean next-token loss of model(tokens[:, :-1]) against tokens[:, 1:].
 
     Packed SFT samples add mask [b, s] (1 where the label is a response token), segments and
-    positions [b, s] (msllm.data.sft); the mean is then over the masked-in labels."""
+    positions [b, s] (msllm.data.sft); the mean is then over the masked-in labels.
+
+    Under context parallel the model computes only this rank's tokens (model.local_tokens): the
+    labels and mask are cut alike, and a masked mean divides by the cp group's mean count, so that
+    the ranks' losses average to the loss of the whole sequence (msllm.parallel.cp)."""
 
     def __init__(self, model):
         super().__init__(auto_prefix=False)
@@ -32,10 +36,13 @@ class LossCell(nn.Cell):
         self.masked_loss = MaskedCausalLMLoss()
 
     def construct(self, tokens, scale, mask=None, segments=None, positions=None):
+        labels = self.model.local_tokens(tokens[:, 1:])
         if mask is None:
-            return self.loss(self.model(tokens[:, :-1]), tokens[:, 1:]) * scale
+            return self.loss(self.model(tokens[:, :-1]), labels) * scale
         logits = self.model(tokens[:, :-1], None, None, None, None, segments, positions)
-        return self.masked_loss(logits, tokens[:, 1:], mask) * scale
+        mask = self.model.local_tokens(mask)
+        count = self.model.sequence_mean(ops.stop_gradient(ops.sum(mask)))
+        return self.masked_loss(logits, labels, mask, count) * scale
 
 
 def sum_of_squares(g):
@@ -126,9 +133,12 @@ class TrainStep(nn.Cell):
 
 
 class EvalStep(nn.Cell):
+    """The loss of a batch (under context parallel: every rank of the cp group runs it, each gets the
+    whole sequence's loss)."""
+
     def __init__(self, model):
         super().__init__(auto_prefix=False)
         self.loss_cell = LossCell(model)
 
     def construct(self, tokens, *sft):
-        return self.loss_cell(tokens, 1.0, *sft)
+        return self.loss_cell.model.sequence_mean(self.loss_cell(tokens, 1.0, *sft))

@@ -24,6 +24,7 @@ from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
 from msllm.parallel import dp
+from msllm.parallel.check import data_replicas
 from msllm.preflight import make_dir
 from msllm.train import nonfinite
 from msllm.train.build import build_train_step
@@ -83,15 +84,14 @@ class Trainer:
         device.setup(t.device, t.mode, threads, t.jit_level, t.compile_cache)
         device.compute_dtype(t.precision, t.device)  # refuse an impossible precision before writing anything
         self.rank, self.world = dp.init_process_group()
-        if cfg.parallel.dp not in (1, self.world):
-            raise ConfigError("config", "parallel.dp", f"is {cfg.parallel.dp} but {self.world} workers were launched; "
-                              f"set it to {self.world} or leave it at 1 (data parallel over all workers)")
+        # world = dp x cp: each cp group of ranks reads one data-parallel replica's samples (checked here)
+        self.replicas, self.replica = data_replicas(cfg, self.world), self.rank // cfg.parallel.cp
         ms.set_seed(t.seed)
         resume_from = checkpoint.latest(self.run_dir) if resume else None
         lora = cfg.lora.rank > 0  # checkpoints hold the adapters; the base is read from init_from every time
         if resume_from:
             state = checkpoint.read_state(resume_from)
-            check_resumable(cfg, state, str(resume_from / checkpoint.STATE_FILE), self.world)
+            check_resumable(cfg, state, str(resume_from / checkpoint.STATE_FILE), self.replicas)
             if lora:
                 pretrained.check(state.get("lora_base", {}), str(resume_from))
             else:
@@ -152,7 +152,7 @@ class Trainer:
 
     @property
     def global_batch(self) -> int:
-        return self.samples_per_step * self.world
+        return self.samples_per_step * self.replicas
 
     def inference_model(self):
         """The trained model re-specialised for generation (dynamic shapes, blocks inlined, no fused
@@ -170,7 +170,7 @@ class Trainer:
             return None
         position = self.data_position + (step - self.start_step) * self.global_batch
         state = {"data_position": position, "skipped_steps": self.skipped,
-                 "world": self.world, "seed": self.cfg.train.seed, "data_seed": self.cfg.data.seed,
+                 "world": self.replicas, "seed": self.cfg.train.seed, "data_seed": self.cfg.data.seed,
                  "tokenizer": str(self.shard_dir / "tokenizer.json"), "config": self.cfg.to_dict()}
         if self.cfg.lora.rank > 0:  # the checkpoint holds the adapters: name the base they belong to
             state["lora_base"] = self.pretrained.identity()
@@ -185,7 +185,7 @@ class Trainer:
             info(f"run already at step {self.start_step} >= train.steps {t.steps}; nothing to do")
             return {"step": self.start_step}
         data = make_dataset(self.train_tokens, cfg.data.seq_len, self.samples_per_step, seed=cfg.data.seed,
-                            shuffle=cfg.data.shuffle, world=self.world, rank=self.rank,
+                            shuffle=cfg.data.shuffle, world=self.replicas, rank=self.replica,
                             start=self.data_position, num_batches=remaining)
         tokens_per_step = self.global_batch * cfg.data.seq_len
         flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
@@ -194,7 +194,8 @@ class Trainer:
         if self.rank == 0 and (warning := warmup_warning(cfg.optim, t.steps)):
             info(warning)
         info(f"global batch {self.global_batch} = batch_size {t.batch_size} x accum_steps {t.accum_steps} x "
-             f"{self.world} worker{'s' if self.world > 1 else ''}"
+             f"{self.replicas} worker{'s' if self.replicas > 1 else ''}"
+             + (f", each sequence split over {cfg.parallel.cp} ranks (parallel.cp)" if cfg.parallel.cp > 1 else "")
              + (", optimizer state sharded (ZeRO-1)" if cfg.parallel.optimizer_shard and self.world > 1 else ""))
         step, last, bad_run = self.start_step, {}, 0
         window_t, window_steps = time.perf_counter(), 0
@@ -221,7 +222,8 @@ class Trainer:
                      + (f", loss scale now {float(self.train_step.loss_scaler.scale_value.asnumpy()):g}"
                         if self.train_step.loss_scaler is not None else ""))
                 stopping = bad_run >= t.max_bad_steps
-                if self.rank == 0 and self.nonfinite_report is None and (t.debug_nonfinite or stopping):
+                if self.rank == 0 and self.nonfinite_report is None and (t.debug_nonfinite or stopping) \
+                        and cfg.parallel.cp == 1:  # the eager re-run is one process: no cp group
                     self.nonfinite_report = nonfinite.report(self.run_dir, step, self.model, batch[0].asnumpy(),
                                                              float(scale.asnumpy()), cfg, t.accum_steps)
                 if stopping:
@@ -243,7 +245,7 @@ class Trainer:
                                        + (f"  scale {last['loss_scale']:g}  skipped {self.skipped}"
                                           if t.precision == "fp16" else ""))
                 window_t, window_steps = time.perf_counter(), 0
-            if (step % t.eval_every == 0 or step == t.steps) and self.rank == 0:
+            if (step % t.eval_every == 0 or step == t.steps) and self.rank < cfg.parallel.cp:  # rank 0's cp group
                 val = evaluate(self.eval_step, self.val_tokens, cfg)
                 last["val_loss"] = val
                 self.metrics.log({"kind": "eval", "step": step, "val_loss": val},
