@@ -9,11 +9,17 @@ run_dir/checkpoints/step_0000400/
 Written through msllm.staged (temporary dir, fsync, rename, manifest),
 so a crash never leaves a half-written checkpoint that looks complete; on resume the
 newest checkpoint whose manifest verifies is used and a corrupt one is skipped.
+
+Training pauses only to copy the state to host memory: a BackgroundWriter writes it in a thread
+while the next steps run, one checkpoint at a time.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +40,11 @@ class CheckpointError(UserError, RuntimeError):
 
 def params_to_numpy(params) -> dict[str, np.ndarray]:
     return {p.name: p.asnumpy() for p in params}
+
+
+def host_copy(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Copies that training cannot change: asnumpy() is a view of the live parameter."""
+    return {name: np.array(a, copy=True) for name, a in arrays.items()}
 
 
 def load_into(params, arrays: dict[str, np.ndarray], source: str) -> None:
@@ -66,10 +77,11 @@ def _first(names: list, most: int = 4) -> str:
 
 
 def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep: int = 0,
-         add_files: Callable[[Path], object] | None = None) -> Path:
+         add_files: Callable[[Path], object] | None = None, writer: BackgroundWriter | None = None) -> Path:
     """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all).
     state_params: Parameters, or a name -> array dict (state gathered from data-parallel ranks).
     add_files(dir): writes more files into the checkpoint, listed in its manifest like the others.
+    writer: write in its thread from host copies and return at once (the path it will have).
 
     Non-finite weights are never saved. A failed or interrupted write leaves no trace, so the
     newest complete checkpoint stays the newest valid one; a full disk is one line."""
@@ -80,20 +92,82 @@ def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep
     if bad is not None:
         raise CheckpointError(f"{root}: not saving step {step}: {bad} has non-finite values; the newest "
                               f"checkpoint is kept. Lower optim.lr or use train.precision=fp32, then --resume")
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:07d}"
-    need = sum(a.nbytes for a in (*weights.values(), *extra.values()))
-    with staged_dir(final, need=need, manifest=True,
-                    then="the newest complete checkpoint is kept: free space, then --resume") as tmp:
-        save_file(weights, str(tmp / MODEL_FILE))
-        save_file(extra, str(tmp / OPTIM_FILE))
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
-        if add_files is not None:
-            add_files(tmp)
-    if keep:
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    if writer is not None:
+        weights, extra = host_copy(weights), host_copy(extra)
+
+    def write() -> Path:
+        root.mkdir(parents=True, exist_ok=True)
+        need = sum(a.nbytes for a in (*weights.values(), *extra.values()))
+        with staged_dir(final, need=need, manifest=True,
+                        then="the newest complete checkpoint is kept: free space, then --resume") as tmp:
+            save_file(weights, str(tmp / MODEL_FILE))
+            save_file(extra, str(tmp / OPTIM_FILE))
+            (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+            if add_files is not None:
+                add_files(tmp)
+        if keep:
+            for old in list_checkpoints(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    if writer is None:
+        return write()
+    writer.submit(step, write)
     return final
+
+
+@dataclass
+class Written:
+    """How one background write ended."""
+    step: int
+    path: Path | None          # None: not written
+    seconds: float             # the write, in its thread
+    error: BaseException | None = None
+
+
+class BackgroundWriter:
+    """Writes checkpoints in a thread, one at a time: submit() waits for the previous write first,
+    so two writes never overlap and at most one host copy of the state is pending besides the
+    one being made. A write that fails (a full disk) is reported by done()/wait(), not raised in
+    the thread; the previous checkpoint stays the newest that verifies. The thread is not a daemon:
+    a run that ends or fails in between still finishes the write it started."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._result: Written | None = None   # set by the thread
+        self._ended: list[Written] = []       # collected by the training thread, not yet reported
+
+    def submit(self, step: int, write: Callable[[], Path]) -> None:
+        self._collect()
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                self._result = Written(step, write(), time.perf_counter() - t0)
+            except Exception as e:  # reported in the training thread
+                self._result = Written(step, None, time.perf_counter() - t0, e)
+
+        self._thread = threading.Thread(target=run, name=f"checkpoint-{step}")
+        self._thread.start()
+
+    def done(self) -> list[Written]:
+        """The writes that ended since the last call (does not wait)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._collect()
+        ended, self._ended = self._ended, []
+        return ended
+
+    def wait(self) -> list[Written]:
+        """Wait for the write in flight; then done()."""
+        self._collect()
+        return self.done()
+
+    def _collect(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._ended.append(self._result)
+            self._thread = self._result = None
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

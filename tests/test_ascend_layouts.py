@@ -253,17 +253,20 @@ def test_trainer_checkpoints_carry_the_strategy_file_under_the_parallel_wrapper(
     assert not backends.uses_parallel_wrapper(cfg)
     trainer = Trainer(cfg)
     plain = trainer.save(1)
+    trainer.report_checkpoints(wait=True)  # written in the background
     assert sorted(p.name for p in plain.iterdir()) == sorted(
         [checkpoint.MODEL_FILE, checkpoint.OPTIM_FILE, checkpoint.STATE_FILE, MANIFEST])
 
     monkeypatch.setattr(backends, "uses_parallel_wrapper", lambda c: c is cfg)
     with pytest.raises(FileNotFoundError, match="rank_0.ckpt"):  # no strategy: no checkpoint that lacks it
         trainer.save(2)
+        trainer.report_checkpoints(wait=True)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step_0000001"]
     strategy = ascend.strategy_file(tmp_path / "run", 0)
     strategy.parent.mkdir()
     strategy.write_bytes(b"fake strategy of rank 0")
     saved = trainer.save(3)
+    trainer.report_checkpoints(wait=True)
     assert (saved / "strategy_rank_0.ckpt").read_bytes() == b"fake strategy of rank 0"
     assert "strategy_rank_0.ckpt" in json.loads((saved / MANIFEST).read_text())
     assert check_manifest(saved) is None and checkpoint.latest(tmp_path / "run") == saved

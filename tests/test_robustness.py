@@ -6,6 +6,7 @@ from typing import NamedTuple
 import mindspore as ms
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from msllm import checkpoint, device
 from msllm.staged import DiskFullError
@@ -207,3 +208,46 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="layers.0.w has non-finite"):
         checkpoint.save(tmp_path, 1, [Parameter(Tensor(w), name="layers.0.w")], [], {"config": {}})
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_background_checkpoints_equal_synchronous_ones_and_survive_a_full_disk(tmp_path, corpus, monkeypatch):
+    """Checkpoints written in a thread from host copies while training goes on hold exactly what a
+    synchronous save holds; a write that runs out of space is a warning line, the run goes on, the
+    next checkpoint is written, and the failed step leaves nothing behind."""
+    import errno
+    import time
+
+    from msllm.config import load_config
+    from msllm.train.trainer import Trainer
+
+    def run(name, background, fail_step=None):
+        cfg = load_config(REPO / "configs" / "tiny.yaml", tiny_overrides(tmp_path / name, corpus, **{
+            "train.ckpt_every": 2, "train.keep_checkpoints": 5, "train.eval_every": 6,
+            "train.background_checkpoint": background}))
+        real = checkpoint.save_file
+
+        def save_file(arrays, path):
+            if fail_step is not None and f"step_{fail_step:07d}" in path:
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            if background:
+                time.sleep(0.5)  # slower than the steps that follow: they must not change what is written
+            real(arrays, path)
+
+        monkeypatch.setattr(checkpoint, "save_file", save_file)
+        Trainer(cfg).fit()
+        return tmp_path / name
+
+    sync, background = run("sync", False), run("background", True, fail_step=4)
+    assert [p.name for p in checkpoint.list_checkpoints(sync)] == ["step_0000002", "step_0000004", "step_0000006"]
+    assert [p.name for p in checkpoint.list_checkpoints(background)] == ["step_0000002", "step_0000006"]
+    assert not list((background / "checkpoints").glob(".*"))  # no temporary dir of the failed write
+    for step in (2, 6):
+        for name in (checkpoint.MODEL_FILE, checkpoint.OPTIM_FILE):
+            a = load_file(str(sync / "checkpoints" / f"step_{step:07d}" / name))
+            b = load_file(str(background / "checkpoints" / f"step_{step:07d}" / name))
+            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), (step, name)
+    rows = [json.loads(line) for line in (background / "metrics.jsonl").read_text().splitlines()]
+    written = [r["step"] for r in rows if r["kind"] == "checkpoint"]
+    failed = [r for r in rows if r["kind"] == "checkpoint_failed"]
+    assert written == [2, 6] and [r["step"] for r in failed] == [4] and "no space left" in failed[0]["error"]
+    assert all(r["background"] and r["write_s"] > 0 and r["stall_s"] >= 0 for r in rows if r["kind"] == "checkpoint")

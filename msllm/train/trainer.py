@@ -131,6 +131,8 @@ class Trainer:
         if self.rank == 0:
             save_config(cfg, self.run_dir / "config.yaml")
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0)
+        self.writer = checkpoint.BackgroundWriter() if t.background_checkpoint and self.rank == 0 else None
+        self.stalls = {}  # step -> seconds training paused for its checkpoint
 
     def _restore(self, path: Path) -> None:
         with checkpoint.load_arrays(path / checkpoint.MODEL_FILE) as weights:
@@ -162,7 +164,9 @@ class Trainer:
         return self.model
 
     def save(self, step: int) -> Path | None:
-        """Every rank calls this (a sharded optimizer gathers its state); rank 0 writes."""
+        """Every rank calls this (a sharded optimizer gathers its state); rank 0 writes, in the
+        background with train.background_checkpoint (the path it will have is returned at once)."""
+        t0 = time.perf_counter()
         arrays = {**self.optimizer.full_state(), **checkpoint.params_to_numpy(self.train_step.state_parameters())}
         if self.world > 1:
             dp.barrier()  # every rank has finished this step
@@ -174,9 +178,34 @@ class Trainer:
                  "tokenizer": str(self.shard_dir / "tokenizer.json"), "config": self.cfg.to_dict()}
         if self.cfg.lora.rank > 0:  # the checkpoint holds the adapters: name the base they belong to
             state["lora_base"] = self.pretrained.identity()
-        return checkpoint.save(self.run_dir, step, self.model.trainable_params(), arrays, state,
-                               keep=self.cfg.train.keep_checkpoints,
+        path = checkpoint.save(self.run_dir, step, self.model.trainable_params(), arrays, state,
+                               keep=self.cfg.train.keep_checkpoints, writer=self.writer,
                                add_files=lambda d: backends.save_with_checkpoint(self.cfg, self.run_dir, d, self.rank))
+        self.stalls[step] = time.perf_counter() - t0
+        if self.writer is None:
+            self.metrics.log({"kind": "checkpoint", "step": step, "stall_s": self.stalls.pop(step),
+                              "background": False}, f"checkpoint: {path}")
+        return path
+
+    def report_checkpoints(self, wait: bool = False, final: int | None = None) -> None:
+        """Log the background writes that ended (with wait: after the one in flight). A failed one
+        (a full disk) is a warning: the state is still in memory and the next checkpoint tries
+        again; only the `final` step's checkpoint failing stops the run."""
+        if self.writer is None:
+            return
+        for w in self.writer.wait() if wait else self.writer.done():
+            stall = self.stalls.pop(w.step, 0.0)
+            if w.error is None:
+                self.metrics.log({"kind": "checkpoint", "step": w.step, "stall_s": stall, "write_s": w.seconds,
+                                  "background": True},
+                                 f"checkpoint: {w.path} (training paused {stall:.2f} s; written in {w.seconds:.1f} s "
+                                 f"beside it)")
+            elif not isinstance(w.error, UserError) or w.step == final:
+                raise w.error
+            else:
+                self.metrics.log({"kind": "checkpoint_failed", "step": w.step, "error": str(w.error)},
+                                 f"warning: checkpoint of step {w.step} not written: {w.error}. Training goes on; "
+                                 f"the next checkpoint tries again")
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -208,6 +237,7 @@ class Trainer:
             step += 1
             window_steps += 1
             heartbeat.beat(step, None if step == self.start_step + 1 else time.perf_counter() - t0)
+            self.report_checkpoints()
             if step == self.start_step + 1:
                 compile_s = time.perf_counter() - t0
                 self.metrics.log({"kind": "compile", "step": step, "first_step_s": compile_s, "loss": loss},
@@ -228,6 +258,7 @@ class Trainer:
                                                              float(scale.asnumpy()), cfg, t.accum_steps)
                 if stopping:
                     path = self.save(step)
+                    self.report_checkpoints(wait=True, final=step)
                     raise NonFiniteError(
                         f"{bad_run} consecutive non-finite steps (last at step {step}); checkpoint {path}; where "
                         f"it started: {self.run_dir / nonfinite.REPORT_DIR / nonfinite.REPORT_FILE}. "
@@ -253,11 +284,11 @@ class Trainer:
                 heartbeat.beat(step)
                 window_t, window_steps = time.perf_counter(), 0
             if step % t.ckpt_every == 0 or step == t.steps:
-                path = self.save(step)
-                if path:
-                    info(f"checkpoint: {path}")
+                self.save(step)
                 heartbeat.beat(step)
                 window_t, window_steps = time.perf_counter(), 0
+        self.report_checkpoints(wait=True, final=step)
+        heartbeat.beat(step)
         self.metrics.close()
         last["step"] = step
         return last
