@@ -92,10 +92,16 @@ def time_steps(step_fn, steps: int, warmup: int) -> dict:
             "step_times": times}
 
 
-def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: str = "O0",
-                     recompute: str = "none", fused_kernels: str = "auto", block_graph: str = "auto",
-                     family: str = "llama", attention: str = "auto"):
+def msllm_train_step(w: dict, **options):
     """The benchmarked msllm step on workload w (AdamW, clip 1.0) and its batch; also used by profile_step.py."""
+    built, batch = msllm_build(w, **options)
+    return built.train_step, batch
+
+
+def msllm_build(w: dict, mode: str = "graph", threads: int = 2, jit_level: str = "O0",
+                recompute: str = "none", fused_kernels: str = "auto", block_graph: str = "auto",
+                family: str = "llama", attention: str = "auto"):
+    """msllm.train.build's result (model, optimizer, step) for workload w, and its batch."""
     import mindspore as ms
     from msllm import device
     from msllm.config import Config, OptimConfig, TrainConfig
@@ -107,7 +113,7 @@ def msllm_train_step(w: dict, mode: str = "graph", threads: int = 2, jit_level: 
                                    jit_level=jit_level, recompute=recompute, fused_kernels=fused_kernels,
                                    block_graph=block_graph, attention=attention))
     cfg.data.seq_len = w["seq"]
-    return build_train_step(cfg).train_step, ms.Tensor(tokens(w))
+    return build_train_step(cfg), ms.Tensor(tokens(w))
 
 
 # --ab SWITCH: the msllm_train_step keyword it flips, and its values for on and off.
@@ -134,8 +140,9 @@ def ab_compare(w: dict, switch: str, rounds: int, steps_per_round: int, threads:
 
 
 def worker_msllm(w: dict, args) -> dict:
-    step, batch = msllm_train_step(w, args.mode, args.threads, args.jit_level, args.recompute, args.fused_kernels,
-                                   args.block_graph, args.family, args.attention)
+    step, batch = msllm_train_step(w, mode=args.mode, threads=args.threads, jit_level=args.jit_level,
+                                   recompute=args.recompute, fused_kernels=args.fused_kernels,
+                                   block_graph=args.block_graph, family=args.family, attention=args.attention)
     t0 = time.perf_counter()
     if args.mode == "graph":
         step.compile(batch)  # graph compile alone; the first step then adds first-touch memory faults
