@@ -290,3 +290,50 @@ def test_plan_is_one_line_exit_2_on_bad_layout_and_never_imports_mindspore(tmp_p
             "assert rc == 0 and 'mindspore' not in sys.modules and 'torch' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- context parallel ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["parallel.cp=3"], "parallel.cp", "needs data.seq_len divisible by 2 x cp = 6 (4096 % 6 != 0)"),
+    (["parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2"], "parallel.cp",
+     "does not combine with parallel.pp on CPU"),
+    (["parallel.cp=2", "parallel.tp=2"], "parallel.cp", "does not combine with parallel.tp on CPU"),
+    (["parallel.cp=2", "train.device=ascend"], "parallel.cp", "runs on CPU only (train.device: ascend)"),
+    (["parallel.cp=2", "train.debug_nonfinite=true"], "train.debug_nonfinite", "parallel.cp"),
+    (["parallel.cp=0"], "parallel.cp", "must be >= 1"),
+])
+def test_checker_context_parallel(overrides, key, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(LLAMA2, ["train.device=cpu", *overrides])
+    assert err.value.key == key
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_context_parallel_estimate_and_plan_output(capsys, tmp_path):
+    """cp 2: each device computes half of every sequence but keeps its whole K and V (per layer the
+    activations are half the one-device layer's plus one more copy of K/V: b s kv d e); the exchange
+    sends the [2, b, kv, s, d] K/V buffer forward and backward per layer (ring factor 1 at 2 ranks);
+    gradients are all-reduced over the 2 ranks; msllm plan prints the split and the exchange."""
+    from msllm.config import Config, DataConfig, ModelConfig, TrainConfig
+    m = ModelConfig(vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, ffn_size=1376,
+                    max_seq_len=16384)
+    b, s, kv, d, e = 1, 16384, 4, 64, 4
+    cfg = Config(model=m, data=DataConfig(seq_len=s), train=TrainConfig(batch_size=b, attention="flash"))
+    one, two = P.estimate(cfg, ParallelConfig(), "cpu"), P.estimate(cfg, ParallelConfig(cp=2), "cpu")
+    sh = L.sharding(m, ParallelConfig())
+    layer = {cp: P.layer_activations(m, sh, b, s, e, "none", True, 4, cp) for cp in (1, 2)}
+    assert layer[2] == pytest.approx(layer[1] / 2 + b * s * kv * d * e)
+    assert two["comm"]["cp"] == pytest.approx(4 * 2 * (2 * b * kv * s * d * e)) and one["comm"]["cp"] == 0
+    assert two["comm"]["dp"] == pytest.approx(m.num_params() * 4) and one["comm"]["dp"] == 0
+    assert two["activations"] < 0.6 * one["activations"]
+    config = tmp_path / "long.yaml"
+    config.write_text(yaml.safe_dump({"model": vars(m), "data": {"seq_len": s},
+                                      "train": {"batch_size": b, "attention": "flash"}, "parallel": {"cp": 2}}))
+    code, out, _ = plan_cli(capsys, "--config", str(config), "--devices", "2", "--device", "cpu")
+    assert code == 0
+    assert " dp  tp  pp cp micro" in out and "comm dp/tp/pp/cp GB" in out
+    assert "context parallel 2: each device computes 8192 of every 16384 tokens" in out
+    assert "--set parallel.cp=2" in out
+    code, out, _ = plan_cli(capsys, "--config", str(config), "--devices", "2", "--device", "cpu", "--check")
+    assert code == 0 and out.startswith(f"msllm plan: {config}: dp 1 x tp 1 x pp 1 x cp 2") and "exchanging" in out

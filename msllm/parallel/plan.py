@@ -21,7 +21,15 @@ Analytic (pure Python, instant). The model, per device, for the busiest pipeline
                                          gradient_fp32_sync), TP 4 all-reduces per layer and
                                          micro-batch (2 forward, 2 backward; sequence parallel's
                                          all-gather + reduce-scatter move the same bytes), PP one
-                                         activation forward and one gradient back per micro-batch.
+                                         activation forward and one gradient back per micro-batch,
+                                         CP (context parallel, msllm.parallel.cp) the whole
+                                         sequence's K and V summed over the cp group per layer,
+                                         forward and again backward (again forward under full
+                                         recompute).
+  context parallel                       a device computes seq / cp tokens of each sequence: the
+                                         activations and FLOPs above count those, plus the whole
+                                         sequence's K and V every layer keeps; gradients are
+                                         all-reduced over dp x cp.
   step time                              (micro_batches + pp - 1) x the slowest stage's micro-batch
                                          (matmul FLOPs at a fraction of peak, plus its TP and PP
                                          transfers; no overlap assumed) + the DP all-reduce + the
@@ -100,8 +108,10 @@ def parse_bytes(text: str) -> float:
 # ---- memory ----------------------------------------------------------------------------------------
 
 def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, recompute: str, flash: bool,
-                      flash_stats: int = 4) -> float:
+                      flash_stats: int = 4, cp: int = 1) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch of `batch` sequences, on one device.
+    Under context parallel the device holds seq / cp tokens of each sequence, and every key and
+    value of it (kv_local d e x cp more per token: the exchanged K/V the attention core keeps).
 
     Per token (t = tp, sp = t under sequence parallel else 1, e = act_bytes, a = heads):
       norms       4h e / sp      the layer input, the mid residual and the two norm outputs
@@ -118,12 +128,12 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
     """
     h, d, t = m.hidden_size, m.head_size, sh.tp
     sp = t if sh.sequence_parallel else 1
-    tokens = batch * seq
+    tokens = batch * seq / cp
     kv_local = m.num_kv_heads // sh.tp_kv
     if recompute == "full":
         return tokens * h * act_bytes / sp
     norms = 4 * h * act_bytes / sp
-    attention = (2 * h / t + 2 * kv_local * d) * act_bytes
+    attention = (2 * h / t + 2 * kv_local * d * cp) * act_bytes
     if recompute == "selective":
         return tokens * (norms + attention)
     mlp = 3 * m.ffn_size * act_bytes / t
@@ -152,17 +162,20 @@ def cpu_workspace(m, sh: L.Sharding, p: ParallelConfig, batch: int, seq: int, ac
       backward     one layer's score gradients dP and dS at once, 2 x 4 a s / t per token (fp32; not
                    with flash attention), and the loss's fp32 logits gradient beside the logits
       data parallel  DP_GRAD_COPIES (ZeRO-1: + ZERO1_COPIES) fp32 copies of the parameters held,
-                   and COLLECTIVE_BUCKETS gradient buckets
+                   and COLLECTIVE_BUCKETS gradient buckets (over dp x cp)
+      context parallel  seq / cp tokens per sequence, and one layer's K/V exchange at a time: the
+                   placed buffer and its sum, 2 x 2 kv_local d e per token of the whole sequence
     """
     h, d, t = m.hidden_size, m.head_size, sh.tp
-    tokens = batch * seq
+    tokens = batch * seq / p.cp
+    exchange = 2 * 2 * batch * seq * m.num_kv_heads // sh.tp_kv * d * act_bytes if p.cp > 1 else 0.0
     kept = layers * tokens * (3 * h / t + m.num_kv_heads // sh.tp_kv * d) * act_bytes
     scores = 0 if flash else 2 * 4 * m.num_heads / t * seq * tokens
     logits = 4 * tokens * m.vocab_size / (t if sh.vocab_split else 1) if last_stage else 0.0
-    if p.dp == 1:
+    if p.dp * p.cp == 1:
         return kept + scores + logits
     copies = DP_GRAD_COPIES + (ZERO1_COPIES if p.optimizer_shard else 0)
-    return kept + scores + logits + copies * 4 * params + COLLECTIVE_BUCKETS * BUCKET_BYTES
+    return kept + scores + logits + exchange + copies * 4 * params + COLLECTIVE_BUCKETS * BUCKET_BYTES
 
 
 def stage_parameters(m, sh: L.Sharding) -> list[int]:
@@ -220,12 +233,12 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     e = 4 if t.precision == "fp32" else 2
     counts = params_per_stage or stage_parameters(m, sh)
     layers = L.stage_layer_counts(m.num_layers, p.pp)
-    tokens = micro * seq
+    tokens = micro * seq / p.cp  # computed on one device
 
     def activations(stage: int, recompute: str, with_flash: bool) -> float:
         in_flight = min(p.pp - stage, p.micro_batches)
-        per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash, dev.flash_stats)
-        full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash, dev.flash_stats)
+        per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash, dev.flash_stats, p.cp)
+        full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash, dev.flash_stats, p.cp)
         rebuilt = full_layer - per_layer  # one layer's dropped activations, rebuilt during its backward
         logits = 2 * 4 * tokens * m.vocab_size / (p.tp if sh.vocab_split else 1) if stage == p.pp - 1 else 0.0
         return layers[stage] * per_layer * in_flight + rebuilt + logits
@@ -254,7 +267,12 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
         tp_allreduces[-1] += 1
     tp_bytes = [k * ring(p.tp) * tokens * h * e for k in tp_allreduces]   # per micro-batch
     pp_bytes = 2 * tokens * h * e / (p.tp if sh.sequence_parallel else 1) if p.pp > 1 else 0.0
-    dp_bytes = ring(p.dp) * max(counts) * 4 if p.dp > 1 else 0.0
+    grad_ranks = p.dp * p.cp  # gradients are summed over every replica and every cp rank
+    dp_bytes = ring(grad_ranks) * max(counts) * 4 if grad_ranks > 1 else 0.0
+    # K and V of the whole sequence, [2, micro, kv_local, seq, d], summed over the cp group per layer
+    kv_buffer = 2 * micro * seq * m.num_kv_heads // sh.tp_kv * m.head_size * e
+    exchanges = 2 + (1 if t.recompute == "full" else 0)
+    cp_bytes = [n * exchanges * ring(p.cp) * kv_buffer for n in layers] if p.cp > 1 else [0.0] * p.pp
 
     layer_params = (m.num_params() - m.vocab_size * h * (1 if m.tie_embeddings else 2) - h) / m.num_layers
     per_layer_flops = 6 * layer_params + 12 * h * seq
@@ -265,22 +283,23 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
         flops = tokens * layers[k] * (per_layer_flops + extra[t.recompute])
         if k == p.pp - 1:
             flops += tokens * 6 * m.vocab_size * h
-        stage_time.append(flops / p.tp / rate + tp_bytes[k] / bandwidth(p.tp))
+        stage_time.append(flops / p.tp / rate + tp_bytes[k] / bandwidth(p.tp) + cp_bytes[k] / bandwidth(p.cp))
     pp_time = pp_bytes / bandwidth(p.dp * p.tp * p.pp) if p.pp > 1 else 0.0
     micro_time = max(stage_time) + pp_time
     slots = p.micro_batches + p.pp - 1
     optimizer_params = max(counts) / (p.dp if p.optimizer_shard else 1)
     time = {"compute": p.micro_batches * micro_time, "bubble": (p.pp - 1) * micro_time,
-            "dp": dp_bytes / bandwidth(p.dp * p.tp) if p.dp > 1 else 0.0,
+            "dp": dp_bytes / bandwidth(grad_ranks * p.tp) if grad_ranks > 1 else 0.0,
             "optimizer": optimizer_params * (2 * wb + gb + 2 * ob) / dev.hbm}
     time["step"] = sum(time.values())
-    devices = p.dp * p.tp * p.pp
+    devices = p.dp * p.cp * p.tp * p.pp
     tokens_per_step = batch * seq
     return {
         **stages[busiest], "stage": busiest, "params": counts[busiest],
         "optimizer_by_zero1": {False: counts[busiest] * ob, True: counts[busiest] * ob / p.dp},
         "activations_by_recompute": {(r, f): activations(busiest, r, f) for r in RECOMPUTE for f in (False, True)},
-        "comm": {"dp": dp_bytes, "tp": p.micro_batches * max(tp_bytes), "pp": p.micro_batches * pp_bytes},
+        "comm": {"dp": dp_bytes, "tp": p.micro_batches * max(tp_bytes), "pp": p.micro_batches * pp_bytes,
+                 "cp": p.micro_batches * max(cp_bytes)},
         "time": time, "bubble": (p.pp - 1) / slots,
         "tokens_per_s_per_device": tokens_per_step / time["step"] / devices,
         "mfu": m.flops_per_token(seq) * tokens_per_step / time["step"] / (devices * dev.peak_flops),
@@ -305,17 +324,21 @@ class Candidate:
 
 
 def candidates(cfg: Config, devices: int, global_batch: int, seq_len: int, device: Device, flash: bool):
-    """Every valid layout of `devices` (each passes the checker) with every recompute mode, estimated."""
-    for tp in divisors(devices):
-        for pp in divisors(devices // tp):
-            dp = devices // (tp * pp)
+    """Every valid layout of `devices` (each passes the checker) with every recompute mode, estimated.
+    Context parallel stays the config's parallel.cp (a choice of sequence split, not searched)."""
+    cp = cfg.parallel.cp
+    if devices % cp:
+        return
+    for tp in divisors(devices // cp):
+        for pp in divisors(devices // (cp * tp)):
+            dp = devices // (cp * tp * pp)
             if global_batch % dp:
                 continue
             cache = None
             for micro in divisors(global_batch // dp):
                 if pp > 1 and micro < pp:
                     continue
-                p = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batches=micro, optimizer_shard=dp > 1,
+                p = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, micro_batches=micro, optimizer_shard=dp > 1,
                                    sequence_parallel=tp > 1 and seq_len % tp == 0, vocab_parallel=True)
                 laid = with_layout(cfg, p, global_batch=global_batch, seq_len=seq_len)
                 if layout_problem(laid, devices) is not None:
@@ -358,19 +381,25 @@ def describe(c: Candidate) -> str:
     p = c.cfg.parallel
     recompute = {"none": "no", "selective": "selective", "full": "full"}[c.cfg.train.recompute]
     micro = f"{p.micro_batches} micro-batch" + ("es" if p.micro_batches > 1 else "")
-    return f"dp {p.dp} x tp {p.tp} x pp {p.pp}, {micro}, {recompute} recompute"
+    cp = f" x cp {p.cp}" if p.cp > 1 else ""
+    return f"dp {p.dp} x tp {p.tp} x pp {p.pp}{cp}, {micro}, {recompute} recompute"
 
 
 def table(rows: list[Candidate]) -> list[str]:
-    head = (f"{'dp':>3} {'tp':>3} {'pp':>3} {'micro':>5} {'zero1':>5} {'sp':>3} {'recompute':>9} "
-            f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} "
-            f"{'comm dp/tp/pp GB':>17} {'bubble':>6} {'step s':>7} {'tok/s/dev':>9} {'MFU':>4}")
+    """One line per layout; a cp column and the K/V exchange's bytes when the layouts split sequences."""
+    split = any(c.cfg.parallel.cp > 1 for c in rows)
+    kinds = ("dp", "tp", "pp", "cp") if split else ("dp", "tp", "pp")
+    comm_head = f"comm {'/'.join(kinds)} GB"
+    head = (f"{'dp':>3} {'tp':>3} {'pp':>3}{' cp' if split else ''} {'micro':>5} {'zero1':>5} {'sp':>3} "
+            f"{'recompute':>9} {'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} "
+            f"{comm_head:>17} {'bubble':>6} {'step s':>7} {'tok/s/dev':>9} {'MFU':>4}")
     lines = [head]
     for c in rows:
         p, e = c.cfg.parallel, c.est
-        comm = "/".join(f"{e['comm'][k] / GB:.1f}" for k in ("dp", "tp", "pp"))
+        comm = "/".join(f"{e['comm'][k] / GB:.1f}" for k in kinds)
+        cp = f" {p.cp:>2}" if split else ""
         lines.append(
-            f"{p.dp:>3} {p.tp:>3} {p.pp:>3} {p.micro_batches:>5} {'y' if p.optimizer_shard else '-':>5} "
+            f"{p.dp:>3} {p.tp:>3} {p.pp:>3}{cp} {p.micro_batches:>5} {'y' if p.optimizer_shard else '-':>5} "
             f"{'y' if p.sequence_parallel else '-':>3} {c.cfg.train.recompute:>9} "
             f"{_gb(e['weights']):>7} {_gb(e['grads']):>6} {_gb(e['optimizer']):>6} {_gb(e['activations']):>6} "
             f"{_gb(e['total']):>6} {comm:>17} {e['bubble']:>6.0%} {e['time']['step']:>7.2f} "
@@ -385,6 +414,8 @@ def overrides(c: Candidate, cfg: Config, given: typing.Sequence[str] = ()) -> li
     the config repeats its train: section, which the loader rightly refuses."""
     p = c.cfg.parallel
     keys = ("dp", "tp", "pp", "micro_batches", "optimizer_shard", "sequence_parallel", "vocab_parallel")
+    if p.cp > 1:
+        keys = keys + ("cp",)
     sets = [f"parallel.{k}={str(getattr(p, k)).lower()}" for k in keys]
     sets += [f"train.batch_size={c.cfg.train.batch_size}", "train.accum_steps=1", f"train.recompute={c.cfg.train.recompute}"]
     if c.cfg.data.seq_len != cfg.data.seq_len:
@@ -392,6 +423,16 @@ def overrides(c: Candidate, cfg: Config, given: typing.Sequence[str] = ()) -> li
     planned = {s.split("=", 1)[0] for s in sets}
     kept = [s for s in given if s.split("=", 1)[0].strip() not in planned]
     return kept + sets
+
+
+def context_parallel_note(cfg: Config, seq: int, est: dict) -> str:
+    """'; context parallel ...' for a layout that splits sequences, else ''."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return ""
+    return (f"; context parallel {cp}: each device computes {seq // cp} of every {seq} tokens and keeps the whole "
+            f"sequence's K/V, exchanging {est['comm']['cp'] / GB:.2f} GB of it per step "
+            f"({est['comm']['cp'] / GB / max(est['time']['step'], 1e-12):.1f} GB/s at the estimated step time)")
 
 
 def run(cfg: Config, source: str, devices: int, device: str, memory: float | None = None,
@@ -426,7 +467,8 @@ def run(cfg: Config, source: str, devices: int, device: str, memory: float | Non
         fits = e["total"] <= USABLE * memory
         line = (f"msllm plan: {source}: {describe(c)} is valid on {devices} devices; per device "
                 f"{_gb(e['total'])} GB (weights {_gb(e['weights'])}, grads {_gb(e['grads'])}, optimizer "
-                f"{_gb(e['optimizer'])}, activations {_gb(e['activations'])}), est. {e['time']['step']:.2f} s/step")
+                f"{_gb(e['optimizer'])}, activations {_gb(e['activations'])}), est. {e['time']['step']:.2f} s/step"
+                + context_parallel_note(laid, seq, e))
         if fits:
             out(line + f"; fits {devices} x {device} ({mem_text})")
             return 0
@@ -457,6 +499,8 @@ def run(cfg: Config, source: str, devices: int, device: str, memory: float | Non
         f"the best per dp x tp x pp by estimated step time{' (flash attention)' if flash else ''}:")
     for line in table(shown):
         out(line)
+    if cfg.parallel.cp > 1:
+        out(context_parallel_note(best.cfg, seq, best.est).lstrip("; "))
     acts = best.est["activations_by_recompute"]
     out("activations per device of the best, none / selective / full recompute: "
         + " / ".join(_gb(acts[r, False]) for r in RECOMPUTE) + " GB without flash attention, "
