@@ -217,6 +217,12 @@ ROWS = [
     T("train-threads-absurd", "train.threads=100000", names=("train.threads",)),
     T("train-tp-on-cpu", "parallel.tp=2", names=("parallel.tp", "msllm launch")),
     T("train-pp-on-cpu", "parallel.pp=2", "parallel.micro_batches=2", names=("parallel.pp",)),
+    T("train-cp-not-dividing-seq", "parallel.cp=3", names=("parallel.cp", "data.seq_len", "32 % 6")),
+    T("train-cp-with-tp-on-cpu", "parallel.cp=2", "parallel.tp=2", names=("parallel.cp", "parallel.tp")),
+    T("train-cp-with-pp", "parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2", names=("parallel.cp", "parallel.pp")),
+    T("train-cp-debug-nonfinite", "parallel.cp=2", "train.debug_nonfinite=true",
+      names=("train.debug_nonfinite", "parallel.cp")),
+    T("train-cp-one-worker", "parallel.cp=2", names=("parallel.cp", "1 worker", "msllm launch")),
 
     # --- train: a YAML file, blamed on the file
     Y("yaml-syntax", "model: [\n", names=("{work}/c.yaml",)),
@@ -388,6 +394,10 @@ ROWS = [
       names=("--master",)),
     R("launch-bad-config", "launch", "--nproc", "2", "--", *T("x", "optim.lr=.inf").args, names=("optim.lr",)),
     R("launch-dp-mismatch", "launch", "--nproc", "2", "--", *T("x", "parallel.dp=4").args, names=("parallel.dp",)),
+    R("launch-cp-not-dividing-workers", "launch", "--nproc", "3", "--", *T("x", "parallel.cp=2").args,
+      names=("parallel.cp", "3 workers")),
+    R("launch-cp-dp-mismatch", "launch", "--nproc", "4", "--", *T("x", "parallel.cp=2", "parallel.dp=4").args,
+      names=("parallel.dp", "2 replicas")),
 ]
 
 HF_EDITS = {  # variant -> config.json keys to set (None deletes), or raw text
