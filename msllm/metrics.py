@@ -1,36 +1,59 @@
-"""Training records: one console line, one JSONL row and TensorBoard scalars per log step."""
+"""Training records: one console line, one JSONL row and TensorBoard scalars per log step.
+
+All written in the caller's thread: a full disk costs rows (one warning line while it lasts),
+never the run. (tensorboardX's SummaryWriter writes from a thread of its own, which dies on
+ENOSPC; its queue then fills and blocks the training loop.)
+"""
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, enabled: bool = True):
-        self.enabled = enabled
-        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a") if enabled else None
-        self.tb = None
+        self.enabled, self.failing = enabled, False
+        self.jsonl = self.tb = None
         if enabled:
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            from tensorboardX.event_file_writer import EventsWriter
+
+            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")
+            (Path(run_dir) / "tensorboard").mkdir(exist_ok=True)
+            self.tb = EventsWriter(str(Path(run_dir) / "tensorboard" / "events"))
 
     def log(self, record: dict, line: str | None = None) -> None:
         if not self.enabled:
             return
-        if line:
-            print(line, flush=True)
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        step = record.get("step", 0)
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self.tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        try:
+            if line:
+                print(line, flush=True)
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+            step = record.get("step", 0)
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    tag = f"{record.get('kind', 'train')}/{key}"
+                    self.tb.write_event(Event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
+            self.tb.flush()
+        except OSError as e:
+            if not self.failing:
+                info(f"warning: metrics not written ({e.strerror or e}); training goes on")
+            self.failing = True
+        else:
+            self.failing = False
 
     def close(self) -> None:
         if self.enabled:
-            self.jsonl.close()
-            self.tb.close()
+            for f in (self.jsonl, self.tb):
+                try:
+                    f.close()
+                except OSError:
+                    pass
 
 
 def info(msg: str) -> None:

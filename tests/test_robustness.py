@@ -251,3 +251,22 @@ def test_background_checkpoints_equal_synchronous_ones_and_survive_a_full_disk(t
     failed = [r for r in rows if r["kind"] == "checkpoint_failed"]
     assert written == [2, 6] and [r["step"] for r in failed] == [4] and "no space left" in failed[0]["error"]
     assert all(r["background"] and r["write_s"] > 0 and r["stall_s"] >= 0 for r in rows if r["kind"] == "checkpoint")
+
+
+def test_metrics_survive_a_full_disk(small_disk, capsys):
+    """Rows that cannot be written while the disk is full cost one warning line, not the run, and
+    logging goes on once there is room (TensorBoard's events too: no writer thread to die)."""
+    from msllm.metrics import MetricsLogger
+
+    metrics = MetricsLogger(small_disk)
+    metrics.log({"kind": "train", "step": 1, "loss": 2.0})
+    leave_free(small_disk, 0)
+    for step in range(2, 200):  # ~20 kB of rows: more than the page metrics.jsonl already has
+        metrics.log({"kind": "train", "step": step, "loss": 1.0, "note": "x" * 64})
+    (small_disk / "filler").unlink()
+    metrics.log({"kind": "train", "step": 500, "loss": 0.5})
+    metrics.close()
+    assert capsys.readouterr().err.count("warning: metrics not written (No space left on device)") == 1
+    rows = (small_disk / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(rows[0])["step"] == 1 and json.loads(rows[-1]) == {"kind": "train", "step": 500, "loss": 0.5}
+    assert (small_disk / "tensorboard").stat().st_size and any((small_disk / "tensorboard").iterdir())

@@ -10,10 +10,23 @@ weights must equal the reference bit for bit.
 
 With --workers N the run is `msllm launch --nproc N`; each kill hits one random worker, and
 launch must then exit non-zero within 60 s naming that rank.
+
+--campaign RUNS: unattended runs. Each run trains from scratch under
+`msllm launch --nproc 2 --max-restarts 3` and gets one fault, the kinds in turn:
+  kill       kill -9 of a random worker after a random number of steps
+  hang       SIGSTOP of a random worker (the hang watchdog must notice, train.hang_timeout_s=10)
+  disk_full  the run dir (a tmpfs: needs root) filled while a checkpoint is being written, freed 2 s later
+  corrupt    one byte of the newest checkpoint flipped, then kill -9 of a worker (resume must skip it)
+Nobody resumes by hand: every run must finish by itself with final weights bit-identical to an
+uninterrupted 2-worker run. One line per run (restarts, steps lost, failed checkpoint writes), then
+survived / total per kind.
+
+    python tools/fault_inject.py --campaign 20 --steps 60
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -108,6 +121,145 @@ def run_until_killed(cmd: list[str], run_dir: Path, mode: str, rng: random.Rando
     return True, f"{mode}, rank {rank}; launch named it and exited after {took:.0f} s"
 
 
+FAULTS = ("kill", "hang", "disk_full", "corrupt")
+
+
+def launch_command(settings: list[str], max_restarts: int) -> list[str]:
+    return [sys.executable, "-m", "msllm.cli", "launch", "--nproc", "2", "--timeout", "30",
+            "--max-restarts", str(max_restarts), "--", "train", *settings]
+
+
+class Watched:
+    """A launched run whose console lines are collected, with the count of logged steps."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines, self.steps = [], 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self.steps += line.startswith("step ")
+
+    def wait_for(self, test, timeout: float = 300) -> bool:
+        deadline = time.time() + timeout
+        while not test() and self.proc.poll() is None and time.time() < deadline:
+            time.sleep(0.001)
+        return self.proc.poll() is None and test()
+
+
+def random_worker(run_dir: Path, rng: random.Random) -> int:
+    return int((run_dir / "logs" / f"rank_{rng.randrange(2)}.pid").read_text())
+
+
+def inject(fault: str, run: Watched, run_dir: Path, rng: random.Random, steps: int) -> str:
+    """Inject one fault into a running run; what was done, in words."""
+    after = rng.randint(4, steps // 2)
+    if not run.wait_for(lambda: run.steps >= after):
+        return "not injected: the run ended first"
+    if fault in ("kill", "hang"):
+        pid = random_worker(run_dir, rng)
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        return f"{'kill -9' if fault == 'kill' else 'SIGSTOP'} of a worker after step {run.steps}"
+    if fault == "corrupt":
+        ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+        weights = ckpts[-1] / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-5] ^= 0xFF
+        weights.write_bytes(bytes(data))
+        os.kill(random_worker(run_dir, rng), signal.SIGKILL)
+        return f"flipped a byte of {ckpts[-1].name}, then kill -9 of a worker"
+    ckpts = run_dir / "checkpoints"  # disk_full: while a checkpoint is being written
+    if not run.wait_for(lambda: any(ckpts.glob(".step_*")), timeout=120):
+        return "not injected: no checkpoint write seen"
+    filler = run_dir / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+        except OSError:
+            pass
+    time.sleep(2.0)
+    filler.unlink()
+    return f"disk full for 2 s during a checkpoint write after step {run.steps}"
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass  # a row cut short by a kill
+    return rows
+
+
+def campaign(args) -> int:
+    rng = random.Random(args.seed)
+    work = Path(args.work).resolve()
+    for mount in work.glob("run_*"):
+        subprocess.run(["umount", str(mount)], capture_output=True)
+    shutil.rmtree(work, ignore_errors=True)
+    settings = lambda d: tiny_settings(d, args.steps, args.ckpt_every, args.corpus) + [  # noqa: E731
+        "--set", "train.hang_timeout_s=10"]
+    ref_dir = work / "reference"
+    ref = subprocess.run(launch_command(settings(ref_dir), 0), cwd=REPO, capture_output=True, text=True)
+    if ref.returncode != 0:
+        print(ref.stdout[-2000:], ref.stderr[-2000:])
+        return 1
+    reference = final_weights(ref_dir, args.steps)
+    results = []
+    for i in range(args.campaign):
+        fault = FAULTS[i % len(FAULTS)]
+        run_dir = work / f"run_{i:02d}_{fault}"
+        run_dir.mkdir(parents=True)
+        if fault == "disk_full" and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(run_dir)],
+                                                   capture_output=True).returncode:
+            print(f"run {i:2d} {fault:9s} skipped: mounting a tmpfs needs root", flush=True)
+            continue
+        t0 = time.time()
+        run = Watched(launch_command(settings(run_dir), args.max_restarts))
+        how = inject(fault, run, run_dir, rng, args.steps)
+        try:
+            code = run.proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            run.proc.kill()
+            code = "timeout"
+        rows = metrics_rows(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        restarts = [r for r in rows if r.get("kind") == "restart"]
+        failed_writes = sum(r.get("kind") == "checkpoint_failed" for r in rows)
+        lost = sum(r["lost_steps"] for r in restarts)
+        try:
+            final = final_weights(run_dir, args.steps)
+            identical = final.keys() == reference.keys() and all(np.array_equal(final[k], reference[k]) for k in final)
+        except (OSError, FileNotFoundError):
+            identical = False
+        survived = code == 0 and identical and not how.startswith("not injected")
+        results.append({"run": i, "fault": fault, "injected": how, "exit": code, "identical": identical,
+                        "restarts": len(restarts), "causes": [r["cause"] for r in restarts], "lost_steps": lost,
+                        "failed_checkpoint_writes": failed_writes, "seconds": round(time.time() - t0, 1),
+                        "survived": survived})
+        print(f"run {i:2d} {fault:9s} {'survived' if survived else 'FAILED  '}  {how}; {len(restarts)} restart(s), "
+              f"{lost} step(s) lost, {failed_writes} failed checkpoint write(s), {time.time() - t0:.0f} s"
+              + ("" if survived else f"; exit {code}, weights {'identical' if identical else 'differ'}: "
+                 + "".join(run.lines[-3:]).strip()), flush=True)
+        if fault == "disk_full":  # its logs kept beside the tmpfs
+            shutil.copytree(run_dir / "logs", work / f"logs_run_{i:02d}", dirs_exist_ok=True)
+            subprocess.run(["umount", str(run_dir)], capture_output=True)
+    total = len(results)
+    ok = sum(r["survived"] for r in results)
+    for fault in FAULTS:
+        mine = [r for r in results if r["fault"] == fault]
+        if mine:
+            print(f"  {fault:9s} {sum(r['survived'] for r in mine)}/{len(mine)} survived, restarts "
+                  f"{sum(r['restarts'] for r in mine)}, steps lost per run {[r['lost_steps'] for r in mine]}")
+    print(f"{ok}/{total} survived: every run finished by itself with final weights identical to the "
+          f"uninterrupted run" if ok == total else f"{ok}/{total} survived")
+    (work / "campaign.json").write_text(json.dumps(results, indent=1))
+    return 0 if ok == total else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=20)
@@ -117,7 +269,11 @@ def main(argv=None) -> int:
     parser.add_argument("--corpus", default=None, help="data.path (default: stdlib, capped at 300 KB)")
     parser.add_argument("--work", default="runs/fault_inject")
     parser.add_argument("--workers", type=int, default=1, help="run through msllm launch with this many workers")
+    parser.add_argument("--campaign", type=int, default=0, help="this many unattended 2-worker runs, one fault each")
+    parser.add_argument("--max-restarts", type=int, default=3, help="--campaign: launch --max-restarts")
     args = parser.parse_args(argv)
+    if args.campaign:
+        return campaign(args)
     rng = random.Random(args.seed)
     work = Path(args.work).resolve()
     shutil.rmtree(work, ignore_errors=True)

@@ -255,7 +255,8 @@ def launch(layout: Layout, args: list[str], log_dir: Path, timeout: int = 60, ve
 
 BACKOFF_S = 2.0       # before the first restart; doubled for each further one
 MAX_BACKOFF_S = 60.0
-USER_ERROR = 2        # a worker's one-line msllm error (bad config, bad data): a restart would repeat it
+USER_ERROR = 2        # a worker's one-line msllm error (bad config, bad data): a restart would repeat it...
+TRANSIENT = re.compile(r"no space left|disk quota exceeded", re.IGNORECASE)  # ...unless space may be freed
 
 
 def newest_step(run_dir: Path) -> int | None:
@@ -311,7 +312,7 @@ def launch_with_restarts(layout: Layout, args: list[str], resume_args: list[str]
                       file=sys.stderr, flush=True)
             return 0
         print(f"msllm launch: error: {outcome.message}", file=sys.stderr, flush=True)
-        if outcome.code == USER_ERROR and outcome.cause.startswith("exited"):
+        if outcome.code == USER_ERROR and outcome.cause.startswith("exited") and not TRANSIENT.search(outcome.cause):
             return outcome.code  # the same input would fail the same way
         if len(history) == max_restarts:
             print(f"msllm launch: gave up after {max_restarts} restart{'s' if max_restarts != 1 else ''}: "

@@ -48,8 +48,11 @@ class Heartbeat:
         else:
             deadline = max(self.hang_timeout_s, MEDIAN_FACTOR * statistics.median(self.recent))
         tmp = self.path.with_suffix(".beat.tmp")
-        tmp.write_text(json.dumps({"step": step, "time": time.time(), "deadline_s": deadline}))
-        os.replace(tmp, self.path)  # the launcher never reads half a file
+        try:
+            tmp.write_text(json.dumps({"step": step, "time": time.time(), "deadline_s": deadline}))
+            os.replace(tmp, self.path)  # the launcher never reads half a file
+        except OSError:  # a full disk: a missed beat, which the deadline judges, not a crash
+            pass
 
 
 def stalled(log_dir: Path, now: float | None = None) -> str | None:
