@@ -155,7 +155,7 @@ class TrainConfig:
                                       # always done when max_bad_steps stops a run
     keep_checkpoints: int = 3         # newest K checkpoints kept
     background_checkpoint: bool = True  # training pauses only to copy the state to host memory; a thread
-                                      # writes it (one at a time); a failed write is a warning, not a stop
+                                        # writes it (one at a time); a failed write is a warning, not a stop
     max_restarts: int = 0             # msllm launch: restarts from the newest checkpoint when a worker dies
     hang_timeout_s: float = 300.0     # msllm launch: a worker without a step for the larger of this and 10x
                                       # its median step is hung: stacks dumped, group stopped (and restarted)

@@ -31,7 +31,7 @@ class MetricsLogger:
 
         try:
             if line:
-                print(line, flush=True)
+                say(line, sys.stdout)
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
             step = record.get("step", 0)
@@ -57,4 +57,11 @@ class MetricsLogger:
 
 
 def info(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    say(msg, sys.stderr)
+
+
+def say(line: str, stream) -> None:
+    """One write for the line and its newline: print() writes them apart, and a Ctrl-C between the
+    two glued the next line ("msllm train: interrupted") to a half-ended one."""
+    stream.write(line + "\n")
+    stream.flush()
