@@ -42,7 +42,10 @@ class MetricsLogger:
             self.tb.flush()
         except OSError as e:
             if not self.failing:
-                info(f"warning: metrics not written ({e.strerror or e}); training goes on")
+                try:  # the console may be a log file on the same full disk
+                    info(f"warning: metrics not written ({e.strerror or e}); training goes on")
+                except OSError:
+                    pass
             self.failing = True
         else:
             self.failing = False
