@@ -98,7 +98,7 @@ class PlaceChunks(nn.Cell):
         super().__init__()
         c = seq // (2 * cp)
         first, second = chunks_of(cp, index)
-        # (zero rows before, this rank's rows) per chunk, then the zero rows after the last: static sizes
+        # zero rows before the first chunk, between the two, after the second (fixed at compile time)
         self.gaps = (first * c, (second - first - 1) * c, (2 * cp - 1 - second) * c)
         self.chunk = c
 
@@ -107,12 +107,13 @@ class PlaceChunks(nn.Cell):
 
     def construct(self, x):
         c = self.chunk
-        pieces = ()
-        for gap, part in ((self.gaps[0], x[..., :c, :]), (self.gaps[1], x[..., c:, :])):
-            if gap:
-                pieces = pieces + (self.zeros(x, gap),)
-            pieces = pieces + (part,)
-        if self.gaps[2]:
+        pieces = (x[..., :c, :],)
+        if self.gaps[0] > 0:
+            pieces = (self.zeros(x, self.gaps[0]),) + pieces
+        if self.gaps[1] > 0:
+            pieces = pieces + (self.zeros(x, self.gaps[1]),)
+        pieces = pieces + (x[..., c:, :],)
+        if self.gaps[2] > 0:
             pieces = pieces + (self.zeros(x, self.gaps[2]),)
         return ops.concat(pieces, -2)
 
