@@ -26,6 +26,23 @@ def step_config(model, optim=None, **train):
     return Config(model=model, optim=optim or OptimConfig(), train=TrainConfig(**train))
 
 
+def msrun_env() -> dict:
+    """The environment a test's msrun workers get: this tree's msllm, the venv's msrun and python first."""
+    return {**os.environ, "GLOG_v": "3", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": str(REPO)}
+
+
+def run_under_msrun(script: Path, out: Path, workers: int = 2) -> None:
+    """`msrun` `workers` local workers of `script OUT` (logs in OUT/logs); fails with the last worker's log."""
+    from msllm.parallel.launch import free_port
+
+    cmd = [str(Path(sys.executable).with_name("msrun")), "--worker_num", str(workers), "--local_worker_num",
+           str(workers), "--master_port", str(free_port()), "--log_dir", str(out / "logs"), "--join", "True",
+           "--cluster_time_out", "60", str(script), str(out)]
+    done = subprocess.run(cmd, cwd=REPO, env=msrun_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (out / "logs" / f"worker_{workers - 1}.log").read_text()[-3000:]
+
+
 def tiny_overrides(run_dir: Path, corpus: Path, **extra) -> list[str]:
     """--set overrides for a seconds-long CPU run on a small corpus."""
     values = {

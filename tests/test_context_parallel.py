@@ -16,7 +16,7 @@ from msllm import device, kernels
 from msllm.backends import cpu
 from msllm.models import llama
 from msllm.parallel import cp
-from tests.conftest import REPO, tiny_overrides
+from tests.conftest import REPO, msrun_env, run_under_msrun, tiny_overrides
 from tests.test_flash_attention import Core, run, segments_of
 
 
@@ -86,17 +86,10 @@ def test_each_ranks_attention_is_its_rows_of_the_whole(core, group, packed, wind
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """variant -> [rank 0's results, rank 1's results] of tests/cp_worker.py under msrun (cp = 2)."""
-    import os
-    from msllm.parallel.launch import free_port
     from tests.cp_worker import VARIANTS
 
     out = tmp_path_factory.mktemp("cp")
-    cmd = [str(Path(sys.executable).with_name("msrun")), "--worker_num", "2", "--local_worker_num", "2",
-           "--master_port", str(free_port()), "--log_dir", str(out / "logs"), "--join", "True",
-           "--cluster_time_out", "60", str(REPO / "tests" / "cp_worker.py"), str(out)]
-    env = {**os.environ, **ENV_KEYS, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (out / "logs" / "worker_1.log").read_text()[-3000:]
+    run_under_msrun(REPO / "tests" / "cp_worker.py", out)
     return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in VARIANTS}
 
 
@@ -121,22 +114,16 @@ def test_cp2_step_equals_the_whole_sequence_step(ranks, variant):
 
 # --- msllm launch: 2 workers at parallel.cp=2 against 1 worker -----------------------------------
 
-ENV_KEYS = {"GLOG_v": "3", "PYTHONPATH": str(REPO)}
-
-
 def train_run(run_dir: Path, corpus: Path, nproc: int, **extra) -> dict:
     """metrics.jsonl rows by kind and step, and the final weights, of a 4-step tiny run of 64-token
     sequences of documents (flash attention, document-aware packing), on `nproc` workers."""
-    import os
-
     sets = tiny_overrides(run_dir, corpus, **{"data.seq_len": 64, "train.steps": 4, "train.batch_size": 2,
                                               "train.eval_every": 4, "train.ckpt_every": 4, "train.attention": "flash",
                                               "data.document_attention": "true", **extra})
     train = ["train", *[a for s in sets for a in ("--set", s)]]
     cmd = [sys.executable, "-m", "msllm.cli", *(["launch", "--nproc", str(nproc), "--timeout", "30", "--"]
                                                  if nproc > 1 else []), *train]
-    env = {**os.environ, **ENV_KEYS, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=REPO, env=msrun_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     weights = load_file(str(run_dir / "checkpoints" / "step_0000004" / "model.safetensors"))

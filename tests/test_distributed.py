@@ -14,25 +14,19 @@ import pytest
 from safetensors.numpy import load_file
 
 from msllm.models.llama import build_model
-from tests.conftest import REPO, tiny_overrides
+from tests.conftest import REPO, msrun_env, run_under_msrun, tiny_overrides
 from tests.dp_worker import CFG, STEPS
 from tests.numerics import REORDER_RTOL, U32, assert_close_to_scale
 
 VARIANTS = ("dp", "dp_portable", "zero", "overflow")
-ENV = {**os.environ, "GLOG_v": "3", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-       "PYTHONPATH": str(REPO)}
+ENV = msrun_env()
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """variant -> [rank 0's results, rank 1's results] of tests/dp_worker.py under msrun."""
     out = tmp_path_factory.mktemp("dp")
-    from msllm.parallel.launch import free_port
-    cmd = [str(Path(sys.executable).with_name("msrun")), "--worker_num", "2", "--local_worker_num", "2",
-           "--master_port", str(free_port()), "--log_dir", str(out / "logs"), "--join", "True",
-           "--cluster_time_out", "60", str(REPO / "tests" / "dp_worker.py"), str(out)]
-    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (out / "logs" / "worker_1.log").read_text()[-3000:]
+    run_under_msrun(REPO / "tests" / "dp_worker.py", out)
     return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in VARIANTS}
 
 
