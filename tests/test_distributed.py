@@ -151,11 +151,13 @@ def copy_run_until(src: Path, dst: Path, step: int) -> Path:
 
 
 def test_resume_at_another_world_size(tmp_path, reference_run):
-    """2 workers at b = 2 -> 1 worker at 4, and (via a 1-worker start) 1 -> 2 workers with ZeRO-1: the same
-    samples in the same steps, so the loss curve continues as the reference's up to summation order."""
+    """2 workers at b = 2 -> 1 worker (accum_steps raised to 2 by itself: a relaunch on fewer workers needs no
+    batch arithmetic), and (via a 1-worker start) 1 -> 2 workers with ZeRO-1: the same samples in the same
+    steps, so the loss curve continues as the reference's up to summation order."""
     want = losses(reference_run)
     one = copy_run_until(reference_run, tmp_path / "one", 60)
-    run([sys.executable, "-m", "msllm.cli", "train", "--resume", str(one), "--set", "train.batch_size=4"])
+    done = run([sys.executable, "-m", "msllm.cli", "train", "--resume", str(one)])
+    assert "resuming a 2-worker run on 1: train.accum_steps 1 -> 2 keeps the global batch of 4" in done.stderr
     two = copy_run_until(one, tmp_path / "two", 80)      # step 80 was written by the 1-worker run
     run(resume_cmd(two, "--set", "train.batch_size=2", "--set", "parallel.optimizer_shard=true"))
     for run_dir in (one, two):
@@ -169,9 +171,9 @@ def test_resume_at_another_world_size(tmp_path, reference_run):
 
 
 def test_resume_refuses_another_global_batch(tmp_path, reference_run):
-    run_dir = copy_run_until(reference_run, tmp_path / "r", 20)
-    done = subprocess.run([sys.executable, "-m", "msllm.cli", "train", "--resume", str(run_dir)], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=120)
+    run_dir = copy_run_until(reference_run, tmp_path / "r", 20)  # global batch 4: 3 per worker cannot make it
+    done = subprocess.run([sys.executable, "-m", "msllm.cli", "train", "--resume", str(run_dir), "--set",
+                           "train.batch_size=3"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "global batch" in done.stderr and "train.batch_size=4" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -62,6 +62,12 @@ def check_resumable(cfg: Config, state: dict, source: str, world: int = 1) -> No
     saved_world = state.get("world", 1)
     before = saved["train"]["batch_size"] * saved["train"]["accum_steps"] * saved_world
     after = now["train"]["batch_size"] * now["train"]["accum_steps"] * world
+    accum, rest = divmod(before, now["train"]["batch_size"] * world)
+    if before != after and world != saved_world and rest == 0:  # e.g. relaunched on fewer workers
+        info(f"resuming a {saved_world}-worker run on {world}: train.accum_steps {cfg.train.accum_steps} -> {accum} "
+             f"keeps the global batch of {before}")
+        cfg.train.accum_steps = accum
+        return
     if before != after:
         raise ConfigError(source, "train.batch_size", f"global batch (batch_size x accum_steps x workers) was {before} "
                           f"({saved['train']['batch_size']} x {saved['train']['accum_steps']} x {saved_world}) but is "
