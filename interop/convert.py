@@ -25,7 +25,7 @@ from tqdm import tqdm
 from interop import InteropError
 from interop.hf_config import to_hf_config
 from interop.layouts import HF_CONFIG, MF_CONFIG, WRITERS, Source, hf_index, open_source, weight_files
-from interop.maps import FAMILIES
+from interop.maps import table_for
 from interop.table import LAYOUTS, Entry, entries
 from msllm import checkpoint
 from msllm.errors import names_line
@@ -47,10 +47,10 @@ class Result:
     seconds: float
 
 
-def plan(source: Source) -> list[Entry]:
-    """The family table's entries for this model, after checking the source holds exactly those tensors.
-    (hf_config.architecture() has already refused architectures without a table.)"""
-    table = FAMILIES[source.architecture].table
+def plan(source: Source, to: str | None = None) -> list[Entry]:
+    """The family table's entries for this model (converting to `to`), after checking the source holds
+    exactly those tensors. (hf_config.architecture() has already refused architectures without a table.)"""
+    table = table_for(source.architecture, source.layout, to or source.layout)
     rows = entries(table, source.config.model)
     want = {}
     for e in rows:
@@ -102,10 +102,11 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     to = to or ("hf" if source.layout == "msllm" else "msllm")
     if to not in LAYOUTS:
         raise InteropError(f"unknown destination layout {to!r} (expected {', '.join(LAYOUTS)})")
-    rows = plan(source)
+    rows = plan(source, to)
     if any(e.stored[to] is None for e in rows):
-        raise InteropError(f"{source.path}: msllm has no {to} layout for {source.architecture} "
-                           f"(MindFormers names are mapped for Llama, Mistral and Qwen2)")
+        raise InteropError(f"{source.path}: msllm has no {to} layout for {source.architecture} (MindFormers names "
+                           f"are mapped for Llama, Mistral, Qwen2 and Qwen3; MindFormers 1.9 has no Gemma 3, Phi-3 "
+                           f"or Mixtral, and its Qwen3-MoE is not mapped)")
 
     def out_dtype(e: Entry) -> torch.dtype:
         first = next(iter(e.stored[source.layout].shapes(e)))

@@ -8,6 +8,9 @@ layout (Hugging Face, MindFormers) stores it:
                                   dim as one term per part ("q+kv+kv"), which gives the split back
     Transposed("name")            stored as the 2-D transpose
     Stacked("name.{e}.w")         stored one tensor per expert e; msllm stacks them on a new dim 0
+    Interleaved("name", "groups") stored as the parts of an msllm Concat interleaved in blocks: dim 0 cut
+                                  into `groups` (a named dim) blocks, block g holding each part's g-th
+                                  slice in turn (MindFormers' mcore linear_qkv: [q, k, v] per KV head)
     None                          this layout has no such tensor (the family is not in that layout)
 
 The msllm column may be a Concat too: Phi-3 stores q, k and v as one qkv_proj, so its row is
@@ -34,7 +37,7 @@ CONDITIONS = {"untied": lambda m, i: not m.tie_embeddings,
 
 def named_dims(m: ModelConfig) -> dict[str, int]:
     return {"vocab": m.vocab_size, "hidden": m.hidden_size, "ffn": m.ffn_size, "head": m.head_size,
-            "q": m.num_heads * m.head_size, "kv": m.num_kv_heads * m.head_size,
+            "q": m.num_heads * m.head_size, "kv": m.num_kv_heads * m.head_size, "kv_heads": m.num_kv_heads,
             "experts": m.num_experts, "expert_ffn": m.moe_ffn_size or m.ffn_size}
 
 
@@ -107,11 +110,34 @@ class Stacked:
         return [(name, part.contiguous()) for name, part in zip(self.names(entry), t.unbind(0), strict=True)]
 
 
+class Interleaved(Same):
+    """The stored tensor interleaves the msllm Concat's parts along dim 0 in `groups` blocks: block g is
+    part 1's g-th slice, then part 2's, ... (groups: a named dim, resolved by `entries`)."""
+
+    def __init__(self, name: str, groups: str | int):
+        super().__init__(name)
+        self.groups = groups
+
+    def expand(self, prefix: str, i: int):
+        return Interleaved((prefix + self.name).format(i=i), self.groups)
+
+    def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
+        t = read(self.name)
+        blocks = t.reshape(self.groups, -1, *t.shape[1:])
+        parts = torch.split(blocks, [n // self.groups for n in entry.terms[0]], 1)
+        return torch.cat([p.reshape(-1, *t.shape[1:]) for p in parts], 0)
+
+    def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        parts = torch.split(t, list(entry.terms[0]), 0)
+        blocks = torch.cat([p.reshape(self.groups, -1, *t.shape[1:]) for p in parts], 1)
+        return [(self.name, blocks.reshape(t.shape).contiguous())]
+
+
 class Row(NamedTuple):
     msllm: str | Concat
     shape: str                         # named dims, e.g. "vocab, hidden" or "q+kv+kv, hidden"
     hf: str | Concat | Transposed
-    mindformers: str | Concat | Transposed | None
+    mindformers: str | Concat | Transposed | Interleaved | None
     when: str | None = None            # a key of CONDITIONS
 
 
@@ -147,6 +173,11 @@ def entries(table: Table, m: ModelConfig) -> list[Entry]:
         stored = {layout: _rule(getattr(row, layout)) for layout in LAYOUTS}
         stored = {layout: rule and rule.expand(prefix[layout], i) for layout, rule in stored.items()}
         for layout, rule in stored.items():  # a table bug, caught when the table is first used
+            if isinstance(rule, Interleaved):
+                rule.groups = sizes[rule.groups]
+                if any(n % rule.groups for n in terms[0]):
+                    raise ValueError(f"table row {row.msllm}: {layout} interleaves {row.shape!r} in "
+                                     f"{rule.groups} blocks, which do not divide its parts")
             if isinstance(rule, Concat) and len(rule.parts) != len(terms[rule.dim]):
                 raise ValueError(f"table row {row.msllm}: {layout} joins {len(rule.parts)} parts but "
                                  f"dim {rule.dim} of {row.shape!r} has {len(terms[rule.dim])} terms")

@@ -72,6 +72,59 @@ def test_mindformers_layout_round_trip(hf_dirs, tmp_path, mf_format):
     assert same_state(back, {k: v for k, v in src.items() if k != "lm_head.weight"})
 
 
+# MindFormers 1.9.0's TrainingQwen3ForCausalLM, built in its own venv (tools/mindformers_peer.py), holds
+# these parameters for tests/hf_models.py's qwen3 shapes (hidden 64, 4 heads and 2 KV heads of 32, ffn 96).
+MF_QWEN3_LAYER = {"input_layernorm.weight": (64,), "self_attention.linear_qkv.weight": (256, 64),
+                  "self_attention.linear_proj.weight": (64, 128), "self_attention.q_layernorm.weight": (32,),
+                  "self_attention.k_layernorm.weight": (32,), "pre_mlp_layernorm.weight": (64,),
+                  "mlp.linear_fc1.weight": (192, 64), "mlp.linear_fc2.weight": (64, 96)}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_to_mindformers_mcore_layout_and_back_is_bitwise(tmp_path, tied):
+    """HF -> msllm -> MindFormers -> msllm -> HF. MindFormers' mcore Qwen3 joins q, k, v per KV head
+    ([q heads of the group, k, v]) and alternates gate / up rows; its logits on this file were checked
+    against transformers by tools/mindformers_check.py (MindFormers 1.9.0, MindSpore 2.9.0)."""
+    model = build("qwen3", tie_word_embeddings=tied)
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    convert(tmp_path / "ms", tmp_path / "mf", to="mindformers", mf_format="safetensors", progress=False)
+    mf = load_file(tmp_path / "mf" / "model.safetensors")
+    want = {"embedding.word_embeddings.weight": (300, 64), "decoder.final_layernorm.weight": (64,),
+            **{f"decoder.layers.{i}.{k}": v for i in range(2) for k, v in MF_QWEN3_LAYER.items()}}
+    if not tied:
+        want["output_layer.weight"] = (300, 64)
+    assert {k: tuple(v.shape) for k, v in mf.items()} == want
+
+    src = model.state_dict()
+    a, d = "model.layers.1.self_attn", 32
+    q, k, v = (src[f"{a}.{p}_proj.weight"] for p in "qkv")
+    group = [q[0:2 * d], k[0:d], v[0:d], q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]]  # KV head 0's, then 1's
+    assert torch.equal(mf["decoder.layers.1.self_attention.linear_qkv.weight"], torch.cat(group))
+    fc1 = mf["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1[0::2], src["model.layers.1.mlp.gate_proj.weight"])
+    assert torch.equal(fc1[1::2], src["model.layers.1.mlp.up_proj.weight"])
+    assert verify(tmp_path / "hf", tmp_path / "mf").ok
+
+    convert(tmp_path / "mf", tmp_path / "ms2", progress=False)
+    assert same_state(load_file(tmp_path / "ms2" / "model.safetensors"), load_file(tmp_path / "ms" / "model.safetensors"))
+    convert(tmp_path / "ms2", tmp_path / "back", progress=False)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert same_state(reloaded.state_dict(), src)
+
+
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "mixtral"])
+def test_families_without_mindformers_names_are_refused_in_one_line(hf_dirs, tmp_path, case):
+    from interop import InteropError
+
+    model, hf = hf_dirs[case]
+    with pytest.raises(InteropError) as e:
+        convert(hf, tmp_path / "mf", to="mindformers", progress=False)
+    message = str(e.value)
+    assert "\n" not in message and f"msllm has no mindformers layout for {type(model).__name__}" in message
+    assert not (tmp_path / "mf").exists()
+
+
 def test_sharded_sources_and_outputs(hf_dirs, tmp_path):
     model, _ = hf_dirs["llama3_gqa_rope_scaling"]
     src = model.state_dict()

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Cross-check the MindFormers layout for real: MindFormers' own LlamaForCausalLM runs our checkpoint.
+"""Cross-check the MindFormers layout for real: MindFormers' own model runs our checkpoint (its
+LlamaForCausalLM for Llama / Qwen2, its mcore TrainingQwen3ForCausalLM for Qwen3).
 
 For each case, a tiny random Hugging Face model is converted by `msllm convert --to mindformers`
 (.ckpt, and safetensors), then tools/mindformers_peer.py runs MindFormers' LlamaForCausalLM on it in
@@ -31,6 +32,8 @@ CASES = {
     "llama2_mha": ("llama2_mha", {}),
     "llama3_gqa": ("llama3_gqa_rope_scaling", {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
     "qwen2_bias_tied": ("qwen2_bias_tied", {}),
+    "qwen3": ("qwen3", {}),                                # tied, head_dim 32 != 64 / 4: MindFormers' mcore Qwen3
+    "qwen3_untied": ("qwen3", {"tie_word_embeddings": False}),
 }
 
 
@@ -46,7 +49,7 @@ def mf_python(given: str | None) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mf-python", default=None, help="python of the MindFormers venv")
-    p.add_argument("--cases", default="llama2_mha,llama3_gqa,qwen2_bias_tied")
+    p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--tol", type=float, default=1e-4)
     a = p.parse_args()
     import torch

@@ -9,11 +9,13 @@ Run with the MindFormers venv's python (see tools/mindformers_env.sh):
   $PY tools/mindformers_peer.py bench --vocab 4096 --hidden 512 --layers 4 --heads 8 \
       --ffn 1376 --seq 256 --batch 4 --steps 10 --warmup 2 --threads 2
 
-cfg.json keys: vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, ffn_size,
-rope_theta, norm_eps, max_seq_len, tie_embeddings; optional qkv_bias (default: inferred
-from the weights, i.e. present iff `...attention.wq.bias` is in the file).
-Weights use MindFormers names (model.tok_embeddings.embedding_weight,
-model.layers.N.attention.wq.weight, ..., model.norm_out.weight, lm_head.weight).
+cfg.json keys (msllm's model_config.json): vocab_size, hidden_size, num_layers, num_heads,
+num_kv_heads, ffn_size, rope_theta, norm_eps, max_seq_len, tie_embeddings; optional qkv_bias
+(default: inferred from the weights, i.e. present iff `...attention.wq.bias` is in the file).
+Weights use MindFormers names: its Llama (model.tok_embeddings.embedding_weight,
+model.layers.N.attention.wq.weight, ..., model.norm_out.weight, lm_head.weight), or with qk_norm
+(and head_dim) its mcore Qwen3 (embedding.word_embeddings.weight, decoder.layers.N.self_attention.
+linear_qkv.weight, ..., decoder.final_layernorm.weight, output_layer.weight).
 """
 import argparse
 import json
@@ -70,6 +72,77 @@ def build_llama(vocab, hidden, layers, heads, kv_heads, ffn, seq, batch, theta=1
     return net
 
 
+def build_qwen3(c, seq, batch):
+    """MindFormers' own mcore Qwen3 (TrainingQwen3ForCausalLM: the class MindFormers trains Qwen3 with),
+    fp32, with three Ascend-only kernels given CPU stand-ins that compute the same: RmsNorm (y and
+    rstd from ops), a broadcast product for Outer (RoPE's angle table) and
+    softmax attention for FlashAttentionScore (BNSD, its GQA grouping, mask 1 = hidden). The fp16
+    casts it puts before FlashAttentionScore (that kernel's input dtypes) are skipped, so all runs in fp32.
+    The weight layout, the q/k norms, RoPE and the MLP are MindFormers' own."""
+    import mindspore as ms
+    from mindspore import nn, ops
+    from mindformers import build_context
+    from mindformers.models.qwen3 import Qwen3Config
+    from mindformers.models.qwen3 import modeling_qwen3_train as train
+
+    mode = "GRAPH_MODE" if ms.get_context("mode") == ms.GRAPH_MODE else "PYNATIVE_MODE"
+    build_context({"context": {"mode": mode, "device_target": "CPU"}, "use_legacy": False, "parallel": {}})
+    f32 = "float32"
+    cfg = Qwen3Config(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["ffn_size"],
+        num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"],
+        num_key_value_heads=c.get("num_kv_heads") or c["num_heads"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_heads"], rms_norm_eps=float(c["norm_eps"]),
+        rope_theta=float(c["rope_theta"]), max_position_embeddings=max(c.get("max_seq_len") or seq, seq),
+        seq_length=seq, batch_size=batch, tie_word_embeddings=bool(c.get("tie_embeddings", False)),
+        pad_token_id=-1, compute_dtype=f32, params_dtype=f32, layernorm_compute_dtype=f32,
+        softmax_compute_dtype=f32, rotary_dtype=f32)
+    net = train.TrainingQwen3ForCausalLM(cfg)
+
+    class Outer(nn.Cell):
+        def construct(self, a, b):
+            return a.reshape(-1, 1) * b.reshape(1, -1)
+
+    class SoftmaxAttentionScore(nn.Cell):
+        """FlashAttentionScore's outputs (max, sum, unused, attention) with only the attention computed."""
+
+        def __init__(self, scale):
+            super().__init__()
+            self.scale = scale
+
+        def construct(self, q, k, v, alibi, drop, padding, mask, prefix):
+            rep = q.shape[1] // k.shape[1]
+            k, v = ops.repeat_interleave(k, rep, 1), ops.repeat_interleave(v, rep, 1)
+            scores = ops.matmul(q, k.swapaxes(-1, -2)) * self.scale
+            scores = scores + ops.cast(mask, ms.float32) * -1e9
+            out = ops.matmul(ops.softmax(scores, -1), v)
+            return out, out, out, out
+
+    class RmsNorm(nn.Cell):
+        def __init__(self, eps):
+            super().__init__()
+            self.eps = eps
+
+        def construct(self, x, w):
+            rstd = ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps)
+            return x * rstd * w, rstd
+
+    class KeepFp32(nn.Cell):
+        def construct(self, x, dtype):
+            return x if dtype == ms.float16 else ops.cast(x, dtype)
+
+    for _, cell in net.cells_and_names():
+        if isinstance(getattr(cell, "norm", None), ops.RmsNorm):
+            cell.norm = RmsNorm(cell.eps)
+        if hasattr(cell, "outer_for_eod"):
+            cell.outer, cell.outer_for_eod = Outer(), Outer()
+        if hasattr(cell, "flash_attention") and hasattr(cell.flash_attention, "scale_value"):
+            cell.flash_attention = SoftmaxAttentionScore(cell.flash_attention.scale_value)
+        if hasattr(cell, "core_attention"):
+            cell.cast = KeepFp32()
+    return net
+
+
 def read_weights(path):
     """name -> fp32 numpy array, from a MindSpore .ckpt or a .safetensors file."""
     import mindspore as ms
@@ -95,17 +168,20 @@ def load_strict(net, weights):
 
 
 def cmd_logits(a):
-    ms = setup_ms(a.mode, a.threads)
     c = json.load(open(a.config))
+    ms = setup_ms("graph" if c.get("qk_norm") else a.mode, a.threads)  # mcore Qwen3's logits reshape is graph-only
     tokens = np.load(a.tokens).astype(np.int32)
     assert tokens.ndim == 2, f"tokens must be [batch, seq], got {tokens.shape}"
     weights = read_weights(a.ckpt)
     qkv_bias = c.get("qkv_bias", any(k.endswith("attention.wq.bias") for k in weights))
-    net = build_llama(c["vocab_size"], c["hidden_size"], c["num_layers"], c["num_heads"],
+    if c.get("qk_norm"):
+        net = build_qwen3(c, seq=tokens.shape[1], batch=tokens.shape[0])
+    else:
+        net = build_llama(c["vocab_size"], c["hidden_size"], c["num_layers"], c["num_heads"],
                       c.get("num_kv_heads") or c["num_heads"], c["ffn_size"],
                       seq=tokens.shape[1], batch=tokens.shape[0], theta=float(c["rope_theta"]),
                       eps=float(c["norm_eps"]), max_pos=c.get("max_seq_len"),
-                      tie=bool(c.get("tie_embeddings", False)), qkv_bias=bool(qkv_bias))
+                          tie=bool(c.get("tie_embeddings", False)), qkv_bias=bool(qkv_bias))
     load_strict(net, weights)
     # Eval mode, no labels, no batch_valid_length: LlamaForCausalLM returns
     # (logits [b, s, vocab] fp32, tokens, input_mask) -- full-sequence logits, no loss.

@@ -14,15 +14,24 @@ class Family(NamedTuple):
     spec: dict              # ModelConfig fields the architecture implies (its config.json has the rest)
     activation: str = "silu"  # the hidden_act / hidden_activation its MLP computes
     moe: bool = False       # its MLPs are routed experts (config.json says how many and where)
+    # The table conversions to or from MindFormers use when MindFormers joins tensors `table` keeps
+    # apart (its mcore layouts); `table` names each projection alone, as LoRA and PEFT need.
+    mindformers: Table | None = None
 
 
 FAMILIES = {
     "LlamaForCausalLM": Family(LLAMA, "llama", {}),
     "MistralForCausalLM": Family(LLAMA, "mistral", {}),   # same tensors; its sliding window comes from config.json
     "Qwen2ForCausalLM": Family(QWEN2, "qwen2", {"qkv_bias": True}),
-    "Qwen3ForCausalLM": Family(qwen3.QWEN3, "qwen3", qwen3.SPEC),
+    "Qwen3ForCausalLM": Family(qwen3.QWEN3, "qwen3", qwen3.SPEC, mindformers=qwen3.QWEN3_MINDFORMERS),
     "Gemma3ForCausalLM": Family(gemma3.GEMMA3, "gemma3_text", gemma3.SPEC, "gelu_pytorch_tanh"),
     "Phi3ForCausalLM": Family(phi3.PHI3, "phi3", phi3.SPEC),
     "Qwen3MoeForCausalLM": Family(moe.QWEN3_MOE, "qwen3_moe", qwen3.SPEC, moe=True),
     "MixtralForCausalLM": Family(moe.MIXTRAL, "mixtral", {}, moe=True),
 }
+
+
+def table_for(arch: str, *layouts: str) -> Table:
+    """The table a conversion between `layouts` reads: the MindFormers one when either end is MindFormers."""
+    family = FAMILIES[arch]
+    return family.mindformers if family.mindformers and "mindformers" in layouts else family.table
