@@ -446,3 +446,50 @@ def test_checker_applies_flash_attention_rules(monkeypatch):
     rows[i] = dataclasses.replace(rows[i], inputs=(rows[i].inputs[0], kv, kv, rows[i].inputs[3]))
     monkeypatch.setattr(L, "OPS", tuple(rows))
     assert any("keys' sequence" in p for p in L.strategy_problems(cfg.model, sh, 4, 32))
+
+
+def test_qk_norms_are_cut_on_heads_as_their_projections_and_compute_the_same():
+    """q / k norms under tp (a Gemma-3-like block: q/k and sandwich norms, a sliding and a full layer):
+    golden strategies with the heads axis cut as wq / wk cut their columns (q over tp, k over the KV
+    split), the checker clean, the backend setting exactly those on the built model, and the model
+    with Ascend's norm formulation computing the same logits."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm.backends import ascend
+    from msllm.models.llama import Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    model = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, ffn_size=64,
+                 max_seq_len=16, qk_norm=True, sandwich_norm=True, norm_offset=1.0, mlp="geglu_tanh",
+                 sliding_window=4, layer_types=["sliding", "full"], rope_local_theta=10000.0, rope_theta=1e6)
+    layout = {"dp": 2, "tp": 4, "sequence_parallel": True}
+    cfg = config_from_dict({"model": model, "data": {"seq_len": 16}, "train": {"batch_size": 4}, "parallel": layout})
+    check_parallel(cfg, 8)
+    sh = L.sharding(cfg.model, cfg.parallel)
+    assert (sh.tp_kv, sh.tp_rep) == (2, 2)
+    got = L.op_strategies(cfg.model, sh)
+    for which, heads in (("q", 4), ("k", 2)):  # q: 8 heads over tp 4; k: 2 KV heads, each held by 2 ranks
+        x, r = (2, heads, 1), (2, heads, 1)
+        want = {"square": (x,), "mean": (x,), "add": (r, (1, 1, 1)), "rsqrt": (r,), "scale": (x, r), "weigh": (x, (1,))}
+        for prim, strategy in want.items():
+            assert got[f"{A}{which}_norm.core.{prim}"] == {"in": strategy, "out": None}, (which, prim)
+    # the heads a rank normalises are the heads its projection computed (same slice of the same axis)
+    rows = {op.path: op for op in L.ops_for(cfg.model)}
+    for which in "qk":
+        assert rows[f"{A}{which}_norm.core.square"].inputs[0][1] == rows[f"{A}w{which}.matmul"].inputs[1][0]
+    sandwich = [op.path for op in L.ops_for(cfg.model) if "_out_norm." in op.path]
+    assert len(sandwich) == 12 and got["layers.*.ffn_out_norm.core.square"] == {"in": ((8, 1),), "out": None}
+
+    net = Llama(cfg.model)
+    ids = Tensor(np.random.default_rng(0).integers(0, 64, (2, 12)).astype(np.int32))
+    plain = net(ids).asnumpy()
+    applied = ascend.specialise(net, cfg)
+    assert applied[f"{A}q_norm.core.weigh"] == applied[f"{A}k_norm.core.weigh"] == 2
+    cells = dict(net.cells_and_names())
+    for op in L.ops_for(cfg.model):
+        if ".q_norm." in op.path or ".k_norm." in op.path:
+            attrs = getattr(cells[op.cell.replace("*", "1")], op.prim).attrs
+            assert tuple(applied_strategy(a) for a in attrs["in_layout"]) == got[op.path]["in"], op.path
+    assert cells["layers.0.attention.q_norm"].heads_axis
+    np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)

@@ -47,6 +47,15 @@ class RMSNormCore(nn.Cell):
         return self.weigh(self.scale(x, self.rsqrt(self.add(self.mean(self.square(x), -1), self.eps))), weight)
 
 
+class HeadRMSNormCore(RMSNormCore):
+    """RMSNormCore over each head: x [N, heads, d] (HeadNorm.heads_axis), heads cut as the q or k
+    projection's columns are (layouts._HEAD_NORM_OPS), so each rank normalises its own heads."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        self.eps = Tensor(np.full((1, 1, 1), eps, np.float32))
+
+
 class VocabParallelCrossEntropy(nn.Cell):
     """Mean cross-entropy of logits [N, vocab] cut over vocab (layouts.LOSS_OPS): the row max, the
     sum of exponentials and the target logit are reduced across shards, never the logits gathered.
@@ -193,12 +202,16 @@ def apply_layout(model, cfg: Config, flash: bool = False) -> dict[str, int]:
 
 
 def use_shardable_norms(model) -> int:
-    """Swap each RMSNorm's core for RMSNormCore above (parameter-free, same maths)."""
-    from msllm.models.llama import RMSNorm
+    """Swap each RMSNorm's core for RMSNormCore above (parameter-free, same maths); q / k norms
+    normalise their [rows, heads, d] view with HeadRMSNormCore, so the heads axis can be cut."""
+    from msllm.models.llama import HeadNorm, RMSNorm
 
     norms = [cell for _, cell in model.cells_and_names() if isinstance(cell, RMSNorm)]
     for norm in norms:
-        norm.core = RMSNormCore(norm.dim, norm.eps)
+        if isinstance(norm, HeadNorm):
+            norm.heads_axis, norm.core = True, HeadRMSNormCore(norm.dim, norm.eps)
+        else:
+            norm.core = RMSNormCore(norm.dim, norm.eps)
     return len(norms)
 
 

@@ -114,7 +114,22 @@ _NORM_OPS = tuple(
         ("scale", (("tokens", None), ("tokens", None))),
         ("weigh", (("tokens", None), (None,))),
     ))
-OPS = _NORM_OPS + (
+# q / k norms (HeadNorm.heads_axis, msllm.backends.ascend.HeadRMSNormCore): the projection viewed
+# [N, heads, d], its heads cut as the projection's columns are (q: heads, k: kv), so each rank
+# normalises the heads it holds: no data moves between the projection, the norm and RoPE.
+_HEAD_NORM_OPS = tuple(
+    Op(f"layers.*.attention.{which}_norm.core", prim, tuple(tuple(h if dim == "H" else dim for dim in x) for x in inputs),
+       when="qk_norm")
+    for which, h in (("q", "heads"), ("k", "kv"))
+    for prim, inputs in (
+        ("square", (("batch", "H", None),)),
+        ("mean", (("batch", "H", None),)),
+        ("add", (("batch", "H", None), (None, None, None))),   # + eps [1, 1, 1]
+        ("rsqrt", (("batch", "H", None),)),
+        ("scale", (("batch", "H", None), ("batch", "H", None))),
+        ("weigh", (("batch", "H", None), (None,))),
+    ))
+OPS = _NORM_OPS + _HEAD_NORM_OPS + (
     Op("tok_embeddings", "gather", (("vocab", None), ("batch",))),
     Op("layers.*.attention.wq", "matmul", (("batch", None), ("heads", None))),
     Op("layers.*.attention.wk", "matmul", (("batch", None), ("kv", None))),
@@ -345,6 +360,11 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1) ->
     for op in _NORM_OPS:
         shapes[op.path] = {"square": [(n, h)], "mean": [(n, h)], "add": [(n, 1), (1, 1)], "rsqrt": [(n, 1)],
                            "scale": [(n, h), (n, 1)], "weigh": [(n, h), (h,)]}[op.prim]
+    for op in _HEAD_NORM_OPS:
+        heads = nh if ".q_norm." in op.cell else kv
+        shapes[op.path] = {"square": [(n, heads, d)], "mean": [(n, heads, d)], "add": [(n, heads, 1), (1, 1, 1)],
+                           "rsqrt": [(n, heads, 1)], "scale": [(n, heads, d), (n, heads, 1)],
+                           "weigh": [(n, heads, d), (d,)]}[op.prim]
     return {op.path: shapes[op.path] for op in table_ops(m)}
 
 

@@ -100,10 +100,19 @@ class RMSNorm(nn.Cell):
 
 
 class HeadNorm(RMSNorm):
-    """RMSNorm over each head of a projection [rows, n*d] (Qwen3 / Gemma 3 q and k norms)."""
+    """RMSNorm over each head of a projection [rows, n*d] (Qwen3 / Gemma 3 q and k norms).
+    `heads_axis`: normalise the [rows, n, d] view instead of [rows*n, d], the same maths, whose heads
+    axis a layout cuts as the projection's columns are cut (a device formulation; msllm.backends.ascend)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__(dim, eps, offset)
+        self.heads_axis = False
 
     def construct(self, x):
         shape = x.shape
+        if self.heads_axis:
+            heads = cast(x, ms.float32).reshape(-1, shape[-1] // self.dim, self.dim)
+            return cast(self.core(heads, self.scale()), x.dtype).reshape(shape)
         return super().construct(x.reshape(-1, self.dim)).reshape(shape)
 
 
