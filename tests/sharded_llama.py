@@ -16,6 +16,11 @@ flash=True runs each rank's attention as the table's FlashAttentionScore rows la
 core): its q and K/V head slices (after repeat_kv) checked against what the rank's projections
 hold, so no data moves between them, and its query heads grouped onto its K/V heads by the
 primitive's own GQA rule within the rank (local head j reads local K/V head j // (n1 / n2)).
+
+The Gemma 3 / Qwen3 parts run forward only (their backward is not written: block_back refuses): q/k
+norms on the heads each rank holds, where the table's q/k norm rows put them (checked against the
+rank's wq / wk slices), sandwich norms on the residual stream, (offset + w) norms, GeGLU, scaled
+embeddings and scores, and per layer its attention kind: a sliding window's mask and its RoPE base.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import numpy as np
 from msllm.config import ModelConfig
 from msllm.models import layouts as L
 from msllm.backends.cpu import rotate_half_matrix
-from msllm.models.llama import rope_tables
+from msllm.models.llama import attention_kinds, rope_tables
 
 TP = ("tp_kv", "tp_rep")
 
@@ -113,9 +118,20 @@ def sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def causal_mask(s: int, window: int) -> np.ndarray:
+    """Additive [s, s]: key j visible from query i when j <= i and (a window w > 0) i - j < w."""
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    visible = (j <= i) & ((window == 0) | (i - j < window))
+    return np.where(visible, 0.0, -1e9).astype(np.float32)
+
+
 class Rope:
-    def __init__(self, m: ModelConfig, s: int):
-        cos, sin = rope_tables(m)
+    def __init__(self, m: ModelConfig, s: int, theta: float | None = None, scaling: dict | None = None):
+        cos, sin = rope_tables(m, theta, scaling)
         self.cos, self.sin, self.rot = cos[:s], sin[:s], rotate_half_matrix(m.head_size)
 
     def __call__(self, x):  # [b, n, s, d]
@@ -166,8 +182,10 @@ class ShardedLlama:
 
     def __init__(self, params: dict, m: ModelConfig, sh: L.Sharding, seq: int, flash: bool = False):
         self.m, self.sh, self.ranks, self.flash = m, sh, Ranks(sh), flash
-        self.rope = Rope(m, seq)
-        self.mask = np.triu(np.full((seq, seq), -1e9, np.float32), k=1)
+        kinds, self.layer_kind = attention_kinds(m)
+        self.ropes = [Rope(m, seq, theta, scaling) for _, theta, scaling in kinds]
+        self.masks = [causal_mask(seq, window) for window, _, _ in kinds]
+        self.rope, self.mask = self.ropes[0], self.masks[0]  # the backward's (plain models: one kind)
         self.weights, self.starts = [], []
         for c in self.ranks.coords:
             w, st = {}, {}
@@ -206,7 +224,7 @@ class ShardedLlama:
             if self.split_tokens():
                 x = self.ranks.chunk(x)
         self.caches[key, "embed"] = ids_per_rank
-        return x
+        return [xi * np.float32(self.m.embed_scale) for xi in x]
 
     def embed_back(self, dx, key):
         name = "tok_embeddings.weight"
@@ -233,11 +251,13 @@ class ShardedLlama:
         self.add_grad(name, gs)
 
     # -- norms: replicated, or on each rank's tokens under sequence parallel
-    def norm(self, x, name, key):
-        out = each(lambda xi, w: rmsnorm(xi, w, self.m.norm_eps), x, self.w(name))
+    def norm(self, x, name, key, gather=True):
+        """gather: for column matmuls, which read whole rows; a sandwich norm's output stays on the
+        residual stream's rows."""
+        out = each(lambda xi, w: rmsnorm(xi, w + np.float32(self.m.norm_offset), self.m.norm_eps), x, self.w(name))
         self.caches[key, name] = [c for _, c in out]
         y = [yi for yi, _ in out]
-        return self.ranks.all_gather(y) if self.split_tokens() else y  # column matmuls read whole rows
+        return self.ranks.all_gather(y) if self.split_tokens() and gather else y
 
     def norm_back(self, dy, name, key):
         caches = self.caches.pop((key, name))
@@ -272,8 +292,15 @@ class ShardedLlama:
             if m.qkv_bias:
                 y = [yi + bi for yi, bi in zip(y, self.w(p + f"attention.{name}.bias"))]
             proj[name] = [heads(yi, d, b, s) for yi in y]
-        q = [self.rope(t) / np.float32(math.sqrt(d)) for t in proj["wq"]]
-        k = [self.rope(t) for t in proj["wk"]]
+        if m.qk_norm:
+            for name, which in (("wq", "q"), ("wk", "k")):
+                self.check_head_norm_layout(p, which)
+                w = [wi + np.float32(m.norm_offset) for wi in self.w(p + f"attention.{which}_norm.weight")]
+                proj[name] = [rmsnorm(t, wi, m.norm_eps)[0] for t, wi in zip(proj[name], w)]
+        rope, self.mask = self.ropes[self.layer_kind[i]], self.masks[self.layer_kind[i]]
+        scale = np.float32(m.attn_scale or 1.0 / math.sqrt(d))
+        q = [rope(t) * scale for t in proj["wq"]]
+        k = [rope(t) for t in proj["wk"]]
         v = proj["wv"]
         kv_of = [self.kv_of(r, p) for r in range(len(a))]
         copies = [1] * len(a)
@@ -284,15 +311,32 @@ class ShardedLlama:
         att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, self.mask), q, k, v, kv_of)
         o = [merge(oi) for oi, _ in att]
         attn_out = self.row_out([oi @ wi.T for oi, wi in zip(o, self.w(p + "attention.wo.weight"))])
+        if m.sandwich_norm:
+            attn_out = self.norm(attn_out, p + "attention_out_norm.weight", (b, s, i, "attn_out"), gather=False)
         x = [xi + yi for xi, yi in zip(x, attn_out)]
         a2 = self.norm(x, p + "ffn_norm.weight", (b, s, i, "ffn"))
         g = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w1.weight"))]
         u = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w3.weight"))]
-        hmid = [gi * sigmoid(gi) * ui for gi, ui in zip(g, u)]
+        act = gelu_tanh if m.mlp == "geglu_tanh" else (lambda z: z * sigmoid(z))
+        hmid = [act(gi) * ui for gi, ui in zip(g, u)]
         mlp_out = self.row_out([hi @ wi.T for hi, wi in zip(hmid, self.w(p + "feed_forward.w2.weight"))])
+        if m.sandwich_norm:
+            mlp_out = self.norm(mlp_out, p + "ffn_out_norm.weight", (b, s, i, "ffn_out"), gather=False)
         x = [xi + yi for xi, yi in zip(x, mlp_out)]
         self.caches[(b, s, i), "block"] = (a, q, k, v, kv_of, copies, [pi for _, pi in att], o, a2, g, u, hmid)
         return x
+
+    def check_head_norm_layout(self, p, which):
+        """The heads each rank's q / k norm reads, as the table's row cuts its [N, heads, d] input,
+        are the heads of the rank's wq / wk slice: the norm needs no data from another rank."""
+        m, d = self.m, self.m.head_size
+        row = next(op for op in L.ops_for(m) if op.path == f"layers.*.attention.{which}_norm.core.square")
+        n = m.num_heads if which == "q" else m.num_kv_heads
+        for r, c in enumerate(self.ranks.coords):
+            cut = L.shard_slices((self.sh.dp, n, d), row.inputs[0], self.sh, c)[1]
+            first = self.starts[r][p + f"attention.w{which}.weight"][0] // d
+            held = self.weights[r][p + f"attention.w{which}.weight"].shape[0] // d
+            assert (cut.start, cut.stop) == (first, first + held), (which, c)
 
     def flash_layout(self, r, p):
         """Rank r's FlashAttentionScore as the table lays it out: (kv_of, K/V copies the rank holds).
@@ -327,6 +371,8 @@ class ShardedLlama:
 
     def block_back(self, i, dx, b, s):
         m, p = self.m, f"layers.{i}."
+        if m.qk_norm or m.sandwich_norm or m.mlp != "swiglu" or len(self.ropes) > 1 or m.attn_scale or m.embed_scale != 1:
+            raise NotImplementedError("the oracle's backward covers Llama / Qwen2 blocks only")
         d = m.head_size
         a, q, k, v, kv_of, copies, probs, o, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
         # MLP
