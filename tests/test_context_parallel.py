@@ -3,6 +3,7 @@ rank's attention over its chunks equal to the matching rows of the whole sequenc
 gradients that sum to the whole sequence's (one process); then 2 workers at cp=2 train as 1 worker
 does, through `msllm launch` (msrun)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,7 @@ def ranks(tmp_path_factory):
     return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in VARIANTS}
 
 
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): ~50 s, beyond CI's budget")
 @pytest.mark.parametrize("variant", ["softmax", "packed_flash"])
 def test_cp2_step_equals_the_whole_sequence_step(ranks, variant):
     """3 steps at cp = 2 (a sliding and a full layer; packed samples with a label mask whose count

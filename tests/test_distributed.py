@@ -202,6 +202,7 @@ def second_host():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): ~31 s, beyond CI's budget")
 def test_two_nodes_train_as_the_one_node_run(tmp_path, corpus, reference_run, second_host):
     from msllm.parallel.launch import free_port
 
