@@ -1,6 +1,7 @@
 """tools/profile_step.py and bench_train.py's in-process A/B of msllm.kernels run end to end on a
 tiny shape (the W1 tables are in the README)."""
 import json
+import os
 import subprocess
 import sys
 import types
@@ -56,6 +57,7 @@ def test_kernel_profile_with_fused_kernels(tmp_path):
     assert ops["BatchMatMul"]["kernels_per_step"] == BATCH_MATMULS
 
 
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
 def test_compile_profile_splits_the_compile(tmp_path):
     r = run_tool(tmp_path / "shared", "--compile", "--block-graph", "shared")
     # MindSpore's phases nest: the backend phases inside the backend compile, which is part of the
@@ -104,6 +106,7 @@ def test_ab_alternates_both_steps(monkeypatch):
     assert (r["on_step_s"], r["off_step_s"], r["speedup"], r["steps_each"]) == (1.0, 3.0, 3.0, 6)
 
 
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
 def test_ab_runs_the_real_steps():
     tiny = dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=32, batch=2)
     r = bench_train().ab_compare(tiny, "fused-kernels", rounds=2, steps_per_round=2)
