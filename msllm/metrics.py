@@ -18,6 +18,10 @@ class MetricsLogger:
         self.jsonl = self.tb = None
         if enabled:
             from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.summary import scalar
+
+            self._event, self._scalar = Event, scalar
 
             self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")
             (Path(run_dir) / "tensorboard").mkdir(exist_ok=True)
@@ -26,9 +30,6 @@ class MetricsLogger:
     def log(self, record: dict, line: str | None = None) -> None:
         if not self.enabled:
             return
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import scalar
-
         try:
             if line:
                 say(line, sys.stdout)
@@ -38,7 +39,7 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     tag = f"{record.get('kind', 'train')}/{key}"
-                    self.tb.write_event(Event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
+                    self.tb.write_event(self._event(wall_time=time.time(), step=step, summary=self._scalar(tag, value)))
             self.tb.flush()
         except OSError as e:
             if not self.failing:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -28,12 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+from bench_dp import cpu_name  # noqa: E402 (CPU model, cores and SIMD level, as the other benchmark files name it)
 
 
 def measure(workload: str, rounds: int, base_steps: int, run_dir: Path) -> dict:
@@ -103,7 +97,7 @@ def main(argv=None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
         return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "cpu": cpu_name(), "cores": os.cpu_count()}
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "cpu": cpu_name()}
     for workload in args.workloads.split(","):
         proc = subprocess.run([sys.executable, __file__, "--worker", workload, "--rounds", str(args.rounds),
                                "--base-steps", str(args.base_steps)] + (["--dir", args.dir] if args.dir else []),
