@@ -177,6 +177,8 @@ def _experts(hf: dict, layers: int, refuse) -> dict:
     kinds = ["dense" if i in dense or (i + 1) % step else "moe" for i in range(layers)]
     return {"num_experts": experts, "experts_per_token": top_k, "moe_ffn_size": hf.get("moe_intermediate_size") or 0,
             "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            # transformers adds the load-balancing loss only with output_router_logits on
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0) if hf.get("output_router_logits") else 0.0,
             "mlp_types": None if set(kinds) == {"moe"} else kinds}
 
 
@@ -232,7 +234,8 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
     if m.layer_types is not None or (m.sliding_window and arch not in ("MistralForCausalLM", "Phi3ForCausalLM")):
         hf["layer_types"] = [f"{kind}_attention" for kind in m.layer_kinds()]
     if m.num_experts:
-        hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob)
+        hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob,
+                  output_router_logits=m.router_aux_loss_coef > 0, router_aux_loss_coef=m.router_aux_loss_coef)
         if arch == "MixtralForCausalLM":
             hf.update(num_local_experts=m.num_experts, intermediate_size=m.moe_ffn_size or m.ffn_size)
         else:

@@ -111,11 +111,12 @@ def msllm_states(model, ids: np.ndarray) -> list[np.ndarray]:
     return states + [logits]
 
 
-def hf_states(model, ids: np.ndarray, states: list) -> torch.Tensor:
-    """The logits of a Hugging Face model; each layer's output is appended to `states`."""
+def hf_states(model, ids: np.ndarray, states: list):
+    """The output of a Hugging Face model (logits; aux_loss of a MoE model with output_router_logits);
+    each layer's output is appended to `states`."""
     record = lambda out: states.append((out[0] if isinstance(out, tuple) else out).detach().numpy())  # noqa: E731
     with recording(model.model.layers, record):
-        return model(torch.from_numpy(ids).long()).logits
+        return model(torch.from_numpy(ids).long())
 
 
 def max_rel(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
@@ -137,7 +138,7 @@ def run_hf(hf_dir: Path, ids: np.ndarray) -> list[np.ndarray]:
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     states = []
     with torch.no_grad():
-        logits = hf_states(model, ids, states).float().numpy()
+        logits = hf_states(model, ids, states).logits.float().numpy()
     return states + [logits]
 
 

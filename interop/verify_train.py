@@ -225,9 +225,11 @@ class TorchSide:
         """(layer outputs + logits, loss, gradients by msllm name, norm, clip coefficient)."""
         self.adamw.zero_grad()
         states = []
-        logits = hf_states(self.model, tokens[:, :-1], states)
-        labels = torch.from_numpy(tokens[:, 1:]).long()
+        out = hf_states(self.model, tokens[:, :-1], states)
+        logits, labels = out.logits, torch.from_numpy(tokens[:, 1:]).long()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        if getattr(out, "aux_loss", None) is not None:  # a MoE model with output_router_logits on
+            loss = loss + self.model.config.router_aux_loss_coef * out.aux_loss
         loss.backward()
         grads = self.msllm_named({n: p.grad.clone() for n, p in self.params.items()})
         clip = self.optim.grad_clip
@@ -292,7 +294,7 @@ def verify_train(hf_dir: str | Path, ckpt: str | Path | None = None, steps: int 
         ms.set_context(mode=ms.PYNATIVE_MODE)  # the layer outputs: the same model, eagerly, with hooks
         our_states = msllm_states(model, tokens[:, :-1])
         ms.set_context(mode=ms.GRAPH_MODE)
-        loss, norm, lr, finite, _ = (float(x.asnumpy()) for x in built.train_step(ms.Tensor(tokens)))
+        loss, norm, lr, finite = (float(x.asnumpy()) for x in built.train_step(ms.Tensor(tokens))[:4])
         their_states, their_loss, their_grads, their_norm, their_coef = theirs.forward_backward(tokens)
         layer_names = [f"layer {k}" for k in range(m.num_layers)] + ["logits"]
         checks += [Check(step, "layer", n, None, None, max_rel(a, b)[1], tensor_gate)

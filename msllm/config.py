@@ -59,6 +59,8 @@ class ModelConfig:
     experts_per_token: int = 2        # top-k experts each token is routed to
     moe_ffn_size: int = 0             # each expert's hidden size; 0: ffn_size
     norm_topk_prob: bool = True       # renormalise the top-k routing weights to sum to 1 (Mixtral; Qwen3-MoE's flag)
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added in training (0: none; HF's, when
+                                       # its output_router_logits is on)
     # Per layer "dense" or "moe"; None: every layer moe when num_experts > 0 (Qwen3-MoE's mlp_only_layers).
     mlp_types: Optional[list] = None
 
@@ -369,6 +371,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(m.num_experts >= 0 and m.moe_ffn_size >= 0, "model.num_experts", "must be >= 0 (0: dense MLPs)")
     need(m.num_experts == 0 or 1 <= m.experts_per_token <= m.num_experts, "model.experts_per_token",
          f"must be in [1, model.num_experts ({m.num_experts})]", "model.num_experts")
+    need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", "must be >= 0 (0: no load-balancing loss)")
     if m.mlp_types is not None:
         need(len(m.mlp_types) == m.num_layers, "model.mlp_types",
              f"needs one entry per layer ({m.num_layers}), got {len(m.mlp_types)}", "model.num_layers")

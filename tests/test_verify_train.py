@@ -48,6 +48,17 @@ def test_train_steps_match_torch(hf_dirs, case):
     assert report.worst("grad") < vt.TENSOR_GATE / 10 and report.worst("loss") < vt.SCALAR_GATE / 10
 
 
+def test_moe_load_balancing_loss_trains_as_transformers_adds_it(tmp_path):
+    """output_router_logits on: transformers adds router_aux_loss_coef times its load-balancing loss
+    (over both MoE layers' concatenated tokens) to the loss; msllm's step must match loss, gradients and
+    weights with it. With a coefficient of 0.5, leaving the term out puts the loss 15% and the router's
+    gradients ~100% off, far beyond the gates."""
+    build("mixtral", output_router_logits=True, router_aux_loss_coef=0.5).save_pretrained(tmp_path / "hf")
+    report = vt.verify_train(tmp_path / "hf", steps=STEPS, seq_len=SEQ)
+    assert report.ok, "\n".join(report.lines())
+    assert report.worst("grad") < vt.TENSOR_GATE / 10 and report.worst("loss") < vt.SCALAR_GATE / 10
+
+
 def shard(folder, tokens, vocab_size=300):
     """A pretokenized shard dir as msllm train writes one."""
     folder.mkdir()

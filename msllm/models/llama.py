@@ -400,8 +400,10 @@ class FeedForward(nn.Cell):
 
 
 class Block(nn.Cell):
-    """Pre-norm transformer block; returns (x, keys, values) like Attention. With sandwich norms
-    (Gemma) the attention and MLP outputs are normed too before they join the residual stream."""
+    """Pre-norm transformer block; returns (x, keys, values, load): keys and values as Attention
+    does, load the routing statistics of a MoE layer (msllm.models.moe.MoE), None for a dense MLP.
+    With sandwich norms (Gemma) the attention and MLP outputs are normed too before they join the
+    residual stream."""
 
     # lazy_inline: MindSpore builds one block graph for all layers, with each layer's weights as
     # its arguments. `no_inline` says what happens to it: False inlines it into the caller per
@@ -417,13 +419,18 @@ class Block(nn.Cell):
         self.attention = Attention(cfg)
         self.attention_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
         self.ffn_norm = RMSNorm(h, eps, offset)
-        self.feed_forward = MoE(cfg) if mlp == "moe" else FeedForward(cfg)
+        self.routed = mlp == "moe"
+        self.feed_forward = MoE(cfg) if self.routed else FeedForward(cfg)
         self.ffn_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         attn, k, v = self.attention(self.attention_norm(x), cos, sin, mask, cache_k, cache_v, write)
         x = x + self.attention_out_norm(attn)
-        return x + self.ffn_out_norm(self.feed_forward(self.ffn_norm(x))), k, v
+        if self.routed:
+            out, load = self.feed_forward(self.ffn_norm(x))
+        else:
+            out, load = self.feed_forward(self.ffn_norm(x)), None
+        return x + self.ffn_out_norm(out), k, v, load
 
 
 class Llama(nn.Cell):
@@ -550,6 +557,23 @@ class Llama(nn.Cell):
 
     def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None):
         b, s = input_ids.shape
+        h, new_keys, new_values, _ = self.decode(input_ids, keys, values, start, pad, segments, positions)
+        if keys is None:
+            return self.logits(h).reshape(b, -1, self.cfg.vocab_size)
+        last = h.reshape(b, s, -1)[:, -1]  # logits only where the next token is read
+        return self.logits(last), new_keys, new_values
+
+    def with_loads(self, input_ids, segments=None, positions=None):
+        """Training a MoE model: (logits as construct gives them, the routing loads of its MoE layers,
+        one [2, E] per layer: msllm.models.moe.MoE)."""
+        b = input_ids.shape[0]
+        h, _, _, loads = self.decode(input_ids, None, None, None, None, segments, positions)
+        return self.logits(h).reshape(b, -1, self.cfg.vocab_size), loads
+
+    def decode(self, input_ids, keys, values, start, pad, segments, positions):
+        """The decoder layers: -> (residual stream [b*q, hidden], each layer's keys and values when a
+        cache is given, the MoE layers' routing loads)."""
+        b, s = input_ids.shape
         t = s if keys is None else keys.shape[3]
         kinds = ()
         for kind in range(len(self.windows)):
@@ -558,21 +582,22 @@ class Llama(nn.Cell):
         input_ids = self.local_tokens(input_ids)  # context parallel: this rank's chunks of the sequence
         # The residual stream stays 2-D [b*q, hidden]: every projection is a plain 2-D matmul.
         h = self.embed(input_ids.reshape(-1))
-        new_keys, new_values = (), ()
+        new_keys, new_values, loads = (), (), ()
         if keys is not None:  # one Unstack pass: indexing keys[i] is a StridedSlice per layer, far slower on CPU
             keys, values = ops.unstack(keys, 0), ops.unstack(values, 0)
         for i, layer in enumerate(self.layers):
             cos, sin, mask = kinds[self.layer_kind[i]]
             if keys is None:
-                h, _, _ = layer(h, cos, sin, mask)
+                h, _, _, load = layer(h, cos, sin, mask)
             else:
-                h, k, v = layer(h, cos, sin, mask, keys[i], values[i], write)
+                h, k, v, load = layer(h, cos, sin, mask, keys[i], values[i], write)
                 new_keys += (k,)
                 new_values += (v,)
+            if load is not None:
+                loads += (load,)
         if keys is None:
-            return self.logits(h).reshape(b, input_ids.shape[1], -1)
-        last = h.reshape(b, s, -1)[:, -1]  # logits only where the next token is read
-        return self.logits(last), ops.stack(new_keys), ops.stack(new_values)
+            return h, None, None, loads
+        return h, ops.stack(new_keys), ops.stack(new_values), loads
 
 
 class CausalLMLoss(nn.Cell):

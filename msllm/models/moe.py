@@ -21,7 +21,7 @@ from msllm.models.llama import ACTIVATIONS, cast
 
 
 class Router(nn.Cell):
-    """x [N, h] -> (weights [N, k] fp32, experts [N, k] int32)."""
+    """x [N, h] -> (weights [N, k] fp32, experts [N, k] int32, probabilities [N, E] fp32)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -36,7 +36,7 @@ class Router(nn.Cell):
         weights, experts = self.topk(probs, self.k)
         if self.renormalise:
             weights = weights / ops.sum(weights, -1, keepdim=True)
-        return weights, experts
+        return weights, experts, probs
 
 
 class Experts(nn.Cell):
@@ -61,7 +61,11 @@ class Experts(nn.Cell):
 
 
 class MoE(nn.Cell):
-    """A layer's MLP as routed experts; x [N, h] -> [N, h], like FeedForward."""
+    """A layer's MLP as routed experts; x [N, h] -> (out [N, h], load [2, E]).
+
+    load: the layer's routing statistics, what the load-balancing loss and the load metrics read
+    (msllm.models.moe.balance_loss): row 0 each expert's share of the N tokens' top-k choices (the
+    row sums to k), row 1 the mean router probability of each expert."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -70,7 +74,28 @@ class MoE(nn.Cell):
         self.experts = Experts(cfg)
 
     def construct(self, x):
-        weights, chosen = self.router(x)
-        combine = ops.sum(ops.one_hot(chosen, self.num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
-                          * weights.reshape(weights.shape + (1,)), 1)                    # [N, E]
-        return self.experts(x, combine)
+        weights, chosen, probs = self.router(x)
+        picked = ops.one_hot(chosen, self.num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))  # [N, k, E]
+        combine = ops.sum(picked * weights.reshape(weights.shape + (1,)), 1)                         # [N, E]
+        load = ops.stack((ops.stop_gradient(ops.mean(ops.sum(picked, 1), 0)), ops.mean(probs, 0)))
+        return self.experts(x, combine), load
+
+
+def balance_loss(loads):
+    """The auxiliary load-balancing loss of Switch Transformer as transformers computes it over a model's
+    MoE layers: E * sum_e f_e * p_e, where f_e is expert e's share of the top-k choices and p_e its mean
+    router probability, each averaged over the layers first (transformers concatenates the layers'
+    tokens). loads: one [2, E] per MoE layer (MoE's load). Only p carries a gradient."""
+    mean = ops.mean(ops.stack(loads), 0)                                                     # [2, E]
+    return mean.shape[-1] * ops.sum(mean[0] * mean[1])
+
+
+def routing_metrics(loads) -> dict:
+    """What a step's routing loads (numpy [moe layers, 2, E], the train step's last output) say:
+    each MoE layer's busiest expert over the mean (1.0: perfectly even; E / k: every token to the
+    same k experts), the worst layer's, and the load-balancing loss they give (balance_loss)."""
+    shares = loads[:, 0]
+    per_layer = [round(float(x), 4) for x in shares.max(-1) / shares.mean(-1)]
+    mean = loads.mean(0)
+    return {"expert_load": per_layer, "expert_load_max": max(per_layer),
+            "aux_loss": float(loads.shape[-1] * (mean[0] * mean[1]).sum())}

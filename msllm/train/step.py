@@ -17,6 +17,7 @@ import mindspore as ms
 from mindspore import amp, nn, ops
 
 from msllm.models.llama import CausalLMLoss, MaskedCausalLMLoss
+from msllm.models.moe import balance_loss
 
 
 class LossCell(nn.Cell):
@@ -34,15 +35,26 @@ class LossCell(nn.Cell):
         self.model = model
         self.loss = CausalLMLoss()
         self.masked_loss = MaskedCausalLMLoss()
+        self.routed = "moe" in model.cfg.mlp_kinds()
+        self.aux_coef = model.cfg.router_aux_loss_coef
 
     def construct(self, tokens, scale, mask=None, segments=None, positions=None):
+        """-> scale * loss; a MoE model also returns its MoE layers' routing loads [moe layers, 2, E]
+        (msllm.models.moe.MoE), and adds router_aux_loss_coef times the load-balancing loss to its
+        loss, as transformers does."""
         labels = self.model.local_tokens(tokens[:, 1:])
+        logits, loads = self.model.with_loads(tokens[:, :-1], segments, positions)
         if mask is None:
-            return self.loss(self.model(tokens[:, :-1]), labels) * scale
-        logits = self.model(tokens[:, :-1], None, None, None, None, segments, positions)
-        mask = self.model.local_tokens(mask)
-        count = self.model.sequence_mean(ops.stop_gradient(ops.sum(mask)))
-        return self.masked_loss(logits, labels, mask, count) * scale
+            loss = self.loss(logits, labels)
+        else:
+            mask = self.model.local_tokens(mask)
+            count = self.model.sequence_mean(ops.stop_gradient(ops.sum(mask)))
+            loss = self.masked_loss(logits, labels, mask, count)
+        if not self.routed:
+            return loss * scale
+        if self.aux_coef > 0:
+            loss = loss + self.aux_coef * balance_loss(loads)
+        return loss * scale, ops.stop_gradient(ops.stack(loads))
 
 
 def sum_of_squares(g):
@@ -74,7 +86,8 @@ def make_loss_scaler(initial_scale: float, window: int):
 
 class TrainStep(nn.Cell):
     """tokens [accum_steps * b, s+1] (and for SFT mask, segments, positions [accum_steps * b, s])
-    -> (loss, grad_norm before clipping, lr, finite, loss_scale)."""
+    -> (loss, grad_norm before clipping, lr, finite, loss_scale), and for a MoE model the routing loads
+    of its MoE layers [moe layers, 2, E] (this rank's tokens, averaged over micro-batches)."""
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
                  grad_reducer=None, world: int = 1):
@@ -91,7 +104,8 @@ class TrainStep(nn.Cell):
         self.loss_scaler = loss_scaler
         self.grad_reducer = grad_reducer  # data parallel: sums gradients and loss over the ranks
         self.world = world
-        self.value_and_grad = ops.value_and_grad(self.loss_cell, None, optimizer.params)
+        # A MoE model's loss cell also returns its routing loads: they take no gradient (has_aux).
+        self.value_and_grad = ops.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=self.loss_cell.routed)
 
     def state_parameters(self):
         """Step state beyond the optimizer's: the loss scaler, when there is one."""
@@ -106,8 +120,9 @@ class TrainStep(nn.Cell):
         for i in range(1, self.accum_steps):
             chunk = ops.depend(tokens[i * micro:(i + 1) * micro], grads)
             more_loss, more_grads = self.value_and_grad(chunk, scale, *[x[i * micro:(i + 1) * micro] for x in sft])
-            loss = loss + more_loss
+            loss = hyper_map(ops.add, loss, more_loss) if self.loss_cell.routed else loss + more_loss
             grads = hyper_map(ops.add, grads, more_grads)
+        loss, loads = loss if self.loss_cell.routed else (loss, None)  # MoE: the routing loads, summed like the loss
         if self.grad_reducer is not None:
             grads, loss = self.grad_reducer(grads, loss)
         # Gradients are summed over micro-batches and ranks and loss-scaled until here.
@@ -129,6 +144,8 @@ class TrainStep(nn.Cell):
             lr = self.optimizer(grads, coef)
         else:
             lr = ops.zeros((), ms.float32)
+        if loads is not None:
+            return loss * inv, norm, lr, finite, scale, loads / self.accum_steps
         return loss * inv, norm, lr, finite, scale
 
 
@@ -141,4 +158,5 @@ class EvalStep(nn.Cell):
         self.loss_cell = LossCell(model)
 
     def construct(self, tokens, *sft):
-        return self.loss_cell.model.sequence_mean(self.loss_cell(tokens, 1.0, *sft))
+        loss = self.loss_cell(tokens, 1.0, *sft)
+        return self.loss_cell.model.sequence_mean(loss[0] if self.loss_cell.routed else loss)

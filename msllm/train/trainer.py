@@ -23,6 +23,7 @@ from msllm.parallel.watchdog import Heartbeat
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
+from msllm.models.moe import routing_metrics
 from msllm.parallel import dp
 from msllm.parallel.check import data_replicas
 from msllm.preflight import make_dir
@@ -238,7 +239,7 @@ class Trainer:
         heartbeat.beat(step)
         for batch in data.create_tuple_iterator(num_epochs=1):
             t0 = time.perf_counter()
-            loss, norm, lr, finite, scale = self.train_step(*batch)
+            loss, norm, lr, finite, scale, *loads = self.train_step(*batch)  # loads: MoE models
             loss = float(loss.asnumpy())  # also synchronises
             step += 1
             window_steps += 1
@@ -277,10 +278,13 @@ class Trainer:
                         "grad_norm": float(norm.asnumpy()), "tokens_per_s": tps,
                         "mfu": tps * flops_per_token / t.peak_flops, "loss_scale": float(scale.asnumpy()),
                         "skipped_steps": self.skipped}
+                if loads:
+                    last.update(routing_metrics(loads[0].asnumpy()))
                 self.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  lr {last['lr']:.2e}  "
                                        f"gnorm {last['grad_norm']:.3f}  {tps:,.0f} tok/s  mfu {last['mfu']:.2%}"
                                        + (f"  scale {last['loss_scale']:g}  skipped {self.skipped}"
-                                          if t.precision == "fp16" else ""))
+                                          if t.precision == "fp16" else "")
+                                       + (f"  expert load max/mean {last['expert_load_max']:.2f}" if loads else ""))
                 window_t, window_steps = time.perf_counter(), 0
             if (step % t.eval_every == 0 or step == t.steps) and self.rank < cfg.parallel.cp:  # rank 0's cp group
                 val = evaluate(self.eval_step, self.val_tokens, cfg)
