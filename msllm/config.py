@@ -81,17 +81,20 @@ class ModelConfig:
             return list(self.mlp_types)
         return ["moe" if self.num_experts else "dense"] * self.num_layers
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """All parameters; `active`: those one token computes with (a MoE layer's k experts, not all E)."""
         h, f, v, d = self.hidden_size, self.ffn_size, self.vocab_size, self.head_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.qkv_bias else 0) + (2 * d if self.qk_norm else 0)
-        mlp = {"dense": 3 * h * f, "moe": self.num_experts * (3 * h * (self.moe_ffn_size or f) + h)}
+        experts = self.experts_per_token if active else self.num_experts
+        mlp = {"dense": 3 * h * f, "moe": experts * 3 * h * (self.moe_ffn_size or f) + self.num_experts * h}
         layers = sum(attn + mlp[kind] + (4 if self.sandwich_norm else 2) * h for kind in self.mlp_kinds())
         return v * h * (1 if self.tie_embeddings else 2) + layers + h
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x matmul params + attention scores (PaLM appendix B)."""
-        non_embed = self.num_params() - self.vocab_size * self.hidden_size * (0 if self.tie_embeddings else 1)
+        """Training FLOPs per token: 6 x matmul params (of MoE layers, the k experts a token uses) + attention
+        scores (PaLM appendix B)."""
+        non_embed = self.num_params(active=True) - self.vocab_size * self.hidden_size * (0 if self.tie_embeddings else 1)
         return 6.0 * non_embed + 12.0 * self.num_layers * self.num_heads * self.head_size * seq_len
 
 
@@ -150,6 +153,8 @@ class TrainConfig:
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)
+    moe_capacity_factor: float = 0.0  # MoE: each expert computes at most factor x its even share of the
+                                      # routed choices, the rest dropped and counted (0: dropless, every expert)
     loss_scale: float = 65536.0       # initial dynamic loss scale (fp16 only)
     loss_scale_window: int = 1000     # finite steps before the scale doubles
     max_bad_steps: int = 5            # consecutive non-finite steps before the run stops
@@ -431,6 +436,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         problem = ascend_flash_problem(cfg, packed_samples(cfg))
         if problem is not None:
             need(False, "train.attention", problem[1], problem[0])
+    need(t.moe_capacity_factor >= 0, "train.moe_capacity_factor", "must be >= 0 (0: dropless)")
     need(not (t.block_graph == "shared" and t.recompute != "none"), "train.block_graph",
          "shared cannot recompute (MindSpore 2.10 ignores recompute inside the shared block graph); "
          "use inlined or auto with train.recompute", "train.recompute")

@@ -63,6 +63,17 @@ def apply_recompute(model, mode: str) -> None:
             block.feed_forward.recompute()
 
 
+def apply_capacity(model, factor: float) -> None:
+    """train.moe_capacity_factor > 0: the MoE layers compute at most that many times each expert's even
+    share of the routed choices (msllm.models.moe.CapacityDispatch), dropping the rest, instead of
+    every token on every expert. Training only: generation and export stay dropless."""
+    from msllm.models.moe import CapacityDispatch
+
+    for block in model.layers:
+        if factor > 0 and block.routed:
+            block.feed_forward.dispatch = CapacityDispatch(block.feed_forward.num_experts, factor)
+
+
 def packed_samples(cfg: Config) -> bool:
     """SFT data (a .jsonl file, or a shard made from one), or pretraining windows with
     data.document_attention: samples packed into windows, each attending only to itself, so the
@@ -146,6 +157,7 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
         apply_lora(model, cfg.lora, cfg.train.seed)
     if training:
         apply_recompute(model, spec.recompute)
+        apply_capacity(model, cfg.train.moe_capacity_factor)
     if spec.device == "cpu":
         from msllm.backends import cpu
         cpu.specialise(model, fused=spec.fused_kernels, share_blocks=spec.shared_blocks, training=training,

@@ -5,12 +5,12 @@ family says so, renormalises those k weights to sum to one (Mixtral always, Qwen
 norm_topk_prob). Expert weights are stacked, w1 / w3 [E, f, h] and w2 [E, h, f], so one batched
 matmul serves all experts per projection.
 
-Every token runs through every expert, and the outputs are summed with the routing weights, which
-are 0 for the experts a token was not routed to: dropless, static in shape, and exactly the sum
-transformers computes (the extra terms are zeros), at E / k times the MLP FLOPs of a grouped
-dispatch. It is the plain maths the faster formulations are checked against.
+A dispatcher decides which rows the experts compute: every token (EveryExpert: dropless, the
+reference maths) or at most a capacity of each expert's choices (CapacityDispatch, for training).
 """
 from __future__ import annotations
+
+import math
 
 import mindspore as ms
 from mindspore import Parameter, nn, ops
@@ -40,62 +40,127 @@ class Router(nn.Cell):
 
 
 class Experts(nn.Cell):
-    """E gated MLPs: x [N, h], combine [N, E] (each token's weight per expert) -> [N, h]."""
+    """E gated MLPs side by side: xs [E, n, h] (expert e's n input rows) -> [E, n, h]."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, f, h = cfg.num_experts, cfg.moe_ffn_size or cfg.ffn_size, cfg.hidden_size
-        self.num_experts = e
         self.w1 = Parameter(initializer("zeros", (e, f, h), ms.float32), name="w1")   # gate
         self.w2 = Parameter(initializer("zeros", (e, h, f), ms.float32), name="w2")   # down
         self.w3 = Parameter(initializer("zeros", (e, f, h), ms.float32), name="w3")   # up
         self.matmul = ops.BatchMatMul(transpose_b=True)
         self.act = ACTIVATIONS[cfg.mlp]()
 
-    def construct(self, x, combine):
+    def construct(self, xs):
+        hidden = self.act(self.matmul(xs, cast(self.w1, xs.dtype)), self.matmul(xs, cast(self.w3, xs.dtype)))
+        return self.matmul(hidden, cast(self.w2, xs.dtype))
+
+
+def choices(chosen, num_experts: int):
+    """The top-k choices [N, k] as one-hot rows [N, k, E] (fp32)."""
+    return ops.one_hot(chosen, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
+
+
+class EveryExpert(nn.Cell):
+    """Dropless dispatch: every token to every expert, the outputs summed with the routing weights
+    (0 for the experts a token was not routed to). Static in shape and exactly the sum transformers
+    computes, at E / k times the FLOPs of the routed choices: the reference formulation, and what
+    generation and export use.
+
+    dispatch(x [N, h], weights, chosen [N, k]) -> (rows [E, n, h] for Experts, route);
+    combine(expert outputs [E, n, h], route) -> (out [N, h], dropped [E]: share of the choices dropped)."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+
+    def dispatch(self, x, weights, chosen):
         n, h = x.shape
-        xs = ops.broadcast_to(x.reshape(1, n, h), (self.num_experts, n, h))
-        hidden = self.act(self.matmul(xs, cast(self.w1, x.dtype)), self.matmul(xs, cast(self.w3, x.dtype)))
-        out = self.matmul(hidden, cast(self.w2, x.dtype))                                # [E, N, h]
-        return ops.sum(out * cast(combine, x.dtype).transpose(1, 0).reshape(self.num_experts, n, 1), 0)
+        combine = ops.sum(choices(chosen, self.num_experts) * weights.reshape(weights.shape + (1,)), 1)  # [N, E]
+        return ops.broadcast_to(x.reshape(1, n, h), (self.num_experts, n, h)), combine
+
+    def combine(self, ys, combine):
+        out = ops.sum(ys * cast(combine, ys.dtype).transpose(1, 0).reshape(self.num_experts, -1, 1), 0)
+        return out, ops.zeros((self.num_experts,), ms.float32)
+
+
+class CapacityDispatch(nn.Cell):
+    """Each expert takes at most C = ceil(factor * N * k / E) of the N tokens' k choices, in token
+    order (GShard, Switch): rows [E, C, h], so the experts compute factor x the routed choices
+    instead of every token. Choices beyond an expert's C are dropped: the token keeps its other
+    choices (and the residual stream), and the drop is counted in the layer's load. A training
+    formulation (train.moe_capacity_factor, applied by msllm.backends); N must be static."""
+
+    def __init__(self, num_experts: int, factor: float):
+        super().__init__()
+        self.num_experts, self.factor = num_experts, factor
+
+    def dispatch(self, x, weights, chosen):
+        n, h = x.shape
+        e, k = self.num_experts, chosen.shape[1]
+        c = min(n, math.ceil(self.factor * n * k / e))
+        picked = choices(chosen, e).reshape(n * k, e)
+        place = ops.sum((ops.cumsum(picked, 0) - picked) * picked, 1).astype(ms.int32)  # rank among its expert's choices
+        expert = chosen.reshape(-1)
+        kept = place < c
+        slot = ops.select(kept, expert * c + place, ops.full(kept.shape, e * c, dtype=ms.int32))  # e*c: a spare row
+        token = ops.arange(0, n * k, dtype=ms.int32) // k
+        # which token fills each of the e*c rows (+1 so that 0 marks an empty row; the spare row sums junk)
+        filler = ops.scatter_nd(slot.reshape(-1, 1), token + 1, (e * c + 1,))[:e * c] - 1
+        filler = ops.select(filler < 0, ops.full(filler.shape, n, dtype=ms.int32), filler)  # empty: the zero row n
+        rows = ops.gather(ops.concat((x, ops.zeros((1, h), x.dtype)), 0), filler, 0).reshape(e, c, h)
+        dropped = ops.sum(picked * (1.0 - kept.astype(ms.float32)).reshape(-1, 1), 0) / n
+        return rows, (slot, weights.reshape(-1) * kept.astype(ms.float32), dropped, k)
+
+    def combine(self, ys, route):
+        slot, weights, dropped, k = route
+        h = ys.shape[-1]
+        ys = ops.concat((ys.reshape(-1, h), ops.zeros((1, h), ys.dtype)), 0)                   # + the spare row
+        per_choice = ops.gather(ys, slot, 0) * cast(weights, ys.dtype).reshape(-1, 1)      # [N*k, h]
+        return ops.sum(per_choice.reshape(-1, k, h), 1), dropped
 
 
 class MoE(nn.Cell):
-    """A layer's MLP as routed experts; x [N, h] -> (out [N, h], load [2, E]).
+    """A layer's MLP as routed experts; x [N, h] -> (out [N, h], load [3, E]).
 
     load: the layer's routing statistics, what the load-balancing loss and the load metrics read
-    (msllm.models.moe.balance_loss): row 0 each expert's share of the N tokens' top-k choices (the
-    row sums to k), row 1 the mean router probability of each expert."""
+    (balance_loss, routing_metrics): row 0 each expert's share of the N tokens' top-k choices (the
+    row sums to k), row 1 the mean router probability of each expert, row 2 the share of the choices
+    dropped at each expert (0 but under a capacity factor). `dispatch` (EveryExpert, or
+    CapacityDispatch for training) decides which rows the experts compute."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_experts = cfg.num_experts
         self.router = Router(cfg)
         self.experts = Experts(cfg)
+        self.dispatch = EveryExpert(cfg.num_experts)
 
     def construct(self, x):
         weights, chosen, probs = self.router(x)
-        picked = ops.one_hot(chosen, self.num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))  # [N, k, E]
-        combine = ops.sum(picked * weights.reshape(weights.shape + (1,)), 1)                         # [N, E]
-        load = ops.stack((ops.stop_gradient(ops.mean(ops.sum(picked, 1), 0)), ops.mean(probs, 0)))
-        return self.experts(x, combine), load
+        rows, route = self.dispatch.dispatch(x, weights, chosen)
+        out, dropped = self.dispatch.combine(self.experts(rows), route)
+        share = ops.mean(ops.sum(choices(chosen, self.num_experts), 1), 0)
+        return out, ops.stack((ops.stop_gradient(share), ops.mean(probs, 0), ops.stop_gradient(dropped)))
 
 
 def balance_loss(loads):
     """The auxiliary load-balancing loss of Switch Transformer as transformers computes it over a model's
     MoE layers: E * sum_e f_e * p_e, where f_e is expert e's share of the top-k choices and p_e its mean
     router probability, each averaged over the layers first (transformers concatenates the layers'
-    tokens). loads: one [2, E] per MoE layer (MoE's load). Only p carries a gradient."""
-    mean = ops.mean(ops.stack(loads), 0)                                                     # [2, E]
+    tokens). loads: one [3, E] per MoE layer (MoE's load). Only p carries a gradient."""
+    mean = ops.mean(ops.stack(loads), 0)                                                     # [3, E]
     return mean.shape[-1] * ops.sum(mean[0] * mean[1])
 
 
 def routing_metrics(loads) -> dict:
-    """What a step's routing loads (numpy [moe layers, 2, E], the train step's last output) say:
+    """What a step's routing loads (numpy [moe layers, 3, E], the train step's last output) say:
     each MoE layer's busiest expert over the mean (1.0: perfectly even; E / k: every token to the
-    same k experts), the worst layer's, and the load-balancing loss they give (balance_loss)."""
+    same k experts), the worst layer's, the share of all choices dropped by a capacity, and the
+    load-balancing loss they give (balance_loss)."""
     shares = loads[:, 0]
     per_layer = [round(float(x), 4) for x in shares.max(-1) / shares.mean(-1)]
     mean = loads.mean(0)
     return {"expert_load": per_layer, "expert_load_max": max(per_layer),
+            "dropped": round(float(loads[:, 2].sum() / loads[:, 0].sum()), 6),
             "aux_loss": float(loads.shape[-1] * (mean[0] * mean[1]).sum())}

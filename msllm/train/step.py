@@ -39,7 +39,7 @@ class LossCell(nn.Cell):
         self.aux_coef = model.cfg.router_aux_loss_coef
 
     def construct(self, tokens, scale, mask=None, segments=None, positions=None):
-        """-> scale * loss; a MoE model also returns its MoE layers' routing loads [moe layers, 2, E]
+        """-> scale * loss; a MoE model also returns its MoE layers' routing loads [moe layers, 3, E]
         (msllm.models.moe.MoE), and adds router_aux_loss_coef times the load-balancing loss to its
         loss, as transformers does."""
         labels = self.model.local_tokens(tokens[:, 1:])
@@ -87,7 +87,7 @@ def make_loss_scaler(initial_scale: float, window: int):
 class TrainStep(nn.Cell):
     """tokens [accum_steps * b, s+1] (and for SFT mask, segments, positions [accum_steps * b, s])
     -> (loss, grad_norm before clipping, lr, finite, loss_scale), and for a MoE model the routing loads
-    of its MoE layers [moe layers, 2, E] (this rank's tokens, averaged over micro-batches)."""
+    of its MoE layers [moe layers, 3, E] (this rank's tokens, averaged over micro-batches)."""
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
                  grad_reducer=None, world: int = 1):

@@ -284,7 +284,8 @@ class Trainer:
                                        f"gnorm {last['grad_norm']:.3f}  {tps:,.0f} tok/s  mfu {last['mfu']:.2%}"
                                        + (f"  scale {last['loss_scale']:g}  skipped {self.skipped}"
                                           if t.precision == "fp16" else "")
-                                       + (f"  expert load max/mean {last['expert_load_max']:.2f}" if loads else ""))
+                                       + (f"  expert load max/mean {last['expert_load_max']:.2f}" if loads else "")
+                                       + (f" dropped {last['dropped']:.1%}" if t.moe_capacity_factor else ""))
                 window_t, window_steps = time.perf_counter(), 0
             if (step % t.eval_every == 0 or step == t.steps) and self.rank < cfg.parallel.cp:  # rank 0's cp group
                 val = evaluate(self.eval_step, self.val_tokens, cfg)

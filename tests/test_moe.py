@@ -1,0 +1,94 @@
+"""MoE dispatch and load statistics: the capacity dispatcher against the dropless reference and numpy,
+and the train step's routing metrics."""
+import math
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, ops
+
+from msllm import device
+from msllm.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from msllm.models.moe import CapacityDispatch, EveryExpert, MoE, routing_metrics
+
+N, H, E, K = 24, 16, 4, 2
+CFG = ModelConfig(vocab_size=64, hidden_size=H, num_layers=2, num_heads=2, num_kv_heads=2, ffn_size=32,
+                  max_seq_len=32, num_experts=E, experts_per_token=K, moe_ffn_size=8, norm_topk_prob=False)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    device.setup("cpu", "pynative")
+    layer = MoE(CFG)
+    rng = np.random.default_rng(0)
+    for p in layer.get_parameters():
+        p.set_data(Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    yield layer
+    ms.set_context(mode=ms.GRAPH_MODE)
+
+
+def run(layer, x, dispatch):
+    """(out, load, gradients of sum(out * probe) by x and by every parameter) with `dispatch`."""
+    layer.dispatch = dispatch
+    probe = Tensor(np.random.default_rng(1).normal(size=(N, H)).astype(np.float32))
+    params = layer.trainable_params()
+    out, load = layer(x)
+    grads = ops.grad(lambda x: ops.sum(layer(x)[0] * probe), 0, params)(x)
+    return out.asnumpy(), load.asnumpy(), [grads[0].asnumpy()] + [g.asnumpy() for g in grads[1]]
+
+
+def test_capacity_of_every_token_computes_what_the_dropless_reference_does(moe):
+    x = Tensor(np.random.default_rng(2).normal(size=(N, H)).astype(np.float32))
+    dense = run(moe, x, EveryExpert(E))
+    roomy = run(moe, x, CapacityDispatch(E, E / K))  # C = N: no expert can overflow
+    np.testing.assert_allclose(roomy[0], dense[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(roomy[1], dense[1], rtol=1e-6)
+    assert roomy[1][2].sum() == 0
+    for got, want in zip(roomy[2], dense[2]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_tight_capacity_drops_the_late_choices_and_counts_them(moe):
+    factor = 0.5
+    x = Tensor(np.random.default_rng(3).normal(size=(N, H)).astype(np.float32))
+    out, load, _ = run(moe, x, CapacityDispatch(E, factor))
+    # numpy: route, keep each expert's first C choices in token order, run the kept ones
+    logits = x.asnumpy() @ moe.router.weight.asnumpy().T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, -1, kind="stable")[:, :K]
+    c = math.ceil(factor * N * K / E)
+    w1, w2, w3 = (getattr(moe.experts, w).asnumpy() for w in ("w1", "w2", "w3"))
+    want, seen, dropped = np.zeros((N, H), np.float32), np.zeros(E, int), np.zeros(E)
+    for n in range(N):
+        for e in chosen[n]:
+            seen[e] += 1
+            if seen[e] > c:
+                dropped[e] += 1
+                continue
+            g, u = w1[e] @ x.asnumpy()[n], w3[e] @ x.asnumpy()[n]
+            want[n] += probs[n, e] * (w2[e] @ (g / (1 + np.exp(-g)) * u))
+    assert dropped.sum() > 0  # the test's routing really overflows some expert
+    np.testing.assert_allclose(load[2], dropped / N, rtol=1e-6)
+    np.testing.assert_allclose(load[0], np.bincount(chosen.ravel(), minlength=E) / N, rtol=1e-6)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    metrics = routing_metrics(load[None])
+    assert metrics["dropped"] == pytest.approx(dropped.sum() / (N * K), abs=1e-6)
+    assert metrics["expert_load_max"] == pytest.approx(seen.max() / seen.mean(), abs=1e-4)
+
+
+def test_the_train_step_reports_loads_and_a_capacity_counts_its_drops():
+    from msllm.train.build import build_train_step
+
+    device.setup("cpu", "graph")
+    tokens = Tensor(np.random.default_rng(4).integers(0, 64, (2, 17)).astype(np.int32))
+    dropped = {}
+    for factor in (0.0, 0.5):
+        cfg = Config(model=CFG, data=DataConfig(seq_len=16), optim=OptimConfig(warmup_steps=1),
+                     train=TrainConfig(batch_size=2, steps=2, moe_capacity_factor=factor))
+        out = build_train_step(cfg).train_step(tokens)
+        loss, loads = float(out[0].asnumpy()), out[5].asnumpy()
+        assert np.isfinite(loss) and loads.shape == (2, 3, E)
+        np.testing.assert_allclose(loads[:, 0].sum(-1), K, rtol=1e-6)  # every token's k choices counted
+        dropped[factor] = routing_metrics(loads)["dropped"]
+    assert dropped[0.0] == 0 and dropped[0.5] > 0
