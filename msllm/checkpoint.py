@@ -79,14 +79,14 @@ def _first(names: list, most: int = 4) -> str:
 def save(run_dir: Path, step: int, model_params, state_params, state: dict, keep: int = 0,
          add_files: Callable[[Path], object] | None = None, writer: BackgroundWriter | None = None) -> Path:
     """Write checkpoint `step` atomically; then drop all but the newest `keep` (0 = keep all).
-    state_params: Parameters, or a name -> array dict (state gathered from data-parallel ranks).
+    model_params, state_params: Parameters, or name -> array dicts (gathered from data- or expert-parallel ranks).
     add_files(dir): writes more files into the checkpoint, listed in its manifest like the others.
     writer: write in its thread from host copies and return at once (the path it will have).
 
     Non-finite weights are never saved. A failed or interrupted write leaves no trace, so the
     newest complete checkpoint stays the newest valid one; a full disk is one line."""
     root = Path(run_dir) / "checkpoints"
-    weights = params_to_numpy(model_params)
+    weights = model_params if isinstance(model_params, dict) else params_to_numpy(model_params)
     extra = state_params if isinstance(state_params, dict) else params_to_numpy(state_params)
     bad = next((name for name, a in weights.items() if not np.isfinite(a).all()), None)
     if bad is not None:

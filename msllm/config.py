@@ -194,6 +194,8 @@ class ParallelConfig:
     cp: int = 1                       # context parallel: each sequence split over cp ranks (zig-zag chunks;
                                       # CPU over msrun: workers = dp x cp; docs/long-context.md)
     pp: int = 1                       # pipeline stages (layers split by stage)
+    ep: int = 1                       # expert parallel: each MoE layer's experts split over ep data-parallel
+                                      # ranks (CPU over msrun: all-gather dispatcher; msllm/parallel/ep.py)
     micro_batches: int = 1            # pipeline micro-batches per step (>= pp)
     optimizer_shard: bool = False     # ZeRO-1: Adam states (and fp32 master) split over dp
     sequence_parallel: bool = False   # norms and residual adds split over tokens within tp

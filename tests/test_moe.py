@@ -92,3 +92,32 @@ def test_the_train_step_reports_loads_and_a_capacity_counts_its_drops():
         np.testing.assert_allclose(loads[:, 0].sum(-1), K, rtol=1e-6)  # every token's k choices counted
         dropped[factor] = routing_metrics(loads)["dropped"]
     assert dropped[0.0] == 0 and dropped[0.5] > 0
+
+
+# --- expert parallel under msrun: tests/ep_worker.py against the whole batch in one process -------
+
+def test_two_workers_at_ep2_train_as_one_worker_with_every_expert(tmp_path):
+    """10 steps with parallel.ep = 2 (each rank half the batch and half the experts; the all-gather
+    dispatcher) against one process with the whole batch and every expert: the same losses and
+    gradient norms (the experts' squares summed over the ranks), and the same weights, experts gathered
+    whole, up to summation order."""
+    from tests.conftest import REPO, run_under_msrun
+    from tests.ep_worker import run as run_whole
+
+    run_under_msrun(REPO / "tests" / "ep_worker.py", tmp_path)
+    zero, one = (dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2))
+    device.setup("cpu", "graph")
+    whole = run_whole(1, 1, 0)
+    for rank in (zero, one):
+        np.testing.assert_allclose(rank["outs"], whole["outs"], rtol=2e-5)  # loss, grad norm, lr per step
+        for name in (k for k in whole if k.startswith("weight/")):
+            np.testing.assert_allclose(rank[name], whole[name], rtol=0, atol=2e-5, err_msg=name)
+    assert whole["outs"][-1, 0] < whole["outs"][0, 0] - 0.1  # it trained
+    # each rank held its two of the four experts
+    w1 = whole["weight/layers.1.feed_forward.experts.w1"]
+    assert zero["held"].shape[0] == one["held"].shape[0] == 2
+    np.testing.assert_array_equal(np.concatenate([zero["held"], one["held"]]), zero["weight/layers.1.feed_forward.experts.w1"])
+    np.testing.assert_allclose(one["held"], w1[2:], rtol=0, atol=2e-5)
+    # each rank routed its own tokens: loads differ, and average to the whole batch's
+    assert not np.array_equal(zero["loads"], one["loads"])
+    np.testing.assert_allclose((zero["loads"][:, 0] + one["loads"][:, 0]) / 2, whole["loads"][:, 0], rtol=1e-5)

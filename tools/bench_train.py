@@ -14,6 +14,8 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
     python tools/bench_train.py --ab attention --workload L --seq 2048   # flash vs softmax attention core
     python tools/bench_train.py --family gemma3 --variants msllm-graph,torch-eager,torch-compile
                                                          # the workload's shape as Qwen3 / Gemma 3 (their spec)
+    python tools/bench_train.py --family mixtral --moe-capacity 0,1.25 --variants msllm-graph,torch-eager,torch-compile
+                                                         # 8 experts top-2: dropless and capacity dispatch
 
 --ab builds both msllm steps in one process and alternates them (--rounds rounds of
 --steps-per-round steps each, the order flipped every round), so a machine that drifts
@@ -50,6 +52,8 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 128}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 64, "query_pre_attn_scalar": 64,
                                                          "sliding_window": "seq/2", "tie_word_embeddings": False}),
+    # W1-sized MoE: every MLP 8 experts of the workload's ffn, each token routed to 2
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
 }
 
 
@@ -100,7 +104,7 @@ def msllm_train_step(w: dict, **options):
 
 def msllm_build(w: dict, mode: str = "graph", threads: int = 2, jit_level: str = "O0",
                 recompute: str = "none", fused_kernels: str = "auto", block_graph: str = "auto",
-                family: str = "llama", attention: str = "auto"):
+                family: str = "llama", attention: str = "auto", moe_capacity: float = 0.0):
     """msllm.train.build's result (model, optimizer, step) for workload w, and its batch."""
     import mindspore as ms
     from msllm import device
@@ -111,7 +115,7 @@ def msllm_build(w: dict, mode: str = "graph", threads: int = 2, jit_level: str =
     cfg = Config(model=model_config(w, family), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
                  train=TrainConfig(steps=1000, batch_size=w["batch"], seed=0, mode=mode, threads=threads,
                                    jit_level=jit_level, recompute=recompute, fused_kernels=fused_kernels,
-                                   block_graph=block_graph, attention=attention))
+                                   block_graph=block_graph, attention=attention, moe_capacity_factor=moe_capacity))
     cfg.data.seq_len = w["seq"]
     return build_train_step(cfg), ms.Tensor(tokens(w))
 
@@ -142,7 +146,8 @@ def ab_compare(w: dict, switch: str, rounds: int, steps_per_round: int, threads:
 def worker_msllm(w: dict, args) -> dict:
     step, batch = msllm_train_step(w, mode=args.mode, threads=args.threads, jit_level=args.jit_level,
                                    recompute=args.recompute, fused_kernels=args.fused_kernels,
-                                   block_graph=args.block_graph, family=args.family, attention=args.attention)
+                                   block_graph=args.block_graph, family=args.family, attention=args.attention,
+                                   moe_capacity=float(args.moe_capacity))
     t0 = time.perf_counter()
     if args.mode == "graph":
         step.compile(batch)  # graph compile alone; the first step then adds first-touch memory faults
@@ -194,7 +199,7 @@ def run_worker(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def spawn(variant: str, workload: str, args, recompute: str = "none", layers: int = 0) -> dict:
+def spawn(variant: str, workload: str, args, recompute: str = "none", layers: int = 0, capacity: float = 0.0) -> dict:
     if variant == "mindformers":
         return spawn_mindformers(workload, args)
     common = ["--workload", workload, "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -202,7 +207,7 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
     if variant.startswith("msllm"):
         extra = ["--worker", "msllm", "--mode", variant.split("-")[1], "--recompute", recompute,
                  "--jit-level", args.jit_level, "--fused-kernels", args.fused_kernels,
-                 "--block-graph", args.block_graph, "--attention", args.attention]
+                 "--block-graph", args.block_graph, "--attention", args.attention, "--moe-capacity", str(capacity)]
     else:
         extra = ["--worker", "torch"] + (["--compile"] if variant == "torch-compile" else [])
     proc = subprocess.run([sys.executable, __file__, *common, *extra], capture_output=True, text=True,
@@ -256,6 +261,8 @@ def main(argv=None) -> int:
                    help="train.block_graph: shared = one block graph called by every layer")
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "softmax"], help="train.attention")
     p.add_argument("--seq", type=int, default=0, help="sequence length instead of the workload's")
+    p.add_argument("--moe-capacity", default="0", help="comma list for msllm variants of a MoE family: "
+                   "train.moe_capacity_factor (0: dropless)")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="in-process A/B of one switch, on vs off")
     p.add_argument("--rounds", type=int, default=12, help="--ab: alternations")
     p.add_argument("--steps-per-round", type=int, default=3)
@@ -292,27 +299,29 @@ def main(argv=None) -> int:
                   f"{r.get('error', '')}", flush=True)
     else:
         for variant in args.variants.split(","):
-            for recompute in (args.recompute.split(",") if variant.startswith("msllm") else ["none"]):
-                r = spawn(variant, args.workload, args, recompute=recompute)
-                rows.append({"variant": variant, "recompute": recompute, **r})
-                print(f"  {variant:<16} {recompute:<10} " + (f"error: {r['error']}" if "error" in r else
+            msllm = variant.startswith("msllm")
+            for recompute, capacity in [(r, float(c)) for r in (args.recompute.split(",") if msllm else ["none"])
+                                        for c in (args.moe_capacity.split(",") if msllm else ["0"])]:
+                r = spawn(variant, args.workload, args, recompute=recompute, capacity=capacity)
+                rows.append({"variant": variant, "recompute": recompute, "moe_capacity": capacity, **r})
+                print(f"  {variant:<16} {recompute:<10} cap {capacity:<5} " + (f"error: {r['error']}" if "error" in r else
                       f"{tokens_per_step / r['step_s']:>8.0f} tok/s  first {r['first_step_s']:.1f}s  "
                       f"rss {r['peak_rss_mb']:.0f} MB"), flush=True)
         flops = model_config(w, args.family).flops_per_token(w["seq"])
         base = next((r for r in rows if r["variant"] == "torch-eager" and "error" not in r), None)
         print(f"\n{args.workload} {args.family} {w}, {args.threads} threads, median of {args.steps} steps after "
               f"{args.warmup} warm-up")
-        print("| variant | recompute | tokens/s | vs torch eager | MFU | first step s | peak RSS MB |")
-        print("|---|---|---|---|---|---|---|")
+        print("| variant | recompute | MoE capacity | tokens/s | vs torch eager | MFU | first step s | peak RSS MB |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
-                print(f"| {r['variant']} | {r['recompute']} | skipped: {r['error']} | | | | |")
+                print(f"| {r['variant']} | {r['recompute']} | {r['moe_capacity']} | skipped: {r['error']} | | | | |")
                 continue
             tps = tokens_per_step / r["step_s"]
             r.update(tokens_per_s=tps, mfu=tps * flops / args.peak_flops,
                      vs_torch_eager=tps * base["step_s"] / tokens_per_step if base else None)
             ratio = f"{r['vs_torch_eager']:.2f}x" if base else "n/a"
-            print(f"| {r['variant']} | {r['recompute']} | {tps:,.0f} | {ratio} | {r['mfu']:.1%} | "
+            print(f"| {r['variant']} | {r['recompute']} | {r['moe_capacity'] or 'dropless'} | {tps:,.0f} | {ratio} | {r['mfu']:.1%} | "
                   f"{r['first_step_s']:.1f} | {r['peak_rss_mb']:.0f} |")
     save(args, f"bench_{args.workload}_{args.family}", {"workload": args.workload, "family": args.family, "shape": w,
                                                         "threads": args.threads, "rows": rows})

@@ -28,6 +28,7 @@ class Specialisation:
     flash: bool           # attention by blocks of keys (train.attention): CPU's kernel over visibility
                           # indices, Ascend's FlashAttentionScore
     cp: int = 1           # context parallel: each sequence split over this many ranks (msllm/parallel/cp.py)
+    ep: int = 1           # expert parallel: each MoE layer's experts split over this many ranks (msllm/parallel/ep.py)
 
 
 # From this many tokens `train.attention: auto` takes the flash core on CPU: below it the fused
@@ -146,7 +147,7 @@ def plan(cfg: Config, training: bool = True) -> Specialisation:
     fused = t.device == "cpu" and kernels.enabled(t.fused_kernels)
     return Specialisation(t.device, fused, training and shares_block_graph(cfg), t.recompute if training else "none",
                           cfg.lora.rank, training and packed_samples(cfg), uses_flash(cfg, fused, training),
-                          cfg.parallel.cp if training else 1)
+                          cfg.parallel.cp if training else 1, cfg.parallel.ep if training else 1)
 
 
 def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
@@ -165,9 +166,10 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
     elif spec.device == "ascend" and training:  # generated and checked here; executed only on Ascend
         from msllm.backends import ascend
         ascend.specialise(model, cfg, flash=spec.flash)
-    if spec.device == "cpu":  # sequences split over the cp group (training), or whole again
-        from msllm.parallel import cp
+    if spec.device == "cpu":  # sequences split over the cp group, experts over the ep group (training)
+        from msllm.parallel import cp, ep
         cp.specialise(model, cfg, training)
+        ep.specialise(model, cfg, training)
     return spec
 
 

@@ -400,8 +400,8 @@ class FeedForward(nn.Cell):
 
 
 class Block(nn.Cell):
-    """Pre-norm transformer block; returns (x, keys, values, load): keys and values as Attention
-    does, load the routing statistics of a MoE layer (msllm.models.moe.MoE), None for a dense MLP.
+    """Pre-norm transformer block; returns (x, keys, values) as Attention does, and a MoE layer also
+    its routing load (msllm.models.moe.MoE).
     With sandwich norms (Gemma) the attention and MLP outputs are normed too before they join the
     residual stream."""
 
@@ -426,10 +426,9 @@ class Block(nn.Cell):
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         attn, k, v = self.attention(self.attention_norm(x), cos, sin, mask, cache_k, cache_v, write)
         x = x + self.attention_out_norm(attn)
-        if self.routed:
-            out, load = self.feed_forward(self.ffn_norm(x))
-        else:
-            out, load = self.feed_forward(self.ffn_norm(x)), None
+        if not self.routed:
+            return x + self.ffn_out_norm(self.feed_forward(self.ffn_norm(x))), k, v
+        out, load = self.feed_forward(self.ffn_norm(x))
         return x + self.ffn_out_norm(out), k, v, load
 
 
@@ -587,14 +586,13 @@ class Llama(nn.Cell):
             keys, values = ops.unstack(keys, 0), ops.unstack(values, 0)
         for i, layer in enumerate(self.layers):
             cos, sin, mask = kinds[self.layer_kind[i]]
-            if keys is None:
-                h, _, _, load = layer(h, cos, sin, mask)
-            else:
-                h, k, v, load = layer(h, cos, sin, mask, keys[i], values[i], write)
-                new_keys += (k,)
-                new_values += (v,)
-            if load is not None:
-                loads += (load,)
+            out = layer(h, cos, sin, mask) if keys is None else layer(h, cos, sin, mask, keys[i], values[i], write)
+            h = out[0]
+            if keys is not None:
+                new_keys += (out[1],)
+                new_values += (out[2],)
+            if len(out) == 4:  # a MoE layer's routing load
+                loads += (out[3],)
         if keys is None:
             return h, None, None, loads
         return h, ops.stack(new_keys), ops.stack(new_values), loads

@@ -20,7 +20,7 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
     m, p = cfg.model, cfg.parallel
     batch = global_batch_of(cfg) if global_batch is None else global_batch
     seq = cfg.data.seq_len if seq_len is None else seq_len
-    for key in ("dp", "tp", "pp", "cp", "micro_batches"):
+    for key in ("dp", "tp", "pp", "cp", "ep", "micro_batches"):
         if getattr(p, key) < 1:
             return f"parallel.{key}", "must be >= 1"
     if p.sink_size < 0:
@@ -32,6 +32,9 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
     problem = context_parallel_problem(cfg, seq)
     if problem is not None:
         return problem
+    if p.ep > 1 and cfg.train.device != "cpu":
+        return "parallel.ep", (f"expert parallel runs on CPU over msrun only (train.device: {cfg.train.device}); "
+                               f"its Ascend layouts are not generated yet")
     if m.num_heads % p.tp:
         return "parallel.tp", f"must divide model.num_heads ({m.num_heads} % {p.tp} != 0)"
     if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:

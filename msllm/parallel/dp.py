@@ -76,15 +76,15 @@ def plan_buckets(sizes: list[int], itemsize: int = 4, bucket_bytes: int = BUCKET
 
 
 class GradAllReduce(nn.Cell):
-    """(grads, loss) -> (grads, loss) summed over all ranks, one AllReduce per bucket; the loss rides
-    in the last bucket."""
+    """(grads, loss) -> (grads, loss) summed over all ranks (or the ranks of `group`), one AllReduce
+    per bucket; the loss rides in the last bucket."""
 
-    def __init__(self, params, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, params, bucket_bytes: int = BUCKET_BYTES, group: str | None = None):
         super().__init__(auto_prefix=False)
         self.shapes = tuple(tuple(p.shape) for p in params)
         self.sizes = tuple(int(np.prod(s)) for s in self.shapes)
         self.buckets = tuple(tuple(b) for b in plan_buckets(list(self.sizes), 4, bucket_bytes))
-        self.all_reduce = ops.AllReduce()
+        self.all_reduce = ops.AllReduce() if group is None else ops.AllReduce(group=group)
 
     def construct(self, grads, loss):
         reduced = ()
@@ -126,9 +126,14 @@ def barrier() -> None:
     _Collective(ops.AllReduce())(ms.Tensor(np.ones(1, np.float32))).asnumpy()
 
 
+_GATHER: list = []  # one AllGather Cell per process: its compiled graph is reused for every same-sized call
+
+
 def all_gather(x: np.ndarray) -> np.ndarray:
     """Stack of every rank's x along a new first axis (x fp32, same shape on every rank)."""
-    out = _Collective(ops.AllGather())(ms.Tensor(np.ascontiguousarray(x, np.float32).reshape(1, -1))).asnumpy()
+    if not _GATHER:
+        _GATHER.append(_Collective(ops.AllGather()))
+    out = _GATHER[0](ms.Tensor(np.ascontiguousarray(x, np.float32).reshape(1, -1))).asnumpy()
     return out.reshape((-1, *x.shape))
 
 

@@ -51,5 +51,8 @@ def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=Non
     scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
     stepped = wrap_optimizer(optimizer) if wrap_optimizer else optimizer
     reducer = GradAllReduce(optimizer.params) if world > 1 else None
+    if spec.ep > 1:  # each rank holds its experts alone: they are summed over the ranks holding the same ones
+        from msllm.parallel import ep
+        reducer = ep.ExpertGradReduce(optimizer.params, *ep.groups(spec.ep, rank, world))
     train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world)
     return Built(model, optimizer, train_step, EvalStep(model), spec)

@@ -71,11 +71,15 @@ def sum_of_squares(g):
 hyper_map = ops.HyperMap()
 
 
-def global_norm(grads, sum_of_squares_op=None):
-    """sqrt of the sum of squares of all gradients; the fused kernel takes them all in one call."""
+def sum_squares(grads, sum_of_squares_op=None):
+    """The sum of squares of all gradients; the fused kernel takes them all in one call."""
     if sum_of_squares_op is None:
-        return ops.sqrt(ops.addn(hyper_map(sum_of_squares, grads)))
-    return ops.sqrt(sum_of_squares_op(*grads)).reshape(())
+        return ops.addn(hyper_map(sum_of_squares, grads))
+    return sum_of_squares_op(*grads).reshape(())
+
+
+def global_norm(grads, sum_of_squares_op=None):
+    return ops.sqrt(sum_squares(grads, sum_of_squares_op))
 
 
 def make_loss_scaler(initial_scale: float, window: int):
@@ -103,6 +107,8 @@ class TrainStep(nn.Cell):
         self.accum_steps = accum_steps
         self.loss_scaler = loss_scaler
         self.grad_reducer = grad_reducer  # data parallel: sums gradients and loss over the ranks
+        # expert parallel: the reducer knows which gradients are this rank's alone (msllm.parallel.ep)
+        self.sharded = hasattr(grad_reducer, "norm")
         self.world = world
         # A MoE model's loss cell also returns its routing loads: they take no gradient (has_aux).
         self.value_and_grad = ops.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=self.loss_cell.routed)
@@ -131,7 +137,10 @@ class TrainStep(nn.Cell):
         # One read of the raw gradients gives the norm; a NaN/Inf anywhere makes it non-finite,
         # so no separate all-finite pass is needed. Unscaling and clipping are one coefficient
         # the optimizer applies as it reads the gradients.
-        norm = global_norm(grads, self.sum_of_squares) * inv
+        if self.sharded:
+            norm = self.grad_reducer.norm(grads, self.sum_of_squares) * inv
+        else:
+            norm = global_norm(grads, self.sum_of_squares) * inv
         finite = ops.isfinite(norm)
         if self.loss_scaler is not None:
             self.loss_scaler.adjust(finite)

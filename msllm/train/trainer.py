@@ -24,10 +24,11 @@ from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
 from msllm.models.moe import routing_metrics
-from msllm.parallel import dp
+from msllm.parallel import dp, ep
 from msllm.parallel.check import data_replicas
 from msllm.preflight import make_dir
 from msllm.train import nonfinite
+from msllm.models.llama import build_model
 from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
 from msllm.train.optim import warmup_warning
@@ -93,6 +94,7 @@ class Trainer:
         self.rank, self.world = dp.init_process_group()
         # world = dp x cp: each cp group of ranks reads one data-parallel replica's samples (checked here)
         self.replicas, self.replica = data_replicas(cfg, self.world), self.rank // cfg.parallel.cp
+        ep.check(cfg, self.replicas)  # experts split over ep of the replicas
         ms.set_seed(t.seed)
         resume_from = checkpoint.latest(self.run_dir) if resume else None
         lora = cfg.lora.rank > 0  # checkpoints hold the adapters; the base is read from init_from every time
@@ -131,7 +133,7 @@ class Trainer:
         if resume_from:
             self._restore(resume_from)
         if self.world > 1:
-            differ = dp.ranks_differing(self.model.trainable_params())
+            differ = dp.ranks_differing([p for p in self.model.trainable_params() if not ep.is_expert(p.name)])
             if differ:
                 raise device.DeviceError(f"ranks {differ} start from weights different from rank 0's; every rank "
                                          f"must build the same model (same train.seed and checkpoint)")
@@ -142,13 +144,15 @@ class Trainer:
         self.stalls = {}  # step -> seconds training paused for its checkpoint
 
     def _restore(self, path: Path) -> None:
+        ep_size, index = self.cfg.parallel.ep, self.rank % self.cfg.parallel.ep  # checkpoints hold whole experts
         with checkpoint.load_arrays(path / checkpoint.MODEL_FILE) as weights:
-            checkpoint.load_into(self.model.trainable_params(), weights, str(path))
+            checkpoint.load_into(self.model.trainable_params(), ep.mine(weights, ep_size, index), str(path))
         # The loss-scaler state exists only under fp16: a resume that switches precision drops or starts it.
         with checkpoint.load_arrays(path / checkpoint.OPTIM_FILE) as optim:
             scaler = [p for p in self.train_step.state_parameters() if p.name in optim]
             checkpoint.load_into(scaler, {p.name: optim[p.name] for p in scaler}, str(path))
-            self.optimizer.load_full_state({k: v for k, v in optim.items() if not k.startswith(LOSS_SCALE)}, str(path))
+            self.optimizer.load_full_state(ep.mine({k: v for k, v in optim.items() if not k.startswith(LOSS_SCALE)},
+                                                   ep_size, index), str(path))
         state = checkpoint.read_state(path)
         self.start_step, self.skipped = state["step"], state.get("skipped_steps", 0)
         self.data_position = state.get("data_position", self.start_step * self.global_batch)
@@ -165,7 +169,12 @@ class Trainer:
 
     def inference_model(self):
         """The trained model re-specialised for generation (dynamic shapes, blocks inlined, no fused
-        training kernels): the seam swaps parameter-free Cells only, so the weights are the same."""
+        training kernels): the seam swaps parameter-free Cells only, so the weights are the same.
+        Under expert parallel this rank holds some experts only: a new model takes the whole weights
+        of the last checkpoint."""
+        if self.cfg.parallel.ep > 1:
+            self.model = build_model(self.cfg.model, compute_dtype=self.model.compute_dtype)
+            checkpoint.load_into(self.model.trainable_params(), self.whole_weights, "the last checkpoint")
         backends.specialise(self.model, self.cfg, training=False)
         self.model.set_train(False)
         return self.model
@@ -174,18 +183,22 @@ class Trainer:
         """Every rank calls this (a sharded optimizer gathers its state); rank 0 writes, in the
         background with train.background_checkpoint (the path it will have is returned at once)."""
         t0 = time.perf_counter()
-        arrays = {**self.optimizer.full_state(), **checkpoint.params_to_numpy(self.train_step.state_parameters())}
+        ep_size = self.cfg.parallel.ep  # experts split over the ep group are gathered whole (a collective)
+        arrays = {**ep.whole(self.optimizer.full_state(), ep_size),
+                  **checkpoint.params_to_numpy(self.train_step.state_parameters())}
+        weights = ep.whole(checkpoint.params_to_numpy(self.model.trainable_params()), ep_size)
         if self.world > 1:
             dp.barrier()  # every rank has finished this step
         if self.rank != 0:
             return None
+        self.whole_weights = weights
         position = self.data_position + (step - self.start_step) * self.global_batch
         state = {"data_position": position, "skipped_steps": self.skipped,
                  "world": self.replicas, "seed": self.cfg.train.seed, "data_seed": self.cfg.data.seed,
                  "tokenizer": str(self.shard_dir / "tokenizer.json"), "config": self.cfg.to_dict()}
         if self.cfg.lora.rank > 0:  # the checkpoint holds the adapters: name the base they belong to
             state["lora_base"] = self.pretrained.identity()
-        path = checkpoint.save(self.run_dir, step, self.model.trainable_params(), arrays, state,
+        path = checkpoint.save(self.run_dir, step, weights, arrays, state,
                                keep=self.cfg.train.keep_checkpoints, writer=self.writer,
                                add_files=lambda d: backends.save_with_checkpoint(self.cfg, self.run_dir, d, self.rank))
         self.stalls[step] = time.perf_counter() - t0
@@ -287,7 +300,8 @@ class Trainer:
                                        + (f"  expert load max/mean {last['expert_load_max']:.2f}" if loads else "")
                                        + (f" dropped {last['dropped']:.1%}" if t.moe_capacity_factor else ""))
                 window_t, window_steps = time.perf_counter(), 0
-            if (step % t.eval_every == 0 or step == t.steps) and self.rank < cfg.parallel.cp:  # rank 0's cp group
+            # rank 0's cp or ep group (its ranks compute one sequence or one layer's experts together)
+            if (step % t.eval_every == 0 or step == t.steps) and self.rank < cfg.parallel.cp * cfg.parallel.ep:
                 val = evaluate(self.eval_step, self.val_tokens, cfg)
                 last["val_loss"] = val
                 self.metrics.log({"kind": "eval", "step": step, "val_loss": val},

@@ -1,0 +1,213 @@
+"""Expert parallel on CPU: each rank of an ep group holds E / ep of every MoE layer's experts.
+
+The ranks of an ep group (ep consecutive data-parallel ranks) each bring their own tokens. A MoE
+layer's dispatcher (AllGatherDispatch, swapped in at the seam) gathers the group's tokens and
+routing weights, runs this rank's experts on all of them, and sums the partial outputs over the
+group, each rank keeping its own tokens' rows: Megatron-Core's "allgather" token dispatcher, built
+from the one collective MindSpore's CPU backend has on sub-groups, AllReduce (a gather is an
+AllReduce of buffers that are zero outside each rank's rows). The gradient of an AllReduce is an
+AllReduce, so backward needs nothing more.
+
+Expert weights and their AdamW moments are this rank's only: their gradients are summed over the
+ranks holding the same experts (the expert-data-parallel group: ranks with the same index in their
+ep group), the others over all ranks, and the gradient norm adds the experts' squares over the ep
+group. Checkpoints hold every expert (`whole` gathers them; `mine` cuts a checkpoint's), so a run
+resumes at any ep and any worker count.
+"""
+from __future__ import annotations
+
+import functools
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+
+from msllm.config import Config, ConfigError
+from msllm.models.moe import EveryExpert, choices
+from msllm.parallel.dp import BUCKET_BYTES, GradAllReduce, all_gather
+from msllm.train.step import sum_squares
+
+EXPERT_LEAVES = (".experts.w1", ".experts.w2", ".experts.w3")
+GATHER_PIECE = 4 << 20  # floats per rank in one checkpoint gather (16 MiB; mccl fails on ~64 MiB collectives)
+
+
+def is_expert(name: str) -> bool:
+    """Whether a parameter (or its AdamW moment) holds stacked experts [E, ...]."""
+    return name.endswith(EXPERT_LEAVES)
+
+
+@functools.lru_cache(maxsize=None)
+def groups(ep: int, rank: int, world: int) -> tuple[str | None, str | None]:
+    """(this rank's ep group, its expert-data-parallel group): None for the world group, "" for a group
+    of one (nothing to reduce); the others are created here, once (every member creates them)."""
+    from mindspore.communication import create_group
+
+    def made(name: str, members: list[int]) -> str | None:
+        if len(members) == world:
+            return None
+        if len(members) == 1:
+            return ""
+        create_group(name, members)
+        return name
+
+    first = rank // ep * ep
+    return (made(f"msllm_ep_{first // ep}", list(range(first, first + ep))),
+            made(f"msllm_edp_{rank % ep}", list(range(rank % ep, world, ep))))
+
+
+def all_reduce(group: str | None):
+    return ops.AllReduce() if group is None else ops.AllReduce(group=group)
+
+
+class AllGatherDispatch(nn.Cell):
+    """EveryExpert's interface (msllm.models.moe) over an ep group: dispatch(x [N, h], weights, chosen)
+    -> (the group's ep x N tokens for this rank's E / ep experts [E / ep, ep N, h], their routing
+    weights); combine -> (this rank's N rows of the summed outputs, zero drops)."""
+
+    def __init__(self, num_experts: int, ep: int, index: int, group: str | None):
+        super().__init__()
+        self.num_experts, self.ep, self.index = num_experts, ep, index
+        self.local = num_experts // ep
+        self.all_reduce = all_reduce(group)
+
+    def place(self, x):
+        """x [N, c] -> [ep N, c], x at this rank's rows, zeros elsewhere."""
+        n, c = x.shape
+        pieces = (x,)
+        if self.index > 0:
+            pieces = (ops.zeros((self.index * n, c), x.dtype),) + pieces
+        if self.index < self.ep - 1:
+            pieces = pieces + (ops.zeros(((self.ep - 1 - self.index) * n, c), x.dtype),)
+        return ops.concat(pieces, 0)
+
+    def dispatch(self, x, weights, chosen):
+        combine = ops.sum(choices(chosen, self.num_experts) * weights.reshape(weights.shape + (1,)), 1)  # [N, E]
+        tokens = self.all_reduce(self.place(x))                                                  # [ep N, h]
+        mine = self.all_reduce(self.place(combine))[:, self.index * self.local:(self.index + 1) * self.local]
+        rows = ops.broadcast_to(tokens.reshape((1,) + tokens.shape), (self.local,) + tokens.shape)
+        return rows, (mine, x.shape[0])
+
+    def combine(self, ys, route):
+        mine, n = route
+        partial = ops.sum(ys * mine.astype(ys.dtype).transpose(1, 0).reshape(self.local, -1, 1), 0)
+        out = self.all_reduce(partial)[self.index * n:(self.index + 1) * n]
+        return out, ops.zeros((self.num_experts,), ms.float32)
+
+
+class ExpertGradReduce(nn.Cell):
+    """(grads, loss) -> summed as msllm.parallel.dp.GradAllReduce does: the experts' over their
+    expert-data-parallel group, the rest (and the loss) over all ranks. `norm(grads, sum_of_squares)`:
+    the global gradient norm, the experts' squares summed over the ep group."""
+
+    def __init__(self, params, ep_group: str | None, edp_group: str | None, bucket_bytes: int = BUCKET_BYTES):
+        super().__init__(auto_prefix=False)
+        self.expert = tuple(i for i, p in enumerate(params) if is_expert(p.name))
+        self.shared = tuple(i for i, p in enumerate(params) if not is_expert(p.name))
+        self.world_reduce = GradAllReduce([params[i] for i in self.shared], bucket_bytes)
+        self.edp_reduce = None if edp_group == "" else GradAllReduce([params[i] for i in self.expert], bucket_bytes,
+                                                                      group=edp_group)
+        self.ep_reduce = all_reduce(ep_group)
+        self.count = len(params)
+
+    def construct(self, grads, loss):
+        shared, loss = self.world_reduce(tuple(grads[i] for i in self.shared), loss)
+        expert = tuple(grads[i] for i in self.expert)
+        if self.edp_reduce is not None:
+            expert, _ = self.edp_reduce(expert, ops.zeros((), loss.dtype))
+        out = [None] * self.count
+        for j, i in enumerate(self.shared):
+            out[i] = shared[j]
+        for j, i in enumerate(self.expert):
+            out[i] = expert[j]
+        return tuple(out), loss
+
+    def norm(self, grads, sum_of_squares_op=None):
+        """The global gradient norm (msllm.train.step.global_norm), this rank's experts' squares summed
+        over the ep group."""
+        mine = sum_squares(tuple(grads[i] for i in self.expert), sum_of_squares_op)
+        shared = sum_squares(tuple(grads[i] for i in self.shared), sum_of_squares_op)
+        return ops.sqrt(shared + self.ep_reduce(mine.reshape(1)).reshape(()))
+
+
+def check(cfg: Config, replicas: int, source: str = "config") -> None:
+    """ConfigError (one line) when parallel.ep cannot lay this run's experts over its `replicas`."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.ep == 1:
+        return
+    if "moe" not in m.mlp_kinds():
+        raise ConfigError(source, "parallel.ep", f"is {p.ep} but the model has no MoE layer (model.num_experts)")
+    if m.num_experts % p.ep:
+        raise ConfigError(source, "parallel.ep", f"must divide model.num_experts ({m.num_experts} % {p.ep} != 0)")
+    if replicas % p.ep:
+        raise ConfigError(source, "parallel.ep", f"is {p.ep} but the run has {replicas} data-parallel "
+                          f"worker{'s' if replicas > 1 else ''}; ep must divide them (msllm launch --nproc N)")
+    for key, on, why in (("parallel.cp", p.cp > 1, "context parallel"),
+                         ("parallel.optimizer_shard", p.optimizer_shard, "ZeRO-1"),
+                         ("train.moe_capacity_factor", t.moe_capacity_factor > 0, "a capacity dispatch"),
+                         ("train.debug_nonfinite", t.debug_nonfinite, "the one-process re-run of a bad step")):
+        if on:
+            raise ConfigError(source, key, f"does not combine with parallel.ep {p.ep} yet ({why}); "
+                              f"set it off or use parallel.ep 1")
+
+
+def specialise(model, cfg: Config, training: bool) -> int:
+    """The seam's expert-parallel step (msllm.backends): with parallel.ep > 1 in training, keep this
+    rank's experts of every MoE layer and swap in the all-gather dispatcher. Returns ep."""
+    ep = cfg.parallel.ep if training else 1
+    if ep == 1:
+        return 1
+    from msllm.parallel.cp import rank_and_world
+
+    rank, world = rank_and_world()
+    check(cfg, world // cfg.parallel.cp)
+    index = rank % ep
+    ep_group, _ = groups(ep, rank, world)
+    for block in model.layers:
+        if block.routed:
+            moe = block.feed_forward
+            for p in moe.experts.get_parameters():
+                p.set_data(p[index * (moe.num_experts // ep):(index + 1) * (moe.num_experts // ep)], True)
+            moe.dispatch = AllGatherDispatch(moe.num_experts, ep, index, ep_group)
+    return ep
+
+
+def whole_experts(model) -> None:
+    """Every MoE layer dispatching dropless again (inference on whole experts)."""
+    for block in model.layers:
+        if block.routed:
+            block.feed_forward.dispatch = EveryExpert(block.feed_forward.num_experts)
+
+
+def whole(arrays: dict[str, np.ndarray], ep: int) -> dict[str, np.ndarray]:
+    """A rank's arrays (weights or AdamW moments) with every expert tensor gathered whole from its ep
+    group: a collective, every rank calls it. The expert tensors travel as one flat buffer, so a
+    checkpoint compiles one gather; ranks 0 .. ep-1 form the first ep group."""
+    if ep == 1:
+        return arrays
+    names = [name for name in arrays if is_expert(name)]
+    flat = np.concatenate([np.ascontiguousarray(arrays[n], np.float32).reshape(-1) for n in names])
+    # in pieces of one size (the last one padded): each gather stays small, and one compile serves all
+    piece = min(GATHER_PIECE, flat.size)
+    padded = np.zeros(-(-flat.size // piece) * piece, np.float32)
+    padded[:flat.size] = flat
+    ranks = np.concatenate([all_gather(padded[i:i + piece])[:ep] for i in range(0, padded.size, piece)], 1)
+    out, at = dict(arrays), 0
+    for name in names:
+        a = arrays[name]
+        out[name] = ranks[:, at:at + a.size].reshape((ep * a.shape[0],) + a.shape[1:]).astype(a.dtype)
+        at += a.size
+    return out
+
+
+def mine(arrays, ep: int, index: int) -> dict[str, np.ndarray]:
+    """Whole arrays (a checkpoint's) -> this rank's: each expert tensor cut to its E / ep experts."""
+    if ep == 1:
+        return arrays
+    out = {}
+    for name in arrays.keys():
+        a = arrays[name]
+        if is_expert(name):
+            per = a.shape[0] // ep
+            a = a[index * per:(index + 1) * per]
+        out[name] = a
+    return out
