@@ -242,6 +242,7 @@ def test_cached_generation_equals_full_recompute(qwen_run):
         assert prompt + cached.ids[0] == full
 
 
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): ~40 s, beyond CI's budget")
 def test_cli_export_and_generate_on_every_engine(llama_run, tmp_path):
     device.setup("cpu", "pynative")
     _, model, _, _ = load_model(llama_run)

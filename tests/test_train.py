@@ -67,15 +67,11 @@ def test_resume_is_bit_identical(straight_run, tmp_path, corpus):
 
 def test_generate_from_run(straight_run):
     run, _ = straight_run
-    greedy = run_cli("generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "8")
-    assert greedy.returncode == 0, greedy.stderr[-2000:]
-    again = run_cli("generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "8")
-    assert greedy.stdout == again.stdout and greedy.stdout.startswith("def ")
-    # The end-of-training sample (4 greedy tokens from the trained Cells) continues the same way.
+    # The end-of-training sample (4 greedy tokens from the trained Cells) continues as generate does
+    # from the checkpoint (sampling and repeatability: tests/test_generate.py).
     four = run_cli("generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "4")
-    assert f"--- sample (greedy) ---\n{four.stdout.strip()}\n---" in straight_run[1].stdout
-    sampled = run_cli("generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "8", "--top-k", "5")
-    assert sampled.returncode == 0 and sampled.stdout.startswith("def ")
+    assert four.returncode == 0, four.stderr[-2000:]
+    assert four.stdout.startswith("def ") and f"--- sample (greedy) ---\n{four.stdout.strip()}\n---" in straight_run[1].stdout
 
 
 def test_unavailable_device_is_one_line(tmp_path, corpus):
