@@ -274,6 +274,10 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
 
     ckpt, state, cfg, weights, adapters = _lora_run(run, base)
     leaves = hf_leaves(weights.architecture)
+    experts = [t for t in cfg.lora.targets if t.startswith("experts_")]
+    if experts:  # transformers holds a layer's experts as 3-D parameters, not the Linears PEFT's LoRA wraps
+        raise InteropError(f"{ckpt}: lora.targets {experts}: adapters on stacked experts have no PEFT LoRA "
+                           f"format msllm writes; `msllm lora merge` makes a full model")
     fused = [t for t in cfg.lora.targets if t not in leaves]
     if fused:
         raise InteropError(f"{ckpt}: lora.targets {fused}: {weights.architecture} stores them inside a fused "

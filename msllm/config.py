@@ -210,7 +210,8 @@ class LoraConfig:
     rank: int = 0                     # 0 = off
     alpha: float = 16.0
     dropout: float = 0.0              # on the adapter's input; > 0 makes resume not bit-exact
-    targets: list = field(default_factory=lambda: ["q", "v"])  # of q, k, v, o, gate, up, down
+    targets: list = field(default_factory=lambda: ["q", "v"])  # of q, k, v, o, gate, up, down (a dense MLP's),
+                                                               # experts_gate, experts_up, experts_down (MoE experts')
 
 
 @dataclass
@@ -312,7 +313,7 @@ def _apply(cfg: Config, data: Any, source: str, origins: dict | None = None) -> 
 
 
 # What each rope_scaling type reads (msllm.models.llama.rope_inv_freq), besides its type.
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts_gate", "experts_up", "experts_down")
 ROPE_SCALING_KEYS = {"linear": ("factor",),
                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 MAX_VOCAB = 2**31 - 1   # token ids are int32
@@ -429,6 +430,12 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
     need(t.loss_scale >= 1, "train.loss_scale", "must be >= 1")
     _check_lora(cfg, need)
+    if cfg.lora.rank > 0:
+        kinds = set(m.mlp_kinds())
+        idle = [x for x in cfg.lora.targets if x.startswith("experts_") and "moe" not in kinds
+                or x in ("gate", "up", "down") and "dense" not in kinds]
+        need(not idle, "lora.targets", f"{', '.join(idle)} adapt no layer of this model (its MLPs are "
+             f"{' and '.join(sorted(kinds))}); gate / up / down adapt dense MLPs, experts_* MoE experts")
     need(not (t.attention == "flash" and t.device == "cpu" and t.fused_kernels == "off"), "train.attention",
          "flash on CPU is a fused kernel; set train.fused_kernels: auto, or train.attention: softmax",
          "train.fused_kernels")

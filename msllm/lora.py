@@ -6,18 +6,26 @@ as PEFT computes it (A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0, so training starts a
 The base Linear keeps its Parameters and their names; every base weight is frozen (no gradient,
 no optimizer state) and the adapters are named `<module>.lora_a` / `<module>.lora_b`, e.g.
 `layers.0.attention.wq.lora_a`. A run's checkpoints hold the adapters only.
+
+A MoE layer's stacked experts take one adapter per expert and projection (targets experts_gate,
+experts_up, experts_down): A [E, rank, in], B [E, out, rank], named after the stacked weight
+(`layers.1.feed_forward.experts.w1.lora_a`). They adapt the weights, W_e + scale B_e A_e, which
+is the same maths as adding scale B_e A_e x to each expert's output.
 """
 from __future__ import annotations
 
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from msllm.config import LoraConfig
 from msllm.models.llama import Linear, Llama, cast
+from msllm.models.moe import Experts
 
-# lora.targets name -> the Linear it adapts inside each block
+# lora.targets name -> the Linear it adapts inside each block (a dense MLP's; attention's)
 TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
            "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+# lora.targets name -> the stacked weight it adapts in a MoE layer's experts
+EXPERT_TARGETS = {"experts_gate": "w1", "experts_up": "w3", "experts_down": "w2"}
 
 
 class LoRALinear(nn.Cell):
@@ -44,15 +52,60 @@ class LoRALinear(nn.Cell):
         return y + (self.matmul(low, cast(self.lora_b, h.dtype)) * self.scale).reshape(y.shape)
 
 
+class LoRAExperts(nn.Cell):
+    """Stacked experts (msllm.models.moe.Experts) computing with W + scale * B A for the adapted
+    projections `which` (of w1 / w2 / w3), one adapter per expert."""
+
+    PROJECTIONS = ("w1", "w2", "w3")
+
+    def __init__(self, base: Experts, which: list[str], rank: int, alpha: float, rng: np.random.Generator):
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        # for w1, w2, w3: the index of its adapter, or -1 when it keeps its weight
+        self.slots = tuple(which.index(w) if w in which else -1 for w in self.PROJECTIONS)
+        self.matmul = ops.BatchMatMul()
+        a, b = [], []
+        for w in which:
+            e, out, inp = getattr(base, w).shape
+            bound = 1.0 / np.sqrt(inp)
+            a.append(Parameter(Tensor(rng.uniform(-bound, bound, (e, rank, inp)).astype(np.float32)), name=f"{w}.lora_a"))
+            b.append(Parameter(Tensor(np.zeros((e, out, rank), np.float32)), name=f"{w}.lora_b"))
+        self.lora_a, self.lora_b = ParameterTuple(a), ParameterTuple(b)
+
+    def construct(self, xs):
+        weights = (self.base.w1, self.base.w2, self.base.w3)
+        adapted = ()
+        for j in range(3):
+            i = self.slots[j]
+            if i < 0:
+                adapted += (weights[j],)
+            else:
+                adapted += (weights[j] + self.matmul(self.lora_b[i], self.lora_a[i]) * self.scale,)
+        return self.base.compute(xs, adapted[0], adapted[1], adapted[2])
+
+    def merged(self, name: str) -> np.ndarray:
+        """The projection's weight with its adapter folded in (numpy)."""
+        i = self.slots[self.PROJECTIONS.index(name)]
+        w = getattr(self.base, name).asnumpy()
+        if i < 0:
+            return w
+        return w + self.scale * np.matmul(self.lora_b[i].asnumpy(), self.lora_a[i].asnumpy())
+
+
 def targets(model: Llama, names: list[str]):
-    """(module path, parent Cell, attribute) of each targeted Linear, layer by layer."""
+    """(module path, parent Cell, attribute) of each targeted Linear, layer by layer: a dense MLP's
+    targets skip MoE layers (whose experts take experts_* targets)."""
     for i, block in enumerate(model.layers):
         for name in names:
+            if name in EXPERT_TARGETS:
+                continue
             *parents, attr = TARGETS[name].split(".")
             parent = block
             for p in parents:
-                parent = getattr(parent, p)
-            yield f"layers.{i}.{TARGETS[name]}", parent, attr
+                parent = getattr(parent, p, None)
+            if parent is not None and hasattr(parent, attr):
+                yield f"layers.{i}.{TARGETS[name]}", parent, attr
 
 
 def _replace(parent, attr: str, cell, names: dict) -> None:
@@ -65,7 +118,7 @@ def _replace(parent, attr: str, cell, names: dict) -> None:
 
 def apply_lora(model: Llama, cfg: LoraConfig, seed: int) -> None:
     """Freeze every weight of `model` and put adapters on the configured projections (in place)."""
-    if any(isinstance(c, LoRALinear) for _, c in model.cells_and_names()):
+    if any(isinstance(c, (LoRALinear, LoRAExperts)) for _, c in model.cells_and_names()):
         return  # already adapted (the seam runs again when a trained model is specialised for inference)
     for p in model.get_parameters():
         p.requires_grad = False
@@ -76,6 +129,14 @@ def apply_lora(model: Llama, cfg: LoraConfig, seed: int) -> None:
         cell = LoRALinear(base, cfg.rank, cfg.alpha, cfg.dropout, rng)
         names.update({id(cell.lora_a): f"{path}.lora_a", id(cell.lora_b): f"{path}.lora_b"})
         _replace(parent, attr, cell, names)
+    which = [EXPERT_TARGETS[t] for t in cfg.targets if t in EXPERT_TARGETS]
+    for i, block in enumerate(model.layers):
+        if which and block.routed:
+            base, path = block.feed_forward.experts, f"layers.{i}.feed_forward.experts"
+            names = {id(p): p.name for p in base.get_parameters()}
+            cell = LoRAExperts(base, which, cfg.rank, cfg.alpha, rng)
+            names.update({id(p): f"{path}.{p.name}" for p in (*cell.lora_a, *cell.lora_b)})
+            _replace(block.feed_forward, "experts", cell, names)
 
 
 def adapter_params(model: Llama) -> list:
@@ -85,10 +146,14 @@ def adapter_params(model: Llama) -> list:
 def merge_lora(model: Llama) -> None:
     """W += scale * B A in every adapted Linear, then drop the adapters: a plain model again."""
     for path, cell in list(model.cells_and_names()):
-        if not isinstance(cell, LoRALinear):
+        if isinstance(cell, LoRAExperts):
+            for w in cell.PROJECTIONS:
+                getattr(cell.base, w).set_data(Tensor(cell.merged(w).astype(np.float32)))
+        elif isinstance(cell, LoRALinear):
+            a, b, w = cell.lora_a.asnumpy(), cell.lora_b.asnumpy(), cell.base.weight.asnumpy()
+            cell.base.weight.set_data(Tensor((w + cell.scale * (b @ a)).astype(np.float32)))
+        else:
             continue
-        a, b, w = cell.lora_a.asnumpy(), cell.lora_b.asnumpy(), cell.base.weight.asnumpy()
-        cell.base.weight.set_data(Tensor((w + cell.scale * (b @ a)).astype(np.float32)))
         *parents, attr = path.split(".")
         parent = model
         for p in parents:

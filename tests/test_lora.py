@@ -58,3 +58,41 @@ def test_merge_computes_what_the_adapters_did():
     plain = build_model(CFG)  # a new Cell: graph mode would reuse `model`'s compiled graph
     load_into(plain.trainable_params(), snapshot(model.trainable_params()), "merged")  # same names, no adapters
     np.testing.assert_allclose(plain(ids).asnumpy(), adapted, rtol=1e-5, atol=1e-5)
+
+
+# a dense and a MoE layer: gate / up / down adapt the dense MLP, experts_* each expert of the MoE one
+MOE = dataclasses.replace(CFG, num_experts=4, experts_per_token=2, moe_ffn_size=24, mlp_types=["dense", "moe"])
+MOE_TARGETS = ["q", "gate", "experts_gate", "experts_up", "experts_down"]
+
+
+def test_expert_adapters_learn_alone_and_merge_into_the_experts():
+    """LoRA on stacked experts: one adapter per expert and projection, trained in the compiled step
+    with the base frozen; merging gives the plain model what the adapted one computed."""
+    cfg = dataclasses.replace(step_config(MOE, OPT, steps=3, batch_size=4), lora=LoraConfig(rank=4, alpha=8.0,
+                                                                                           targets=MOE_TARGETS))
+    model = build_model(MOE, seed=3)
+    base = snapshot(model.trainable_params())
+    built = build_train_step(cfg, model)
+    names = {p.name: p.shape for p in adapter_params(model)}
+    assert names["layers.1.feed_forward.experts.w1.lora_a"] == (4, 4, 32)    # [E, rank, hidden]
+    assert names["layers.1.feed_forward.experts.w2.lora_b"] == (4, 32, 4)    # [E, hidden, rank]
+    assert "layers.0.feed_forward.w1.lora_a" in names and len(names) == 2 * (2 + 1 + 3)
+    tokens = ms.Tensor(np.random.default_rng(0).integers(0, 128, (4, 17)).astype(np.int32))
+    losses = [float(built.train_step(tokens)[0].asnumpy()) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    assert all(np.array_equal(p.asnumpy(), base[p.name]) for p in model.get_parameters() if p.name in base)
+    assert all(np.abs(p.asnumpy()).max() > 0 for p in adapter_params(model) if p.name.endswith("lora_b"))
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        ids = ms.Tensor(np.random.default_rng(2).integers(0, 128, (2, 12)).astype(np.int32))
+        adapted = model(ids).asnumpy()
+        merge_lora(model)
+        merged = snapshot(model.trainable_params())
+        assert set(merged) == set(base) and not np.array_equal(merged["layers.1.feed_forward.experts.w3"],
+                                                                 base["layers.1.feed_forward.experts.w3"])
+        plain = build_model(MOE)
+        load_into(plain.trainable_params(), merged, "merged")
+        np.testing.assert_allclose(plain(ids).asnumpy(), adapted, rtol=1e-5, atol=1e-5)
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)

@@ -52,8 +52,12 @@ class Experts(nn.Cell):
         self.act = ACTIVATIONS[cfg.mlp]()
 
     def construct(self, xs):
-        hidden = self.act(self.matmul(xs, cast(self.w1, xs.dtype)), self.matmul(xs, cast(self.w3, xs.dtype)))
-        return self.matmul(hidden, cast(self.w2, xs.dtype))
+        return self.compute(xs, self.w1, self.w2, self.w3)
+
+    def compute(self, xs, w1, w2, w3):
+        """The experts' maths with weights w1, w2, w3 (their own, or LoRA-adapted: msllm.lora.LoRAExperts)."""
+        hidden = self.act(self.matmul(xs, cast(w1, xs.dtype)), self.matmul(xs, cast(w3, xs.dtype)))
+        return self.matmul(hidden, cast(w2, xs.dtype))
 
 
 def choices(chosen, num_experts: int):
