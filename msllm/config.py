@@ -155,6 +155,8 @@ class TrainConfig:
     recompute: str = "none"           # none | full | selective (attention core + MLP)
     moe_capacity_factor: float = 0.0  # MoE: each expert computes at most factor x its even share of the
                                       # routed choices, the rest dropped and counted (0: dropless, every expert)
+    moe_bias_update_rate: float = 0.0  # DeepSeek-V3's aux-loss-free balance: after each step every expert's
+                                       # routing bias moves this much toward even load (0: off; DeepSeek: 0.001)
     loss_scale: float = 65536.0       # initial dynamic loss scale (fp16 only)
     loss_scale_window: int = 1000     # finite steps before the scale doubles
     max_bad_steps: int = 5            # consecutive non-finite steps before the run stops
@@ -446,6 +448,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         if problem is not None:
             need(False, "train.attention", problem[1], problem[0])
     need(t.moe_capacity_factor >= 0, "train.moe_capacity_factor", "must be >= 0 (0: dropless)")
+    need(t.moe_bias_update_rate >= 0, "train.moe_bias_update_rate", "must be >= 0 (0: off)")
     need(not (t.block_graph == "shared" and t.recompute != "none"), "train.block_graph",
          "shared cannot recompute (MindSpore 2.10 ignores recompute inside the shared block graph); "
          "use inlined or auto with train.recompute", "train.recompute")

@@ -54,5 +54,6 @@ def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=Non
     if spec.ep > 1:  # each rank holds its experts alone: they are summed over the ranks holding the same ones
         from msllm.parallel import ep
         reducer = ep.ExpertGradReduce(optimizer.params, *ep.groups(spec.ep, rank, world))
-    train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world)
+    train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world,
+                           t.moe_bias_update_rate)
     return Built(model, optimizer, train_step, EvalStep(model), spec)

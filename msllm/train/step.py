@@ -14,7 +14,7 @@ weights and optimizer untouched; with a loss scaler the scale is lowered instead
 from __future__ import annotations
 
 import mindspore as ms
-from mindspore import amp, nn, ops
+from mindspore import ParameterTuple, amp, nn, ops
 
 from msllm.models.llama import CausalLMLoss, MaskedCausalLMLoss
 from msllm.models.moe import balance_loss
@@ -94,7 +94,7 @@ class TrainStep(nn.Cell):
     of its MoE layers [moe layers, 3, E] (this rank's tokens, averaged over micro-batches)."""
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
-                 grad_reducer=None, world: int = 1):
+                 grad_reducer=None, world: int = 1, bias_update_rate: float = 0.0):
         super().__init__(auto_prefix=False)
         if optimizer.fused:  # msllm.kernels are on (CPU): the gradient norm uses them too
             from msllm import kernels
@@ -110,6 +110,11 @@ class TrainStep(nn.Cell):
         # expert parallel: the reducer knows which gradients are this rank's alone (msllm.parallel.ep)
         self.sharded = hasattr(grad_reducer, "norm")
         self.world = world
+        # DeepSeek-V3's aux-loss-free balance: the routing bias of every MoE layer whose router has one
+        self.expert_biases = ParameterTuple([block.feed_forward.router.expert_bias for block in model.layers
+                                             if block.routed and hasattr(block.feed_forward.router, "expert_bias")])
+        self.bias_update_rate = bias_update_rate if len(self.expert_biases) else 0.0
+        self.all_reduce = ops.AllReduce() if world > 1 else None  # every rank moves the biases alike
         # A MoE model's loss cell also returns its routing loads: they take no gradient (has_aux).
         self.value_and_grad = ops.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=self.loss_cell.routed)
 
@@ -154,8 +159,24 @@ class TrainStep(nn.Cell):
         else:
             lr = ops.zeros((), ms.float32)
         if loads is not None:
-            return loss * inv, norm, lr, finite, scale, loads / self.accum_steps
+            loads = loads / self.accum_steps
+            if self.bias_update_rate > 0:
+                self.balance(loads, finite, lr)
+            return loss * inv, norm, lr, finite, scale, loads
         return loss * inv, norm, lr, finite, scale
+
+
+    def balance(self, loads, finite, after):
+        """Move each expert's routing bias by bias_update_rate toward even load: up for an expert that
+        took fewer than the mean share of this step's choices (over all ranks), down for one that took
+        more (DeepSeek-V3's aux-loss-free balancing; no gradient). A skipped step moves nothing."""
+        shares = loads[:, 0]
+        if self.all_reduce is not None:
+            shares = self.all_reduce(shares) / self.world
+        move = ops.sign(ops.mean(shares, -1, keep_dims=True) - shares) * (self.bias_update_rate * finite.astype(ms.float32))
+        move = ops.depend(move, after)  # after the optimizer has read the biases
+        for i in range(len(self.expert_biases)):
+            ops.assign_add(self.expert_biases[i], move[i])
 
 
 class EvalStep(nn.Cell):
