@@ -1,7 +1,7 @@
 """Hugging Face config.json <-> msllm ModelConfig.
 
 Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
-text, Phi-3). The sizes, RoPE, sliding window and layer types are read from the config keys every
+text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3). The sizes, RoPE, sliding window and layer types are read from the config keys every
 family shares; what an architecture implies beyond them is its family spec. A config asking for
 something msllm does not compute (another activation, o_proj or MLP biases, another rope type,
 partial rotary, logit soft-capping) is refused, naming the key, rather than converted into a
@@ -42,7 +42,8 @@ def default_architecture(m: ModelConfig) -> str:
     """For checkpoints that never came from HF: the family whose spec computes what `m` computes
     (Phi-3 computes Llama's maths, so a model is never given its fused layout by default)."""
     def matches(family) -> bool:
-        spec = {**dict(qkv_bias=False, qk_norm=False, norm_offset=0.0, sandwich_norm=False, mlp="swiglu"), **family.spec}
+        spec = {**dict(qkv_bias=False, qk_norm=False, norm_offset=0.0, sandwich_norm=False, mlp="swiglu",
+                       attention="gqa", router="softmax"), **family.spec}
         return family.moe == (m.num_experts > 0) and all(getattr(m, key) == value for key, value in spec.items())
 
     arch = next((arch for arch, family in FAMILIES.items() if matches(family)), None)
@@ -138,7 +139,9 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         if hf.get(key) is not None:
             refuse(key, "logit soft-capping is not supported (null)")
     hidden, heads = count("hidden_size"), count("num_attention_heads")
-    head_dim = count("head_dim", 0) if hf.get("head_dim") is not None else 0
+    mla = _mla(hf, heads, count, refuse) if family.spec.get("attention") == "mla" else {}
+    # MLA's config.json says head_dim for its RoPE part (qk_rope_head_dim), read by _mla
+    head_dim = count("head_dim", 0) if hf.get("head_dim") is not None and not mla else 0
     if not head_dim and hidden % heads:
         refuse("num_attention_heads", f"must divide hidden_size ({hidden}) when head_dim is not given")
     theta, scaling, local_theta = _rope_per_layer_type(hf, refuse)
@@ -159,12 +162,28 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=max_seq_len or context, sliding_window=window, layer_types=layer_types,
         pad_token_id=_pad_token(hf, refuse), **_experts(hf, layers, refuse),
-        rope_local_theta=local_theta if window else 0.0, **spec)
+        rope_local_theta=local_theta if window else 0.0, **mla, **spec)
+
+
+def _mla(hf: dict, heads: int, count, refuse) -> dict:
+    """DeepSeek-V3's attention sizes. transformers expands every head's keys from the latent, so it
+    computes only with as many KV heads as heads."""
+    if hf.get("num_key_value_heads", heads) != heads:
+        refuse("num_key_value_heads", f"must equal num_attention_heads ({heads}): MLA expands keys per head")
+    q_rank = hf.get("q_lora_rank")
+    if not (q_rank is None or isinstance(q_rank, int) and not isinstance(q_rank, bool) and q_rank > 0):
+        refuse("q_lora_rank", f"must be a positive integer or null, got {q_rank!r}")
+    return {"q_lora_rank": q_rank or 0, "kv_lora_rank": count("kv_lora_rank"),
+            "qk_nope_head_dim": count("qk_nope_head_dim"), "qk_rope_head_dim": count("qk_rope_head_dim"),
+            "v_head_dim": count("v_head_dim"), "rope_interleave": bool(hf.get("rope_interleave", True))}
 
 
 def _experts(hf: dict, layers: int, refuse) -> dict:
     """MoE fields: how many experts, top-k, their size, renormalisation, and which layers are MoE
-    (Qwen3-MoE: not in mlp_only_layers and every decoder_sparse_step-th; Mixtral: all)."""
+    (Qwen3-MoE: not in mlp_only_layers and every decoder_sparse_step-th; Mixtral: all; DeepSeek-V3:
+    from first_k_dense_replace on, with its groups, scaling and shared experts)."""
+    if "n_routed_experts" in hf:
+        return _deepseek_experts(hf, layers, refuse)
     experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
     if not experts:
         return {}
@@ -180,6 +199,38 @@ def _experts(hf: dict, layers: int, refuse) -> dict:
             # transformers adds the load-balancing loss only with output_router_logits on
             "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0) if hf.get("output_router_logits") else 0.0,
             "mlp_types": None if set(kinds) == {"moe"} else kinds}
+
+
+def _deepseek_experts(hf: dict, layers: int, refuse) -> dict:
+    """DeepSeek-V3's router and layers, read as DeepseekV3TopkRouter and DeepseekV3DecoderLayer use them."""
+    def count(key, default):
+        value = hf.get(key, default)
+        if value is None:
+            value = default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            refuse(key, f"must be an integer >= 0, got {value!r}")
+        return value
+
+    experts, top_k = count("n_routed_experts", 0), count("num_experts_per_tok", 8)
+    groups, topk_groups = count("n_group", 1) or 1, count("topk_group", 1) or 1
+    if experts % groups or experts // groups < 2:
+        refuse("n_group", f"must divide n_routed_experts ({experts}) into groups of at least 2 (each group is "
+                          "scored by its best two)")
+    if not 1 <= topk_groups <= groups:
+        refuse("topk_group", f"must be in [1, n_group ({groups})], got {topk_groups!r}")
+    if not 1 <= top_k <= topk_groups * experts // groups:
+        refuse("num_experts_per_tok", f"must be in [1, {topk_groups * experts // groups}] (the experts of "
+                                      f"topk_group groups), got {top_k!r}")
+    scaling = hf.get("routed_scaling_factor", 1.0)
+    if not _is_number(scaling) or scaling <= 0:
+        refuse("routed_scaling_factor", f"must be a number > 0, got {scaling!r}")
+    dense = min(count("first_k_dense_replace", 0), layers)
+    kinds = ["dense"] * dense + ["moe"] * (layers - dense)
+    return {"num_experts": experts, "experts_per_token": top_k, "moe_ffn_size": count("moe_intermediate_size", 0),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "expert_groups": groups,
+            "topk_groups": topk_groups, "routed_scaling": float(scaling), "shared_experts": count("n_shared_experts", 0),
+            # transformers' DeepSeek-V3 adds no load-balancing loss
+            "router_aux_loss_coef": 0.0, "mlp_types": None if dense == 0 else kinds}
 
 
 def _pad_token(hf: dict, refuse) -> int:
@@ -233,7 +284,16 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
         hf["rope_scaling"] = {"rope_type": scaling.pop("type", scaling.pop("rope_type", None)), **scaling}
     if m.layer_types is not None or (m.sliding_window and arch not in ("MistralForCausalLM", "Phi3ForCausalLM")):
         hf["layer_types"] = [f"{kind}_attention" for kind in m.layer_kinds()]
-    if m.num_experts:
+    if m.mla:
+        hf.update(head_dim=m.qk_rope_head_dim, q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank,
+                  qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                  rope_interleave=m.rope_interleave)
+    if m.num_experts and arch == "DeepseekV3ForCausalLM":
+        dense = m.mlp_kinds().index("moe") if "moe" in m.mlp_kinds() else m.num_layers
+        hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob, n_routed_experts=m.num_experts,
+                  moe_intermediate_size=m.moe_ffn_size or m.ffn_size, n_group=m.expert_groups, topk_group=m.topk_groups,
+                  routed_scaling_factor=m.routed_scaling, n_shared_experts=m.shared_experts, first_k_dense_replace=dense)
+    elif m.num_experts:
         hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob,
                   output_router_logits=m.router_aux_loss_coef > 0, router_aux_loss_coef=m.router_aux_loss_coef)
         if arch == "MixtralForCausalLM":

@@ -63,10 +63,50 @@ class ModelConfig:
                                        # its output_router_logits is on)
     # Per layer "dense" or "moe"; None: every layer moe when num_experts > 0 (Qwen3-MoE's mlp_only_layers).
     mlp_types: Optional[list] = None
+    router: str = "softmax"           # softmax: top k of softmax(scores) | sigmoid_grouped: DeepSeek-V3's (sigmoid
+                                      # scores, a fixed per-expert bias for the choice, top k within the best groups)
+    expert_groups: int = 1            # sigmoid_grouped: experts in this many groups (DeepSeek-V3's n_group)
+    topk_groups: int = 1              # sigmoid_grouped: a token's experts come from its best groups (topk_group)
+    routed_scaling: float = 1.0       # the routing weights x this (DeepSeek-V3's routed_scaling_factor)
+    shared_experts: int = 0           # every token also runs a gated MLP of shared_experts x moe_ffn_size
+    attention: str = "gqa"            # gqa: q/k/v heads (MHA, GQA, MQA) | mla: multi-head latent attention (DeepSeek)
+    q_lora_rank: int = 0              # mla: q through a normed rank-r bottleneck (0: one q projection)
+    kv_lora_rank: int = 0             # mla: keys and values come from this latent, per token
+    qk_nope_head_dim: int = 0         # mla: per-head q/k features without RoPE
+    qk_rope_head_dim: int = 0         # mla: per-head q/k features with RoPE (the key's are shared by all heads)
+    v_head_dim: int = 0               # mla: per-head value features
+    rope_interleave: bool = False     # rotary pairs are neighbours (x0, x1), (x2, x3).. (DeepSeek), not the halves
+
+    @property
+    def mla(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def rope_dim(self) -> int:
+        """Features per head that RoPE rotates: the head, or MLA's rope part."""
+        return self.qk_rope_head_dim if self.mla else self.head_size
+
+    def cache_shapes(self, batch: int, length: int) -> tuple[tuple, tuple]:
+        """Shapes of the preallocated keys and values a cached forward takes: per layer and row, each KV
+        head's keys and values; MLA caches one latent and one RoPE key per token (kv_lora_rank +
+        qk_rope_head_dim features, not every head's keys and values)."""
+        if self.mla:
+            return ((self.num_layers, batch, 1, length, self.kv_lora_rank),
+                    (self.num_layers, batch, 1, length, self.qk_rope_head_dim))
+        shape = (self.num_layers, batch, self.num_kv_heads, length, self.head_size)
+        return shape, shape
+
+    @property
+    def value_size(self) -> int:
+        """Features per value head: the head, or MLA's v_head_dim."""
+        return self.v_head_dim if self.mla else self.head_size
 
     @property
     def head_size(self) -> int:
-        """Features per attention head: head_dim, or hidden_size // num_heads when it is 0."""
+        """Features per attention head (of q and k): head_dim, or hidden_size // num_heads when it is 0;
+        MLA's nope + rope parts."""
+        if self.mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.hidden_size // self.num_heads
 
     def layer_kinds(self) -> list[str]:
@@ -86,8 +126,13 @@ class ModelConfig:
         h, f, v, d = self.hidden_size, self.ffn_size, self.vocab_size, self.head_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.qkv_bias else 0) + (2 * d if self.qk_norm else 0)
+        if self.mla:
+            r, c, n = self.q_lora_rank, self.kv_lora_rank, self.num_heads
+            attn = ((h * r + r + r * q) if r else h * q) + h * (c + self.qk_rope_head_dim) + c \
+                + c * n * (self.qk_nope_head_dim + self.v_head_dim) + n * self.v_head_dim * h
         experts = self.experts_per_token if active else self.num_experts
-        mlp = {"dense": 3 * h * f, "moe": experts * 3 * h * (self.moe_ffn_size or f) + self.num_experts * h}
+        expert = 3 * h * (self.moe_ffn_size or f)
+        mlp = {"dense": 3 * h * f, "moe": (experts + self.shared_experts) * expert + self.num_experts * h}
         layers = sum(attn + mlp[kind] + (4 if self.sandwich_norm else 2) * h for kind in self.mlp_kinds())
         return v * h * (1 if self.tie_embeddings else 2) + layers + h
 
@@ -95,7 +140,8 @@ class ModelConfig:
         """Training FLOPs per token: 6 x matmul params (of MoE layers, the k experts a token uses) + attention
         scores (PaLM appendix B)."""
         non_embed = self.num_params(active=True) - self.vocab_size * self.hidden_size * (0 if self.tie_embeddings else 1)
-        return 6.0 * non_embed + 12.0 * self.num_layers * self.num_heads * self.head_size * seq_len
+        # scores q k^T over the q/k head, P v over the value head (equal but for MLA)
+        return 6.0 * non_embed + 6.0 * self.num_layers * self.num_heads * (self.head_size + self.value_size) * seq_len
 
 
 @dataclass
@@ -241,6 +287,8 @@ _CHOICES = {
     "train.precision": ("fp32", "fp16", "bf16"),
     "train.recompute": ("none", "full", "selective"),
     "model.mlp": ("swiglu", "geglu_tanh"),
+    "model.router": ("softmax", "sigmoid_grouped"),
+    "model.attention": ("gqa", "mla"),
 }
 LAYER_TYPES = ("full", "sliding")
 MLP_TYPES = ("dense", "moe")
@@ -364,7 +412,15 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
          "model.hidden_size")
     need(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
          f"must divide model.num_heads ({m.num_heads} % {m.num_kv_heads} != 0)", "model.num_heads")
-    need(m.head_size % 2 == 0, "model.num_heads", f"head_dim {m.head_size} must be even for RoPE", "model.hidden_size")
+    need(m.mla or m.head_size % 2 == 0, "model.num_heads", f"head_dim {m.head_size} must be even for RoPE",
+         "model.hidden_size")
+    if m.mla:
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            need(getattr(m, key) > 0, f"model.{key}", "must be > 0 with model.attention mla", "model.attention")
+        need(m.q_lora_rank >= 0, "model.q_lora_rank", "must be >= 0 (0: one q projection)")
+        need(m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim", "must be even for RoPE")
+        need(m.num_kv_heads == m.num_heads, "model.num_kv_heads",
+             f"must equal model.num_heads ({m.num_heads}) with mla: every head expands its own keys", "model.attention")
     need(m.rope_theta > 0, "model.rope_theta", "must be > 0")
     need(m.norm_eps > 0, "model.norm_eps", "must be > 0")
     if m.rope_scaling is not None:
@@ -381,6 +437,20 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(m.num_experts >= 0 and m.moe_ffn_size >= 0, "model.num_experts", "must be >= 0 (0: dense MLPs)")
     need(m.num_experts == 0 or 1 <= m.experts_per_token <= m.num_experts, "model.experts_per_token",
          f"must be in [1, model.num_experts ({m.num_experts})]", "model.num_experts")
+    need(m.expert_groups >= 1 and m.num_experts % m.expert_groups == 0, "model.expert_groups",
+         f"must be >= 1 and divide model.num_experts ({m.num_experts})", "model.num_experts")
+    need(1 <= m.topk_groups <= m.expert_groups, "model.topk_groups", f"must be in [1, model.expert_groups ({m.expert_groups})]",
+         "model.expert_groups")
+    need(m.router == "sigmoid_grouped" or m.expert_groups == 1, "model.expert_groups",
+         "groups are routed by model.router sigmoid_grouped only", "model.router")
+    if m.router == "sigmoid_grouped" and m.num_experts:
+        per_group = m.num_experts // m.expert_groups
+        need(per_group >= 2, "model.expert_groups", "groups need at least 2 experts (each is scored by its best two)",
+             "model.num_experts")
+        need(m.experts_per_token <= m.topk_groups * per_group, "model.experts_per_token",
+             f"must be <= the experts of model.topk_groups groups ({m.topk_groups * per_group})", "model.topk_groups")
+    need(m.routed_scaling > 0, "model.routed_scaling", "must be > 0")
+    need(m.shared_experts >= 0, "model.shared_experts", "must be >= 0")
     need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", "must be >= 0 (0: no load-balancing loss)")
     if m.mlp_types is not None:
         need(len(m.mlp_types) == m.num_layers, "model.mlp_types",

@@ -56,9 +56,9 @@ class Engine:
         for row, p in enumerate(prompts):
             ids[row, self.pad[row]:] = p
         cfg = self.cfg
-        shape = (cfg.num_layers, len(prompts), cfg.num_kv_heads, bucket(width + max_new, CACHE_BUCKET), cfg.head_size)
-        cache = np.zeros(shape, self.cache_dtype)
-        logits, *self.cache = self.run("prefill", ids, cache, cache, np.zeros(1, np.int64), self.pad)
+        keys, values = (np.zeros(shape, self.cache_dtype)
+                        for shape in cfg.cache_shapes(len(prompts), bucket(width + max_new, CACHE_BUCKET)))
+        logits, *self.cache = self.run("prefill", ids, keys, values, np.zeros(1, np.int64), self.pad)
         self.next_slot = width
         return logits
 

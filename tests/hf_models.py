@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -40,6 +40,13 @@ CASES = {
     # 4 experts, top 2 renormalised, every layer MoE
     "mixtral": (MixtralForCausalLM, MixtralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2,
                                                   intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
+    # MLA (low-rank q, latent kv, interleaved RoPE part; q/k heads 12 + 8, value heads 10), layer 0 dense,
+    # then 8 experts in 2 groups (top 2 from the best group, sigmoid scores, expert bias), 1 shared expert
+    "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
+        vocab_size=300, hidden_size=64, num_hidden_layers=3, max_position_embeddings=64, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=2,
+        topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5)),
 }
 
 
@@ -55,6 +62,9 @@ def build(case: str, seed: int = 0, **changes):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's expert bias: it changes which experts route
+                b.add_(torch.randn_like(b) * 0.1)
     return model
 
 

@@ -3,7 +3,7 @@
 Adding a family: a table, a SPEC, a line here, and a tiny random model in tests/hf_models.py."""
 from typing import NamedTuple
 
-from interop.maps import gemma3, moe, phi3, qwen3
+from interop.maps import deepseek_v3, gemma3, moe, phi3, qwen3
 from interop.maps.llama import LLAMA, QWEN2
 from interop.table import Table
 
@@ -28,6 +28,7 @@ FAMILIES = {
     "Phi3ForCausalLM": Family(phi3.PHI3, "phi3", phi3.SPEC),
     "Qwen3MoeForCausalLM": Family(moe.QWEN3_MOE, "qwen3_moe", qwen3.SPEC, moe=True),
     "MixtralForCausalLM": Family(moe.MIXTRAL, "mixtral", {}, moe=True),
+    "DeepseekV3ForCausalLM": Family(deepseek_v3.DEEPSEEK_V3, "deepseek_v3", deepseek_v3.SPEC, moe=True),
 }
 
 

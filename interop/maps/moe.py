@@ -39,7 +39,8 @@ MIXTRAL = _with_moe(LLAMA, _moe_rows("block_sparse_moe", "w1", "w2", "w3"))
 # it saves or loads. verify --train drives the in-memory model, so it converts the same way:
 # architecture -> (saved block, gate, up, down names).
 SAVED_EXPERTS = {"Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
-                 "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
+                 "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
+                 "DeepseekV3ForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 def to_saved(arch: str, tensors: dict) -> dict:

@@ -155,7 +155,7 @@ def rope_tables(cfg: ModelConfig, theta: float | None = None, scaling: dict | No
     the tables of graphs that store them (ONNX); Llama computes its rows from positions."""
     if theta is None:
         theta, scaling = cfg.rope_theta, cfg.rope_scaling
-    inv_freq = rope_inv_freq(cfg.head_size, theta, scaling)
+    inv_freq = rope_inv_freq(cfg.rope_dim, theta, scaling)
     freqs = np.outer(np.arange(cfg.max_seq_len, dtype=np.float32), inv_freq).astype(np.float32)
     emb = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
@@ -303,7 +303,7 @@ class SoftmaxAttention(nn.Cell):
             scores = scores.reshape(scores_shape(self.num_heads, self.num_kv_heads, b, s, t))
         probs = self.masked_softmax(cast(scores, ms.float32), mask)
         out = self.pv(cast(probs, v.dtype).reshape(b, self.num_kv_heads, rows, t), v)
-        return out.reshape(b, self.num_heads, s, d), probs
+        return out.reshape(b, self.num_heads, s, v.shape[-1]), probs  # MLA's value heads differ from q's
 
     def masked_softmax(self, scores, mask):
         return self.softmax(scores + mask)
@@ -387,11 +387,12 @@ ACTIVATIONS = {"swiglu": SwiGLU, "geglu_tanh": GeGLU}
 class FeedForward(nn.Cell):
     """Gated MLP: w2(act(w1 x, w3 x)), act SwiGLU or GeGLU (ModelConfig.mlp)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn_size: int = 0):
         super().__init__()
-        self.w1 = Linear(cfg.hidden_size, cfg.ffn_size)
-        self.w2 = Linear(cfg.ffn_size, cfg.hidden_size)
-        self.w3 = Linear(cfg.hidden_size, cfg.ffn_size)
+        f = ffn_size or cfg.ffn_size  # a MoE layer's shared experts have their own size
+        self.w1 = Linear(cfg.hidden_size, f)
+        self.w2 = Linear(f, cfg.hidden_size)
+        self.w3 = Linear(cfg.hidden_size, f)
         self.activation = cfg.mlp  # which one, for the backends that swap in a fused kernel
         self.act = ACTIVATIONS[cfg.mlp]()
 
@@ -400,8 +401,8 @@ class FeedForward(nn.Cell):
 
 
 class Block(nn.Cell):
-    """Pre-norm transformer block; returns (x, keys, values) as Attention does, and a MoE layer also
-    its routing load (msllm.models.moe.MoE).
+    """Pre-norm transformer block; returns (x, keys, values) as its attention (Attention, or MLA:
+    msllm/models/mla.py) gives them, and a MoE layer also its routing load (msllm.models.moe.MoE).
     With sandwich norms (Gemma) the attention and MLP outputs are normed too before they join the
     residual stream."""
 
@@ -412,11 +413,12 @@ class Block(nn.Cell):
     @ms.lazy_inline
     def __init__(self, cfg: ModelConfig, mlp: str = "dense"):
         super().__init__()
-        from msllm.models.moe import MoE  # moe.py builds on this file's Cells
+        from msllm.models.mla import MLA  # mla.py and moe.py build on this file's Cells
+        from msllm.models.moe import MoE
         self.no_inline = False
         h, eps, offset = cfg.hidden_size, cfg.norm_eps, cfg.norm_offset
         self.attention_norm = RMSNorm(h, eps, offset)
-        self.attention = Attention(cfg)
+        self.attention = {"gqa": Attention, "mla": MLA}[cfg.attention](cfg)
         self.attention_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
         self.ffn_norm = RMSNorm(h, eps, offset)
         self.routed = mlp == "moe"
@@ -436,7 +438,8 @@ class Llama(nn.Cell):
     """input_ids [b, s] int32 -> logits [b, s, vocab] fp32 (under context parallel [b, q, vocab], of the
     q tokens `local_tokens` gives this rank).
 
-    With a cache, keys / values [layers, b, kv_heads, max_len, head_dim] (preallocated), start
+    With a cache, keys / values [layers, b, kv_heads, max_len, head_dim] (preallocated; MLA's shapes:
+    ModelConfig.cache_shapes), start
     int32 [1] and pad int32 [b]: the s new tokens sit at slots start .. start+s-1 of every row,
     whose first pad[r] slots are left padding (the token at slot j is at position j - pad[r]).
     Returns (logits [b, vocab] of the last new token, keys, values with the new slots written);
@@ -462,7 +465,7 @@ class Llama(nn.Cell):
         self.layer_kind = tuple(layer_kind)
         self.windows = tuple(window for window, _, _ in kinds)
         # [kinds, head_dim / 2]: RoPE rows are computed from positions, so an unused context costs nothing
-        self.inv_freq = Tensor(np.stack([rope_inv_freq(cfg.head_size, theta, scaling) for _, theta, scaling in kinds]))
+        self.inv_freq = Tensor(np.stack([rope_inv_freq(cfg.rope_dim, theta, scaling) for _, theta, scaling in kinds]))
         self.kind_windows = Tensor(np.array(self.windows, np.int32))
         self.attention_mask = AdditiveMask(cfg.num_heads, cfg.num_kv_heads)  # a flash core takes the indices as is
         # Which tokens of each sequence this process computes, and the mean of a loss over the processes
@@ -550,8 +553,8 @@ class Llama(nn.Cell):
         mask = self.attention_mask(seen, b)
         if self.broadcast_tables:
             q = cos.shape[-2]  # the tokens computed here
-            cos = ops.broadcast_to(cos, (b, cfg.num_heads, q, cfg.head_size))
-            sin = ops.broadcast_to(sin, (b, cfg.num_heads, q, cfg.head_size))
+            cos = ops.broadcast_to(cos, (b, cfg.num_heads, q, cfg.rope_dim))
+            sin = ops.broadcast_to(sin, (b, cfg.num_heads, q, cfg.rope_dim))
         return cos, sin, mask
 
     def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None):
@@ -634,7 +637,7 @@ def init_weights(model: Llama, seed: int) -> None:
     for name, p in model.parameters_and_names():
         if name.endswith("norm.weight"):
             continue  # ones
-        if name.endswith(".bias"):
+        if name.endswith("bias"):  # also a MoE router's expert_bias
             value = np.zeros(p.shape, np.float32)
         else:
             std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02

@@ -2,7 +2,8 @@
 
 The router scores each token against every expert (softmax in fp32), keeps the top k and, if the
 family says so, renormalises those k weights to sum to one (Mixtral always, Qwen3-MoE with
-norm_topk_prob). Expert weights are stacked, w1 / w3 [E, f, h] and w2 [E, h, f], so one batched
+norm_topk_prob); DeepSeek-V3's router (GroupedSigmoidRouter) scores with sigmoids and picks within
+the best groups of experts, and its layers add shared experts every token runs. Expert weights are stacked, w1 / w3 [E, f, h] and w2 [E, h, f], so one batched
 matmul serves all experts per projection.
 
 A dispatcher decides which rows the experts compute: every token (EveryExpert: dropless, the
@@ -17,7 +18,7 @@ from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import initializer
 
 from msllm.config import ModelConfig
-from msllm.models.llama import ACTIVATIONS, cast
+from msllm.models.llama import ACTIVATIONS, FeedForward, cast
 
 
 class Router(nn.Cell):
@@ -37,6 +38,49 @@ class Router(nn.Cell):
         if self.renormalise:
             weights = weights / ops.sum(weights, -1, keepdim=True)
         return weights, experts, probs
+
+
+class GroupedSigmoidRouter(nn.Cell):
+    """DeepSeek-V3's router, x [N, h] -> (weights [N, k] fp32, experts [N, k] int32, scores [N, E] fp32).
+
+    Scores are sigmoid(x W^T) in fp32. Which experts: the experts are split into `expert_groups` groups,
+    each group scored by the sum of its two best biased scores (score + expert_bias), and a token takes its
+    top k biased scores within its `topk_groups` best groups. The weights are the unbiased scores of those
+    k, renormalised when norm_topk_prob, times routed_scaling. expert_bias (transformers'
+    e_score_correction_bias, set by DeepSeek's aux-loss-free balancing between steps) only steers the
+    choice and takes no gradient. The scores returned for the load statistics are normalised to sum to one
+    per token (DeepSeek-V3's sequence-wise balance loss reads them so)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e = cfg.num_experts
+        self.num_experts, self.k, self.renormalise, self.scaling = e, cfg.experts_per_token, cfg.norm_topk_prob, cfg.routed_scaling
+        self.groups, self.topk_groups = cfg.expert_groups, cfg.topk_groups
+        self.weight = Parameter(initializer("zeros", (e, cfg.hidden_size), ms.float32), name="weight")
+        # A Parameter, so checkpoints and conversion carry it like every weight (they read the trainable
+        # ones). stop_gradient below makes its gradient exactly zero, and AdamW neither decays a 1-D
+        # parameter nor moves one whose gradient is always zero, so training leaves it bit-identical.
+        self.expert_bias = Parameter(initializer("zeros", (e,), ms.float32), name="expert_bias")
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.sigmoid = ops.Sigmoid()
+        self.topk = ops.TopK(sorted=True)
+
+    def construct(self, x):
+        scores = self.sigmoid(self.matmul(cast(x, ms.float32), self.weight))                  # [N, E]
+        biased = scores + ops.stop_gradient(self.expert_bias)
+        per_group = biased.reshape(-1, self.groups, self.num_experts // self.groups)          # [N, G, E/G]
+        group_scores = ops.sum(self.topk(per_group, 2)[0], -1)                                # [N, G]
+        best = self.topk(group_scores, self.topk_groups)[1]
+        chosen_groups = ops.sum(ops.one_hot(best, self.groups, ops.ones((), ms.float32), ops.zeros((), ms.float32)), 1)
+        allowed = ops.broadcast_to(chosen_groups.reshape(-1, self.groups, 1), per_group.shape).reshape(biased.shape) > 0
+        experts = self.topk(ops.select(allowed, biased, ops.full(biased.shape, -1e30, dtype=ms.float32)), self.k)[1]
+        weights = ops.gather_elements(scores, 1, experts)
+        if self.renormalise:
+            weights = weights / (ops.sum(weights, -1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts, scores / ops.sum(scores, -1, keepdim=True)
+
+
+ROUTERS = {"softmax": Router, "sigmoid_grouped": GroupedSigmoidRouter}
 
 
 class Experts(nn.Cell):
@@ -125,7 +169,8 @@ class CapacityDispatch(nn.Cell):
 
 
 class MoE(nn.Cell):
-    """A layer's MLP as routed experts; x [N, h] -> (out [N, h], load [3, E]).
+    """A layer's MLP as routed experts (plus, with shared_experts, one gated MLP every token runs:
+    DeepSeek's shared experts); x [N, h] -> (out [N, h], load [3, E]).
 
     load: the layer's routing statistics, what the load-balancing loss and the load metrics read
     (balance_loss, routing_metrics): row 0 each expert's share of the N tokens' top-k choices (the
@@ -136,14 +181,18 @@ class MoE(nn.Cell):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_experts = cfg.num_experts
-        self.router = Router(cfg)
+        self.router = ROUTERS[cfg.router](cfg)
         self.experts = Experts(cfg)
         self.dispatch = EveryExpert(cfg.num_experts)
+        shared = cfg.shared_experts * (cfg.moe_ffn_size or cfg.ffn_size)
+        self.shared = FeedForward(cfg, shared) if shared else None
 
     def construct(self, x):
         weights, chosen, probs = self.router(x)
         rows, route = self.dispatch.dispatch(x, weights, chosen)
         out, dropped = self.dispatch.combine(self.experts(rows), route)
+        if self.shared is not None:
+            out = out + self.shared(x)
         share = ops.mean(ops.sum(choices(chosen, self.num_experts), 1), 0)
         return out, ops.stack((ops.stop_gradient(share), ops.mean(probs, 0), ops.stop_gradient(dropped)))
 
