@@ -109,7 +109,7 @@ def resolves_to_flash(cfg: Config, device: str, fused: bool, seq: int, packed: b
     take FlashAttentionScore when it can (ascend_flash_problem), as Ascend LLM training does. Other
     devices have no flash core."""
     t = cfg.train
-    if t.attention == "softmax":
+    if t.attention == "softmax" or cfg.model.mla:  # no flash core takes MLA's value heads (uses_flash)
         return False
     if device == "ascend":
         return ascend_flash_problem(cfg, packed) is None
@@ -130,6 +130,10 @@ def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
         if problem is not None:
             from msllm.config import ConfigError
             raise ConfigError("<config>", "train.attention", problem[1])
+    if t.attention == "flash" and cfg.model.mla:  # the flash cores take q/k and value heads of one size
+        from msllm.config import ConfigError
+        raise ConfigError("<config>", "train.attention", "flash is not built for MLA (model.attention mla), whose "
+                          "value heads differ from its q/k heads; set train.attention: softmax (or auto)")
     if t.attention == "flash" and t.device == "cpu" and not fused:
         from msllm.kernels import KernelBuildError
         raise KernelBuildError("train.attention: flash needs the fused CPU kernels (g++); "

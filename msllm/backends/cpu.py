@@ -13,6 +13,7 @@ from mindspore import Tensor, nn, ops
 
 from msllm.models import llama
 from msllm.models.llama import cast, split_heads
+from msllm.models.mla import MLA
 
 
 class RMSNormCore(llama.RMSNormCore):
@@ -81,12 +82,12 @@ class SoftmaxAttention(llama.SoftmaxAttention):
     def bprop(self, q, k, v, mask, out, dout):
         o, probs = out
         b, _, s, d = q.shape
-        t = k.shape[2]
+        t, dv = k.shape[2], v.shape[-1]  # value heads may differ from q/k heads (MLA)
         rows = self.rep * s
-        do = dout[0].reshape(b, self.num_kv_heads, rows, d)
+        do = dout[0].reshape(b, self.num_kv_heads, rows, dv)
         p = probs.reshape(b, self.num_kv_heads, rows, t)
         dv = self.pt_x(cast(p, v.dtype), do)
-        ds = cast(self.scores_grad(p, do, o.reshape(b, self.num_kv_heads, rows, d), v), q.dtype)
+        ds = cast(self.scores_grad(p, do, o.reshape(b, self.num_kv_heads, rows, -1), v), q.dtype)
         dq = self.pv(ds, k).reshape(q.shape)
         dk = self.pt_x(ds, q.reshape(b, self.num_kv_heads, rows, d))
         return dq, dk, dv, ops.zeros_like(mask)
@@ -128,10 +129,10 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
         if isinstance(cell, llama.RMSNorm):  # normalises in fp32 whatever the compute dtype
             cell.core = (kernels.FusedRMSNormCore(cell.eps) if fused or decode_kernels
                          else RMSNormCore(cell.dim, cell.eps))
-        elif isinstance(cell, llama.Attention):
-            cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.head_dim)
-            if decode_kernels:
-                cell.cache_write = kernels.FusedCacheWrite()
+        elif isinstance(cell, (llama.Attention, MLA)):
+            cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.rope.head_dim)
+            if decode_kernels and isinstance(cell, llama.Attention):  # the kernel's keys and values are one size,
+                cell.cache_write = kernels.FusedCacheWrite()                  # MLA's latents and rope keys are not
         elif isinstance(cell, llama.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
             if flash:

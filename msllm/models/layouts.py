@@ -62,6 +62,14 @@ PARAMS = (
     # MoE: router and stacked experts whole on every rank (no expert parallel in this table yet)
     ("layers.*.feed_forward.router.weight", (None, None),   "replicated"),
     ("layers.*.feed_forward.experts.w*",   (None, None, None), "replicated"),
+    ("layers.*.feed_forward.router.expert_bias", (None,),   "replicated"),
+    ("layers.*.feed_forward.shared.w*.weight", (None, None), "replicated"),
+    # MLA (DeepSeek): whole on every rank, no tensor-parallel split of its latent projections yet
+    ("layers.*.attention.wq_a.weight",   (None, None),    "replicated"),
+    ("layers.*.attention.wq_b.weight",   (None, None),    "replicated"),
+    ("layers.*.attention.wkv_a.weight",  (None, None),    "replicated"),
+    ("layers.*.attention.wkv_b.weight",  (None, None),    "replicated"),
+    ("layers.*.attention.kv_norm.weight", (None,),        "replicated"),
     ("layers.*.feed_forward.w1.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w3.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w2.weight",  (None, "ffn"),   "row"),
@@ -248,11 +256,14 @@ def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(m.num_layers):
         p = f"layers.{i}."
         shapes[p + "attention_norm.weight"] = (h,)
-        for name, out in (("wq", q), ("wk", kv), ("wv", kv)):
-            shapes[p + f"attention.{name}.weight"] = (out, h)
-            if m.qkv_bias:
-                shapes[p + f"attention.{name}.bias"] = (out,)
-        shapes[p + "attention.wo.weight"] = (h, q)
+        if m.mla:
+            shapes.update({p + f"attention.{k}": v for k, v in mla_shapes(m).items()})
+        else:
+            for name, out in (("wq", q), ("wk", kv), ("wv", kv)):
+                shapes[p + f"attention.{name}.weight"] = (out, h)
+                if m.qkv_bias:
+                    shapes[p + f"attention.{name}.bias"] = (out,)
+            shapes[p + "attention.wo.weight"] = (h, q)
         if m.qk_norm:
             shapes[p + "attention.q_norm.weight"] = shapes[p + "attention.k_norm.weight"] = (d,)
         if m.sandwich_norm:
@@ -261,9 +272,15 @@ def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         if m.mlp_kinds()[i] == "moe":
             e, f = m.num_experts, m.moe_ffn_size or m.ffn_size
             shapes[p + "feed_forward.router.weight"] = (e, h)
+            if m.router == "sigmoid_grouped":
+                shapes[p + "feed_forward.router.expert_bias"] = (e,)
             shapes[p + "feed_forward.experts.w1"] = (e, f, h)
             shapes[p + "feed_forward.experts.w2"] = (e, h, f)
             shapes[p + "feed_forward.experts.w3"] = (e, f, h)
+            if m.shared_experts:
+                g = m.shared_experts * f
+                shapes.update({p + "feed_forward.shared.w1.weight": (g, h), p + "feed_forward.shared.w2.weight": (h, g),
+                               p + "feed_forward.shared.w3.weight": (g, h)})
         else:
             shapes[p + "feed_forward.w1.weight"] = (m.ffn_size, h)
             shapes[p + "feed_forward.w2.weight"] = (h, m.ffn_size)
@@ -273,6 +290,16 @@ def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["norm.weight"] = (h,)
     if not m.tie_embeddings:
         shapes["output.weight"] = (m.vocab_size, h)
+    return shapes
+
+
+def mla_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """An MLA layer's parameters (msllm/models/mla.py), in its order."""
+    h, n, q = m.hidden_size, m.num_heads, m.num_heads * m.head_size
+    r, c = m.q_lora_rank, m.kv_lora_rank
+    shapes = ({"wq_a.weight": (r, h), "q_norm.weight": (r,), "wq_b.weight": (q, r)} if r else {"wq.weight": (q, h)})
+    shapes.update({"wkv_a.weight": (c + m.qk_rope_head_dim, h), "kv_norm.weight": (c,),
+                   "wkv_b.weight": (n * (m.qk_nope_head_dim + m.v_head_dim), c), "wo.weight": (h, n * m.v_head_dim)})
     return shapes
 
 
