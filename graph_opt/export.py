@@ -144,11 +144,11 @@ def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     if dtype == "fp16":
         to_half(model)
     ids = ms.Tensor(shape=[None, None], dtype=ms.int32)
-    cache = ms.Tensor(shape=[cfg.num_layers, None, cfg.num_kv_heads, None, cfg.head_size],
-                      dtype=ms.float16 if dtype == "fp16" else ms.float32)
+    keys, values = (ms.Tensor(shape=list(shape), dtype=ms.float16 if dtype == "fp16" else ms.float32)
+                    for shape in cfg.cache_shapes(None, None))  # batch and length dynamic
     where = (ms.Tensor(shape=[1], dtype=ms.int32), ms.Tensor(shape=[None], dtype=ms.int32))  # start, pad
     cached = CachedForward(model)
-    graphs = {"model": (model, ids), "cached": (cached, ids, cache, cache, *where)}
+    graphs = {"model": (model, ids), "cached": (cached, ids, keys, values, *where)}
     with external_weights():
         for name, (cell, *inputs) in graphs.items():
             ms.export(cell, *inputs, file_name=str(tmp / name), file_format="MINDIR")
@@ -227,6 +227,9 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", emb
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     out = Path(out)
     cfg, ckpt_dir, state = read_checkpoint(ckpt)
+    if fmt == "onnx" and (cfg.model.mla or cfg.model.router != "softmax" or cfg.model.shared_experts):
+        raise ExportError("--format onnx: DeepSeek-V3's parts (MLA attention, its grouped sigmoid router, shared "
+                          "experts) have no ONNX graph yet; export --format mindir")
     nbytes = cfg.model.num_params() * (2 if dtype == "fp16" else 4)
     if embed_weights and fmt != "onnx":
         raise ExportError("--embed-weights: only for --format onnx (MindIR keeps its weights in <name>_variables/)")

@@ -279,6 +279,8 @@ class LlamaGraph:
 
 def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dtype: str = "fp32") -> ir.Model:
     """One of GRAPHS as an onnx_ir Model; weights are msllm parameter arrays by name (fp32)."""
+    if cfg.mla or cfg.router != "softmax" or cfg.shared_experts:  # graph_opt.export refuses them first
+        raise ValueError("the ONNX builder has no MLA attention, grouped sigmoid router or shared experts")
     g = LlamaGraph(cfg, weights, dtype)
     cache_shape = [cfg.num_layers, "batch", cfg.num_kv_heads, "max_len", cfg.head_size]
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "sequence"])
