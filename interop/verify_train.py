@@ -205,6 +205,9 @@ class TorchSide:
         self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
         self.rows, self.optim, self.arch = rows, optim, type(self.model).__name__
         self.params = dict(self.model.named_parameters())  # tied embeddings appear once
+        # Saved buffers msllm holds as parameters that never train (DeepSeek-V3's expert bias): no gradient
+        saved = self.model.state_dict()
+        self.buffers = {n: b for n, b in self.model.named_buffers() if n in saved}
         matrices = [p for p in self.params.values() if p.dim() >= 2]
         others = [p for p in self.params.values() if p.dim() < 2]
         self.adamw = torch.optim.AdamW([{"params": matrices, "weight_decay": optim.weight_decay},
@@ -231,7 +234,8 @@ class TorchSide:
         if getattr(out, "aux_loss", None) is not None:  # a MoE model with output_router_logits on
             loss = loss + self.model.config.router_aux_loss_coef * out.aux_loss
         loss.backward()
-        grads = self.msllm_named({n: p.grad.clone() for n, p in self.params.items()})
+        grads = self.msllm_named({**{n: p.grad.clone() for n, p in self.params.items()},
+                                  **{n: torch.zeros_like(b) for n, b in self.buffers.items()}})
         clip = self.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.params.values(), clip if clip > 0 else float("inf")).item()
         coef = min(clip / (norm + 1e-6), 1.0) if clip > 0 else 1.0  # what clip_grad_norm_ multiplied by
@@ -245,7 +249,7 @@ class TorchSide:
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
-        return self.msllm_named({n: p.detach() for n, p in self.params.items()})
+        return self.msllm_named({**{n: p.detach() for n, p in self.params.items()}, **self.buffers})
 
     def in_memory(self, arrays: dict) -> dict:
         """msllm-named arrays -> tensors by the in-memory parameter names of the HF model."""

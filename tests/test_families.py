@@ -19,7 +19,7 @@ from tests.conftest import run_cli
 from tests.hf_models import build, save_tokenizer
 
 NEW_TOKENS, PROMPT = 16, 12
-FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral"]
+FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3"]
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -210,3 +210,34 @@ def test_moe_bad_inputs_are_one_line_and_write_nothing(converted, tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert "missing [model.layers.1.block_sparse_moe.experts.3.w3.weight]" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_deepseek_v3_parts_without_a_formulation_are_refused_in_one_line(converted, tmp_path):
+    """What DeepSeek-V3 support does not build is one line naming the key or format, and writes nothing:
+    YaRN RoPE (its softmax mscale too), ONNX export (MLA, the grouped sigmoid router and shared experts have
+    no ONNX ops), a flash attention core (value heads apart from q/k heads)."""
+    import json
+    import shutil
+
+    from graph_opt import ExportError
+    from msllm.backends import uses_flash
+    from msllm.config import Config, ConfigError, TrainConfig
+
+    folder = converted["deepseek_v3"][0]
+    bad = tmp_path / "yarn"
+    shutil.copytree(folder / "hf", bad)
+    config = json.loads((bad / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 16}
+    (bad / "config.json").write_text(json.dumps({**config, "rope_parameters": yarn}))
+    proc = run_cli("convert", str(bad), str(tmp_path / "out"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "config.json: rope_parameters: rope type 'yarn' is not supported" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ExportError, match="--format onnx: DeepSeek-V3's parts .* export --format mindir"):
+        export(folder / "msllm", "onnx", tmp_path / "onnx", log=lambda line: None)
+    assert not (tmp_path / "onnx").exists()
+    cfg, _, _, _ = load_run(folder / "msllm")
+    flash = Config(model=cfg.model, train=TrainConfig(attention="flash"))
+    with pytest.raises(ConfigError, match="train.attention: flash is not built for MLA"):
+        uses_flash(flash, fused=True, training=True)

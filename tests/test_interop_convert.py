@@ -113,7 +113,7 @@ def test_qwen3_to_mindformers_mcore_layout_and_back_is_bitwise(tmp_path, tied):
     assert same_state(reloaded.state_dict(), src)
 
 
-@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3"])
 def test_families_without_mindformers_names_are_refused_in_one_line(hf_dirs, tmp_path, case):
     from interop import InteropError
 
