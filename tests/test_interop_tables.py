@@ -10,6 +10,7 @@ from interop.convert import convert
 from interop.maps.llama import LLAMA
 from interop.table import Concat, Row, Transposed, entries
 from msllm.config import ModelConfig
+from msllm.models.layouts import param_entry, param_shapes
 from msllm.models.llama import Llama
 from tests.hf_models import build
 
@@ -21,10 +22,16 @@ GQA = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_
 def test_table_lists_every_model_parameter_with_its_shape(arch, tied):
     family = maps.FAMILIES[arch]
     experts = dict(num_experts=4, moe_ffn_size=24, mlp_types=["dense", "moe"]) if family.moe else {}
+    if family.spec.get("attention") == "mla":  # DeepSeek-V3: MLA sizes (the tied case with one q projection)
+        experts.update(num_kv_heads=4, q_lora_rank=0 if tied else 8, kv_lora_rank=8, qk_nope_head_dim=6,
+                       qk_rope_head_dim=4, v_head_dim=5, expert_groups=2, shared_experts=1)
     m = dataclasses.replace(GQA, tie_embeddings=tied, **family.spec, **experts)
     table = {name: shape for e in entries(maps.FAMILIES[arch].table, m) for name, shape in e.stored["msllm"].shapes(e).items()}
     model = {p.name: tuple(p.shape) for p in Llama(m).trainable_params()}
     assert table == model
+    # what checkpoints are checked against, and every parameter has a placement (msllm plan)
+    assert list(param_shapes(m).items()) == list(model.items())
+    assert all(param_entry(name) for name in model)
 
 
 def fused(table):
