@@ -39,7 +39,9 @@ DEEPSEEK_V3 = Table(
         Row("norm.weight",   "hidden",        "model.norm.weight", None),
         Row("output.weight", "vocab, hidden", "lm_head.weight",    None, when="untied"),
     ],
-    ignore={"hf": ["lm_head.weight"]},
+    # DeepSeek-V3's checkpoints carry its multi-token-prediction layer after the 61 layers, which
+    # transformers ignores on load (_keys_to_ignore_on_load_unexpected), as does msllm.
+    ignore={"hf": ["lm_head.weight", "model.layers.61.*"]},
 )
 
 # What the family computes beyond its config.json (interop/hf_config.py reads the sizes, ranks, groups).

@@ -76,6 +76,8 @@ def context_parallel_problem(cfg: Config, seq: int) -> tuple[str, str] | None:
                                f"each rank takes two of 2 x cp equal chunks (zig-zag)")
     if t.device != "cpu":
         return "parallel.cp", f"context parallel runs on CPU only (train.device: {t.device})"
+    if cfg.model.mla:  # its exchange (msllm.parallel.cp.ExchangeKV) joins keys and values of one shape
+        return "parallel.cp", "context parallel is not built for MLA (model.attention: mla)"
     for key, on in (("pp", p.pp > 1), ("tp", p.tp > 1), ("sequence_parallel", p.sequence_parallel)):
         if on:
             return "parallel.cp", (f"does not combine with parallel.{key} on CPU (only with data parallel: "
