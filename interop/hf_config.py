@@ -15,7 +15,7 @@ from pathlib import Path
 
 from interop import InteropError, read_json
 from interop.maps import FAMILIES
-from msllm.config import ROPE_SCALING_KEYS, ModelConfig
+from msllm.config import ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig, yarn_mscale
 
 MODEL_TYPES = {arch: family.model_type for arch, family in FAMILIES.items()}
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -101,10 +101,11 @@ def _rope_params(hf: dict, params: dict, key: str, refuse) -> tuple[float, dict 
         return float(theta), None
     if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
         refuse(key, f"rope type {kind!r} is not supported (default, {', '.join(ROPE_SCALING_KEYS)})")
-    if kind == "llama3":
+    if kind in ("llama3", "yarn"):
         params = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **params}
     # Only the keys this type reads: transformers ignores (with a warning) the others, so do we.
-    return float(theta), {"type": kind, **{k: params[k] for k in ROPE_SCALING_KEYS[kind] if k in params}}
+    reads = ROPE_SCALING_KEYS[kind] + ROPE_SCALING_OPTIONAL.get(kind, ())
+    return float(theta), {"type": kind, **{k: params[k] for k in reads if k in params and params[k] is not None}}
 
 
 def _is_number(value) -> bool:
@@ -152,6 +153,8 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
     layers = count("num_hidden_layers")
     window, layer_types = _windows(hf, arch, layers, refuse)
     spec = dict(family.spec)
+    if mla:  # DeepSeek's scores scale by 1/sqrt(nope + rope), and by mscale_all_dim's YaRN scale squared
+        spec.update(attn_scale=_mla_scale(hf, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]))
     if arch == "Gemma3ForCausalLM":  # derived from its sizes, as Gemma3TextScaledWordEmbedding and its attention do
         spec.update(embed_scale=hidden ** 0.5, attn_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5)
     return ModelConfig(
@@ -176,6 +179,16 @@ def _mla(hf: dict, heads: int, count, refuse) -> dict:
     return {"q_lora_rank": q_rank or 0, "kv_lora_rank": count("kv_lora_rank"),
             "qk_nope_head_dim": count("qk_nope_head_dim"), "qk_rope_head_dim": count("qk_rope_head_dim"),
             "v_head_dim": count("v_head_dim"), "rope_interleave": bool(hf.get("rope_interleave", True))}
+
+
+def _mla_scale(hf: dict, qk_head_dim: int) -> float:
+    """DeepseekV3Attention.scaling (yarn_apply_mscale): qk_head_dim^-0.5, times mscale(factor,
+    mscale_all_dim)^2 when the RoPE is scaled and mscale_all_dim is set; 0 (msllm's 1/sqrt(head)) otherwise."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default" or not params.get("mscale_all_dim"):
+        return 0.0
+    return qk_head_dim ** -0.5 * yarn_mscale(float(params["factor"]), params["mscale_all_dim"]) ** 2
 
 
 def _experts(hf: dict, layers: int, refuse) -> dict:

@@ -38,7 +38,9 @@ class ModelConfig:
     head_dim: int = 0                 # 0: hidden_size // num_heads (Qwen3 and Gemma 3 set it apart)
     rope_theta: float = 10000.0
     # None, or {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"} / {"type": "linear", "factor"}
+    # "original_max_position_embeddings"} / {"type": "linear", "factor"} / {"type": "yarn", "factor",
+    # "original_max_position_embeddings", optionally "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+    # "attention_factor", "truncate"}
     rope_scaling: Optional[dict] = None
     norm_eps: float = 1e-5
     qkv_bias: bool = False
@@ -365,8 +367,18 @@ def _apply(cfg: Config, data: Any, source: str, origins: dict | None = None) -> 
 # What each rope_scaling type reads (msllm.models.llama.rope_inv_freq), besides its type.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts_gate", "experts_up", "experts_down")
 ROPE_SCALING_KEYS = {"linear": ("factor",),
-                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                     "yarn": ("factor", "original_max_position_embeddings")}
+# ... and what it reads when given (absent: transformers' defaults)
+ROPE_SCALING_OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")}
 MAX_VOCAB = 2**31 - 1   # token ids are int32
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale for a context `factor` times the original (transformers' get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 MAX_SEED = 2**32 - 1    # numpy and MindSpore seeds
 
 
@@ -542,13 +554,20 @@ def _check_rope_scaling(scaling: dict, check) -> None:
     kind = kinds[0]
     need(isinstance(kind, str) and kind in ROPE_SCALING_KEYS, f"{key}.type",
          f"must be one of {', '.join(ROPE_SCALING_KEYS)}, got {kind!r} (msllm computes no other rope scaling)")
-    expected = ROPE_SCALING_KEYS[kind]
-    unknown = sorted(map(str, set(scaling) - {"type", "rope_type", *expected}))
-    need(not unknown, key, f"{kind} takes {', '.join(expected)}; unknown {', '.join(map(str, unknown))}")
+    expected, optional = ROPE_SCALING_KEYS[kind], ROPE_SCALING_OPTIONAL.get(kind, ())
+    unknown = sorted(map(str, set(scaling) - {"type", "rope_type", *expected, *optional}))
+    need(not unknown, key, f"{kind} takes {', '.join(expected + optional)}; unknown {', '.join(map(str, unknown))}")
+
+    def number(value, low):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= low
+
     for name in expected:
+        need(number(scaling.get(name), 1e-300), f"{key}.{name}", f"{kind} needs a finite number > 0, got {scaling.get(name)!r}")
+    for name in optional:
         value = scaling.get(name)
-        need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
-             f"{key}.{name}", f"{kind} needs a finite number > 0, got {value!r}")
+        ok = value is None or (isinstance(value, bool) if name == "truncate" else number(value, 0))
+        need(ok, f"{key}.{name}", f"must be {'true or false' if name == 'truncate' else 'a finite number >= 0'} or null, "
+             f"got {value!r}")
     if kind == "llama3":
         need(scaling["high_freq_factor"] > scaling["low_freq_factor"], f"{key}.high_freq_factor",
              f"must be > low_freq_factor ({scaling['low_freq_factor']}): the band between them is blended")

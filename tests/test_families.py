@@ -214,8 +214,8 @@ def test_moe_bad_inputs_are_one_line_and_write_nothing(converted, tmp_path):
 
 def test_deepseek_v3_parts_without_a_formulation_are_refused_in_one_line(converted, tmp_path):
     """What DeepSeek-V3 support does not build is one line naming the key or format, and writes nothing:
-    YaRN RoPE (its softmax mscale too), ONNX export (MLA, the grouped sigmoid router and shared experts have
-    no ONNX ops), a flash attention core (value heads apart from q/k heads)."""
+    ONNX export (MLA, the grouped sigmoid router and shared experts have no ONNX ops), a flash attention
+    core (value heads apart from q/k heads), KV heads other than the heads."""
     import json
     import shutil
 
@@ -224,15 +224,13 @@ def test_deepseek_v3_parts_without_a_formulation_are_refused_in_one_line(convert
     from msllm.config import Config, ConfigError, TrainConfig
 
     folder = converted["deepseek_v3"][0]
-    bad = tmp_path / "yarn"
+    bad = tmp_path / "kv"
     shutil.copytree(folder / "hf", bad)
     config = json.loads((bad / "config.json").read_text())
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 16}
-    (bad / "config.json").write_text(json.dumps({**config, "rope_parameters": yarn}))
+    (bad / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 2}))
     proc = run_cli("convert", str(bad), str(tmp_path / "out"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
-    assert "config.json: rope_parameters: rope type 'yarn' is not supported" in proc.stderr
+    assert "config.json: num_key_value_heads: must equal num_attention_heads (4)" in proc.stderr
     assert not (tmp_path / "out").exists()
     with pytest.raises(ExportError, match="--format onnx: DeepSeek-V3's parts .* export --format mindir"):
         export(folder / "msllm", "onnx", tmp_path / "onnx", log=lambda line: None)

@@ -56,6 +56,23 @@ def test_hf_msllm_hf_round_trip_is_bitwise_and_loads(hf_dirs, tmp_path, case):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
+def test_deepseek_v3_with_yarn_rope_verifies_and_round_trips(tmp_path):
+    """YaRN as DeepSeek-V3 uses it: interpolated / extrapolated frequencies, cos and sin times the attention
+    factor (mscale / mscale_all_dim), and the scores times mscale_all_dim's scale squared (attn_scale)."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+    model = build("deepseek_v3", rope_parameters=yarn)
+    assert model.model.rotary_emb.attention_scaling != 1.0
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    report = verify(tmp_path / "hf", tmp_path / "ms")
+    assert report.ok and max(report.max_rel) <= REORDER_RTOL, "\n".join(report.lines())
+    convert(tmp_path / "ms", tmp_path / "back", progress=False)
+    for name, read in (("config.json", lambda f: json.loads(f.read_text())), ("model.safetensors", load_file)):
+        back, source = read(tmp_path / "back" / name), read(tmp_path / "hf" / name)
+        assert back == source if name == "config.json" else same_state(back, source), name
+
+
 @pytest.mark.parametrize("mf_format", ["ckpt", "safetensors"])
 def test_mindformers_layout_round_trip(hf_dirs, tmp_path, mf_format):
     model, hf = hf_dirs["qwen2_bias_tied"]

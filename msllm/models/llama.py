@@ -22,7 +22,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer  # zeros allocated untouched: set_data replaces them
 
-from msllm.config import ModelConfig
+from msllm.config import ModelConfig, yarn_mscale
 
 
 def cast(x, dtype):
@@ -117,7 +117,7 @@ class HeadNorm(RMSNorm):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
-    """Inverse frequencies in fp32, matching Hugging Face's default / linear / llama3 rope."""
+    """Inverse frequencies in fp32, matching Hugging Face's default / linear / llama3 / yarn rope."""
     inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))))
     inv_freq = inv_freq.astype(np.float32)
     if not scaling:
@@ -126,6 +126,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarr
     factor = float(scaling["factor"])
     if kind == "linear":
         return (inv_freq / factor).astype(np.float32)
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
     old_len = float(scaling.get("original_max_position_embeddings", 8192))
@@ -135,6 +137,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarr
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """YaRN (transformers' _compute_yarn_parameters): each frequency is interpolated (divided by factor) or
+    kept (extrapolated), by how many turns it makes within the original context: a linear ramp between the
+    dims of beta_fast and beta_slow turns, rounded outward unless truncate is false."""
+    factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(turns):
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(np.float32)
+    extrapolated, interpolated = np.float32(1.0) / pos_freqs, np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp).astype(np.float32)
+    return (interpolated * (np.float32(1.0) - keep) + extrapolated * keep).astype(np.float32)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: 1, but under YaRN its attention factor (given, or from factor,
+    mscale and mscale_all_dim as transformers infers it)."""
+    if not scaling or scaling.get("type", scaling.get("rope_type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 def attention_kinds(cfg: ModelConfig) -> tuple[list[tuple[int, float, dict | None]], list[int]]:
@@ -158,7 +196,8 @@ def rope_tables(cfg: ModelConfig, theta: float | None = None, scaling: dict | No
     inv_freq = rope_inv_freq(cfg.rope_dim, theta, scaling)
     freqs = np.outer(np.arange(cfg.max_seq_len, dtype=np.float32), inv_freq).astype(np.float32)
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+    factor = np.float32(rope_attention_factor(scaling))
+    return (np.cos(emb) * factor).astype(np.float32), (np.sin(emb) * factor).astype(np.float32)
 
 
 def split_heads(x, head_dim: int, s: int):
@@ -466,6 +505,7 @@ class Llama(nn.Cell):
         self.windows = tuple(window for window, _, _ in kinds)
         # [kinds, head_dim / 2]: RoPE rows are computed from positions, so an unused context costs nothing
         self.inv_freq = Tensor(np.stack([rope_inv_freq(cfg.rope_dim, theta, scaling) for _, theta, scaling in kinds]))
+        self.rope_factors = tuple(rope_attention_factor(scaling) for _, _, scaling in kinds)  # YaRN scales cos, sin
         self.kind_windows = Tensor(np.array(self.windows, np.int32))
         self.attention_mask = AdditiveMask(cfg.num_heads, cfg.num_kv_heads)  # a flash core takes the indices as is
         # Which tokens of each sequence this process computes, and the mean of a loss over the processes
@@ -496,6 +536,8 @@ class Llama(nn.Cell):
         position * inv_freq rounded to fp32, then its cosine and sine)."""
         freqs = positions.astype(ms.float32).reshape(positions.shape + (1,)) * self.inv_freq[kind]
         angles = ops.concat((freqs, freqs), -1)
+        if self.rope_factors[kind] != 1.0:
+            return ops.cos(angles) * self.rope_factors[kind], ops.sin(angles) * self.rope_factors[kind]
         return ops.cos(angles), ops.sin(angles)
 
     def window_of(self, kind: int):
