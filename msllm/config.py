@@ -520,6 +520,9 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
                 or x in ("gate", "up", "down") and "dense" not in kinds]
         need(not idle, "lora.targets", f"{', '.join(idle)} adapt no layer of this model (its MLPs are "
              f"{' and '.join(sorted(kinds))}); gate / up / down adapt dense MLPs, experts_* MoE experts")
+        unmatched = [x for x in cfg.lora.targets if m.mla and (x in ("k", "v") or x == "q" and m.q_lora_rank)]
+        need(not unmatched, "lora.targets", f"{', '.join(unmatched)} adapt no layer of this model: MLA (model.attention "
+             f"mla) has no wk / wv{' / wq (q_lora_rank is set)' if m.q_lora_rank else ''}; o adapts its wo")
     need(not (t.attention == "flash" and t.device == "cpu" and t.fused_kernels == "off"), "train.attention",
          "flash on CPU is a fused kernel; set train.fused_kernels: auto, or train.attention: softmax",
          "train.fused_kernels")
