@@ -534,6 +534,9 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
             need(False, "train.attention", problem[1], problem[0])
     need(t.moe_capacity_factor >= 0, "train.moe_capacity_factor", "must be >= 0 (0: dropless)")
     need(t.moe_bias_update_rate >= 0, "train.moe_bias_update_rate", "must be >= 0 (0: off)")
+    need(t.moe_bias_update_rate == 0 or (m.router == "sigmoid_grouped" and "moe" in m.mlp_kinds()),
+         "train.moe_bias_update_rate", "moves the expert biases of model.router sigmoid_grouped (DeepSeek-V3), "
+         "which this model has not; set 0", "model.router")
     need(not (t.block_graph == "shared" and t.recompute != "none"), "train.block_graph",
          "shared cannot recompute (MindSpore 2.10 ignores recompute inside the shared block graph); "
          "use inlined or auto with train.recompute", "train.recompute")

@@ -1,5 +1,6 @@
 """MoE dispatch and load statistics: the capacity dispatcher against the dropless reference and numpy,
 and the train step's routing metrics."""
+import dataclasses
 import math
 
 import mindspore as ms
@@ -92,6 +93,30 @@ def test_the_train_step_reports_loads_and_a_capacity_counts_its_drops():
         np.testing.assert_allclose(loads[:, 0].sum(-1), K, rtol=1e-6)  # every token's k choices counted
         dropped[factor] = routing_metrics(loads)["dropped"]
     assert dropped[0.0] == 0 and dropped[0.5] > 0
+
+
+def test_the_bias_update_moves_each_expert_toward_even_load_as_numpy_says():
+    """train.moe_bias_update_rate on a DeepSeek-V3 router: after each step every MoE layer's expert bias
+    moves by the rate toward even load, the sign of (mean share - expert's share) of that step's routing,
+    outside the gradient; at rate 0 the biases never move."""
+    from msllm.train.build import build_train_step
+
+    device.setup("cpu", "graph")
+    model_cfg = dataclasses.replace(CFG, num_experts=8, router="sigmoid_grouped", expert_groups=2, topk_groups=1,
+                                    routed_scaling=2.5, shared_experts=1)
+    tokens = Tensor(np.random.default_rng(5).integers(0, 64, (2, 17)).astype(np.int32))
+    for rate in (0.0, 0.01):
+        cfg = Config(model=model_cfg, data=DataConfig(seq_len=16), optim=OptimConfig(warmup_steps=1),
+                     train=TrainConfig(batch_size=2, steps=3, moe_bias_update_rate=rate))
+        built = build_train_step(cfg)
+        biases = [b.feed_forward.router.expert_bias for b in built.model.layers]
+        for _ in range(3):
+            before = np.stack([b.asnumpy().copy() for b in biases])
+            shares = built.train_step(tokens)[5].asnumpy()[:, 0]                       # [layers, E]
+            after = np.stack([b.asnumpy() for b in biases])
+            np.testing.assert_allclose(after - before, rate * np.sign(shares.mean(-1, keepdims=True) - shares),
+                                       rtol=0, atol=1e-7)
+        assert (rate > 0) == bool(np.abs(after).max() > 0)
 
 
 # --- expert parallel under msrun: tests/ep_worker.py against the whole batch in one process -------

@@ -8,7 +8,7 @@ as a table over the steps, the expert-load "plot" of docs/moe.md.
     python tools/moe_balance.py --steps 200 --out runs/moe_balance
 
 Variants: no balancing; the load-balancing loss (router_aux_loss_coef 0.01); a capacity factor
-of 1.25 (drops counted).
+of 1.25 (drops counted); DeepSeek-V3's grouped sigmoid router without and with its bias update.
 """
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ VARIANTS = {
     "none": {},
     "aux 0.01": {"model.router_aux_loss_coef": 0.01},
     "capacity 1.25": {"train.moe_capacity_factor": 1.25},
+    # DeepSeek-V3's router (sigmoid scores, 2 groups of 4, the best group only) without and with its
+    # aux-loss-free bias update
+    "sigmoid": {"model.router": "sigmoid_grouped", "model.expert_groups": 2, "model.topk_groups": 1},
+    "sigmoid + bias 0.001": {"model.router": "sigmoid_grouped", "model.expert_groups": 2, "model.topk_groups": 1,
+                             "train.moe_bias_update_rate": 0.001},
 }
 
 
