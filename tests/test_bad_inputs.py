@@ -134,8 +134,6 @@ ROWS = [
     T("model-norm-eps-nan", "model.norm_eps=.nan", names=("--set", "model.norm_eps")),
     T("model-rope-scaling-dynamic", "model.rope_scaling={type: dynamic, factor: 4.0}",
       names=("--set", "model.rope_scaling")),
-    T("model-rope-yarn-missing-keys", "model.rope_scaling={type: yarn, factor: 4.0}",
-      names=("--set", "model.rope_scaling.original_max_position_embeddings")),
     T("model-rope-scaling-word", "model.rope_scaling=llama3", names=("--set", "model.rope_scaling")),
     T("model-rope-scaling-factor-inf", "model.rope_scaling={type: linear, factor: .inf}",
       names=("--set", "model.rope_scaling")),

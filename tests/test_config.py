@@ -20,6 +20,9 @@ def write(tmp_path, text):
     ("trainer:\n  steps: 3\n", "trainer"),
     ("data:\n  seq_len: 4096\n", "data.seq_len"),
     ("train:\n  block_graph: shared\n  recompute: full\n", "train.block_graph"),
+    ("model:\n  rope_scaling: {type: yarn, factor: 4.0}\n", "model.rope_scaling.original_max_position_embeddings"),
+    ("model:\n  attention: mla\n  num_kv_heads: 4\n", "model.kv_lora_rank"),
+    ("model:\n  num_experts: 8\n  router: sigmoid_grouped\n  expert_groups: 8\n", "model.expert_groups"),
 ])
 def test_bad_config_names_file_and_key(tmp_path, text, key):
     path = write(tmp_path, text)
