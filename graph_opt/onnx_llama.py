@@ -9,7 +9,9 @@ spec (ModelConfig):
     included) gathered at the token positions, one pair of tables per attention kind
     (full, or sliding with its window and RoPE base);
   * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax;
-    q/k norms, (offset + w) norms, sandwich norms, GeGLU and the embedding scale as the spec says.
+    q/k norms, (offset + w) norms, sandwich norms, GeGLU and the embedding scale as the spec says;
+  * MLA (msllm/models/mla.py) with its latent cache, DeepSeek-V3's grouped sigmoid router and
+    shared experts (msllm/models/moe.py).
 Two graphs, both with dynamic batch, sequence and cache length:
   model    input_ids [b, s] -> logits [b, s, vocab]
   cached   input_ids [b, s], past_keys, past_values [layers, b, kv_heads, max_len, head_dim], start [1],
@@ -30,6 +32,7 @@ import onnx_ir as ir
 
 from msllm.config import ModelConfig
 from msllm.models.llama import attention_kinds, rope_tables
+from msllm.models.mla import LATENT_NORM_EPS
 
 OPSET = 17
 IR_VERSION = 8
@@ -38,9 +41,13 @@ DTYPES = {"fp32": (np.float32, ir.DataType.FLOAT), "fp16": (np.float16, ir.DataT
 MASKED = -1e9  # the additive mask value msllm uses
 
 # Per layer, relative to "layers.{i}.": the msllm parameters of each role (norms may be absent).
-NORMS = ("attention_norm", "attention_out_norm", "ffn_norm", "ffn_out_norm", "attention.q_norm", "attention.k_norm")
+NORMS = ("attention_norm", "attention_out_norm", "ffn_norm", "ffn_out_norm", "attention.q_norm", "attention.k_norm",
+         "attention.kv_norm")
 LINEARS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
-           "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+           "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2",
+           "q_a": "attention.wq_a", "q_b": "attention.wq_b", "kv_a": "attention.wkv_a", "kv_b": "attention.wkv_b",
+           "shared_gate": "feed_forward.shared.w1", "shared_up": "feed_forward.shared.w3",
+           "shared_down": "feed_forward.shared.w2"}
 EMBED, FINAL_NORM, HEAD = "tok_embeddings.weight", "norm.weight", "output.weight"
 
 
@@ -51,6 +58,7 @@ def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str
 
     out = {norm: named(f"layers.{i}.{norm}.weight") for norm in NORMS}
     out["router"] = named(f"layers.{i}.feed_forward.router.weight")
+    out["router_bias"] = named(f"layers.{i}.feed_forward.router.expert_bias")
     out.update({f"experts.{w}": named(f"layers.{i}.feed_forward.experts.{w}") for w in ("w1", "w2", "w3")})
     for role, name in LINEARS.items():
         out[role], out[role + "_bias"] = named(f"layers.{i}.{name}.weight"), named(f"layers.{i}.{name}.bias")
@@ -93,28 +101,32 @@ class LlamaGraph:
     def linear(self, x, weight, bias=None) -> ir.Value:
         return self.op("Gemm", x, self.param(weight), *([self.param(bias)] if bias else []), transB=1)
 
-    def rms_norm(self, x, weight) -> ir.Value:
-        """Over the last axis, scaled by (norm_offset + weight); x unchanged when the norm is absent."""
+    def rms_norm(self, x, weight, latent: bool = False) -> ir.Value:
+        """Over the last axis, scaled by (norm_offset + weight); x unchanged when the norm is absent.
+        latent: MLA's latent norms (eps LATENT_NORM_EPS, no offset)."""
         if weight is None:
             return x
         x = self.op("Cast", x, to=ir.DataType.FLOAT)
         mean_square = self.op("ReduceMean", self.op("Mul", x, x), axes=[-1], keepdims=1)
-        eps = self.const(self.cfg.norm_eps, np.float32)
+        eps = self.const(LATENT_NORM_EPS if latent else self.cfg.norm_eps, np.float32)
         x = self.op("Div", x, self.op("Sqrt", self.op("Add", mean_square, eps)))
         scale = self.param(weight, fp32=True)
-        if self.cfg.norm_offset:
+        if self.cfg.norm_offset and not latent:
             scale = self.op("Add", scale, self.const(self.cfg.norm_offset, np.float32))
         return self.op("Cast", self.op("Mul", x, scale), to=self.dtype)
 
-    def heads(self, rows, n, seq) -> ir.Value:
-        """[b*s, n*d] -> [b, n, s, d]."""
-        split = self.op("Reshape", rows, self.shape(-1, seq, n, self.cfg.head_size))
+    def heads(self, rows, n, seq, d: int = 0) -> ir.Value:
+        """[b*s, n*d] -> [b, n, s, d] (d: the head size unless given)."""
+        split = self.op("Reshape", rows, self.shape(-1, seq, n, d or self.cfg.head_size))
         return self.op("Transpose", split, perm=[0, 2, 1, 3])
 
+    def part(self, x, start: int, end: int) -> ir.Value:
+        """x[..., start:end]."""
+        return self.op("Slice", x, self.const([start]), self.const([end]), self.const([-1]))
+
     def rope(self, x, cos, sin) -> ir.Value:
-        half = self.cfg.head_size // 2
-        first = self.op("Slice", x, self.const([0]), self.const([half]), self.const([-1]))
-        second = self.op("Slice", x, self.const([half]), self.const([self.cfg.head_size]), self.const([-1]))
+        d = self.cfg.rope_dim
+        first, second = self.part(x, 0, d // 2), self.part(x, d // 2, d)
         rotated = self.op("Concat", self.op("Neg", second), first, axis=-1)
         return self.op("Add", self.op("Mul", x, cos), self.op("Mul", rotated, sin))
 
@@ -141,6 +153,46 @@ class LlamaGraph:
         out = self.op("Reshape", out, self.shape(-1, nh * d))
         return self.linear(out, w["o"], w["o_bias"]), k, v
 
+    def rope_order(self, x, n: int) -> ir.Value:
+        """MLA's rope parts [N, n, r] (or [N, r], n = 1) -> [N, n*r], neighbour pairs to evens then odds
+        when rope_interleave (mla.Deinterleave)."""
+        r = self.cfg.qk_rope_head_dim
+        if self.cfg.rope_interleave:
+            x = self.op("Transpose", self.op("Reshape", x, self.shape(-1, n, r // 2, 2)), perm=[0, 1, 3, 2])
+        return self.op("Reshape", x, self.shape(-1, n * r))
+
+    def mla(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
+        """As msllm.models.mla.MLA: -> (out, latents [b, 1, t, kv_lora_rank], rope keys [b, 1, t, rope])."""
+        cfg = self.cfg
+        n, nope, r, dv, rank, qk = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                    cfg.kv_lora_rank, cfg.head_size)
+        if cfg.q_lora_rank:
+            q = self.linear(self.rms_norm(self.linear(x, w["q_a"]), w["attention.q_norm"], latent=True), w["q_b"])
+        else:
+            q = self.linear(x, w["q"])
+        q = self.op("Reshape", q, self.shape(-1, n, qk))
+        q_nope = self.heads(self.op("Reshape", self.part(q, 0, nope), self.shape(-1, n * nope)), n, seq, nope)
+        q_rot = self.rope(self.heads(self.rope_order(self.part(q, nope, qk), n), n, seq, r), cos, sin)
+        kv = self.linear(x, w["kv_a"])
+        latent = self.heads(self.rms_norm(self.part(kv, 0, rank), w["attention.kv_norm"], latent=True), 1, seq, rank)
+        k_rot = self.rope(self.heads(self.rope_order(self.part(kv, rank, rank + r), 1), 1, seq, r), cos, sin)
+        if cache_k is not None:  # the new tokens' slots take the new latents and rope keys
+            source, fresh = write
+            latent = self.op("Where", fresh, self.op("Gather", latent, source, axis=2), cache_k)
+            k_rot = self.op("Where", fresh, self.op("Gather", k_rot, source, axis=2), cache_v)
+        t = self.op("Shape", latent, start=2, end=3)
+        expanded = self.linear(self.op("Reshape", latent, self.shape(-1, rank)), w["kv_b"])
+        expanded = self.heads(expanded, n, t, nope + dv)                                      # [b, n, t, nope + v]
+        k = self.op("Concat", self.part(expanded, 0, nope), self.op("Expand", k_rot, self.const([1, n, 1, 1])), axis=-1)
+        q = self.op("Concat", q_nope, q_rot, axis=-1)
+        scores = self.op("MatMul", q, self.op("Transpose", k, perm=[0, 1, 3, 2]))
+        scale = cfg.attn_scale or 1.0 / math.sqrt(qk)
+        scores = self.op("Mul", self.op("Cast", scores, to=ir.DataType.FLOAT), self.const(scale, np.float32))
+        probs = self.op("Softmax", self.op("Add", scores, mask), axis=-1)
+        out = self.op("MatMul", self.op("Cast", probs, to=self.dtype), self.part(expanded, nope, nope + dv))
+        out = self.op("Reshape", self.op("Transpose", out, perm=[0, 2, 1, 3]), self.shape(-1, n * dv))
+        return self.linear(out, w["o"]), latent, k_rot
+
     def activation(self, gate, up) -> ir.Value:
         if self.cfg.mlp == "geglu_tanh":  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
             cube = self.op("Mul", self.op("Mul", gate, gate), gate)
@@ -158,15 +210,44 @@ class LlamaGraph:
         hidden = self.activation(self.linear(x, w["gate"], w["gate_bias"]), self.linear(x, w["up"], w["up_bias"]))
         return self.linear(hidden, w["down"], w["down_bias"])
 
-    def experts(self, x, w) -> ir.Value:
-        """As msllm.models.moe: softmax top-k routing (fp32), every expert on every token, outputs summed
-        with the routing weights (0 for experts not chosen). x [N, h] -> [N, h]."""
+    def top_k(self, x, k: int):
+        return self.tape.op_multi_out("TopK", [x, self.const([k])], num_outputs=2,
+                                      attributes={"axis": -1, "largest": 1, "sorted": 1})
+
+    def grouped_sigmoid_route(self, x, w):
+        """As moe.GroupedSigmoidRouter: (weights [N, k] fp32, experts [N, k])."""
         cfg = self.cfg
-        probs = self.op("Softmax", self.op("Cast", self.linear(x, w["router"]), to=ir.DataType.FLOAT), axis=-1)
-        weights, chosen = self.tape.op_multi_out("TopK", [probs, self.const([cfg.experts_per_token])], num_outputs=2,
-                                                 attributes={"axis": -1, "largest": 1, "sorted": 1})
+        per_group = cfg.num_experts // cfg.expert_groups
+        scores = self.op("Sigmoid", self.op("Gemm", self.op("Cast", x, to=ir.DataType.FLOAT),
+                                            self.param(w["router"], fp32=True), transB=1))
+        biased = self.op("Add", scores, self.param(w["router_bias"], fp32=True))
+        best_two = self.top_k(self.op("Reshape", biased, self.shape(-1, per_group)), 2)[0]
+        group_scores = self.op("Reshape", self.op("ReduceSum", best_two, self.const([-1]), keepdims=0),
+                               self.shape(-1, cfg.expert_groups))
+        groups = self.op("OneHot", self.top_k(group_scores, cfg.topk_groups)[1], self.const([cfg.expert_groups]),
+                         self.const([0.0, 1.0], np.float32), axis=-1)
+        chosen_groups = self.op("ReduceSum", groups, self.const([1]), keepdims=0)                 # [N, G]
+        allowed = self.op("Expand", self.op("Unsqueeze", chosen_groups, self.const([-1])), self.const([1, 1, per_group]))
+        allowed = self.op("Greater", self.op("Reshape", allowed, self.shape(-1, cfg.num_experts)), self.const(0.0, np.float32))
+        chosen = self.top_k(self.op("Where", allowed, biased, self.const(-1e30, np.float32)), cfg.experts_per_token)[1]
+        weights = self.op("GatherElements", scores, chosen, axis=1)
         if cfg.norm_topk_prob:
-            weights = self.op("Div", weights, self.op("ReduceSum", weights, self.const([-1]), keepdims=1))
+            total = self.op("Add", self.op("ReduceSum", weights, self.const([-1]), keepdims=1), self.const(1e-20, np.float32))
+            weights = self.op("Div", weights, total)
+        return self.op("Mul", weights, self.const(cfg.routed_scaling, np.float32)), chosen
+
+    def experts(self, x, w) -> ir.Value:
+        """As msllm.models.moe: top-k routing (fp32; softmax, or DeepSeek-V3's grouped sigmoid), every expert
+        on every token, outputs summed with the routing weights (0 for experts not chosen), plus the shared
+        experts. x [N, h] -> [N, h]."""
+        cfg = self.cfg
+        if cfg.router == "sigmoid_grouped":
+            weights, chosen = self.grouped_sigmoid_route(x, w)
+        else:
+            probs = self.op("Softmax", self.op("Cast", self.linear(x, w["router"]), to=ir.DataType.FLOAT), axis=-1)
+            weights, chosen = self.top_k(probs, cfg.experts_per_token)
+            if cfg.norm_topk_prob:
+                weights = self.op("Div", weights, self.op("ReduceSum", weights, self.const([-1]), keepdims=1))
         one_hot = self.op("OneHot", chosen, self.const([cfg.num_experts]), self.const([0.0, 1.0], np.float32), axis=-1)
         combine = self.op("ReduceSum", self.op("Mul", one_hot, self.op("Unsqueeze", weights, self.const([-1]))),
                           self.const([1]), keepdims=0)                                         # [N, E]
@@ -179,7 +260,11 @@ class LlamaGraph:
         out = batched(hidden, w["experts.w2"])                                                 # [E, N, h]
         scale = self.op("Unsqueeze", self.op("Cast", self.op("Transpose", combine, perm=[1, 0]), to=self.dtype),
                         self.const([-1]))                                                      # [E, N, 1]
-        return self.op("ReduceSum", self.op("Mul", out, scale), self.const([0]), keepdims=0)
+        routed = self.op("ReduceSum", self.op("Mul", out, scale), self.const([0]), keepdims=0)
+        if w["shared_gate"] is None:
+            return routed
+        shared = self.activation(self.linear(x, w["shared_gate"]), self.linear(x, w["shared_up"]))
+        return self.op("Add", routed, self.linear(shared, w["shared_down"]))
 
     def window(self, visible, query_slots, key_slots, window: int):
         """visible, and within the last `window` slots of its query when window > 0."""
@@ -259,8 +344,8 @@ class LlamaGraph:
                 cache_k = self.op("Gather", keys, self.const(i))
                 cache_v = self.op("Gather", values, self.const(i))
             cos, sin, mask = tables[self.layer_kind[i]]
-            out, k, v = self.attention(self.rms_norm(x, w["attention_norm"]), w, seq, cos, sin, mask, cache_k,
-                                       cache_v, write)
+            attention = self.mla if cfg.mla else self.attention
+            out, k, v = attention(self.rms_norm(x, w["attention_norm"]), w, seq, cos, sin, mask, cache_k, cache_v, write)
             x = self.op("Add", x, self.rms_norm(out, w["attention_out_norm"]))
             x = self.op("Add", x, self.rms_norm(self.feed_forward(self.rms_norm(x, w["ffn_norm"]), w), w["ffn_out_norm"]))
             new_keys.append(self.op("Unsqueeze", k, self.const([0])))
@@ -279,14 +364,12 @@ class LlamaGraph:
 
 def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dtype: str = "fp32") -> ir.Model:
     """One of GRAPHS as an onnx_ir Model; weights are msllm parameter arrays by name (fp32)."""
-    if cfg.mla or cfg.router != "softmax" or cfg.shared_experts:  # graph_opt.export refuses them first
-        raise ValueError("the ONNX builder has no MLA attention, grouped sigmoid router or shared experts")
     g = LlamaGraph(cfg, weights, dtype)
-    cache_shape = [cfg.num_layers, "batch", cfg.num_kv_heads, "max_len", cfg.head_size]
+    cache_shapes = [list(shape) for shape in cfg.cache_shapes("batch", "max_len")]
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "sequence"])
     inputs = [input_ids]
     if kind != "model":
-        inputs += [ir.val(name, g.dtype, cache_shape) for name in ("past_keys", "past_values")]
+        inputs += [ir.val(name, g.dtype, shape) for name, shape in zip(("past_keys", "past_values"), cache_shapes)]
         inputs += [ir.val("start", ir.DataType.INT64, [1]), ir.val("pad", ir.DataType.INT64, ["batch"])]
     logits, keys, values = g.forward(*inputs)
     unused = sorted(set(g.weights) - set(g.initializers))
@@ -296,8 +379,8 @@ def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dty
     logits.shape = ir.Shape(["batch", "sequence", cfg.vocab_size] if kind == "model" else ["batch", cfg.vocab_size])
     outputs = [logits]
     if kind != "model":
-        for value, name in ((keys, "present_keys"), (values, "present_values")):
-            value.name, value.dtype, value.shape = name, g.dtype, ir.Shape(cache_shape)
+        for value, name, shape in zip((keys, values), ("present_keys", "present_values"), cache_shapes):
+            value.name, value.dtype, value.shape = name, g.dtype, ir.Shape(shape)
             outputs.append(value)
     graph = ir.Graph(inputs, outputs, nodes=g.tape.nodes, initializers=g.tape.initializers,
                      opset_imports={"": OPSET}, name=f"msllm_llama_{kind}")

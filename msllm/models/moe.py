@@ -54,7 +54,8 @@ class GroupedSigmoidRouter(nn.Cell):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e = cfg.num_experts
-        self.num_experts, self.k, self.renormalise, self.scaling = e, cfg.experts_per_token, cfg.norm_topk_prob, cfg.routed_scaling
+        self.num_experts, self.k, self.renormalise = e, cfg.experts_per_token, cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling
         self.groups, self.topk_groups = cfg.expert_groups, cfg.topk_groups
         self.weight = Parameter(initializer("zeros", (e, cfg.hidden_size), ms.float32), name="weight")
         # A Parameter, so checkpoints and conversion carry it like every weight (they read the trainable
@@ -63,18 +64,17 @@ class GroupedSigmoidRouter(nn.Cell):
         self.expert_bias = Parameter(initializer("zeros", (e,), ms.float32), name="expert_bias")
         self.matmul = ops.MatMul(transpose_b=True)
         self.sigmoid = ops.Sigmoid()
-        # one TopK per use: in GRAPH_MODE on CPU one instance called with several k mixes up their k
-        self.top_in_group, self.top_groups, self.top_experts = ops.TopK(sorted=True), ops.TopK(sorted=True), ops.TopK(sorted=True)
+        self.topk = ops.TopK(sorted=True)
 
     def construct(self, x):
         scores = self.sigmoid(self.matmul(cast(x, ms.float32), self.weight))                  # [N, E]
         biased = scores + ops.stop_gradient(self.expert_bias)
         per_group = biased.reshape(-1, self.num_experts // self.groups)                      # [N*G, E/G]
-        group_scores = ops.sum(self.top_in_group(per_group, 2)[0], -1).reshape(-1, self.groups)        # [N, G]
-        best = self.top_groups(group_scores, self.topk_groups)[1]
+        group_scores = ops.sum(self.topk(per_group, 2)[0], -1).reshape(-1, self.groups)        # [N, G]
+        best = self.topk(group_scores, self.topk_groups)[1]
         chosen_groups = ops.sum(ops.one_hot(best, self.groups, ops.ones((), ms.float32), ops.zeros((), ms.float32)), 1)
         allowed = ops.broadcast_to(chosen_groups.reshape(-1, 1), per_group.shape).reshape(biased.shape) > 0
-        experts = self.top_experts(ops.select(allowed, biased, ops.full(biased.shape, -1e30, dtype=ms.float32)), self.k)[1]
+        experts = self.topk(ops.select(allowed, biased, ops.full(biased.shape, -1e30, dtype=ms.float32)), self.k)[1]
         weights = ops.gather_elements(scores, 1, experts)
         if self.renormalise:
             weights = weights / (ops.sum(weights, -1, keepdim=True) + 1e-20)
