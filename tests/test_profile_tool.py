@@ -29,6 +29,7 @@ def run_tool(tmp_path, *flags) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
 def test_kernel_profile_counts_one_step(tmp_path):
     r = run_tool(tmp_path, "--steps", "2", "--warmup", "1", "--fused-kernels", "off")
     ops = {o["op"]: o for o in r["ops"]}

@@ -5,7 +5,7 @@ default corpus once per variant, and prints the worst layer's busiest expert ove
 (`expert_load_max` of metrics.jsonl: 1.0 is even, E / k = 4.0 every token to the same 2 experts)
 as a table over the steps, the expert-load "plot" of docs/moe.md.
 
-    python tools/moe_balance.py --steps 200 --out runs/moe_balance
+    python tools/moe_balance.py --steps 100 --out runs/moe_balance
 
 Variants: no balancing; the load-balancing loss (router_aux_loss_coef 0.01); a capacity factor
 of 1.25 (drops counted); DeepSeek-V3's grouped sigmoid router without and with its bias update.
@@ -44,8 +44,8 @@ def train(run_dir: Path, steps: int, log_every: int, extra: dict) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="runs/moe_balance")
     args = p.parse_args(argv)
     runs = {}
