@@ -78,7 +78,7 @@ def test_wrong_index_and_missing_shard(model, tmp_path):
 @pytest.mark.parametrize("edit, match", [
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM"),
     ({"attention_bias": True}, "attention_bias: msllm has no o_proj or MLP biases"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope type 'yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "rope type 'dynamic' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act: 'gelu' is not supported"),
 ])
 def test_unsupported_configs(hf, tmp_path, edit, match):
