@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ VARIANTS = {
 
 
 def train(run_dir: Path, steps: int, log_every: int, extra: dict) -> list[dict]:
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resumed or appended one
     sets = {**MOE, **extra, "train.steps": steps, "train.log_every": log_every, "train.eval_every": steps,
             "train.ckpt_every": steps, "train.sample_tokens": 0, "train.run_dir": str(run_dir)}
     cmd = [sys.executable, "-m", "msllm.cli", "train", "--config", "configs/tiny.yaml",
