@@ -2,6 +2,7 @@
 through MindSpore's API on CPU-built tiny models (Primitive.shard and pipeline_stage are accepted
 and ignored on a stand-alone CPU graph; nothing here executes a parallel step)."""
 import fnmatch
+import math
 
 import numpy as np
 import pytest
@@ -201,7 +202,7 @@ def test_table_and_model_agree():
         head = ops["lm_matmul" if tied else "output.matmul"]
         assert L.param_entry("tok_embeddings.weight")[0] == head.inputs[1] == ops["tok_embeddings.gather"].inputs[0]
         for pattern, layout, placement in L.PARAMS:
-            kind = {"column": (0,), "row": (1,), "vocab parallel": (0,), "replicated": ()}[placement]
+            kind = {"column": (0,), "row": (1,), "vocab parallel": (0,), "expert parallel": (0,), "replicated": ()}[placement]
             assert tuple(i for i, x in enumerate(layout) if x) == kind, pattern
 
 
@@ -493,3 +494,138 @@ def test_qk_norms_are_cut_on_heads_as_their_projections_and_compute_the_same():
             assert tuple(applied_strategy(a) for a in attrs["in_layout"]) == got[op.path]["in"], op.path
     assert cells["layers.0.attention.q_norm"].heads_axis
     np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)
+
+
+# ---- expert parallel ------------------------------------------------------------------------------
+
+MOE = dict(vocab_size=64, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=32, max_seq_len=16,
+           num_experts=4, experts_per_token=2, moe_ffn_size=8, norm_topk_prob=False)
+
+
+def moe_config(factor=1.25, **layout):
+    return config_from_dict({"model": MOE, "data": {"seq_len": 8}, "train": {"batch_size": 2,
+                             "moe_capacity_factor": factor}, "parallel": layout})
+
+
+def test_expert_parallel_golden_strategies_and_the_backend_applies_them():
+    """dp 4 with ep 2, tp 2 on 8 devices: experts cut over ep, their rows over the other ep group, the
+    one-hot dispatch and combine per data-parallel group; the built model carries exactly these and
+    computes what the CPU model computes (a capacity no expert overflows: the dropless sum)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm.backends import ascend
+    from msllm.models.llama import Llama
+
+    cfg = moe_config(dp=4, ep=2, tp=2)
+    check_parallel(cfg, 8)
+    sh = L.sharding(cfg.model, cfg.parallel)
+    assert (sh.mesh, sh.mesh_axes) == ((2, 2, 2, 1), ("dp", "ep", "tp_kv", "tp_rep"))
+    got = L.op_strategies(cfg.model, sh)
+    want = {F + "dispatch.dispatch_rows": ((4, 1, 1), (4, 1, 1)), F + "dispatch.to_experts": ((4, 1, 1, 1),),
+            F + "experts.matmul": ((2, 2, 1), (2, 1, 1)), F + "dispatch.from_experts": ((2, 2, 1, 1),),
+            F + "dispatch.combine_rows": ((4, 1, 1), (4, 1, 1))}
+    assert {k: v["in"] for k, v in got.items() if k in want} == want
+    assert not any(k.startswith(F + "w") for k in got)  # no dense MLP rows for an all-MoE model
+    experts_row = next(op for op in L.ops_for(cfg.model) if op.cell.endswith(".experts"))
+    assert L.param_entry("layers.0.feed_forward.experts.w2")[0] == experts_row.inputs[1]  # weights as the matmul reads them
+    w1 = "layers.0.feed_forward.experts.w1"
+    assert L.shard_shape(L.param_shapes(cfg.model)[w1], L.param_entry(w1)[0], sh) == (2, 8, 16)
+    assert [L.shard_slices((4, 8, 16), ("experts", None, None), sh, {"dp": r})[0] for r in range(4)] == \
+        [slice(0, 2), slice(2, 4)] * 2  # an ep group is 2 consecutive replicas, each holding half the experts
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ids = Tensor(np.random.default_rng(0).integers(0, 64, (4, 8)).astype(np.int32))
+    roomy = moe_config(factor=2.0, dp=4, ep=2, tp=2)  # C = n: every choice kept
+    net = Llama(roomy.model)
+    rng = np.random.default_rng(1)
+    for p in net.get_parameters():
+        p.set_data(Tensor((rng.normal(0, 0.3, p.shape) + (1.0 if "norm" in p.name else 0.0)).astype(np.float32)))
+    plain = net(ids).asnumpy()
+    applied = ascend.specialise(net, roomy)
+    assert all(applied[k] == 2 for k in want)
+    cells = dict(net.cells_and_names())
+    for path, strategy in want.items():
+        cell, prim = path.rsplit(".", 1)
+        attrs = getattr(cells[cell.replace("*", "1")], prim).attrs
+        assert tuple(applied_strategy(a) for a in attrs["in_layout"]) == strategy, path
+    np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_parallel_checker_rules():
+    from msllm.config import ConfigError
+
+    for layout, factor, key, text in (
+            (dict(dp=4, ep=3), 1.25, "parallel.ep", "must divide model.num_experts (4 % 3 != 0)"),
+            (dict(dp=2, ep=4), 1.25, "parallel.ep", "must divide parallel.dp (2 % 4 != 0)"),
+            (dict(dp=4, ep=2), 0.0, "train.moe_capacity_factor", "must be > 0 for expert parallel on ascend")):
+        with pytest.raises(ConfigError) as err:
+            check_parallel(config_from_dict({"model": MOE, "data": {"seq_len": 8},
+                                             "train": {"batch_size": 2, "moe_capacity_factor": factor, "device": "ascend"},
+                                             "parallel": layout}), layout["dp"])
+        assert err.value.key == key and text in str(err.value), str(err.value)
+
+
+def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer():
+    """The one-process oracle of Ascend's expert parallel: 4 data-parallel ranks in ep groups of 2, each
+    dispatching its own tokens ([E, C, h], numpy), an all-to-all within its ep group handing each rank
+    the rows of the experts the table gives it, each rank computing only those experts with its slice of
+    the weights, the all-to-all back and a local combine, equal the whole MoE layer as MindSpore
+    computes it with one dispatch group per rank (GroupedCapacityDispatch, groups 4). The rows a rank
+    receives are the slice the table's layout of the experts' BatchMatMul gives it."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm.models.moe import GroupedCapacityDispatch, MoE
+
+    cfg = moe_config(factor=0.75, dp=4, ep=2)
+    m, sh = cfg.model, L.sharding(cfg.model, cfg.parallel)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    layer = MoE(m)
+    rng = np.random.default_rng(2)
+    for p in layer.get_parameters():
+        p.set_data(Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    ranks, n, e, k, h = 4, 6, m.num_experts, m.experts_per_token, m.hidden_size
+    c = math.ceil(0.75 * n * k / e)
+    x = rng.normal(size=(ranks * n, h)).astype(np.float32)
+    layer.dispatch = GroupedCapacityDispatch(e, 0.75, groups=ranks)
+    whole, load = (t.asnumpy() for t in layer(Tensor(x)))
+    assert load[2].sum() > 0  # the capacity drops choices: the oracle must drop the same ones
+
+    router = layer.router.weight.asnumpy()
+    weights = {w: getattr(layer.experts, w).asnumpy() for w in ("w1", "w2", "w3")}
+
+    def route(xr):  # softmax top-k, unnormalised, and each expert's first c choices in token order
+        logits = xr @ router.T
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        chosen = np.argsort(-probs, -1, kind="stable")[:, :k]
+        rows, slots, seen = np.zeros((e, c, h), np.float32), [], np.zeros(e, int)
+        for t in range(n):
+            for ex in chosen[t]:
+                if seen[ex] < c:
+                    rows[ex, seen[ex]] = xr[t]
+                    slots.append((t, ex, seen[ex], probs[t, ex]))
+                seen[ex] += 1
+        return rows, slots
+
+    routed = [route(x[r * n:(r + 1) * n]) for r in range(ranks)]
+    global_rows = np.stack([rows for rows, _ in routed], 1).reshape(e, ranks * c, h)  # [E, G*C, h] as the graph
+    layout = next(op for op in L.ops_for(m) if op.cell.endswith(".experts")).inputs[0]
+    back = [np.zeros((e, c, h), np.float32) for _ in range(ranks)]
+    for r in range(ranks):
+        group = [q for q in range(ranks) if q // sh.ep == r // sh.ep]
+        mine = L.shard_slices((e, 1, 1), ("experts", None, None), sh, {"dp": r})[0]
+        received = np.concatenate([routed[q][0][mine] for q in group], 1)            # all-to-all in
+        table_slice = L.shard_slices(global_rows.shape, layout, sh, {"dp": r})
+        np.testing.assert_array_equal(received, global_rows[table_slice])
+        w1, w2, w3 = (weights[w][mine] for w in ("w1", "w2", "w3"))
+        gate, up = received @ w1.transpose(0, 2, 1), received @ w3.transpose(0, 2, 1)
+        out = (gate / (1 + np.exp(-gate)) * up) @ w2.transpose(0, 2, 1)               # [E/ep, ep*C, h]
+        for i, q in enumerate(group):                                                 # all-to-all back
+            back[q][mine] = out[:, i * c:(i + 1) * c]
+    oracle = np.zeros_like(x)
+    for r, (_, slots) in enumerate(routed):
+        for t, ex, slot, weight in slots:
+            oracle[r * n + t] += weight * back[r][ex, slot]
+    np.testing.assert_allclose(oracle, whole, rtol=1e-4, atol=1e-5)

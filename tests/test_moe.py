@@ -10,7 +10,7 @@ from mindspore import Tensor, ops
 
 from msllm import device
 from msllm.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
-from msllm.models.moe import CapacityDispatch, EveryExpert, MoE, routing_metrics
+from msllm.models.moe import CapacityDispatch, EveryExpert, GroupedCapacityDispatch, MoE, routing_metrics
 
 N, H, E, K = 24, 16, 4, 2
 CFG = ModelConfig(vocab_size=64, hidden_size=H, num_layers=2, num_heads=2, num_kv_heads=2, ffn_size=32,
@@ -76,6 +76,27 @@ def test_a_tight_capacity_drops_the_late_choices_and_counts_them(moe):
     metrics = routing_metrics(load[None])
     assert metrics["dropped"] == pytest.approx(dropped.sum() / (N * K), abs=1e-6)
     assert metrics["expert_load_max"] == pytest.approx(seen.max() / seen.mean(), abs=1e-4)
+
+
+def test_the_grouped_one_hot_dispatch_is_the_capacity_dispatch_of_each_group(moe):
+    """Ascend's expert-parallel form (GroupedCapacityDispatch): one group is CapacityDispatch, outputs,
+    drops and gradients; two groups are CapacityDispatch run on each half of the tokens."""
+    factor = 0.5
+    x = Tensor(np.random.default_rng(4).normal(size=(N, H)).astype(np.float32))
+    whole = run(moe, x, CapacityDispatch(E, factor))
+    one = run(moe, x, GroupedCapacityDispatch(E, factor, groups=1))
+    assert whole[1][2].sum() > 0  # drops happen, so the capacity bookkeeping is exercised
+    np.testing.assert_allclose(one[0], whole[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one[1], whole[1], rtol=1e-6)
+    for got, want in zip(one[2], whole[2]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    two_out, two_load, _ = run(moe, x, GroupedCapacityDispatch(E, factor, groups=2))
+    halves = [moe.dispatch.capacity(N // 2, K)]
+    moe.dispatch = CapacityDispatch(E, factor)
+    parts = [moe(x[i * N // 2:(i + 1) * N // 2]) for i in range(2)]
+    np.testing.assert_allclose(two_out, np.concatenate([p[0].asnumpy() for p in parts]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(two_load[2], sum(p[1].asnumpy()[2] for p in parts) / 2, rtol=1e-6)
+    assert halves == [math.ceil(factor * (N // 2) * K / E)]
 
 
 def test_the_train_step_reports_loads_and_a_capacity_counts_its_drops():

@@ -159,8 +159,9 @@ def use_flash_attention(model, cfg: Config) -> int:
 # ---- layouts -------------------------------------------------------------------------------------
 
 def mesh(sh: L.Sharding, flat: bool = False) -> Layout:
-    """The device mesh (dp, tp_kv, tp_rep), or for `flat` ops (dp, tp): the same ranks in the same order."""
-    return Layout(sh.flat_mesh, L.FLAT_AXES) if flat else Layout(sh.mesh, L.MESH_AXES)
+    """The device mesh (dp, tp_kv, tp_rep) (with expert parallel (dp / ep, ep, tp_kv, tp_rep)), or for
+    `flat` ops (dp, tp): the same ranks in the same order."""
+    return Layout(sh.flat_mesh, L.FLAT_AXES) if flat else Layout(sh.mesh, sh.mesh_axes)
 
 
 def ms_layout(device_mesh: Layout, sh: L.Sharding, layout: tuple, flat: bool = False):
@@ -226,6 +227,22 @@ def use_vocab_parallel_loss(loss, cfg: Config) -> bool:
     return True
 
 
+def use_expert_dispatch(model, cfg: Config) -> int:
+    """With train.moe_capacity_factor, each MoE layer dispatches in GShard's one-hot form, one token
+    group per data-parallel rank (msllm.models.moe.GroupedCapacityDispatch), whose primitives the
+    table's MoE rows cut: under parallel.ep the experts' rows move between the ep group's ranks by the
+    AllToAll semi-auto parallel inserts. Without a capacity the layer stays dropless (EveryExpert), its
+    experts whole on every rank (the checker refuses ep then)."""
+    from msllm.models.moe import GroupedCapacityDispatch
+
+    factor = cfg.train.moe_capacity_factor
+    routed = [block.feed_forward for block in model.layers if block.routed]
+    if factor > 0:
+        for moe in routed:
+            moe.dispatch = GroupedCapacityDispatch(moe.num_experts, factor, cfg.parallel.dp)
+    return len(routed) if factor > 0 else 0
+
+
 def specialise(model, cfg: Config, flash: bool = False) -> dict[str, int]:
     """Everything Ascend changes on a built Llama for a layout (the seam in msllm.backends calls it,
     with flash = msllm.backends.uses_flash: train.attention as Ascend resolves it)."""
@@ -233,6 +250,7 @@ def specialise(model, cfg: Config, flash: bool = False) -> dict[str, int]:
     if flash:
         use_flash_attention(model, cfg)
     use_shardable_norms(model)
+    use_expert_dispatch(model, cfg)
     return apply_layout(model, cfg, flash)
 
 

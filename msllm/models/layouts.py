@@ -24,6 +24,7 @@ flash)` picks one, the checker checks both.
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
 
 from msllm.config import ModelConfig, ParallelConfig
@@ -42,6 +43,13 @@ FLAT_AXES = ("dp", "tp")
 #   ffn        MLP hidden features                                           tp
 #   vocab      vocabulary rows                                               tp, or nothing (replicated,
 #                                                                            data-parallel fallback)
+#   experts    a MoE layer's experts, [E, ...]                               ep
+#   expert_rows  rows an expert computes, [E, groups x capacity, h]: the     dp / ep (the ep groups)
+#              token groups of the other ep groups
+#
+# Expert parallel (ep) is the inner part of dp: with ep > 1 the mesh is (dp / ep, ep, tp_kv, tp_rep),
+# `batch` cuts over (dp, ep), and a rank's data-parallel index i is (i // ep, i % ep): an ep group is
+# ep consecutive replicas, as on CPU (msllm.parallel.ep).
 
 # name pattern (layers.N -> layers.*), split per dim, placement
 PARAMS = (
@@ -59,9 +67,9 @@ PARAMS = (
     ("layers.*.attention_out_norm.weight", (None,),       "replicated"),
     ("layers.*.ffn_norm.weight",         (None,),         "replicated"),
     ("layers.*.ffn_out_norm.weight",     (None,),         "replicated"),
-    # MoE: router and stacked experts whole on every rank (no expert parallel in this table yet)
+    # MoE: the router whole on every rank, the stacked experts [E, ...] cut over the ep group
     ("layers.*.feed_forward.router.weight", (None, None),   "replicated"),
-    ("layers.*.feed_forward.experts.w*",   (None, None, None), "replicated"),
+    ("layers.*.feed_forward.experts.w*",   ("experts", None, None), "expert parallel"),
     ("layers.*.feed_forward.router.expert_bias", (None,),   "replicated"),
     ("layers.*.feed_forward.shared.w*.weight", (None, None), "replicated"),
     # MLA (DeepSeek): whole on every rank, no tensor-parallel split of its latent projections yet
@@ -104,10 +112,13 @@ CONDITIONS = {
     "untied": lambda m: not m.tie_embeddings,
     "sandwich": lambda m: m.sandwich_norm,
     "qk_norm": lambda m: m.qk_norm,
+    "dense_mlp": lambda m: "dense" in m.mlp_kinds(),
+    "moe": lambda m: "moe" in m.mlp_kinds(),
 }
 
 _ROW_OUT = (("tokens", None),)
 _ATTN = "layers.*.attention.core.softmax_attention"
+_DISPATCH = "layers.*.feed_forward.dispatch"
 # RMSNorm cores: Ascend swaps in msllm.backends.ascend.RMSNormCore, whose primitives these are:
 # x [N, h] -> x * rsqrt(mean(x^2) + eps) * weight, rows cut over tokens.
 _NORM_OPS = tuple(
@@ -164,10 +175,22 @@ OPS = _NORM_OPS + _HEAD_NORM_OPS + (
        optional=True, core="flash"),
     Op(_ATTN, "flash", (("batch", "heads", None, None),) * 3 + ((None, None),), core="flash", flat=True),
     Op("layers.*.attention.wo", "matmul", (("batch", "heads"), (None, "heads")), out=_ROW_OUT),
-    Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None))),
-    Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None))),
-    Op("layers.*.feed_forward.act", "sigmoid", (("batch", "ffn"),)),
-    Op("layers.*.feed_forward.w2", "matmul", (("batch", "ffn"), (None, "ffn")), out=_ROW_OUT),
+    Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
+    Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
+    Op("layers.*.feed_forward.act", "sigmoid", (("batch", "ffn"),), when="dense_mlp"),
+    Op("layers.*.feed_forward.w2", "matmul", (("batch", "ffn"), (None, "ffn")), out=_ROW_OUT, when="dense_mlp"),
+    # MoE layers under expert parallel (msllm.models.moe.GroupedCapacityDispatch, which Ascend swaps in):
+    # each data-parallel rank's tokens are one group, dispatched to [G, E*C, h] where they are; the
+    # transpose to [E, G, C, h] keeps that cut, and the experts' BatchMatMul wants its rows cut by
+    # expert over ep (and by the other ep groups' tokens over dp / ep): the difference is an
+    # all-to-all within each ep group, which semi-auto parallel inserts (MindSpore 2.10's AutoParallel
+    # redistributes with AllToAll by default). from_experts is the way back, combine_rows local again.
+    Op(_DISPATCH, "dispatch_rows", (("batch", None, None), ("batch", None, None)), when="moe", optional=True),
+    Op(_DISPATCH, "to_experts", (("batch", None, None, None),), when="moe", optional=True),
+    Op("layers.*.feed_forward.experts", "matmul", (("experts", "expert_rows", None), ("experts", None, None)),
+       when="moe"),
+    Op(_DISPATCH, "from_experts", (("experts", "expert_rows", None, None),), when="moe", optional=True),
+    Op(_DISPATCH, "combine_rows", (("batch", None, None), ("batch", None, None)), when="moe", optional=True),
     Op("output", "matmul", (("batch", None), ("vocab", None)), when="untied"),
     Op("", "lm_matmul", (("batch", None), ("vocab", None)), when="tied"),  # logits from the embedding table
 )
@@ -202,9 +225,16 @@ class Sharding:
     tp_rep: int
     sequence_parallel: bool
     vocab_split: bool
+    ep: int = 1
 
     @property
-    def mesh(self) -> tuple[int, int, int]:
+    def mesh_axes(self) -> tuple[str, ...]:
+        return ("dp", "ep", "tp_kv", "tp_rep") if self.ep > 1 else MESH_AXES
+
+    @property
+    def mesh(self) -> tuple[int, ...]:
+        if self.ep > 1:
+            return (self.dp // self.ep, self.ep, self.tp_kv, self.tp_rep)
         return (self.dp, self.tp_kv, self.tp_rep)
 
     @property
@@ -216,14 +246,16 @@ class Sharding:
         if flat:
             return {None: (), "batch": ("dp",), "heads": ("tp",)}[name]
         tp = ("tp_kv", "tp_rep")
+        dp = ("dp", "ep") if self.ep > 1 else ("dp",)
         return {
-            None: (), "batch": ("dp",), "tokens": ("dp",) + tp if self.sequence_parallel else ("dp",),
+            None: (), "batch": dp, "tokens": dp + tp if self.sequence_parallel else dp,
             "heads": tp, "kv": ("tp_kv",), "group": ("tp_rep",), "copies": ("tp_rep",),
-            "head_rows": ("dp",) + tp, "ffn": tp, "vocab": tp if self.vocab_split else (),
+            "head_rows": dp + tp, "ffn": tp, "vocab": tp if self.vocab_split else (),
+            "experts": ("ep",) if self.ep > 1 else (), "expert_rows": ("dp",),
         }[name]
 
     def ways(self, axes: tuple[str, ...]) -> int:
-        sizes = {**dict(zip(MESH_AXES, self.mesh)), "tp": self.tp}
+        sizes = {**dict(zip(self.mesh_axes, self.mesh)), "tp": self.tp}
         out = 1
         for a in axes:
             out *= sizes[a]
@@ -243,7 +275,8 @@ def sharding(m: ModelConfig, p: ParallelConfig) -> Sharding:
     kv_split = p.tp if m.num_kv_heads % p.tp == 0 else m.num_kv_heads  # GQA: kv < tp groups ranks
     return Sharding(dp=p.dp, tp=p.tp, pp=p.pp, tp_kv=kv_split, tp_rep=p.tp // kv_split,
                     sequence_parallel=p.sequence_parallel and p.tp > 1,
-                    vocab_split=p.vocab_parallel and p.tp > 1 and m.vocab_size % p.tp == 0)
+                    vocab_split=p.vocab_parallel and p.tp > 1 and m.vocab_size % p.tp == 0,
+                    ep=p.ep if m.num_experts else 1)
 
 
 # ---- parameters ---------------------------------------------------------------------------------
@@ -318,12 +351,15 @@ def shard_shape(shape: tuple[int, ...], layout: tuple, sh: Sharding) -> tuple[in
 
 def shard_slices(shape: tuple[int, ...], layout: tuple, sh: Sharding, rank: dict[str, int],
                  flat: bool = False) -> tuple[slice, ...]:
-    """Index of the slice held by the rank at mesh coordinates `rank` ({"dp": i, "tp_kv": j, "tp_rep": k}).
+    """Index of the slice held by the rank at mesh coordinates `rank` ({"dp": i, "tp_kv": j, "tp_rep": k};
+    i the data-parallel index, split into (i // ep, i % ep) when the layout has expert parallel).
 
     A dim split over several axes is cut in their order, the first outermost (MindSpore's
     tensor_map and DTensor agree on this). flat: a layout over (dp, tp), where the rank's tp
     coordinate is j x tp_rep + k (the same rank order)."""
-    sizes = dict(zip(MESH_AXES, sh.mesh))
+    sizes = dict(zip(sh.mesh_axes, sh.mesh))
+    if sh.ep > 1 and not flat:
+        rank = {**rank, "dp": rank.get("dp", 0) // sh.ep, "ep": rank.get("dp", 0) % sh.ep}
     if flat:
         sizes = dict(zip(FLAT_AXES, sh.flat_mesh))
         rank = {"dp": rank.get("dp", 0), "tp": rank.get("tp_kv", 0) * sh.tp_rep + rank.get("tp_rep", 0)}
@@ -343,21 +379,31 @@ def shard_slices(shape: tuple[int, ...], layout: tuple, sh: Sharding, rank: dict
 COMPRESSED_MASK = 2048
 
 
+def _applies(op: Op, m: ModelConfig) -> bool:
+    """A row holds for model m: its condition, and no attention row for MLA, whose latent projections
+    the table does not cut yet (they run whole on every rank; the checker keeps tp at 1)."""
+    if m.mla and op.cell.startswith("layers.*.attention."):
+        return False
+    return op.when is None or CONDITIONS[op.when](m)
+
+
 def ops_for(m: ModelConfig, flash: bool = False) -> list[Op]:
     """The table's rows for model m with the softmax attention core, or (flash) Ascend's FlashAttentionScore."""
     core = "flash" if flash else "softmax"
-    return [op for op in OPS if (op.when is None or CONDITIONS[op.when](m)) and op.core in (None, core)]
+    return [op for op in OPS if _applies(op, m) and op.core in (None, core)]
 
 
 def table_ops(m: ModelConfig) -> list[Op]:
     """Every row of model m, both attention cores (what the checker checks)."""
-    return [op for op in OPS if op.when is None or CONDITIONS[op.when](m)]
+    return [op for op in OPS if _applies(op, m)]
 
 
-def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1) -> dict[str, list[tuple[int, ...]]]:
+def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, groups: int = 1,
+                    capacity_factor: float = 1.0) -> dict[str, list[tuple[int, ...]]]:
     """The shapes each op's inputs have in a micro-batch of `batch` sequences of `seq` tokens
     (the global shapes: semi-auto parallel describes the whole computation, layouts cut it), both
-    attention cores. kv_copies: how many times flash attention repeats each KV head (the layout's tp_rep)."""
+    attention cores. kv_copies: how many times flash attention repeats each KV head (the layout's tp_rep);
+    groups, capacity_factor: the MoE dispatch's token groups (dp) and capacity (GroupedCapacityDispatch)."""
     b, s, h, d, f, v = batch, seq, m.hidden_size, m.head_size, m.ffn_size, m.vocab_size
     nh, kv = m.num_heads, m.num_kv_heads
     n, rep = b * s, nh // kv
@@ -384,6 +430,17 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1) ->
         "output.matmul": [(n, h), (v, h)],
         "lm_matmul": [(n, h), (v, h)],
     }
+    if m.num_experts:
+        e, fe, g = m.num_experts, m.moe_ffn_size or f, groups
+        c = min(n // g, math.ceil(capacity_factor * (n // g) * m.experts_per_token / e))
+        ff = "layers.*.feed_forward."
+        shapes.update({
+            ff + "dispatch.dispatch_rows": [(g, n // g, e * c), (g, n // g, h)],
+            ff + "dispatch.to_experts": [(g, e, c, h)],
+            ff + "experts.matmul": [(e, g * c, h), (e, fe, h)],
+            ff + "dispatch.from_experts": [(e, g, c, h)],
+            ff + "dispatch.combine_rows": [(g, n // g, e * c), (g, e * c, h)],
+        })
     for op in _NORM_OPS:
         shapes[op.path] = {"square": [(n, h)], "mean": [(n, h)], "add": [(n, 1), (1, 1)], "rsqrt": [(n, 1)],
                            "scale": [(n, h), (n, 1)], "weigh": [(n, h), (h,)]}[op.prim]
@@ -397,12 +454,15 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1) ->
 
 # Which input dims each matmul contracts: (dim of input 0, dim of input 1). Both must be cut alike.
 # Linear and the LM head: x @ W^T; rope: x @ R; the attention BatchMatMuls as named.
-_CONTRACTS = {"matmul": (1, 1), "lm_matmul": (1, 1), "qk": (3, 3), "pv": (3, 2), "pt_x": (2, 2)}
+_CONTRACTS = {"matmul": (1, 1), "lm_matmul": (1, 1), "qk": (3, 3), "pv": (3, 2), "pt_x": (2, 2),
+              "dispatch_rows": (1, 1), "combine_rows": (2, 1)}
 
 
 def _contraction(op: Op) -> tuple[int, int] | None:
     if op.cell.endswith(".rope"):
         return (1, 0)
+    if op.cell.endswith(".experts"):  # rows [E, n, h] x weights [E, out, h]^T
+        return (2, 2)
     return _CONTRACTS.get(op.prim)
 
 
@@ -426,11 +486,11 @@ def _flash_problems(op: Op, sh: Sharding, shapes: list[tuple[int, ...]]) -> list
     return out
 
 
-def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int) -> list[str]:
+def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int, capacity_factor: float = 1.0) -> list[str]:
     """Each op's layout against its input shapes (both attention cores): rank, divisibility,
     contraction dims cut alike, and FlashAttentionScore's own rules."""
     problems = []
-    shapes = op_input_shapes(m, batch, seq, sh.tp_rep)
+    shapes = op_input_shapes(m, batch, seq, sh.tp_rep, groups=sh.dp, capacity_factor=capacity_factor)
     for op in table_ops(m):
         ins = shapes[op.path]
         if len(ins) != len(op.inputs):
@@ -448,8 +508,10 @@ def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int) -> lis
             a, b = sh.dims(op.inputs[0])[pair[0]], sh.dims(op.inputs[1])[pair[1]]
             if a != b:
                 problems.append(f"{op.path}: contracted dims cut differently ({a or 'whole'} vs {b or 'whole'})")
-        if op.prim in ("qk", "pv", "pt_x"):  # BatchMatMul: the batch dims [b, kv] must be cut alike
-            if sh.dims(op.inputs[0])[:2] != sh.dims(op.inputs[1])[:2]:
+        batch_dims = {"qk": 2, "pv": 2, "pt_x": 2, "dispatch_rows": 1, "combine_rows": 1}.get(
+            op.prim, 1 if op.cell.endswith(".experts") else 0)
+        if batch_dims:  # BatchMatMul: the batch dims ([b, kv]; groups; experts) must be cut alike
+            if sh.dims(op.inputs[0])[:batch_dims] != sh.dims(op.inputs[1])[:batch_dims]:
                 problems.append(f"{op.path}: batch dims cut differently")
         if op.prim == "flash":
             problems += _flash_problems(op, sh, ins)

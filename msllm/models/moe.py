@@ -169,6 +169,55 @@ class CapacityDispatch(nn.Cell):
         return ops.sum(per_choice.reshape(-1, k, h), 1), dropped
 
 
+class GroupedCapacityDispatch(nn.Cell):
+    """CapacityDispatch computed per group of tokens, in one-hot matmuls (GShard's form): the N tokens
+    are `groups` groups of n = N / groups (under semi-auto parallel, the batch shards of the data-parallel
+    ranks), each expert takes at most C = ceil(factor * n * k / E) choices of each group, and rows
+    [E, groups * C, h] hold expert e's rows group by group. Every step is a primitive the layout table
+    cuts (layouts: the MoE rows): dispatch_rows and combine_rows batch over groups, to_experts and
+    from_experts turn [groups, E, ...] into [E, groups, ...] and back, so under expert parallel the rows
+    move from the ranks holding the tokens to the ranks holding the experts (the AlltoAll semi-auto
+    parallel inserts). With groups = 1 it is CapacityDispatch (same choices, same drops). The one-hot
+    masks are [groups, n, E * C]: n^2 k factor per group, what GShard and MindFormers pay for static
+    shapes on Ascend."""
+
+    def __init__(self, num_experts: int, factor: float, groups: int):
+        super().__init__()
+        self.num_experts, self.factor, self.groups = num_experts, factor, groups
+        self.dispatch_rows = ops.BatchMatMul(transpose_a=True)  # mask^T [G, E*C, n] x x [G, n, h]
+        self.combine_rows = ops.BatchMatMul()                    # weights [G, n, E*C] x rows [G, E*C, h]
+        self.to_experts = ops.Transpose()
+        self.from_experts = ops.Transpose()
+
+    def capacity(self, n: int, k: int) -> int:
+        return min(n, math.ceil(self.factor * n * k / self.num_experts))
+
+    def dispatch(self, x, weights, chosen):
+        h, (n_all, k), e, g = x.shape[-1], chosen.shape, self.num_experts, self.groups
+        n = n_all // g
+        c = self.capacity(n, k)
+        picked = choices(chosen, e).reshape(g, n * k, e)
+        place = ops.sum((ops.cumsum(picked, 1) - picked) * picked, -1)                  # [G, n*k] rank at its expert
+        kept = (place < c).astype(ms.float32)
+        at = ops.one_hot(place.astype(ms.int32), c, ops.ones((), ms.float32), ops.zeros((), ms.float32))  # [G, n*k, C]
+        slots = (picked.reshape(g, n * k, e, 1) * (at * kept.reshape(g, n * k, 1)).reshape(g, n * k, 1, c))
+        slots = slots.reshape(g, n, k, e * c)
+        mask = ops.sum(slots, 2)                                                        # [G, n, E*C] 0 / 1
+        route = ops.sum(slots * weights.reshape(g, n, k, 1), 2)                         # [G, n, E*C] weights
+        rows = self.dispatch_rows(cast(mask, x.dtype), x.reshape(g, n, h))               # [G, E*C, h]
+        rows = self.to_experts(rows.reshape(g, e, c, h), (1, 0, 2, 3)).reshape(e, g * c, h)
+        dropped = ops.sum(picked * (1.0 - kept).reshape(g, n * k, 1), (0, 1)) / n_all
+        return rows, (route, dropped)
+
+    def combine(self, ys, route):
+        weights, dropped = route
+        g, e, h = self.groups, self.num_experts, ys.shape[-1]
+        c = ys.shape[1] // g
+        ys = self.from_experts(ys.reshape(e, g, c, h), (1, 0, 2, 3)).reshape(g, e * c, h)
+        out = self.combine_rows(cast(weights, ys.dtype), ys)                             # [G, n, h]
+        return out.reshape(-1, h), dropped
+
+
 class MoE(nn.Cell):
     """A layer's MLP as routed experts (plus, with shared_experts, one gated MLP every token runs:
     DeepSeek's shared experts); x [N, h] -> (out [N, h], load [3, E]).

@@ -32,9 +32,12 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
     problem = context_parallel_problem(cfg, seq)
     if problem is not None:
         return problem
-    if p.ep > 1 and cfg.train.device != "cpu":
-        return "parallel.ep", (f"expert parallel runs on CPU over msrun only (train.device: {cfg.train.device}); "
-                               f"its Ascend layouts are not generated yet")
+    problem = expert_parallel_problem(cfg)
+    if problem is not None:
+        return problem
+    if m.mla and p.tp > 1:
+        return "parallel.tp", ("must be 1 for MLA (model.attention: mla): the layout table does not cut its "
+                               "latent projections yet")
     if m.num_heads % p.tp:
         return "parallel.tp", f"must divide model.num_heads ({m.num_heads} % {p.tp} != 0)"
     if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:
@@ -59,9 +62,30 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
         return "parallel.sequence_parallel", "needs tp > 1 (it splits tokens within the tp group)"
     if p.sequence_parallel and seq % p.tp:
         return "parallel.sequence_parallel", f"needs data.seq_len divisible by tp ({seq} % {p.tp} != 0)"
-    problems = strategy_problems(m, sharding(m, p), batch // p.micro_batches, seq)
+    problems = strategy_problems(m, sharding(m, p), batch // p.micro_batches, seq, cfg.train.moe_capacity_factor or 1.0)
     if problems:
         return "parallel", f"layout table: {problems[0]}"
+    return None
+
+
+def expert_parallel_problem(cfg: Config) -> tuple[str, str] | None:
+    """(key, message) when parallel.ep cannot split this config's experts over its data-parallel ranks.
+    On CPU the run's worker count is checked again at launch (msllm.parallel.ep.check); on Ascend the
+    experts' rows move by AllToAll at a fixed capacity (msllm.models.moe.GroupedCapacityDispatch)."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep == 1:
+        return None
+    if "moe" not in m.mlp_kinds():
+        return "parallel.ep", f"is {p.ep} but the model has no MoE layer (model.num_experts)"
+    if m.num_experts % p.ep:
+        return "parallel.ep", f"must divide model.num_experts ({m.num_experts} % {p.ep} != 0)"
+    if cfg.train.device == "cpu":
+        return None
+    if p.dp % p.ep:
+        return "parallel.ep", f"must divide parallel.dp ({p.dp} % {p.ep} != 0): an ep group is ep data-parallel ranks"
+    if cfg.train.moe_capacity_factor <= 0:
+        return "train.moe_capacity_factor", (f"must be > 0 for expert parallel on {cfg.train.device} (e.g. 1.25): "
+                                             f"the experts' rows move by AllToAll at a fixed capacity")
     return None
 
 
