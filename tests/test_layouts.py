@@ -197,3 +197,15 @@ def test_gemma_like_sharded_forward_equals_unsharded(kv, dp, tp, sp):
     assert abs(forward_loss(params, m, sh, ids, labels) - ref) <= 1e-5 * ref
     with pytest.raises(NotImplementedError):
         loss_and_grads(params, m, sh, ids, labels)
+
+
+def test_moe_dispatch_groups_are_each_ranks_tokens_cut_to_bound_the_one_hot_masks():
+    """GroupedCapacityDispatch's groups: one per data-parallel rank, halved while a half keeps at least
+    DISPATCH_GROUP_TOKENS tokens, so a group holds its rank's tokens or 1024..2047 of them."""
+    assert L.dispatch_groups(4, 512) == 4
+    assert L.dispatch_groups(4, 2048) == 8 and L.dispatch_groups(2, 4096) == 8
+    assert L.dispatch_groups(2, 3 * 1024) == 4  # halves of 1536 tokens; quarters (768) would be too small
+    for dp, tokens in ((4, 512), (4, 2048), (2, 4096), (8, 65536), (2, 1536)):
+        g = L.dispatch_groups(dp, tokens)
+        per_group = dp * tokens // g
+        assert g % dp == 0 and (per_group == tokens or L.DISPATCH_GROUP_TOKENS <= per_group < 2 * L.DISPATCH_GROUP_TOKENS)

@@ -237,10 +237,13 @@ def use_expert_dispatch(model, cfg: Config) -> int:
 
     factor = cfg.train.moe_capacity_factor
     routed = [block.feed_forward for block in model.layers if block.routed]
+    p = cfg.parallel
+    groups = L.dispatch_groups(p.dp, cfg.train.batch_size // p.micro_batches * cfg.data.seq_len)
     if factor > 0:
         for moe in routed:
-            moe.dispatch = GroupedCapacityDispatch(moe.num_experts, factor, cfg.parallel.dp)
+            moe.dispatch = GroupedCapacityDispatch(moe.num_experts, factor, groups)
     return len(routed) if factor > 0 else 0
+
 
 
 def specialise(model, cfg: Config, flash: bool = False) -> dict[str, int]:

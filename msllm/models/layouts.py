@@ -486,11 +486,25 @@ def _flash_problems(op: Op, sh: Sharding, shapes: list[tuple[int, ...]]) -> list
     return out
 
 
+# Tokens per MoE dispatch group (about): GroupedCapacityDispatch's one-hot masks grow with their square
+DISPATCH_GROUP_TOKENS = 1024
+
+
+def dispatch_groups(dp: int, tokens_per_rank: int) -> int:
+    """How many groups a micro-batch's tokens are dispatched in (GroupedCapacityDispatch): each
+    data-parallel rank's tokens, halved while a half still holds DISPATCH_GROUP_TOKENS or more."""
+    split = 1
+    while tokens_per_rank % (2 * split) == 0 and tokens_per_rank // (2 * split) >= DISPATCH_GROUP_TOKENS:
+        split *= 2
+    return dp * split
+
+
 def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int, capacity_factor: float = 1.0) -> list[str]:
     """Each op's layout against its input shapes (both attention cores): rank, divisibility,
     contraction dims cut alike, and FlashAttentionScore's own rules."""
     problems = []
-    shapes = op_input_shapes(m, batch, seq, sh.tp_rep, groups=sh.dp, capacity_factor=capacity_factor)
+    groups = dispatch_groups(sh.dp, batch // sh.dp * seq)
+    shapes = op_input_shapes(m, batch, seq, sh.tp_rep, groups=groups, capacity_factor=capacity_factor)
     for op in table_ops(m):
         ins = shapes[op.path]
         if len(ins) != len(op.inputs):

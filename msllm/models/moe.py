@@ -178,8 +178,8 @@ class GroupedCapacityDispatch(nn.Cell):
     from_experts turn [groups, E, ...] into [E, groups, ...] and back, so under expert parallel the rows
     move from the ranks holding the tokens to the ranks holding the experts (the AlltoAll semi-auto
     parallel inserts). With groups = 1 it is CapacityDispatch (same choices, same drops). The one-hot
-    masks are [groups, n, E * C]: n^2 k factor per group, what GShard and MindFormers pay for static
-    shapes on Ascend."""
+    masks are [groups, n, E * C], n x factor x k x n per group: what GShard pays for static shapes,
+    bounded by keeping groups small (msllm.models.layouts.dispatch_groups)."""
 
     def __init__(self, num_experts: int, factor: float, groups: int):
         super().__init__()
@@ -199,11 +199,14 @@ class GroupedCapacityDispatch(nn.Cell):
         picked = choices(chosen, e).reshape(g, n * k, e)
         place = ops.sum((ops.cumsum(picked, 1) - picked) * picked, -1)                  # [G, n*k] rank at its expert
         kept = (place < c).astype(ms.float32)
-        at = ops.one_hot(place.astype(ms.int32), c, ops.ones((), ms.float32), ops.zeros((), ms.float32))  # [G, n*k, C]
-        slots = (picked.reshape(g, n * k, e, 1) * (at * kept.reshape(g, n * k, 1)).reshape(g, n * k, 1, c))
-        slots = slots.reshape(g, n, k, e * c)
-        mask = ops.sum(slots, 2)                                                        # [G, n, E*C] 0 / 1
-        route = ops.sum(slots * weights.reshape(g, n, k, 1), 2)                         # [G, n, E*C] weights
+        slot = (chosen.reshape(g, n, k) * c + place.astype(ms.int32).reshape(g, n, k))  # row of each choice
+        kept_weight = (kept.reshape(g, n, k) * weights.reshape(g, n, k))
+        one, zero = ops.ones((), ms.float32), ops.zeros((), ms.float32)
+        mask, route = 0, 0
+        for j in range(k):  # one choice at a time: [G, n, E*C] masks, never [G, n, k, E*C]
+            at = ops.one_hot(slot[:, :, j], e * c, one, zero)
+            mask = mask + at * kept.reshape(g, n, k)[:, :, j:j + 1]                        # 0 / 1
+            route = route + at * kept_weight[:, :, j:j + 1]                               # the routing weights
         rows = self.dispatch_rows(cast(mask, x.dtype), x.reshape(g, n, h))               # [G, E*C, h]
         rows = self.to_experts(rows.reshape(g, e, c, h), (1, 0, 2, 3)).reshape(e, g * c, h)
         dropped = ops.sum(picked * (1.0 - kept).reshape(g, n * k, 1), (0, 1)) / n_all
