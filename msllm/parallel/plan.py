@@ -108,7 +108,7 @@ def parse_bytes(text: str) -> float:
 # ---- memory ----------------------------------------------------------------------------------------
 
 def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, recompute: str, flash: bool,
-                      flash_stats: int = 4, cp: int = 1) -> float:
+                      flash_stats: int = 4, cp: int = 1, moe: "MoECost | None" = None) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch of `batch` sequences, on one device.
     Under context parallel the device holds seq / cp tokens of each sequence, and every key and
     value of it (kv_local d e x cp more per token: the exchanged K/V the attention core keeps).
@@ -121,6 +121,8 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
                                  a flash-attention core keeps its row statistics instead,
                                  flash_stats a / t: 4 for a log-sum-exp (msllm's CPU kernel), 64 for
                                  FlashAttentionScore's softmax_max and softmax_sum ([b, n, s, 8] fp32)
+    A MoE layer (moe given) keeps instead of the MLP term what MoECost.activations counts; an MLA layer
+    its q, its per-head keys and values and its latent instead of q and k, v.
     none = all four; selective (msllm's: attention core and MLP recomputed) = norms + attention;
     full = the layer input, h e / sp. Korthikanti et al.'s GPT count differs in its terms (dropout
     masks, GeLU MLP, fp16 softmax) but not in the structure: with sequence parallel every term is / t,
@@ -134,11 +136,54 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
         return tokens * h * act_bytes / sp
     norms = 4 * h * act_bytes / sp
     attention = (2 * h / t + 2 * kv_local * d * cp) * act_bytes
+    if m.mla:  # the layer input to wq, q and the up-projected keys and values per head, the latent and rope key
+        attention = (h + m.num_heads * (2 * d + m.v_head_dim) + m.kv_lora_rank + m.qk_rope_head_dim) * act_bytes
     if recompute == "selective":
         return tokens * (norms + attention)
-    mlp = 3 * m.ffn_size * act_bytes / t
+    mlp = 3 * m.ffn_size * act_bytes / t if moe is None else moe.activations(act_bytes)
     scores = m.num_heads / t * (flash_stats if flash else 4 * seq)
     return tokens * (norms + attention + mlp + scores)
+
+
+@dataclass(frozen=True)
+class MoECost:
+    """What one MoE layer costs per token on a device, beyond attention and norms.
+
+    rows      expert rows computed per token: factor x k under a capacity (train.moe_capacity_factor),
+              else E (EveryExpert, the dropless formulation: every token through every expert)
+    masks     GroupedCapacityDispatch's one-hot masks (Ascend with a capacity): [G, n, E*C] fp32 for the
+              dispatch, the routing weights and one being built, 3 x 4 x factor x k x n bytes per token
+              for groups of n tokens (layouts.dispatch_groups)
+    The layer keeps per token: its rows in and out (2h each) and the gate, up and product of each
+    (3 f_moe), the router's fp32 scores and probabilities (2 x 4 E), the shared experts' MLP, the masks."""
+    hidden: int
+    expert_ffn: int
+    experts: int
+    rows: float
+    shared_ffn: int
+    mask_bytes: float
+
+    @staticmethod
+    def of(cfg: Config, tokens_per_rank: int, dev: "Device") -> "MoECost | None":
+        m, t = cfg.model, cfg.train
+        if not m.num_experts:
+            return None
+        f = m.moe_ffn_size or m.ffn_size
+        factor = t.moe_capacity_factor
+        rows = factor * m.experts_per_token if factor > 0 else float(m.num_experts)
+        masks = 0.0
+        if factor > 0 and dev.backend == "ascend":
+            n = tokens_per_rank * cfg.parallel.dp // L.dispatch_groups(cfg.parallel.dp, tokens_per_rank)
+            masks = 3 * 4 * factor * m.experts_per_token * n
+        return MoECost(m.hidden_size, f, m.num_experts, rows, m.shared_experts * f, masks)
+
+    def activations(self, act_bytes: int) -> float:
+        return (self.rows * (2 * self.hidden + 3 * self.expert_ffn) + 3 * self.shared_ffn) * act_bytes \
+            + 2 * 4 * self.experts + self.mask_bytes
+
+    def matmul_params(self) -> float:
+        """Parameters a token's MoE MLP multiplies by: its rows through an expert, the shared experts, the router."""
+        return self.rows * 3 * self.hidden * self.expert_ffn + 3 * self.hidden * self.shared_ffn + self.experts * self.hidden
 
 
 # What data parallel adds to a CPU worker beyond one process (msllm.parallel.dp, .zero), fitted to
@@ -178,11 +223,14 @@ def cpu_workspace(m, sh: L.Sharding, p: ParallelConfig, batch: int, seq: int, ac
     return kept + scores + logits + exchange + copies * 4 * params + COLLECTIVE_BUCKETS * BUCKET_BYTES
 
 
-def stage_parameters(m, sh: L.Sharding) -> list[int]:
-    """Parameters one device holds on each pipeline stage, from the layout table."""
+def stage_parameters(m, sh: L.Sharding, experts: bool = False) -> list[int]:
+    """Parameters one device holds on each pipeline stage, from the layout table (experts: only the
+    experts' stacked weights, which are replicated over dp / ep ranks, not dp)."""
     counts = [0] * sh.pp
     for name, shape in L.param_shapes(m).items():
-        layout, _ = L.param_entry(name)
+        layout, placement = L.param_entry(name)
+        if experts and placement != "expert parallel":
+            continue
         counts[L.stage_of(name, m.num_layers, sh.pp)] += math.prod(L.shard_shape(shape, layout, sh))
     return counts
 
@@ -231,23 +279,36 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     micro = batch // (p.dp * p.micro_batches)  # sequences per micro-batch per replica
     wb, gb, ob = STATE_BYTES[t.precision]
     e = 4 if t.precision == "fp32" else 2
-    counts = params_per_stage or stage_parameters(m, sh)
+    counts, expert_counts = params_per_stage or (stage_parameters(m, sh), stage_parameters(m, sh, experts=True))
     layers = L.stage_layer_counts(m.num_layers, p.pp)
     tokens = micro * seq / p.cp  # computed on one device
+    moe = MoECost.of(cfg, int(micro * seq), dev)
+    kinds = m.mlp_kinds()
+    firsts = L.stage_offsets(m.num_layers, p.pp)
+    stage_kinds = [kinds[first:first + n] for first, n in zip(firsts, layers)]
 
     def activations(stage: int, recompute: str, with_flash: bool) -> float:
         in_flight = min(p.pp - stage, p.micro_batches)
-        per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash, dev.flash_stats, p.cp)
-        full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash, dev.flash_stats, p.cp)
-        rebuilt = full_layer - per_layer  # one layer's dropped activations, rebuilt during its backward
+        kept, rebuilt = 0.0, 0.0
+        for kind in set(stage_kinds[stage]):
+            cost = moe if kind == "moe" else None
+            per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash, dev.flash_stats, p.cp, cost)
+            full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash, dev.flash_stats, p.cp, cost)
+            kept += stage_kinds[stage].count(kind) * per_layer
+            rebuilt = max(rebuilt, full_layer - per_layer)  # one layer's dropped activations, rebuilt in its backward
         logits = 2 * 4 * tokens * m.vocab_size / (p.tp if sh.vocab_split else 1) if stage == p.pp - 1 else 0.0
-        return layers[stage] * per_layer * in_flight + rebuilt + logits
+        return kept * in_flight + rebuilt + logits
+
+    def optimizer(stage: int, shard: bool = p.optimizer_shard) -> float:
+        """Adam states: ZeRO-1 splits them over the ranks holding the same weights, dp (experts: dp / ep)."""
+        if not shard:
+            return counts[stage] * ob
+        return (counts[stage] - expert_counts[stage]) * ob / p.dp + expert_counts[stage] * ob / (p.dp // sh.ep)
 
     stages = []
     for k in range(p.pp):
         n = counts[k]
-        mem = {"runtime": dev.runtime, "weights": n * wb, "grads": n * gb,
-               "optimizer": n * ob / (p.dp if p.optimizer_shard else 1),
+        mem = {"runtime": dev.runtime, "weights": n * wb, "grads": n * gb, "optimizer": optimizer(k),
                "activations": activations(k, t.recompute, flash),
                "workspace": cpu_workspace(m, sh, p, micro, seq, e, layers[k], n, k == p.pp - 1, flash)
                if dev.host else 0.0}
@@ -268,22 +329,47 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     tp_bytes = [k * ring(p.tp) * tokens * h * e for k in tp_allreduces]   # per micro-batch
     pp_bytes = 2 * tokens * h * e / (p.tp if sh.sequence_parallel else 1) if p.pp > 1 else 0.0
     grad_ranks = p.dp * p.cp  # gradients are summed over every replica and every cp rank
-    dp_bytes = ring(grad_ranks) * max(counts) * 4 if grad_ranks > 1 else 0.0
+    dense_grads = max(c - x for c, x in zip(counts, expert_counts))
+    dp_bytes = ring(grad_ranks) * dense_grads * 4 if grad_ranks > 1 else 0.0
+    expert_ranks = grad_ranks // sh.ep  # an expert's gradients are summed over the ranks holding it
+    dp_bytes += ring(expert_ranks) * max(expert_counts) * 4 if expert_ranks > 1 else 0.0
+    # Expert parallel moves each MoE layer's rows twice forward (to the experts and back) and twice
+    # backward (again forward under full recompute): on Ascend an AllToAll of the rows a device
+    # routes (tokens x rows x h, (ep-1)/ep of it leaving), on CPU msllm.parallel.ep's all-gather by
+    # AllReduce of the ep group's tokens, then of its outputs ([ep x tokens, h] each).
+    moe_layers = [ks.count("moe") for ks in stage_kinds]
+    ep_moves = 4 + (2 if t.recompute == "full" else 0)
+    if sh.ep > 1 and dev.host:
+        ep_per_layer = ep_moves * ring(sh.ep) * sh.ep * tokens * h * e
+    elif sh.ep > 1:
+        ep_per_layer = ep_moves * (sh.ep - 1) / sh.ep * tokens * moe.rows * h * e
+    else:
+        ep_per_layer = 0.0
+    ep_bytes = [n * ep_per_layer for n in moe_layers]
     # K and V of the whole sequence, [2, micro, kv_local, seq, d], summed over the cp group per layer
     kv_buffer = 2 * micro * seq * m.num_kv_heads // sh.tp_kv * m.head_size * e
     exchanges = 2 + (1 if t.recompute == "full" else 0)
     cp_bytes = [n * exchanges * ring(p.cp) * kv_buffer for n in layers] if p.cp > 1 else [0.0] * p.pp
 
-    layer_params = (m.num_params() - m.vocab_size * h * (1 if m.tie_embeddings else 2) - h) / m.num_layers
+    # matmul parameters per layer and token: a MoE layer's as MoECost counts them (not cut by tp: the
+    # experts are whole on each tp rank), a dense layer's all (cut by tp)
+    f_moe = m.moe_ffn_size or m.ffn_size
+    moe_mlps = kinds.count("moe") * (3 * h * f_moe * (m.num_experts + m.shared_experts) + m.num_experts * h)
+    moe_params = moe.matmul_params() if moe else 0.0
+    # attention, norms and dense MLPs, averaged over the layers
+    layer_params = (m.num_params() - moe_mlps - m.vocab_size * h * (1 if m.tie_embeddings else 2) - h) / m.num_layers
     per_layer_flops = 6 * layer_params + 12 * h * seq
     extra = {"none": 0.0, "selective": 4 * h * seq + 6 * h * m.ffn_size, "full": 2 * layer_params + 4 * h * seq}
+    moe_flops = 6 * moe_params * (1 + {"none": 0.0, "selective": 1 / 3, "full": 1 / 3}[t.recompute])
     rate = dev.peak_flops * dev.efficiency
     stage_time = []
     for k in range(p.pp):
         flops = tokens * layers[k] * (per_layer_flops + extra[t.recompute])
         if k == p.pp - 1:
             flops += tokens * 6 * m.vocab_size * h
-        stage_time.append(flops / p.tp / rate + tp_bytes[k] / bandwidth(p.tp) + cp_bytes[k] / bandwidth(p.cp))
+        experts = tokens * moe_layers[k] * moe_flops
+        stage_time.append(flops / p.tp / rate + experts / rate + tp_bytes[k] / bandwidth(p.tp)
+                          + cp_bytes[k] / bandwidth(p.cp) + ep_bytes[k] / bandwidth(sh.ep * p.tp))
     pp_time = pp_bytes / bandwidth(p.dp * p.tp * p.pp) if p.pp > 1 else 0.0
     micro_time = max(stage_time) + pp_time
     slots = p.micro_batches + p.pp - 1
@@ -296,10 +382,10 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     tokens_per_step = batch * seq
     return {
         **stages[busiest], "stage": busiest, "params": counts[busiest],
-        "optimizer_by_zero1": {False: counts[busiest] * ob, True: counts[busiest] * ob / p.dp},
+        "optimizer_by_zero1": {False: optimizer(busiest, False), True: optimizer(busiest, True)},
         "activations_by_recompute": {(r, f): activations(busiest, r, f) for r in RECOMPUTE for f in (False, True)},
         "comm": {"dp": dp_bytes, "tp": p.micro_batches * max(tp_bytes), "pp": p.micro_batches * pp_bytes,
-                 "cp": p.micro_batches * max(cp_bytes)},
+                 "cp": p.micro_batches * max(cp_bytes), "ep": p.micro_batches * max(ep_bytes)},
         "time": time, "bubble": (p.pp - 1) / slots,
         "tokens_per_s_per_device": tokens_per_step / time["step"] / devices,
         "mfu": m.flops_per_token(seq) * tokens_per_step / time["step"] / (devices * dev.peak_flops),
@@ -320,13 +406,14 @@ class Candidate:
     @property
     def key(self):
         p = self.cfg.parallel
-        return (self.est["time"]["step"], p.micro_batches, RECOMPUTE.index(self.cfg.train.recompute), p.pp, p.tp)
+        return (self.est["time"]["step"], p.micro_batches, RECOMPUTE.index(self.cfg.train.recompute), p.pp, p.tp, p.ep)
 
 
 def candidates(cfg: Config, devices: int, global_batch: int, seq_len: int, device: Device, flash: bool):
     """Every valid layout of `devices` (each passes the checker) with every recompute mode, estimated.
-    Context parallel stays the config's parallel.cp (a choice of sequence split, not searched)."""
-    cp = cfg.parallel.cp
+    Context parallel stays the config's parallel.cp (a choice of sequence split, not searched); expert
+    parallel (ep) is searched over the divisors of dp that divide a MoE model's experts."""
+    cp, m = cfg.parallel.cp, cfg.model
     if devices % cp:
         return
     for tp in divisors(devices // cp):
@@ -334,20 +421,24 @@ def candidates(cfg: Config, devices: int, global_batch: int, seq_len: int, devic
             dp = devices // (cp * tp * pp)
             if global_batch % dp:
                 continue
-            cache = None
-            for micro in divisors(global_batch // dp):
-                if pp > 1 and micro < pp:
-                    continue
-                p = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, micro_batches=micro, optimizer_shard=dp > 1,
-                                   sequence_parallel=tp > 1 and seq_len % tp == 0, vocab_parallel=True)
-                laid = with_layout(cfg, p, global_batch=global_batch, seq_len=seq_len)
-                if layout_problem(laid, devices) is not None:
-                    continue
-                if cache is None:
-                    cache = stage_parameters(cfg.model, L.sharding(cfg.model, p))
-                for recompute in RECOMPUTE:
-                    laid_r = with_layout(laid, p, recompute=recompute)
-                    yield Candidate(laid_r, estimate(laid_r, None, device, flash, cache))
+            for ep in [k for k in divisors(dp) if m.num_experts % k == 0] if m.num_experts else [1]:
+                cache = None
+                for micro in divisors(global_batch // dp):
+                    if pp > 1 and micro < pp:
+                        continue
+                    # ZeRO-1 with ep on CPU is not built (msllm.parallel.ep.check); on Ascend it splits both
+                    zero = dp > 1 and not (ep > 1 and cfg.train.device == "cpu")
+                    p = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batches=micro, optimizer_shard=zero,
+                                       sequence_parallel=tp > 1 and seq_len % tp == 0, vocab_parallel=True)
+                    laid = with_layout(cfg, p, global_batch=global_batch, seq_len=seq_len)
+                    if layout_problem(laid, devices) is not None:
+                        continue
+                    if cache is None:
+                        sh = L.sharding(m, p)
+                        cache = (stage_parameters(m, sh), stage_parameters(m, sh, experts=True))
+                    for recompute in RECOMPUTE:
+                        laid_r = with_layout(laid, p, recompute=recompute)
+                        yield Candidate(laid_r, estimate(laid_r, None, device, flash, cache))
 
 
 def plan(cfg: Config, devices: int, device: Device, memory: float, global_batch: int, seq_len: int,
@@ -382,15 +473,17 @@ def describe(c: Candidate) -> str:
     recompute = {"none": "no", "selective": "selective", "full": "full"}[c.cfg.train.recompute]
     micro = f"{p.micro_batches} micro-batch" + ("es" if p.micro_batches > 1 else "")
     cp = f" x cp {p.cp}" if p.cp > 1 else ""
-    return f"dp {p.dp} x tp {p.tp} x pp {p.pp}{cp}, {micro}, {recompute} recompute"
+    ep = f" (ep {p.ep} within dp)" if p.ep > 1 else ""
+    return f"dp {p.dp} x tp {p.tp} x pp {p.pp}{cp}{ep}, {micro}, {recompute} recompute"
 
 
 def table(rows: list[Candidate]) -> list[str]:
     """One line per layout; a cp column and the K/V exchange's bytes when the layouts split sequences."""
     split = any(c.cfg.parallel.cp > 1 for c in rows)
-    kinds = ("dp", "tp", "pp", "cp") if split else ("dp", "tp", "pp")
+    experts = any(c.cfg.model.num_experts for c in rows)
+    kinds = ("dp", "tp", "pp") + (("cp",) if split else ()) + (("ep",) if experts else ())
     comm_head = f"comm {'/'.join(kinds)} GB"
-    head = (f"{'dp':>3} {'tp':>3} {'pp':>3}{' cp' if split else ''} {'micro':>5} {'zero1':>5} {'sp':>3} "
+    head = (f"{'dp':>3} {'tp':>3} {'pp':>3}{' cp' if split else ''}{' ep' if experts else ''} {'micro':>5} {'zero1':>5} {'sp':>3} "
             f"{'recompute':>9} {'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} "
             f"{comm_head:>17} {'bubble':>6} {'step s':>7} {'tok/s/dev':>9} {'MFU':>4}")
     lines = [head]
@@ -398,6 +491,7 @@ def table(rows: list[Candidate]) -> list[str]:
         p, e = c.cfg.parallel, c.est
         comm = "/".join(f"{e['comm'][k] / GB:.1f}" for k in kinds)
         cp = f" {p.cp:>2}" if split else ""
+        cp += f" {p.ep:>2}" if experts else ""
         lines.append(
             f"{p.dp:>3} {p.tp:>3} {p.pp:>3}{cp} {p.micro_batches:>5} {'y' if p.optimizer_shard else '-':>5} "
             f"{'y' if p.sequence_parallel else '-':>3} {c.cfg.train.recompute:>9} "
@@ -416,6 +510,8 @@ def overrides(c: Candidate, cfg: Config, given: typing.Sequence[str] = ()) -> li
     keys = ("dp", "tp", "pp", "micro_batches", "optimizer_shard", "sequence_parallel", "vocab_parallel")
     if p.cp > 1:
         keys = keys + ("cp",)
+    if c.cfg.model.num_experts:
+        keys = keys + ("ep",)
     sets = [f"parallel.{k}={str(getattr(p, k)).lower()}" for k in keys]
     sets += [f"train.batch_size={c.cfg.train.batch_size}", "train.accum_steps=1", f"train.recompute={c.cfg.train.recompute}"]
     if c.cfg.data.seq_len != cfg.data.seq_len:
@@ -490,7 +586,7 @@ def run(cfg: Config, source: str, devices: int, device: str, memory: float | Non
 
     best_per_mesh = {}
     for c in fits:
-        best_per_mesh.setdefault((c.cfg.parallel.dp, c.cfg.parallel.tp, c.cfg.parallel.pp), c)
+        best_per_mesh.setdefault((c.cfg.parallel.dp, c.cfg.parallel.tp, c.cfg.parallel.pp, c.cfg.parallel.ep), c)
     shown = list(best_per_mesh.values())[:top]
     best = fits[0]
     out(f"msllm plan: {source}: {cfg.model.num_params() / 1e9:.2f}B parameters, seq {seq}, global batch {batch}, "
