@@ -63,6 +63,8 @@ class ModelConfig:
     norm_topk_prob: bool = True       # renormalise the top-k routing weights to sum to 1 (Mixtral; Qwen3-MoE's flag)
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added in training (0: none; HF's, when
                                        # its output_router_logits is on)
+    router_z_loss_coef: float = 0.0   # weight of the router z-loss added in training, the mean squared
+                                      # log-sum-exp of the router's logits (ST-MoE); 0: none
     # Per layer "dense" or "moe"; None: every layer moe when num_experts > 0 (Qwen3-MoE's mlp_only_layers).
     mlp_types: Optional[list] = None
     router: str = "softmax"           # softmax: top k of softmax(scores) | sigmoid_grouped: DeepSeek-V3's (sigmoid
@@ -464,6 +466,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(m.routed_scaling > 0, "model.routed_scaling", "must be > 0")
     need(m.shared_experts >= 0, "model.shared_experts", "must be >= 0")
     need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", "must be >= 0 (0: no load-balancing loss)")
+    need(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", "must be >= 0 (0: no router z-loss)")
     if m.mlp_types is not None:
         need(len(m.mlp_types) == m.num_layers, "model.mlp_types",
              f"needs one entry per layer ({m.num_layers}), got {len(m.mlp_types)}", "model.num_layers")

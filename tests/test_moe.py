@@ -110,10 +110,44 @@ def test_the_train_step_reports_loads_and_a_capacity_counts_its_drops():
                      train=TrainConfig(batch_size=2, steps=2, moe_capacity_factor=factor))
         out = build_train_step(cfg).train_step(tokens)
         loss, loads = float(out[0].asnumpy()), out[5].asnumpy()
-        assert np.isfinite(loss) and loads.shape == (2, 3, E)
+        assert np.isfinite(loss) and loads.shape == (2, 4, E)
         np.testing.assert_allclose(loads[:, 0].sum(-1), K, rtol=1e-6)  # every token's k choices counted
         dropped[factor] = routing_metrics(loads)["dropped"]
     assert dropped[0.0] == 0 and dropped[0.5] > 0
+
+
+def test_router_z_loss_is_the_mean_squared_log_sum_exp_with_its_gradient(moe):
+    """The router z-loss (ST-MoE): MoE's load row 3 is mean(logsumexp(x W^T)^2) over the tokens, and its
+    gradient by the router weight is (2 lse softmax / N)^T x, both as numpy computes them."""
+    moe.dispatch = EveryExpert(E)
+    x = Tensor(np.random.default_rng(5).normal(size=(N, H)).astype(np.float32) * 3)
+    logits = x.asnumpy().astype(np.float64) @ moe.router.weight.asnumpy().T.astype(np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    load = moe(x)[1].asnumpy()
+    np.testing.assert_allclose(load[3], np.full(E, (lse ** 2).mean()), rtol=1e-5)
+    grad = ops.grad(lambda x: moe(x)[1][3, 0], None, [moe.router.weight])(x)[0].asnumpy()
+    softmax = np.exp(logits - lse[:, None])
+    np.testing.assert_allclose(grad, (2 * lse[:, None] * softmax / N).T @ x.asnumpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_the_train_loss_adds_the_router_z_loss_times_its_coefficient():
+    from msllm.train.step import LossCell
+    from msllm.models.llama import Llama
+
+    device.setup("cpu", "pynative")
+    tokens = Tensor(np.random.default_rng(6).integers(0, 64, (2, 17)).astype(np.int32))
+    net = Llama(dataclasses.replace(CFG, router_z_loss_coef=0.25))
+    rng = np.random.default_rng(7)
+    for p in net.get_parameters():
+        p.set_data(Tensor((rng.normal(0, 0.5, p.shape) + (1.0 if "norm" in p.name else 0.0)).astype(np.float32)))
+    with_z, loads = LossCell(net)(tokens, Tensor(1.0, ms.float32))
+    net.cfg = CFG  # the same weights, no z-loss
+    plain, _ = LossCell(net)(tokens, Tensor(1.0, ms.float32))
+    z = loads.asnumpy()[:, 3, 0]
+    assert z.min() > 0
+    assert float(with_z.asnumpy()) - float(plain.asnumpy()) == pytest.approx(0.25 * z.mean(), rel=1e-4)
+    assert routing_metrics(loads.asnumpy())["router_z"] == pytest.approx(z.mean(), rel=1e-6)
+    ms.set_context(mode=ms.GRAPH_MODE)
 
 
 def test_the_bias_update_moves_each_expert_toward_even_load_as_numpy_says():

@@ -609,7 +609,7 @@ class Llama(nn.Cell):
 
     def with_loads(self, input_ids, segments=None, positions=None):
         """Training a MoE model: (logits as construct gives them, the routing loads of its MoE layers,
-        one [3, E] per layer: msllm.models.moe.MoE)."""
+        one [4, E] per layer: msllm.models.moe.MoE)."""
         b = input_ids.shape[0]
         h, _, _, loads = self.decode(input_ids, None, None, None, None, segments, positions)
         return self.logits(h).reshape(b, -1, self.cfg.vocab_size), loads

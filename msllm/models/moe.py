@@ -21,8 +21,16 @@ from msllm.config import ModelConfig
 from msllm.models.llama import ACTIVATIONS, FeedForward, cast
 
 
+def z_loss(logits):
+    """The router z-loss of ST-MoE (Zoph et al., 2022): the mean over tokens of log(sum(exp(logits)))^2,
+    which keeps the router's logits small (logits [N, E] fp32 -> a scalar)."""
+    top = ops.stop_gradient(ops.max(logits, -1, keepdims=True)[0])
+    lse = ops.log(ops.sum(ops.exp(logits - top), -1)) + top.reshape(-1)
+    return ops.mean(lse * lse)
+
+
 class Router(nn.Cell):
-    """x [N, h] -> (weights [N, k] fp32, experts [N, k] int32, probabilities [N, E] fp32)."""
+    """x [N, h] -> (weights [N, k] fp32, experts [N, k] int32, probabilities [N, E] fp32, z-loss)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -33,15 +41,16 @@ class Router(nn.Cell):
         self.topk = ops.TopK(sorted=True)
 
     def construct(self, x):
-        probs = self.softmax(cast(self.matmul(x, cast(self.weight, x.dtype)), ms.float32))
+        logits = cast(self.matmul(x, cast(self.weight, x.dtype)), ms.float32)
+        probs = self.softmax(logits)
         weights, experts = self.topk(probs, self.k)
         if self.renormalise:
             weights = weights / ops.sum(weights, -1, keepdim=True)
-        return weights, experts, probs
+        return weights, experts, probs, z_loss(logits)
 
 
 class GroupedSigmoidRouter(nn.Cell):
-    """DeepSeek-V3's router, x [N, h] -> (weights [N, k] fp32, experts [N, k] int32, scores [N, E] fp32).
+    """DeepSeek-V3's router, x [N, h] -> (weights [N, k] fp32, experts [N, k] int32, scores [N, E] fp32, z-loss).
 
     Scores are sigmoid(x W^T) in fp32. Which experts: the experts are split into `expert_groups` groups,
     each group scored by the sum of its two best biased scores (score + expert_bias), and a token takes its
@@ -67,7 +76,8 @@ class GroupedSigmoidRouter(nn.Cell):
         self.topk = ops.TopK(sorted=True)
 
     def construct(self, x):
-        scores = self.sigmoid(self.matmul(cast(x, ms.float32), self.weight))                  # [N, E]
+        logits = self.matmul(cast(x, ms.float32), self.weight)
+        scores = self.sigmoid(logits)                                                          # [N, E]
         biased = scores + ops.stop_gradient(self.expert_bias)
         per_group = biased.reshape(-1, self.num_experts // self.groups)                      # [N*G, E/G]
         group_scores = ops.sum(self.topk(per_group, 2)[0], -1).reshape(-1, self.groups)        # [N, G]
@@ -78,7 +88,7 @@ class GroupedSigmoidRouter(nn.Cell):
         weights = ops.gather_elements(scores, 1, experts)
         if self.renormalise:
             weights = weights / (ops.sum(weights, -1, keepdim=True) + 1e-20)
-        return weights * self.scaling, experts, scores / ops.sum(scores, -1, keepdim=True)
+        return weights * self.scaling, experts, scores / ops.sum(scores, -1, keepdim=True), z_loss(logits)
 
 
 ROUTERS = {"softmax": Router, "sigmoid_grouped": GroupedSigmoidRouter}
@@ -223,12 +233,13 @@ class GroupedCapacityDispatch(nn.Cell):
 
 class MoE(nn.Cell):
     """A layer's MLP as routed experts (plus, with shared_experts, one gated MLP every token runs:
-    DeepSeek's shared experts); x [N, h] -> (out [N, h], load [3, E]).
+    DeepSeek's shared experts); x [N, h] -> (out [N, h], load [4, E]).
 
     load: the layer's routing statistics, what the load-balancing loss and the load metrics read
     (balance_loss, routing_metrics): row 0 each expert's share of the N tokens' top-k choices (the
     row sums to k), row 1 the mean router probability of each expert, row 2 the share of the choices
-    dropped at each expert (0 but under a capacity factor). `dispatch` (EveryExpert, or
+    dropped at each expert (0 but under a capacity factor), row 3 the router's z-loss (z_loss; every
+    entry the same). `dispatch` (EveryExpert, or
     CapacityDispatch for training) decides which rows the experts compute."""
 
     def __init__(self, cfg: ModelConfig):
@@ -241,26 +252,32 @@ class MoE(nn.Cell):
         self.shared = FeedForward(cfg, shared) if shared else None
 
     def construct(self, x):
-        weights, chosen, probs = self.router(x)
+        weights, chosen, probs, z = self.router(x)
         rows, route = self.dispatch.dispatch(x, weights, chosen)
         out, dropped = self.dispatch.combine(self.experts(rows), route)
         if self.shared is not None:
             out = out + self.shared(x)
         share = ops.mean(ops.sum(choices(chosen, self.num_experts), 1), 0)
-        return out, ops.stack((ops.stop_gradient(share), ops.mean(probs, 0), ops.stop_gradient(dropped)))
+        return out, ops.stack((ops.stop_gradient(share), ops.mean(probs, 0), ops.stop_gradient(dropped),
+                               ops.broadcast_to(z.reshape(1), (self.num_experts,))))
 
 
 def balance_loss(loads):
     """The auxiliary load-balancing loss of Switch Transformer as transformers computes it over a model's
     MoE layers: E * sum_e f_e * p_e, where f_e is expert e's share of the top-k choices and p_e its mean
     router probability, each averaged over the layers first (transformers concatenates the layers'
-    tokens). loads: one [3, E] per MoE layer (MoE's load). Only p carries a gradient."""
-    mean = ops.mean(ops.stack(loads), 0)                                                     # [3, E]
+    tokens). loads: one [4, E] per MoE layer (MoE's load). Only p carries a gradient."""
+    mean = ops.mean(ops.stack(loads), 0)                                                     # [4, E]
     return mean.shape[-1] * ops.sum(mean[0] * mean[1])
 
 
+def router_z_loss(loads):
+    """The MoE layers' z-losses (MoE's load row 3), averaged over the layers."""
+    return ops.mean(ops.stack(loads)[:, 3, 0])
+
+
 def routing_metrics(loads) -> dict:
-    """What a step's routing loads (numpy [moe layers, 3, E], the train step's last output) say:
+    """What a step's routing loads (numpy [moe layers, 4, E], the train step's last output) say:
     each MoE layer's busiest expert over the mean (1.0: perfectly even; E / k: every token to the
     same k experts), the worst layer's, the share of all choices dropped by a capacity, and the
     load-balancing loss they give (balance_loss)."""
@@ -269,4 +286,4 @@ def routing_metrics(loads) -> dict:
     mean = loads.mean(0)
     return {"expert_load": per_layer, "expert_load_max": max(per_layer),
             "dropped": round(float(loads[:, 2].sum() / loads[:, 0].sum()), 6),
-            "aux_loss": float(loads.shape[-1] * (mean[0] * mean[1]).sum())}
+            "aux_loss": float(loads.shape[-1] * (mean[0] * mean[1]).sum()), "router_z": float(loads[:, 3, 0].mean())}

@@ -17,7 +17,7 @@ import mindspore as ms
 from mindspore import ParameterTuple, amp, nn, ops
 
 from msllm.models.llama import CausalLMLoss, MaskedCausalLMLoss
-from msllm.models.moe import balance_loss
+from msllm.models.moe import balance_loss, router_z_loss
 
 
 class LossCell(nn.Cell):
@@ -37,11 +37,12 @@ class LossCell(nn.Cell):
         self.masked_loss = MaskedCausalLMLoss()
         self.routed = "moe" in model.cfg.mlp_kinds()
         self.aux_coef = model.cfg.router_aux_loss_coef
+        self.z_coef = model.cfg.router_z_loss_coef
 
     def construct(self, tokens, scale, mask=None, segments=None, positions=None):
-        """-> scale * loss; a MoE model also returns its MoE layers' routing loads [moe layers, 3, E]
+        """-> scale * loss; a MoE model also returns its MoE layers' routing loads [moe layers, 4, E]
         (msllm.models.moe.MoE), and adds router_aux_loss_coef times the load-balancing loss to its
-        loss, as transformers does."""
+        loss, as transformers does, and router_z_loss_coef times the router z-loss."""
         labels = self.model.local_tokens(tokens[:, 1:])
         logits, loads = self.model.with_loads(tokens[:, :-1], segments, positions)
         if mask is None:
@@ -54,6 +55,8 @@ class LossCell(nn.Cell):
             return loss * scale
         if self.aux_coef > 0:
             loss = loss + self.aux_coef * balance_loss(loads)
+        if self.z_coef > 0:
+            loss = loss + self.z_coef * router_z_loss(loads)
         return loss * scale, ops.stop_gradient(ops.stack(loads))
 
 
@@ -91,7 +94,7 @@ def make_loss_scaler(initial_scale: float, window: int):
 class TrainStep(nn.Cell):
     """tokens [accum_steps * b, s+1] (and for SFT mask, segments, positions [accum_steps * b, s])
     -> (loss, grad_norm before clipping, lr, finite, loss_scale), and for a MoE model the routing loads
-    of its MoE layers [moe layers, 3, E] (this rank's tokens, averaged over micro-batches)."""
+    of its MoE layers [moe layers, 4, E] (this rank's tokens, averaged over micro-batches)."""
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
                  grad_reducer=None, world: int = 1, bias_update_rate: float = 0.0):
