@@ -16,12 +16,14 @@ from msllm.config import ModelConfig, OptimConfig, ParallelConfig
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=96,
                   max_seq_len=64, num_experts=4, experts_per_token=2, moe_ffn_size=48, mlp_types=["dense", "moe"])
 SEQ, STEPS = 32, 10
+CAPACITY = 0.75  # tight enough that some choices are dropped
 TOKENS = np.random.default_rng(11).integers(0, 256, (4, SEQ + 1)).astype(np.int32)
 
 
-def run(ep: int, world: int, rank: int) -> dict:
+def run(ep: int, world: int, rank: int, capacity: float = 0.0) -> dict:
     """STEPS steps of this rank's share of TOKENS: (loss, grad norm, lr) per step, the routing loads
-    of the last, and the weights with every expert (gathered from the ep group)."""
+    of the last, and the weights with every expert (gathered from the ep group); capacity: the
+    experts' capacity factor (0: dropless)."""
     import mindspore as ms
     from msllm import checkpoint
     from msllm.config import Config, TrainConfig
@@ -29,7 +31,8 @@ def run(ep: int, world: int, rank: int) -> dict:
     from msllm.train.build import build_train_step
 
     cfg = Config(model=CFG, optim=OptimConfig(warmup_steps=2, lr=3e-3),
-                 train=TrainConfig(steps=STEPS, seed=0, batch_size=len(TOKENS) // world), parallel=ParallelConfig(ep=ep))
+                 train=TrainConfig(steps=STEPS, seed=0, batch_size=len(TOKENS) // world, moe_capacity_factor=capacity),
+                 parallel=ParallelConfig(ep=ep))
     cfg.data.seq_len = SEQ
     built = build_train_step(cfg, world=world, rank=rank)
     share = ms.Tensor(TOKENS[rank * len(TOKENS) // world:(rank + 1) * len(TOKENS) // world])
@@ -50,3 +53,4 @@ if __name__ == "__main__":
     device.setup("cpu", "graph", 1)
     rank, world = dp.init_process_group()
     np.savez(Path(sys.argv[1]) / f"rank{rank}.npz", **run(world, world, rank))
+    np.savez(Path(sys.argv[1]) / f"rank{rank}_capacity.npz", **run(world, world, rank, CAPACITY))

@@ -119,6 +119,7 @@ def test_the_train_step_reports_loads_and_a_capacity_counts_its_drops():
 def test_router_z_loss_is_the_mean_squared_log_sum_exp_with_its_gradient(moe):
     """The router z-loss (ST-MoE): MoE's load row 3 is mean(logsumexp(x W^T)^2) over the tokens, and its
     gradient by the router weight is (2 lse softmax / N)^T x, both as numpy computes them."""
+    ms.set_context(mode=ms.PYNATIVE_MODE)  # a test before may have left graph mode
     moe.dispatch = EveryExpert(E)
     x = Tensor(np.random.default_rng(5).normal(size=(N, H)).astype(np.float32) * 3)
     logits = x.asnumpy().astype(np.float64) @ moe.router.weight.asnumpy().T.astype(np.float64)
@@ -180,9 +181,9 @@ def test_two_workers_at_ep2_train_as_one_worker_with_every_expert(tmp_path):
     """10 steps with parallel.ep = 2 (each rank half the batch and half the experts; the all-gather
     dispatcher) against one process with the whole batch and every expert: the same losses and
     gradient norms (the experts' squares summed over the ranks), and the same weights, experts gathered
-    whole, up to summation order."""
+    whole, up to summation order; dropless, and at a capacity that drops choices."""
     from tests.conftest import REPO, run_under_msrun
-    from tests.ep_worker import run as run_whole
+    from tests.ep_worker import CAPACITY, run as run_whole
 
     run_under_msrun(REPO / "tests" / "ep_worker.py", tmp_path)
     zero, one = (dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2))
@@ -198,6 +199,15 @@ def test_two_workers_at_ep2_train_as_one_worker_with_every_expert(tmp_path):
     assert zero["held"].shape[0] == one["held"].shape[0] == 2
     np.testing.assert_array_equal(np.concatenate([zero["held"], one["held"]]), zero["weight/layers.1.feed_forward.experts.w1"])
     np.testing.assert_allclose(one["held"], w1[2:], rtol=0, atol=2e-5)
+    # at a capacity (AllGatherCapacityDispatch): the group's choices cut as one process cuts the whole batch
+    zero, one = (dict(np.load(tmp_path / f"rank{r}_capacity.npz")) for r in range(2))
+    whole = run_whole(1, 1, 0, CAPACITY)
+    assert whole["loads"][:, 2].sum() > 0  # choices were dropped
+    for rank in (zero, one):
+        np.testing.assert_allclose(rank["loads"][:, 2], whole["loads"][:, 2], rtol=1e-6)
+        np.testing.assert_allclose(rank["outs"], whole["outs"], rtol=2e-5)
+        for name in (k for k in whole if k.startswith("weight/")):
+            np.testing.assert_allclose(rank[name], whole[name], rtol=0, atol=2e-5, err_msg=name)
     # each rank routed its own tokens: loads differ, and average to the whole batch's
     assert not np.array_equal(zero["loads"], one["loads"])
     np.testing.assert_allclose((zero["loads"][:, 0] + one["loads"][:, 0]) / 2, whole["loads"][:, 0], rtol=1e-5)

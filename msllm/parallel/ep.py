@@ -17,6 +17,7 @@ resumes at any ep and any worker count.
 from __future__ import annotations
 
 import functools
+import math
 
 import mindspore as ms
 import numpy as np
@@ -94,6 +95,49 @@ class AllGatherDispatch(nn.Cell):
         return out, ops.zeros((self.num_experts,), ms.float32)
 
 
+class AllGatherCapacityDispatch(AllGatherDispatch):
+    """AllGatherDispatch under train.moe_capacity_factor: CapacityDispatch's choice of rows
+    (msllm.models.moe) made over the ep group's gathered tokens, each rank keeping the rows of its own
+    experts. Each expert takes at most C = ceil(factor x ep N x k / E) of the group's choices in token
+    order, rank 0's tokens first: what one process with the group's whole batch and CapacityDispatch
+    computes, the same choices dropped. A rank computes factor x its share of the routed choices
+    instead of every gathered token on every one of its experts."""
+
+    def __init__(self, num_experts: int, ep: int, index: int, group: str | None, factor: float):
+        super().__init__(num_experts, ep, index, group)
+        self.factor = factor
+
+    def dispatch(self, x, weights, chosen):
+        (n, h), k = x.shape, chosen.shape[1]
+        total, local = self.ep * n, self.local
+        c = min(total, math.ceil(self.factor * total * k / self.num_experts))
+        tokens = self.all_reduce(self.place(x))                                                   # [ep N, h]
+        routed = self.all_reduce(self.place(ops.concat((ops.stop_gradient(chosen.astype(ms.float32)), weights), 1)))
+        expert = routed[:, :k].astype(ms.int32).reshape(-1) - self.index * local              # this rank's numbering
+        mine = ops.logical_and(expert >= 0, expert < local)
+        expert = ops.select(mine, expert, ops.full(expert.shape, local, dtype=ms.int32))      # others: a spare column
+        picked = ops.one_hot(expert, local + 1, ops.ones((), ms.float32), ops.zeros((), ms.float32))[:, :local]
+        place = ops.sum((ops.cumsum(picked, 0) - picked) * picked, 1).astype(ms.int32)
+        kept = ops.logical_and(mine, place < c)
+        slot = ops.select(kept, expert * c + place, ops.full(kept.shape, local * c, dtype=ms.int32))
+        token = ops.arange(0, total * k, dtype=ms.int32) // k
+        filler = ops.scatter_nd(slot.reshape(-1, 1), token + 1, (local * c + 1,))[:local * c] - 1
+        filler = ops.select(filler < 0, ops.full(filler.shape, total, dtype=ms.int32), filler)
+        rows = ops.gather(ops.concat((tokens, ops.zeros((1, h), x.dtype)), 0), filler, 0).reshape(local, c, h)
+        dropped = ops.sum(picked * (1.0 - kept.astype(ms.float32)).reshape(-1, 1), 0) / total     # [E / ep]
+        dropped = self.all_reduce(self.place(dropped.reshape(-1, 1))).reshape(-1)                 # [E]
+        weight = routed[:, k:].reshape(-1) * kept.astype(ms.float32)
+        return rows, (slot, weight, dropped, k, n)
+
+    def combine(self, ys, route):
+        slot, weight, dropped, k, n = route
+        h = ys.shape[-1]
+        ys = ops.concat((ys.reshape(-1, h), ops.zeros((1, h), ys.dtype)), 0)                      # + the spare row
+        per_choice = ops.gather(ys, slot, 0) * weight.astype(ys.dtype).reshape(-1, 1)             # [ep N k, h]
+        partial = ops.sum(per_choice.reshape(-1, k, h), 1)
+        return self.all_reduce(partial)[self.index * n:(self.index + 1) * n], dropped
+
+
 class ExpertGradReduce(nn.Cell):
     """(grads, loss) -> summed as msllm.parallel.dp.GradAllReduce does: the experts' over their
     expert-data-parallel group, the rest (and the loss) over all ranks. `norm(grads, sum_of_squares)`:
@@ -143,7 +187,6 @@ def check(cfg: Config, replicas: int, source: str = "config") -> None:
                           f"worker{'s' if replicas > 1 else ''}; ep must divide them (msllm launch --nproc N)")
     for key, on, why in (("parallel.cp", p.cp > 1, "context parallel"),
                          ("parallel.optimizer_shard", p.optimizer_shard, "ZeRO-1"),
-                         ("train.moe_capacity_factor", t.moe_capacity_factor > 0, "a capacity dispatch"),
                          ("train.debug_nonfinite", t.debug_nonfinite, "the one-process re-run of a bad step")):
         if on:
             raise ConfigError(source, key, f"does not combine with parallel.ep {p.ep} yet ({why}); "
@@ -152,7 +195,8 @@ def check(cfg: Config, replicas: int, source: str = "config") -> None:
 
 def specialise(model, cfg: Config, training: bool) -> int:
     """The seam's expert-parallel step (msllm.backends): with parallel.ep > 1 in training, keep this
-    rank's experts of every MoE layer and swap in the all-gather dispatcher. Returns ep."""
+    rank's experts of every MoE layer and swap in the all-gather dispatcher (at a capacity with
+    train.moe_capacity_factor). Returns ep."""
     ep = cfg.parallel.ep if training else 1
     if ep == 1:
         return 1
@@ -167,7 +211,9 @@ def specialise(model, cfg: Config, training: bool) -> int:
             moe = block.feed_forward
             for p in moe.experts.get_parameters():
                 p.set_data(p[index * (moe.num_experts // ep):(index + 1) * (moe.num_experts // ep)], True)
-            moe.dispatch = AllGatherDispatch(moe.num_experts, ep, index, ep_group)
+            factor = cfg.train.moe_capacity_factor
+            moe.dispatch = (AllGatherCapacityDispatch(moe.num_experts, ep, index, ep_group, factor) if factor > 0
+                            else AllGatherDispatch(moe.num_experts, ep, index, ep_group))
     return ep
 
 
