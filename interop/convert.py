@@ -108,6 +108,13 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
                            f"are mapped for Llama, Mistral, Qwen2 and Qwen3; MindFormers 1.9 has no Gemma 3, Phi-3 "
                            f"or Mixtral, and its Qwen3-MoE is not mapped)")
 
+    sliding = source.config.model.layer_kinds().count("sliding")
+    if to == "mindformers" and sliding and source.architecture == "Qwen3ForCausalLM":
+        raise InteropError(f"{source.path}: {sliding} of its layers attend to a sliding window of "
+                           f"{source.config.model.sliding_window} positions, which MindFormers 1.9's Qwen3 ignores "
+                           f"(its config marks sliding_window unused): it would compute differently there; "
+                           f"convert to hf or msllm instead")
+
     def out_dtype(e: Entry) -> torch.dtype:
         first = next(iter(e.stored[source.layout].shapes(e)))
         return source.reader.infos[first].dtype if dtype == "keep" else DTYPES[dtype]

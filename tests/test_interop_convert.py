@@ -130,6 +130,20 @@ def test_qwen3_to_mindformers_mcore_layout_and_back_is_bitwise(tmp_path, tied):
     assert same_state(reloaded.state_dict(), src)
 
 
+def test_qwen3_with_sliding_layers_is_refused_for_mindformers_which_ignores_the_window(tmp_path):
+    """MindFormers 1.9's Qwen3 marks sliding_window unused: a Qwen3 whose layers slide would attend to every
+    position there, so the conversion stops in one line and writes nothing (to hf it goes on)."""
+    from interop import InteropError
+
+    build("qwen3", use_sliding_window=True, sliding_window=8,
+          layer_types=["full_attention", "sliding_attention"]).save_pretrained(tmp_path / "hf")
+    with pytest.raises(InteropError) as e:
+        convert(tmp_path / "hf", tmp_path / "mf", to="mindformers", progress=False)
+    assert "\n" not in str(e.value) and "1 of its layers attend to a sliding window of 8 positions" in str(e.value)
+    assert not (tmp_path / "mf").exists()
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)  # msllm computes the window: fine
+
+
 @pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3"])
 def test_families_without_mindformers_names_are_refused_in_one_line(hf_dirs, tmp_path, case):
     from interop import InteropError
