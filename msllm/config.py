@@ -204,7 +204,9 @@ class TrainConfig:
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)
     moe_capacity_factor: float = 0.0  # MoE: each expert computes at most factor x its even share of the
-                                      # routed choices, the rest dropped and counted (0: dropless, every expert)
+                                      # routed choices, the rest dropped and counted (0: dropless)
+    moe_dropless: str = "blocks"      # how dropless MoE layers train: blocks (the choices grouped by expert in
+                                      # blocks, ~the routed FLOPs) | every (every token through every expert)
     moe_bias_update_rate: float = 0.0  # DeepSeek-V3's aux-loss-free balance: after each step every expert's
                                        # routing bias moves this much toward even load (0: off; DeepSeek: 0.001)
     loss_scale: float = 65536.0       # initial dynamic loss scale (fp16 only)
@@ -290,6 +292,7 @@ _CHOICES = {
     "train.attention": ("auto", "flash", "softmax"),
     "train.precision": ("fp32", "fp16", "bf16"),
     "train.recompute": ("none", "full", "selective"),
+    "train.moe_dropless": ("blocks", "every"),
     "model.mlp": ("swiglu", "geglu_tanh"),
     "model.router": ("softmax", "sigmoid_grouped"),
     "model.attention": ("gqa", "mla"),

@@ -73,7 +73,7 @@ class LoRAExperts(nn.Cell):
             b.append(Parameter(Tensor(np.zeros((e, out, rank), np.float32)), name=f"{w}.lora_b"))
         self.lora_a, self.lora_b = ParameterTuple(a), ParameterTuple(b)
 
-    def construct(self, xs):
+    def construct(self, xs, ids=None):
         weights = (self.base.w1, self.base.w2, self.base.w3)
         adapted = ()
         for j in range(3):
@@ -82,7 +82,7 @@ class LoRAExperts(nn.Cell):
                 adapted += (weights[j],)
             else:
                 adapted += (weights[j] + self.matmul(self.lora_b[i], self.lora_a[i]) * self.scale,)
-        return self.base.compute(xs, adapted[0], adapted[1], adapted[2])
+        return self.base.compute(xs, adapted[0], adapted[1], adapted[2], ids)
 
     def merged(self, name: str) -> np.ndarray:
         """The projection's weight with its adapter folded in (numpy)."""

@@ -10,7 +10,8 @@ from mindspore import Tensor, ops
 
 from msllm import device
 from msllm.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
-from msllm.models.moe import CapacityDispatch, EveryExpert, GroupedCapacityDispatch, MoE, routing_metrics
+from msllm.models.moe import (BlockDispatch, CapacityDispatch, EveryExpert, GroupedCapacityDispatch, MoE,
+                              routing_metrics)
 
 N, H, E, K = 24, 16, 4, 2
 CFG = ModelConfig(vocab_size=64, hidden_size=H, num_layers=2, num_heads=2, num_kv_heads=2, ffn_size=32,
@@ -46,6 +47,25 @@ def test_capacity_of_every_token_computes_what_the_dropless_reference_does(moe):
     np.testing.assert_allclose(roomy[1], dense[1], rtol=1e-6)
     assert roomy[1][2].sum() == 0
     for got, want in zip(roomy[2], dense[2]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [4, 7, 64])
+def test_block_dispatch_is_the_dropless_sum_at_the_routed_rows(moe, block):
+    """BlockDispatch: the choices grouped by expert into blocks (an odd block size; one larger than any
+    expert's share) compute what EveryExpert computes, outputs, loads and every gradient, on
+    ceil(N k / block) + E blocks instead of E x N rows."""
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    x = Tensor(np.random.default_rng(8).normal(size=(N, H)).astype(np.float32))
+    dense = run(moe, x, EveryExpert(E))
+    blocked = run(moe, x, BlockDispatch(E, block))
+    rows, route = moe.dispatch.dispatch(x, *moe.router(x)[:2])
+    assert rows.shape == (-(-N * K // block) + E, block, H)
+    ids = route[3].asnumpy()
+    assert (np.diff(ids) >= 0).all() and ids.max() < E  # blocks in expert order
+    np.testing.assert_allclose(blocked[0], dense[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(blocked[1], dense[1], rtol=1e-6)
+    for got, want in zip(blocked[2], dense[2]):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 

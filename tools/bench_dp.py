@@ -7,6 +7,7 @@ peak RSS. Writes benchmarks/DATE-dp-W1-cpu.md (and .json) naming the CPU and the
 
     python tools/bench_dp.py                    # W1, 1 vs 2 workers, plain DP and ZeRO-1
     python tools/bench_dp.py --steps 3 --warmup 1 --workload W1 --no-write   # quick check
+    python tools/bench_dp.py --moe              # W1 as Mixtral (8 experts, top 2): 1 worker vs 2, dp vs ep 2
 """
 from __future__ import annotations
 
@@ -27,9 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-# (label, workers, ZeRO-1, accum_steps): accumulation shows how the all-reduce cost amortizes
-SETTINGS = [("1 worker", 1, False, 1), ("2 workers", 2, False, 1), ("2 workers, ZeRO-1", 2, True, 1),
-            ("1 worker, accum 4", 1, False, 4), ("2 workers, accum 4", 2, False, 4)]
+# (label, workers, ZeRO-1, accum_steps, ep, capacity factor): accumulation shows how the all-reduce cost amortizes
+SETTINGS = [("1 worker", 1, False, 1, 1, 0.0), ("2 workers", 2, False, 1, 1, 0.0), ("2 workers, ZeRO-1", 2, True, 1, 1, 0.0),
+            ("1 worker, accum 4", 1, False, 4, 1, 0.0), ("2 workers, accum 4", 2, False, 4, 1, 0.0)]
+# --moe: expert parallel against data parallel, dropless and at a capacity
+MOE_SETTINGS = [("1 worker, dropless", 1, False, 1, 1, 0.0), ("2 workers, dp, dropless", 2, False, 1, 1, 0.0),
+                ("2 workers, ep 2, dropless", 2, False, 1, 2, 0.0), ("1 worker, capacity 1.25", 1, False, 1, 1, 1.25),
+                ("2 workers, dp, capacity 1.25", 2, False, 1, 1, 1.25), ("2 workers, ep 2, capacity 1.25", 2, False, 1, 2, 1.25)]
 
 
 def rss_now_mb() -> float:
@@ -55,9 +60,10 @@ def worker(args) -> None:
             os.sched_setaffinity(int(task), {0})
     device.setup("cpu", "graph", 1)
     rank, world = dp.init_process_group()
-    cfg = Config(model=model_config(w), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
-                 train=TrainConfig(steps=1000, batch_size=w["batch"], accum_steps=args.accum, seed=0, threads=1),
-                 parallel=ParallelConfig(optimizer_shard=args.zero1))
+    cfg = Config(model=model_config(w, "mixtral" if args.moe else "llama"), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
+                 train=TrainConfig(steps=1000, batch_size=w["batch"], accum_steps=args.accum, seed=0, threads=1,
+                                   moe_capacity_factor=args.capacity),
+                 parallel=ParallelConfig(optimizer_shard=args.zero1, ep=args.ep))
     built = build_train_step(cfg, world=world, rank=rank)
     batch = ms.Tensor(np.concatenate([tokens(w, seed=rank * 100 + i) for i in range(args.accum)]))
     timing = time_steps(lambda: built.train_step(batch)[0].asnumpy(), args.steps, args.warmup)
@@ -102,10 +108,11 @@ def run_workers(script: Path, nproc: int, argv: list[str], launch: bool = True) 
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def run_setting(nproc: int, zero: bool, accum: int, args) -> list[dict]:
+def run_setting(nproc: int, zero: bool, accum: int, ep: int, capacity: float, args) -> list[dict]:
     return run_workers(Path(__file__), nproc, ["--workload", args.workload, "--steps", str(args.steps),
                                                "--warmup", str(args.warmup), "--accum", str(accum),
-                                               "--nproc", str(nproc)] + (["--zero1"] if zero else []))
+                                               "--nproc", str(nproc), "--ep", str(ep), "--capacity", str(capacity)]
+                       + (["--zero1"] if zero else []) + (["--moe"] if args.moe else []))
 
 
 def write_result(name: str, lines: list[str], data: dict) -> None:
@@ -137,6 +144,9 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--nproc", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--moe", action="store_true", help="the workload as Mixtral (8 experts, top 2): dp vs expert parallel")
+    p.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--capacity", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.as_worker:
         return worker(args)
@@ -144,10 +154,11 @@ def main() -> None:
     from bench_train import WORKLOADS
     w = WORKLOADS[args.workload]
     rows = []
-    for label, nproc, zero, accum in SETTINGS:
-        ranks = run_setting(nproc, zero, accum, args)
+    for label, nproc, zero, accum, ep, capacity in (MOE_SETTINGS if args.moe else SETTINGS):
+        ranks = run_setting(nproc, zero, accum, ep, capacity, args)
         step_s = max(r["step_s"] for r in ranks)  # the ranks wait for each other in the all-reduce
-        rows.append({"setting": label, "workers": nproc, "zero": zero, "accum": accum, "step_s": step_s,
+        rows.append({"setting": label, "workers": nproc, "zero": zero, "accum": accum, "ep": ep, "capacity": capacity,
+                     "step_s": step_s,
                      "tokens_per_s": nproc * accum * w["batch"] * w["seq"] / step_s,
                      "first_step_s": max(r["first_step_s"] for r in ranks),
                      "peak_rss_mb_per_worker": max(r["peak_rss_mb"] for r in ranks),
@@ -155,23 +166,27 @@ def main() -> None:
                      "optimizer_state_mb_per_worker": ranks[0]["optimizer_state_mb"],
                      "allreduce_s": ranks[0].get("allreduce_s"), "allreduce_mb": ranks[0].get("allreduce_mb")})
         print(json.dumps(rows[-1]), flush=True)
-    base = {r["accum"]: r["tokens_per_s"] for r in rows if r["workers"] == 1}
+    base = {(r["accum"], r["capacity"]): r["tokens_per_s"] for r in rows if r["workers"] == 1}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     today = datetime.date.today().isoformat()
-    lines = [f"# Data parallel on CPU: {args.workload}, 1 vs 2 workers (one core each), plain DP vs ZeRO-1", "",
+    title = (f"# Expert parallel on CPU: {args.workload} as Mixtral (8 experts, top 2), 1 vs 2 workers (one core "
+             f"each), dp vs ep 2" if args.moe else
+             f"# Data parallel on CPU: {args.workload}, 1 vs 2 workers (one core each), plain DP vs ZeRO-1")
+    lines = [title, "",
              f"- Date: {today}", f"- Commit: {commit}", f"- Machine: {cpu_name()}",
-             f"- Command: `python tools/bench_dp.py --workload {args.workload} --steps {args.steps} --warmup {args.warmup}`",
+             f"- Command: `python tools/bench_dp.py --workload {args.workload} --steps {args.steps} --warmup {args.warmup}"
+             f"{' --moe' if args.moe else ''}`",
              f"- Workload: {w}; micro-batch {w['batch']} per worker, fp32, fused CPU kernels, 1 thread per worker", "",
-             "| setting | step s | tokens/s | vs 1 worker (same accum) | first step s | peak RSS MB / worker | RSS after steps MB / worker | optimizer state MB / worker | all-reduce s/step |",
+             "| setting | step s | tokens/s | vs 1 worker (same accum, capacity) | first step s | peak RSS MB / worker | RSS after steps MB / worker | optimizer state MB / worker | all-reduce s/step |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ar = f"{r['allreduce_s']:.3f} ({r['allreduce_mb']:.0f} MB)" if r["allreduce_s"] else "-"
-        lines.append(f"| {r['setting']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base[r['accum']]:.2f}x | "
+        lines.append(f"| {r['setting']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base[r['accum'], r['capacity']]:.2f}x | "
                      f"{r['first_step_s']:.1f} | {r['peak_rss_mb_per_worker']:.0f} | {r['rss_after_steps_mb_per_worker']:.0f} | "
                      f"{r['optimizer_state_mb_per_worker']:.0f} | {ar} |")
     print("\n".join(lines))
     if not args.no_write:
-        write_result(f"{today}-dp-{args.workload}-cpu", lines, {"date": today, "commit": commit, "cpu": cpu_name(),
+        write_result(f"{today}-{'ep' if args.moe else 'dp'}-{args.workload}-cpu", lines, {"date": today, "commit": commit, "cpu": cpu_name(),
                                                                  "workload": w, "rows": rows})
 
 

@@ -12,6 +12,7 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
     python tools/bench_train.py --ab fused-kernels       # msllm with vs without msllm.kernels
     python tools/bench_train.py --ab block-graph         # one block graph for all layers vs inlined
     python tools/bench_train.py --ab attention --workload L --seq 2048   # flash vs softmax attention core
+    python tools/bench_train.py --ab moe-dropless --family mixtral      # dropless MoE: blocks vs every expert
     python tools/bench_train.py --family gemma3 --variants msllm-graph,torch-eager,torch-compile
                                                          # the workload's shape as Qwen3 / Gemma 3 (their spec)
     python tools/bench_train.py --family mixtral --moe-capacity 0,1.25 --variants msllm-graph,torch-eager,torch-compile
@@ -104,7 +105,7 @@ def msllm_train_step(w: dict, **options):
 
 def msllm_build(w: dict, mode: str = "graph", threads: int = 2, jit_level: str = "O0",
                 recompute: str = "none", fused_kernels: str = "auto", block_graph: str = "auto",
-                family: str = "llama", attention: str = "auto", moe_capacity: float = 0.0):
+                family: str = "llama", attention: str = "auto", moe_capacity: float = 0.0, moe_dropless: str = "blocks"):
     """msllm.train.build's result (model, optimizer, step) for workload w, and its batch."""
     import mindspore as ms
     from msllm import device
@@ -115,20 +116,21 @@ def msllm_build(w: dict, mode: str = "graph", threads: int = 2, jit_level: str =
     cfg = Config(model=model_config(w, family), optim=OptimConfig(warmup_steps=0, grad_clip=1.0),
                  train=TrainConfig(steps=1000, batch_size=w["batch"], seed=0, mode=mode, threads=threads,
                                    jit_level=jit_level, recompute=recompute, fused_kernels=fused_kernels,
-                                   block_graph=block_graph, attention=attention, moe_capacity_factor=moe_capacity))
+                                   block_graph=block_graph, attention=attention, moe_capacity_factor=moe_capacity,
+                                   moe_dropless=moe_dropless))
     cfg.data.seq_len = w["seq"]
     return build_train_step(cfg), ms.Tensor(tokens(w))
 
 
 # --ab SWITCH: the msllm_train_step keyword it flips, and its values for on and off.
 AB_SWITCHES = {"fused-kernels": ("fused_kernels", "auto", "off"), "block-graph": ("block_graph", "shared", "inlined"),
-               "attention": ("attention", "flash", "softmax")}
+               "attention": ("attention", "flash", "softmax"), "moe-dropless": ("moe_dropless", "blocks", "every")}
 
 
-def ab_compare(w: dict, switch: str, rounds: int, steps_per_round: int, threads: int = 2) -> dict:
+def ab_compare(w: dict, switch: str, rounds: int, steps_per_round: int, threads: int = 2, family: str = "llama") -> dict:
     """Median step time of msllm GRAPH with `switch` on and off, both built in one process and alternated."""
     keyword, on, off = AB_SWITCHES[switch]
-    sides = [(value, msllm_train_step(w, threads=threads, **{keyword: value})) for value in (on, off)]
+    sides = [(value, msllm_train_step(w, threads=threads, family=family, **{keyword: value})) for value in (on, off)]
     times = {on: [], off: []}
     for _, (step, batch) in sides:  # compile and warm up both
         for _ in range(3):
@@ -281,7 +283,7 @@ def main(argv=None) -> int:
     w = workload(args)
     tokens_per_step = w["batch"] * w["seq"]
     if args.ab:
-        r = ab_compare(w, args.ab, args.rounds, args.steps_per_round, args.threads)
+        r = ab_compare(w, args.ab, args.rounds, args.steps_per_round, args.threads, args.family)
         print(f"{args.workload}: {args.ab} on {r['on_step_s'] * 1e3:.1f} ms/step "
               f"({tokens_per_step / r['on_step_s']:,.0f} tok/s), off {r['off_step_s'] * 1e3:.1f} ms/step "
               f"({tokens_per_step / r['off_step_s']:,.0f} tok/s): on is {r['speedup']:.3f}x, "

@@ -64,15 +64,22 @@ def apply_recompute(model, mode: str) -> None:
             block.feed_forward.recompute()
 
 
-def apply_capacity(model, factor: float) -> None:
-    """train.moe_capacity_factor > 0: the MoE layers compute at most that many times each expert's even
-    share of the routed choices (msllm.models.moe.CapacityDispatch), dropping the rest, instead of
-    every token on every expert. Training only: generation and export stay dropless."""
-    from msllm.models.moe import CapacityDispatch
+def apply_dispatch(model, factor: float, dropless: str) -> None:
+    """How MoE layers train. train.moe_capacity_factor > 0: each expert computes at most that many times
+    its even share of the routed choices (msllm.models.moe.CapacityDispatch), dropping the rest. Else
+    dropless, train.moe_dropless: `blocks` groups the choices by expert (BlockDispatch, about the routed
+    FLOPs), `every` runs every token through every expert (EveryExpert). Generation and export keep
+    EveryExpert: the reference maths, no gathers."""
+    from msllm.models.moe import BlockDispatch, CapacityDispatch
 
     for block in model.layers:
-        if factor > 0 and block.routed:
-            block.feed_forward.dispatch = CapacityDispatch(block.feed_forward.num_experts, factor)
+        if not block.routed:
+            continue
+        experts = block.feed_forward.num_experts
+        if factor > 0:
+            block.feed_forward.dispatch = CapacityDispatch(experts, factor)
+        elif dropless == "blocks":
+            block.feed_forward.dispatch = BlockDispatch(experts)
 
 
 def packed_samples(cfg: Config) -> bool:
@@ -162,7 +169,7 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
         apply_lora(model, cfg.lora, cfg.train.seed)
     if training:
         apply_recompute(model, spec.recompute)
-        apply_capacity(model, cfg.train.moe_capacity_factor)
+        apply_dispatch(model, cfg.train.moe_capacity_factor, cfg.train.moe_dropless)
     if spec.device == "cpu":
         from msllm.backends import cpu
         cpu.specialise(model, fused=spec.fused_kernels, share_blocks=spec.shared_blocks, training=training,

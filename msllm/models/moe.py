@@ -95,7 +95,8 @@ ROUTERS = {"softmax": Router, "sigmoid_grouped": GroupedSigmoidRouter}
 
 
 class Experts(nn.Cell):
-    """E gated MLPs side by side: xs [E, n, h] (expert e's n input rows) -> [E, n, h]."""
+    """E gated MLPs side by side: xs [E, n, h] (expert e's n input rows) -> [E, n, h]; or, given ids [B],
+    xs [B, n, h] where batch b holds rows of expert ids[b] (BlockDispatch)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -106,11 +107,14 @@ class Experts(nn.Cell):
         self.matmul = ops.BatchMatMul(transpose_b=True)
         self.act = ACTIVATIONS[cfg.mlp]()
 
-    def construct(self, xs):
-        return self.compute(xs, self.w1, self.w2, self.w3)
+    def construct(self, xs, ids=None):
+        return self.compute(xs, self.w1, self.w2, self.w3, ids)
 
-    def compute(self, xs, w1, w2, w3):
-        """The experts' maths with weights w1, w2, w3 (their own, or LoRA-adapted: msllm.lora.LoRAExperts)."""
+    def compute(self, xs, w1, w2, w3, ids=None):
+        """The experts' maths with weights w1, w2, w3 (their own, or LoRA-adapted: msllm.lora.LoRAExperts),
+        each batch of xs with the expert ids names (None: batch e is expert e)."""
+        if ids is not None:
+            w1, w2, w3 = ops.gather(w1, ids, 0), ops.gather(w2, ids, 0), ops.gather(w3, ids, 0)
         hidden = self.act(self.matmul(xs, cast(w1, xs.dtype)), self.matmul(xs, cast(w3, xs.dtype)))
         return self.matmul(hidden, cast(w2, xs.dtype))
 
@@ -120,7 +124,16 @@ def choices(chosen, num_experts: int):
     return ops.one_hot(chosen, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
 
 
-class EveryExpert(nn.Cell):
+class Dispatch(nn.Cell):
+    """What a dispatcher is: dispatch(x [N, h], weights [N, k], chosen [N, k]) -> (rows, route) for
+    Experts, combine(expert outputs, route) -> (out [N, h], dropped [E]), and block_ids(route): which
+    expert each batch of rows is for (None: batch e is expert e)."""
+
+    def block_ids(self, route):
+        return None
+
+
+class EveryExpert(Dispatch):
     """Dropless dispatch: every token to every expert, the outputs summed with the routing weights
     (0 for the experts a token was not routed to). Static in shape and exactly the sum transformers
     computes, at E / k times the FLOPs of the routed choices: the reference formulation, and what
@@ -143,7 +156,7 @@ class EveryExpert(nn.Cell):
         return out, ops.zeros((self.num_experts,), ms.float32)
 
 
-class CapacityDispatch(nn.Cell):
+class CapacityDispatch(Dispatch):
     """Each expert takes at most C = ceil(factor * N * k / E) of the N tokens' k choices, in token
     order (GShard, Switch): rows [E, C, h], so the experts compute factor x the routed choices
     instead of every token. Choices beyond an expert's C are dropped: the token keeps its other
@@ -179,7 +192,7 @@ class CapacityDispatch(nn.Cell):
         return ops.sum(per_choice.reshape(-1, k, h), 1), dropped
 
 
-class GroupedCapacityDispatch(nn.Cell):
+class GroupedCapacityDispatch(Dispatch):
     """CapacityDispatch computed per group of tokens, in one-hot matmuls (GShard's form): the N tokens
     are `groups` groups of n = N / groups (under semi-auto parallel, the batch shards of the data-parallel
     ranks), each expert takes at most C = ceil(factor * n * k / E) choices of each group, and rows
@@ -231,6 +244,45 @@ class GroupedCapacityDispatch(nn.Cell):
         return out.reshape(-1, h), dropped
 
 
+class BlockDispatch(Dispatch):
+    """Dropless at (about) the routed FLOPs: the N x k choices grouped by expert, each expert's group
+    padded to whole blocks of `block` rows, and one batched matmul over the blocks per projection,
+    each block with its expert's weights (Experts with block_ids). The shapes are static: at most
+    ceil(N k / block) + E blocks, so the padding costs at most E blocks of rows beyond the choices.
+    Same sums as EveryExpert, in another order; a training formulation (applied by msllm.backends)."""
+
+    def __init__(self, num_experts: int, block: int = 128):
+        super().__init__()
+        self.num_experts, self.block = num_experts, block
+
+    def dispatch(self, x, weights, chosen):
+        (n, h), k, e, b = x.shape, chosen.shape[1], self.num_experts, self.block
+        blocks = -(-n * k // b) + e
+        picked = choices(chosen, e).reshape(n * k, e)
+        place = ops.sum((ops.cumsum(picked, 0) - picked) * picked, 1).astype(ms.int32)  # rank at its expert
+        per_expert = ((ops.sum(picked, 0).astype(ms.int32) + b - 1) // b)                # blocks of each expert
+        ends = ops.cumsum(per_expert, 0)
+        expert = chosen.reshape(-1)
+        slot = ops.gather(ends - per_expert, expert, 0) * b + place                       # its row among the blocks
+        token = ops.arange(0, n * k, dtype=ms.int32) // k
+        filler = ops.scatter_nd(slot.reshape(-1, 1), token + 1, (blocks * b,)) - 1
+        filler = ops.select(filler < 0, ops.full(filler.shape, n, dtype=ms.int32), filler)  # empty: the zero row n
+        rows = ops.gather(ops.concat((x, ops.zeros((1, h), x.dtype)), 0), filler, 0).reshape(blocks, b, h)
+        # block i is expert j's while ends[j - 1] <= i < ends[j]; blocks past the last are empty (any expert)
+        index = ops.arange(0, blocks, dtype=ms.int32).reshape(-1, 1)
+        ids = ops.minimum(ops.sum((ends.reshape(1, -1) <= index).astype(ms.int32), 1), e - 1)
+        return rows, (slot, weights.reshape(-1), k, ids)
+
+    def block_ids(self, route):
+        return route[3]
+
+    def combine(self, ys, route):
+        slot, weights, k, _ = route
+        h = ys.shape[-1]
+        per_choice = ops.gather(ys.reshape(-1, h), slot, 0) * cast(weights, ys.dtype).reshape(-1, 1)
+        return ops.sum(per_choice.reshape(-1, k, h), 1), ops.zeros((self.num_experts,), ms.float32)
+
+
 class MoE(nn.Cell):
     """A layer's MLP as routed experts (plus, with shared_experts, one gated MLP every token runs:
     DeepSeek's shared experts); x [N, h] -> (out [N, h], load [4, E]).
@@ -254,7 +306,7 @@ class MoE(nn.Cell):
     def construct(self, x):
         weights, chosen, probs, z = self.router(x)
         rows, route = self.dispatch.dispatch(x, weights, chosen)
-        out, dropped = self.dispatch.combine(self.experts(rows), route)
+        out, dropped = self.dispatch.combine(self.experts(rows, self.dispatch.block_ids(route)), route)
         if self.shared is not None:
             out = out + self.shared(x)
         share = ops.mean(ops.sum(choices(chosen, self.num_experts), 1), 0)

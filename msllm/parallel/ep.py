@@ -24,7 +24,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from msllm.config import Config, ConfigError
-from msllm.models.moe import EveryExpert, choices
+from msllm.models.moe import Dispatch, EveryExpert, choices
 from msllm.parallel.dp import BUCKET_BYTES, GradAllReduce, all_gather
 from msllm.train.step import sum_squares
 
@@ -60,7 +60,7 @@ def all_reduce(group: str | None):
     return ops.AllReduce() if group is None else ops.AllReduce(group=group)
 
 
-class AllGatherDispatch(nn.Cell):
+class AllGatherDispatch(Dispatch):
     """EveryExpert's interface (msllm.models.moe) over an ep group: dispatch(x [N, h], weights, chosen)
     -> (the group's ep x N tokens for this rank's E / ep experts [E / ep, ep N, h], their routing
     weights); combine -> (this rank's N rows of the summed outputs, zero drops)."""
