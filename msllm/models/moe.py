@@ -18,6 +18,7 @@ from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import initializer
 
 from msllm.config import ModelConfig
+from msllm.models.layouts import BLOCK_ROWS
 from msllm.models.llama import ACTIVATIONS, FeedForward, cast
 
 
@@ -251,7 +252,7 @@ class BlockDispatch(Dispatch):
     ceil(N k / block) + E blocks, so the padding costs at most E blocks of rows beyond the choices.
     Same sums as EveryExpert, in another order; a training formulation (applied by msllm.backends)."""
 
-    def __init__(self, num_experts: int, block: int = 128):
+    def __init__(self, num_experts: int, block: int = BLOCK_ROWS):
         super().__init__()
         self.num_experts, self.block = num_experts, block
 

@@ -150,7 +150,8 @@ class MoECost:
     """What one MoE layer costs per token on a device, beyond attention and norms.
 
     rows      expert rows computed per token: factor x k under a capacity (train.moe_capacity_factor),
-              else E (EveryExpert, the dropless formulation: every token through every expert)
+              else BlockDispatch's blocks (the routed k and its padding), or with train.moe_dropless
+              every, E (EveryExpert: every token through every expert)
     masks     GroupedCapacityDispatch's one-hot masks (Ascend with a capacity): [G, n, E*C] fp32 for the
               dispatch, the routing weights and one being built, 3 x 4 x factor x k x n bytes per token
               for groups of n tokens (layouts.dispatch_groups)
@@ -170,7 +171,12 @@ class MoECost:
             return None
         f = m.moe_ffn_size or m.ffn_size
         factor = t.moe_capacity_factor
-        rows = factor * m.experts_per_token if factor > 0 else float(m.num_experts)
+        if factor > 0:
+            rows = factor * m.experts_per_token
+        elif t.moe_dropless == "blocks":  # BlockDispatch: at most ceil(N k / block) + E blocks of rows
+            rows = (-(-tokens_per_rank * m.experts_per_token // L.BLOCK_ROWS) + m.num_experts) * L.BLOCK_ROWS / tokens_per_rank
+        else:
+            rows = float(m.num_experts)
         masks = 0.0
         if factor > 0 and dev.backend == "ascend":
             n = tokens_per_rank * cfg.parallel.dp // L.dispatch_groups(cfg.parallel.dp, tokens_per_rank)
