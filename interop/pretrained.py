@@ -29,6 +29,9 @@ from msllm.safetensors_reader import SafetensorsReader
 from msllm.staged import staged_dir
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# Architectures whose gate_proj / up_proj / down_proj PEFT (0.21) re-targets to the fused experts
+# (its transformers v4 -> v5 MoE conversion), dense MLP layers included
+PEFT_RENAMES_MLP = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
 PEFT_PREFIX = "base_model.model."  # PeftModel wraps the HF model: its names sit under this prefix
 BASE_SHA = "msllm_base_sha256"     # adapter_model.safetensors metadata: the base the adapter was trained on
 
@@ -156,13 +159,56 @@ def peft_keys(arch: str, cfg: Config) -> dict[str, str]:
     (base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), for the configured targets."""
     from msllm.lora import TARGETS
 
-    wanted = {TARGETS[t] for t in cfg.lora.targets}
+    wanted = {TARGETS[t] for t in cfg.lora.targets if t in TARGETS}  # experts: peft_experts
     keys = {}
     for module, hf in hf_module_names(arch, cfg).items():
         if module.split(".", 2)[-1] in wanted:
             keys[f"{module}.lora_a"] = f"{PEFT_PREFIX}{hf}.lora_A.weight"
             keys[f"{module}.lora_b"] = f"{PEFT_PREFIX}{hf}.lora_B.weight"
     return keys
+
+
+def peft_experts(cfg: Config, adapters: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """Adapters on stacked experts as PEFT's LoRA on parameters (target_parameters, PEFT >= 0.17):
+    transformers 5 holds a MoE layer's experts as mlp.experts.gate_up_proj [E, 2f, h] (gate rows, then
+    up) and down_proj [E, h, f]. PEFT keeps one adapter per parameter, lora_A [E r, in] (expert e's
+    rows e r .. e r + r - 1) and lora_B [out, r E] (expert e's columns e, E + e, ...). msllm's gate and
+    up adapters (rank r each) become one of rank 2r on gate_up_proj: A stacks them, B is
+    block-diagonal, and alpha doubles so the scale alpha / r stays (rank_pattern, alpha_pattern). PEFT
+    wraps a module's parameters one inside another, the first listed innermost (`base_layer.`).
+    Returns (tensors by PEFT key, the adapter_config.json entries)."""
+    from msllm.lora import EXPERT_TARGETS
+
+    r, targets = cfg.lora.rank, [t for t in cfg.lora.targets if t in EXPERT_TARGETS]
+    wrapped = [w for w, wanted in (("gate_up_proj", {"experts_gate", "experts_up"} & set(targets)),
+                                   ("down_proj", "experts_down" in targets)) if wanted]
+    tensors = {}
+    for i, kind in enumerate(cfg.model.mlp_kinds()):
+        if kind != "moe":
+            continue
+        ours = f"layers.{i}.feed_forward.experts."
+
+        def pair(w: str, shape_a, shape_b):
+            if f"{ours}{w}.lora_a" in adapters:
+                return adapters[f"{ours}{w}.lora_a"], adapters[f"{ours}{w}.lora_b"]
+            return np.zeros(shape_a, np.float32), np.zeros(shape_b, np.float32)
+
+        e, f, h = cfg.model.num_experts, cfg.model.moe_ffn_size or cfg.model.ffn_size, cfg.model.hidden_size
+        for depth, w in enumerate(wrapped):
+            key = f"{PEFT_PREFIX}model.layers.{i}.mlp.experts." + "base_layer." * (len(wrapped) - 1 - depth)
+            if w == "gate_up_proj":
+                (a1, b1), (a3, b3) = pair("w1", (e, r, h), (e, f, r)), pair("w3", (e, r, h), (e, f, r))
+                a = np.concatenate([a1, a3], 1)                                           # [E, 2r, h]
+                b = np.zeros((e, 2 * f, 2 * r), np.float32)
+                b[:, :f, :r], b[:, f:, r:] = b1, b3                                       # [E, 2f, 2r]
+            else:
+                a, b = pair("w2", (e, r, f), (e, h, r))
+            tensors[key + "lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, a.shape[-1]))
+            tensors[key + "lora_B.weight"] = np.ascontiguousarray(b.transpose(1, 2, 0).reshape(b.shape[1], -1))
+    config = {"target_parameters": [f"mlp.experts.{w}" for w in wrapped]}
+    if "gate_up_proj" in wrapped:
+        config.update(rank_pattern={"gate_up_proj": 2 * r}, alpha_pattern={"gate_up_proj": 2 * cfg.lora.alpha})
+    return tensors, config
 
 
 def hf_leaves(arch: str) -> dict[str, str]:
@@ -190,6 +236,9 @@ class PeftAdapter:
         for key in ("use_dora", "use_rslora"):
             if config.get(key):
                 raise InteropError(f"{self.path / PEFT_CONFIG}: {key} is not supported (plain LoRA)")
+        if config.get("target_parameters"):
+            raise InteropError(f"{self.path / PEFT_CONFIG}: target_parameters {config['target_parameters']!r}: "
+                               f"reading adapters on experts back (train.lora_from) is not built; merge them instead")
         self.lora = {"rank": int(config["r"]), "alpha": float(config["lora_alpha"]),
                      "targets": [leaf_to_target[m] for m in modules]}
         weights = self.path / PEFT_WEIGHTS
@@ -275,23 +324,29 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
     ckpt, state, cfg, weights, adapters = _lora_run(run, base)
     leaves = hf_leaves(weights.architecture)
     experts = [t for t in cfg.lora.targets if t.startswith("experts_")]
-    if experts:  # transformers holds a layer's experts as 3-D parameters, not the Linears PEFT's LoRA wraps
-        raise InteropError(f"{ckpt}: lora.targets {experts}: adapters on stacked experts have no PEFT LoRA "
-                           f"format msllm writes; `msllm lora merge` makes a full model")
-    fused = [t for t in cfg.lora.targets if t not in leaves]
+    fused = [t for t in cfg.lora.targets if t not in leaves and t not in experts]
+    dense = [t for t in cfg.lora.targets if t in ("gate", "up", "down")]
+    if dense and weights.architecture in PEFT_RENAMES_MLP:
+        raise InteropError(f"{ckpt}: lora.targets {dense}: PEFT reads gate_proj / up_proj / down_proj of a "
+                           f"{weights.architecture} as its experts' (transformers v4 names), so it cannot hold "
+                           f"adapters on the dense MLP layers; train without them or `msllm lora merge`")
     if fused:
         raise InteropError(f"{ckpt}: lora.targets {fused}: {weights.architecture} stores them inside a fused "
                            f"projection, which a PEFT adapter cannot hold; `msllm lora merge` makes a full model")
     keys = peft_keys(weights.architecture, cfg)
+    tensors = {keys[n]: np.ascontiguousarray(a) for n, a in adapters.items() if n in keys}
+    expert_config = {}
+    if experts:
+        expert_tensors, expert_config = peft_experts(cfg, adapters)
+        tensors.update(expert_tensors)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
-              "lora_dropout": cfg.lora.dropout,
-              "target_modules": [leaves[t] for t in cfg.lora.targets],
+              "lora_dropout": 0.0 if experts else cfg.lora.dropout,  # PEFT's parameter LoRA refuses dropout
+              "target_modules": [leaves[t] for t in cfg.lora.targets if t not in experts], **expert_config,
               "base_model_name_or_path": str(weights.path.resolve()), "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
               "use_dora": False}
     with staged_dir(out, need=sum(a.nbytes for a in adapters.values()), replace=force, sources=(run,),
                     then="free space or choose another OUT, then export again") as tmp:
-        save_file({keys[n]: np.ascontiguousarray(a) for n, a in adapters.items()}, str(tmp / PEFT_WEIGHTS),
-                  metadata={"format": "pt", BASE_SHA: weights.sha256})
+        save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt", BASE_SHA: weights.sha256})
         write_json(tmp / PEFT_CONFIG, config)
     return Path(out)

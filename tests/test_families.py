@@ -87,11 +87,12 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
     assert np.abs(ours[0, 8:] - theirs[0, 8:]).max() > 1e-3
 
 
-@pytest.mark.parametrize("case", ["gemma3", "phi3"])
-def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case):
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe"])
+def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case, monkeypatch):
     """train --init-from on packed SFT rows (windowed masks per sample) with LoRA on every projection,
     merged, converted back to HF: transformers computes the merged model. Gemma 3's adapter also
-    exports to PEFT; Phi-3's q/k/v and gate/up live inside fused projections, which PEFT cannot hold."""
+    exports to PEFT, and Qwen3-MoE's with adapters on its experts (PEFT's LoRA on parameters); Phi-3's
+    q/k/v and gate/up live inside fused projections, which PEFT cannot hold."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -107,6 +108,8 @@ def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corp
               "train.steps": 4, "train.batch_size": 2, "train.eval_every": 4, "train.ckpt_every": 4,
               "train.sample_tokens": 0, "optim.lr": 1e-2, "optim.warmup_steps": 0, "lora.rank": 4,
               "lora.targets": "[q, k, v, o, gate, up, down]"}
+    if case == "qwen3_moe":  # layer 1's experts; PEFT takes gate / up / down as the experts' (below)
+        values["lora.targets"] = "[q, k, v, o, experts_gate, experts_up, experts_down]"
     args = ["train", "--init-from", str(folder / "hf")] + [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     assert main([str(a) for a in args]) == 0
     merged = merge(tmp_path / "run", tmp_path / "merged")
@@ -129,6 +132,21 @@ def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corp
         return
     from peft import PeftModel
 
+    if case == "qwen3_moe":  # the same run, had it adapted the dense layer 0's MLP: refused in one line
+        from interop import pretrained
+
+        real = pretrained._lora_run
+
+        def with_gate(run, base):
+            ckpt, state, cfg, weights, adapters = real(run, base)
+            cfg.lora.targets = cfg.lora.targets + ["gate"]
+            return ckpt, state, cfg, weights, adapters
+
+        monkeypatch.setattr(pretrained, "_lora_run", with_gate)
+        with pytest.raises(InteropError, match=r"lora.targets \['gate'\]: PEFT reads gate_proj .* cannot hold"):
+            export_peft(tmp_path / "run", tmp_path / "dense_peft")
+        assert not (tmp_path / "dense_peft").exists()
+        monkeypatch.undo()
     export_peft(tmp_path / "run", tmp_path / "peft")
     original = AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
