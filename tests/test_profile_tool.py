@@ -96,7 +96,8 @@ def test_ab_alternates_both_steps(monkeypatch):
             clock[0] += 100.0 if len(calls) in (8, 11) else self.seconds  # the 2nd timed step of each side
             return [types.SimpleNamespace(asnumpy=lambda: None)]
 
-    def fake_train_step(w, threads, fused_kernels):
+    def fake_train_step(w, threads, family, fused_kernels):
+        assert family == "llama"  # the workload's family reaches both sides
         return FakeStep(fused_kernels, {"auto": 1.0, "off": 3.0}[fused_kernels]), "batch"
 
     monkeypatch.setattr(bench, "msllm_train_step", fake_train_step)
