@@ -111,12 +111,12 @@ def test_the_grouped_one_hot_dispatch_is_the_capacity_dispatch_of_each_group(moe
     for got, want in zip(one[2], whole[2]):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     two_out, two_load, _ = run(moe, x, GroupedCapacityDispatch(E, factor, groups=2))
-    halves = [moe.dispatch.capacity(N // 2, K)]
+    rows = moe.dispatch.dispatch(x, *moe.router(x)[:2])[0]  # each half's capacity rows, per expert
     moe.dispatch = CapacityDispatch(E, factor)
     parts = [moe(x[i * N // 2:(i + 1) * N // 2]) for i in range(2)]
     np.testing.assert_allclose(two_out, np.concatenate([p[0].asnumpy() for p in parts]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(two_load[2], sum(p[1].asnumpy()[2] for p in parts) / 2, rtol=1e-6)
-    assert halves == [math.ceil(factor * (N // 2) * K / E)]
+    assert rows.shape == (E, 2 * math.ceil(factor * (N // 2) * K / E), H)
 
 
 def test_the_train_step_reports_loads_and_a_capacity_counts_its_drops():

@@ -235,15 +235,14 @@ def use_expert_dispatch(model, cfg: Config) -> int:
     experts whole on every rank (the checker refuses ep then)."""
     from msllm.models.moe import GroupedCapacityDispatch
 
-    factor = cfg.train.moe_capacity_factor
-    routed = [block.feed_forward for block in model.layers if block.routed]
-    p = cfg.parallel
+    factor, p = cfg.train.moe_capacity_factor, cfg.parallel
+    if factor <= 0:
+        return 0
     groups = L.dispatch_groups(p.dp, cfg.train.batch_size // p.micro_batches * cfg.data.seq_len)
-    if factor > 0:
-        for moe in routed:
-            moe.dispatch = GroupedCapacityDispatch(moe.num_experts, factor, groups)
-    return len(routed) if factor > 0 else 0
-
+    routed = [block.feed_forward for block in model.layers if block.routed]
+    for moe in routed:
+        moe.dispatch = GroupedCapacityDispatch(moe.num_experts, factor, groups)
+    return len(routed)
 
 
 def specialise(model, cfg: Config, flash: bool = False) -> dict[str, int]:

@@ -125,6 +125,38 @@ def choices(chosen, num_experts: int):
     return ops.one_hot(chosen, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
 
 
+def capacity(factor: float, n: int, k: int, num_experts: int) -> int:
+    """Rows each expert takes of n tokens' k choices at a capacity factor (at most n)."""
+    return min(n, math.ceil(factor * n * k / num_experts))
+
+
+def rank_at_expert(picked, axis: int = 0):
+    """Each choice's rank among its expert's choices, in order along `axis` (picked: one-hot rows, fp32)."""
+    return ops.sum((ops.cumsum(picked, axis) - picked) * picked, -1)
+
+
+def gather_rows(x, slot, k: int, rows: int):
+    """[rows, h]: at each row the token of x [N, h] whose choice's slot [N k] it is, zeros where no
+    choice landed; a slot of `rows` (or more) is a spare, discarded."""
+    n, h = x.shape
+    token = ops.arange(0, n * k, dtype=ms.int32) // k
+    # which token fills each row (+1 so that 0 marks an empty row; the spare row sums junk)
+    filler = ops.scatter_nd(slot.reshape(-1, 1), token + 1, (rows + 1,))[:rows] - 1
+    filler = ops.select(filler < 0, ops.full(filler.shape, n, dtype=ms.int32), filler)  # empty: the zero row n
+    return ops.gather(ops.concat((x, ops.zeros((1, h), x.dtype)), 0), filler, 0)
+
+
+def sum_choices(ys, slot, weights, k: int, spare: bool = True):
+    """[N, h]: each token's k choices' rows of ys ([..., h], flat by slot) times their weights, summed;
+    spare: a slot past ys's rows reads zeros (a dropped choice)."""
+    h = ys.shape[-1]
+    ys = ys.reshape(-1, h)
+    if spare:
+        ys = ops.concat((ys, ops.zeros((1, h), ys.dtype)), 0)
+    per_choice = ops.gather(ys, slot, 0) * cast(weights, ys.dtype).reshape(-1, 1)          # [N k, h]
+    return ops.sum(per_choice.reshape(-1, k, h), 1)
+
+
 class Dispatch(nn.Cell):
     """What a dispatcher is: dispatch(x [N, h], weights [N, k], chosen [N, k]) -> (rows, route) for
     Experts, combine(expert outputs, route) -> (out [N, h], dropped [E]), and block_ids(route): which
@@ -171,26 +203,18 @@ class CapacityDispatch(Dispatch):
     def dispatch(self, x, weights, chosen):
         n, h = x.shape
         e, k = self.num_experts, chosen.shape[1]
-        c = min(n, math.ceil(self.factor * n * k / e))
+        c = capacity(self.factor, n, k, e)
         picked = choices(chosen, e).reshape(n * k, e)
-        place = ops.sum((ops.cumsum(picked, 0) - picked) * picked, 1).astype(ms.int32)  # rank among its expert's choices
-        expert = chosen.reshape(-1)
+        place = rank_at_expert(picked).astype(ms.int32)
         kept = place < c
-        slot = ops.select(kept, expert * c + place, ops.full(kept.shape, e * c, dtype=ms.int32))  # e*c: a spare row
-        token = ops.arange(0, n * k, dtype=ms.int32) // k
-        # which token fills each of the e*c rows (+1 so that 0 marks an empty row; the spare row sums junk)
-        filler = ops.scatter_nd(slot.reshape(-1, 1), token + 1, (e * c + 1,))[:e * c] - 1
-        filler = ops.select(filler < 0, ops.full(filler.shape, n, dtype=ms.int32), filler)  # empty: the zero row n
-        rows = ops.gather(ops.concat((x, ops.zeros((1, h), x.dtype)), 0), filler, 0).reshape(e, c, h)
+        slot = ops.select(kept, chosen.reshape(-1) * c + place, ops.full(kept.shape, e * c, dtype=ms.int32))  # e*c: spare
+        rows = gather_rows(x, slot, k, e * c).reshape(e, c, h)
         dropped = ops.sum(picked * (1.0 - kept.astype(ms.float32)).reshape(-1, 1), 0) / n
         return rows, (slot, weights.reshape(-1) * kept.astype(ms.float32), dropped, k)
 
     def combine(self, ys, route):
         slot, weights, dropped, k = route
-        h = ys.shape[-1]
-        ys = ops.concat((ys.reshape(-1, h), ops.zeros((1, h), ys.dtype)), 0)                   # + the spare row
-        per_choice = ops.gather(ys, slot, 0) * cast(weights, ys.dtype).reshape(-1, 1)      # [N*k, h]
-        return ops.sum(per_choice.reshape(-1, k, h), 1), dropped
+        return sum_choices(ys, slot, weights, k), dropped
 
 
 class GroupedCapacityDispatch(Dispatch):
@@ -213,15 +237,12 @@ class GroupedCapacityDispatch(Dispatch):
         self.to_experts = ops.Transpose()
         self.from_experts = ops.Transpose()
 
-    def capacity(self, n: int, k: int) -> int:
-        return min(n, math.ceil(self.factor * n * k / self.num_experts))
-
     def dispatch(self, x, weights, chosen):
         h, (n_all, k), e, g = x.shape[-1], chosen.shape, self.num_experts, self.groups
         n = n_all // g
-        c = self.capacity(n, k)
+        c = capacity(self.factor, n, k, e)
         picked = choices(chosen, e).reshape(g, n * k, e)
-        place = ops.sum((ops.cumsum(picked, 1) - picked) * picked, -1)                  # [G, n*k] rank at its expert
+        place = rank_at_expert(picked, 1)                                                # [G, n*k]
         kept = (place < c).astype(ms.float32)
         slot = (chosen.reshape(g, n, k) * c + place.astype(ms.int32).reshape(g, n, k))  # row of each choice
         kept_weight = (kept.reshape(g, n, k) * weights.reshape(g, n, k))
@@ -260,15 +281,10 @@ class BlockDispatch(Dispatch):
         (n, h), k, e, b = x.shape, chosen.shape[1], self.num_experts, self.block
         blocks = -(-n * k // b) + e
         picked = choices(chosen, e).reshape(n * k, e)
-        place = ops.sum((ops.cumsum(picked, 0) - picked) * picked, 1).astype(ms.int32)  # rank at its expert
         per_expert = ((ops.sum(picked, 0).astype(ms.int32) + b - 1) // b)                # blocks of each expert
         ends = ops.cumsum(per_expert, 0)
-        expert = chosen.reshape(-1)
-        slot = ops.gather(ends - per_expert, expert, 0) * b + place                       # its row among the blocks
-        token = ops.arange(0, n * k, dtype=ms.int32) // k
-        filler = ops.scatter_nd(slot.reshape(-1, 1), token + 1, (blocks * b,)) - 1
-        filler = ops.select(filler < 0, ops.full(filler.shape, n, dtype=ms.int32), filler)  # empty: the zero row n
-        rows = ops.gather(ops.concat((x, ops.zeros((1, h), x.dtype)), 0), filler, 0).reshape(blocks, b, h)
+        slot = ops.gather(ends - per_expert, chosen.reshape(-1), 0) * b + rank_at_expert(picked).astype(ms.int32)
+        rows = gather_rows(x, slot, k, blocks * b).reshape(blocks, b, h)
         # block i is expert j's while ends[j - 1] <= i < ends[j]; blocks past the last are empty (any expert)
         index = ops.arange(0, blocks, dtype=ms.int32).reshape(-1, 1)
         ids = ops.minimum(ops.sum((ends.reshape(1, -1) <= index).astype(ms.int32), 1), e - 1)
@@ -279,9 +295,7 @@ class BlockDispatch(Dispatch):
 
     def combine(self, ys, route):
         slot, weights, k, _ = route
-        h = ys.shape[-1]
-        per_choice = ops.gather(ys.reshape(-1, h), slot, 0) * cast(weights, ys.dtype).reshape(-1, 1)
-        return ops.sum(per_choice.reshape(-1, k, h), 1), ops.zeros((self.num_experts,), ms.float32)
+        return sum_choices(ys, slot, weights, k, spare=False), ops.zeros((self.num_experts,), ms.float32)
 
 
 class MoE(nn.Cell):

@@ -17,14 +17,13 @@ resumes at any ep and any worker count.
 from __future__ import annotations
 
 import functools
-import math
 
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
 from msllm.config import Config, ConfigError
-from msllm.models.moe import Dispatch, EveryExpert, choices
+from msllm.models.moe import Dispatch, EveryExpert, capacity, choices, gather_rows, rank_at_expert, sum_choices
 from msllm.parallel.dp import BUCKET_BYTES, GradAllReduce, all_gather
 from msllm.train.step import sum_squares
 
@@ -110,20 +109,17 @@ class AllGatherCapacityDispatch(AllGatherDispatch):
     def dispatch(self, x, weights, chosen):
         (n, h), k = x.shape, chosen.shape[1]
         total, local = self.ep * n, self.local
-        c = min(total, math.ceil(self.factor * total * k / self.num_experts))
+        c = capacity(self.factor, total, k, self.num_experts)
         tokens = self.all_reduce(self.place(x))                                                   # [ep N, h]
         routed = self.all_reduce(self.place(ops.concat((ops.stop_gradient(chosen.astype(ms.float32)), weights), 1)))
         expert = routed[:, :k].astype(ms.int32).reshape(-1) - self.index * local              # this rank's numbering
         mine = ops.logical_and(expert >= 0, expert < local)
         expert = ops.select(mine, expert, ops.full(expert.shape, local, dtype=ms.int32))      # others: a spare column
         picked = ops.one_hot(expert, local + 1, ops.ones((), ms.float32), ops.zeros((), ms.float32))[:, :local]
-        place = ops.sum((ops.cumsum(picked, 0) - picked) * picked, 1).astype(ms.int32)
+        place = rank_at_expert(picked).astype(ms.int32)
         kept = ops.logical_and(mine, place < c)
         slot = ops.select(kept, expert * c + place, ops.full(kept.shape, local * c, dtype=ms.int32))
-        token = ops.arange(0, total * k, dtype=ms.int32) // k
-        filler = ops.scatter_nd(slot.reshape(-1, 1), token + 1, (local * c + 1,))[:local * c] - 1
-        filler = ops.select(filler < 0, ops.full(filler.shape, total, dtype=ms.int32), filler)
-        rows = ops.gather(ops.concat((tokens, ops.zeros((1, h), x.dtype)), 0), filler, 0).reshape(local, c, h)
+        rows = gather_rows(tokens, slot, k, local * c).reshape(local, c, h)
         dropped = ops.sum(picked * (1.0 - kept.astype(ms.float32)).reshape(-1, 1), 0) / total     # [E / ep]
         dropped = self.all_reduce(self.place(dropped.reshape(-1, 1))).reshape(-1)                 # [E]
         weight = routed[:, k:].reshape(-1) * kept.astype(ms.float32)
@@ -131,10 +127,7 @@ class AllGatherCapacityDispatch(AllGatherDispatch):
 
     def combine(self, ys, route):
         slot, weight, dropped, k, n = route
-        h = ys.shape[-1]
-        ys = ops.concat((ys.reshape(-1, h), ops.zeros((1, h), ys.dtype)), 0)                      # + the spare row
-        per_choice = ops.gather(ys, slot, 0) * weight.astype(ys.dtype).reshape(-1, 1)             # [ep N k, h]
-        partial = ops.sum(per_choice.reshape(-1, k, h), 1)
+        partial = sum_choices(ys, slot, weight, k)                                                  # [ep N, h]
         return self.all_reduce(partial)[self.index * n:(self.index + 1) * n], dropped
 
 
