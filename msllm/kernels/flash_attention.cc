@@ -21,7 +21,7 @@ using namespace msllm_kernels;
 
 namespace {
 
-constexpr int64_t kQueryBlock = 48;  // query rows per work unit (a multiple of accumulate's 3 outputs)
+constexpr int64_t kQueryBlock = 48;  // query rows per work unit (a multiple of accumulate's 3 or 6 outputs)
 constexpr int64_t kKeyBlock = 64;    // keys per block (a [kKeyBlock, d] slice of K and V stays in L1/L2)
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -92,33 +92,42 @@ void transpose_block(const float *x, int64_t n, int64_t d, float *xt) {
   }
 }
 
-// 8 floats as one value (GCC vector extension): a ymm register with AVX2 (and on AVX-512 machines).
-typedef float vec8 __attribute__((vector_size(32)));
-inline vec8 load8(const float *p) { vec8 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store8(float *p, vec8 v) { std::memcpy(p, &v, sizeof v); }
+// The small matmuls' register block: kRows outputs x 32 columns of accumulators. With AVX-512 a
+// vector is a 16-float zmm and there are 32 registers, so 6 x 2 accumulators fit beside the loads;
+// with AVX2, 3 x 4 8-float ymm (12 + 3 + 1 of its 16). 16-float vectors on an AVX2 build spill to
+// the stack, so the width follows what the build targets.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kRows = 6;
+#else
+constexpr int kLanes = 8, kRows = 3;
+#endif
+typedef float vec __attribute__((vector_size(4 * kLanes)));  // GCC vector extension: one register
+inline vec load(const float *p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float *p, vec v) { std::memcpy(p, &v, sizeof v); }
 
-constexpr int kColumns = 32;  // columns of y per register block: 4 x 8 floats
+constexpr int kColumns = 32;                  // columns of y per register block
+constexpr int kVectors = kColumns / kLanes;  // vectors per output row of the block
 
 // K outputs of a small matmul on a 32-column slice: y[k][c] += sum_i w[k * w_out + i * w_in] x[i][c],
 // c < kColumns, i < n (x rows x_stride apart, y rows y_stride apart). The K x 32 accumulators stay in
-// registers (12 + 3 + 1 of AVX2's 16 for K = 3) and each x load serves K outputs: without the blocking
-// these loops were bound by loads and stores, not arithmetic.
+// registers and each x load serves K outputs: without the blocking these loops were bound by loads
+// and stores, not arithmetic.
 template <int K>
 inline void accumulate_block(const float *__restrict w, int64_t w_out, int64_t w_in, const float *__restrict x,
                              int64_t x_stride, int64_t n, float *__restrict y, int64_t y_stride) {
-  vec8 acc[K][4];
+  vec acc[K][kVectors];
   for (int k = 0; k < K; ++k)
-    for (int v = 0; v < 4; ++v) acc[k][v] = load8(y + k * y_stride + 8 * v);
+    for (int v = 0; v < kVectors; ++v) acc[k][v] = load(y + k * y_stride + kLanes * v);
   for (int64_t i = 0; i < n; ++i) {
     float wk[K];
     for (int k = 0; k < K; ++k) wk[k] = w[k * w_out + i * w_in];
-    for (int v = 0; v < 4; ++v) {
-      const vec8 xv = load8(x + i * x_stride + 8 * v);
+    for (int v = 0; v < kVectors; ++v) {
+      const vec xv = load(x + i * x_stride + kLanes * v);
       for (int k = 0; k < K; ++k) acc[k][v] += wk[k] * xv;
     }
   }
   for (int k = 0; k < K; ++k)
-    for (int v = 0; v < 4; ++v) store8(y + k * y_stride + 8 * v, acc[k][v]);
+    for (int v = 0; v < kVectors; ++v) store(y + k * y_stride + kLanes * v, acc[k][v]);
 }
 
 // y [outs, width] += w-weighted sums of x [n, width] rows (as accumulate_block), in register blocks
@@ -135,8 +144,8 @@ void accumulate(const float *w, int64_t w_out, int64_t w_in, const float *x, int
   }
   for (int64_t c = 0; c < width; c += kColumns) {
     int64_t k = 0;
-    for (; k + 3 <= outs; k += 3)
-      accumulate_block<3>(w + k * w_out, w_out, w_in, x + c, width, n, y + k * y_stride + c, y_stride);
+    for (; k + kRows <= outs; k += kRows)
+      accumulate_block<kRows>(w + k * w_out, w_out, w_in, x + c, width, n, y + k * y_stride + c, y_stride);
     for (; k < outs; ++k)
       accumulate_block<1>(w + k * w_out, w_out, w_in, x + c, width, n, y + k * y_stride + c, y_stride);
   }
@@ -152,52 +161,52 @@ inline void hide(float *scores, int64_t n, const Visibility *vis, int32_t slot, 
   for (int64_t j = n; j < kKeyBlock; ++j) scores[j] = -kInf;
 }
 
-// max of a block's kKeyBlock scores, 8 lanes at a time.
+// max of a block's kKeyBlock scores, a vector at a time.
 inline float max_of_block(const float *x) {
-  vec8 top = load8(x);
-  for (int64_t j = 8; j < kKeyBlock; j += 8) {
-    const vec8 v = load8(x + j);
+  vec top = load(x);
+  for (int64_t j = kLanes; j < kKeyBlock; j += kLanes) {
+    const vec v = load(x + j);
     top = top > v ? top : v;
   }
   float m = top[0];
-  for (int k = 1; k < 8; ++k) m = std::max(m, top[k]);
+  for (int k = 1; k < kLanes; ++k) m = std::max(m, top[k]);
   return m;
 }
 
-typedef int32_t ivec8 __attribute__((vector_size(32)));
+typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
 
-// exp_approx (common.h) on 8 lanes: the same steps, written on vectors because GCC leaves the
+// exp_approx (common.h) on a vector: the same steps, written on vectors because GCC leaves the
 // scalar loop over it unvectorized here.
-inline vec8 exp8(vec8 x) {
-  const vec8 hi = vec8{} + 88.0f, lo = vec8{} - 87.0f, shifter = vec8{} + 12582912.0f;
+inline vec exp_vec(vec x) {
+  const vec hi = vec{} + 88.0f, lo = vec{} - 87.0f, shifter = vec{} + 12582912.0f;
   x = x > hi ? hi : (x < lo ? lo : x);
-  const vec8 n = (x * 1.44269504088896341f + shifter) - shifter;
-  vec8 r = x - n * 0.693359375f;
+  const vec n = (x * 1.44269504088896341f + shifter) - shifter;
+  vec r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vec8 p = vec8{} + 1.9875691500e-4f;
+  vec p = vec{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const vec8 y = p * r * r + r + 1.0f;
-  const ivec8 bits = (__builtin_convertvector(n, ivec8) + 127) << 23;
-  vec8 scale;
+  const vec y = p * r * r + r + 1.0f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return y * scale;
 }
 
-// x[j] = exp(x[j] - shift) (0 for -inf) over a block; returns their sum (8 lanes, then across).
+// x[j] = exp(x[j] - shift) (0 for -inf) over a block; returns their sum (by lanes, then across).
 inline float exp_block(float *x, float shift) {
-  vec8 sum = vec8{};
-  for (int64_t j = 0; j < kKeyBlock; j += 8) {
-    const vec8 v = load8(x + j);
-    const vec8 e = v == -kInf ? vec8{} : exp8(v - shift);
-    store8(x + j, e);
+  vec sum = vec{};
+  for (int64_t j = 0; j < kKeyBlock; j += kLanes) {
+    const vec v = load(x + j);
+    const vec e = v == -kInf ? vec{} : exp_vec(v - shift);
+    store(x + j, e);
     sum += e;
   }
   float total = 0.f;
-  for (int k = 0; k < 8; ++k) total += sum[k];
+  for (int k = 0; k < kLanes; ++k) total += sum[k];
   return total;
 }
 
