@@ -5,9 +5,9 @@ built directly (onnx_ir) and mirror msllm/models/llama.py line for line, reading
 spec (ModelConfig):
   * the residual stream is kept as rows [batch*seq, hidden], so every linear is one
     Gemm(x, W, b, transB=1) on the checkpoint's own [out, in] weight, under its msllm name;
-  * rotate-half RoPE with the cos/sin tables of `rope_tables` (llama3/linear scaling
-    included) gathered at the token positions, one pair of tables per attention kind
-    (full, or sliding with its window and RoPE base);
+  * rotate-half RoPE computed from the token positions and the inverse frequencies (llama3 /
+    linear / YaRN scaling included), one set per attention kind (full, or sliding with its window
+    and RoPE base): no [max_seq_len, d] table, so a 128K context costs nothing until used;
   * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax;
     q/k norms, (offset + w) norms, sandwich norms, GeGLU and the embedding scale as the spec says;
   * MLA (msllm/models/mla.py) with its latent cache, DeepSeek-V3's grouped sigmoid router and
@@ -31,7 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from msllm.config import ModelConfig
-from msllm.models.llama import attention_kinds, rope_tables
+from msllm.models.llama import attention_kinds, rope_attention_factor, rope_inv_freq
 from msllm.models.mla import LATENT_NORM_EPS
 
 OPSET = 17
@@ -273,11 +273,23 @@ class LlamaGraph:
         near = self.op("Less", self.op("Sub", query_slots, key_slots), self.const(window))
         return self.op("And", visible, near)
 
-    def rope_table(self, kind: int, which: int):
-        """The cos (0) or sin (1) table of attention kind `kind` as an initializer."""
+    def rope_at(self, kind: int, positions) -> tuple[ir.Value, ir.Value]:
+        """cos, sin [.., d] of attention kind `kind` at int64 positions [..], as Llama.rope_at: the
+        angle position * inv_freq rounded to fp32, then its cosine and sine."""
         _, theta, scaling = self.kinds[kind]
-        name = ("rope_cos", "rope_sin")[which] + (f"_{kind}" if kind else "")
-        return self.param((name, rope_tables(self.cfg, theta, scaling)[which]))
+        name = "rope_inv_freq" + (f"_{kind}" if kind else "")
+        inv_freq = self.param((name, rope_inv_freq(self.cfg.rope_dim, theta, scaling)), fp32=True)
+        position = self.op("Unsqueeze", self.op("Cast", positions, to=ir.DataType.FLOAT), self.const([-1]))
+        freqs = self.op("Mul", position, inv_freq)
+        angles = self.op("Concat", freqs, freqs, axis=-1)
+        factor = rope_attention_factor(scaling)  # YaRN scales cos and sin
+        tables = []
+        for fn in ("Cos", "Sin"):
+            table = self.op(fn, angles)
+            if factor != 1.0:
+                table = self.op("Mul", table, self.const(factor, np.float32))
+            tables.append(self.op("Cast", table, to=self.dtype))
+        return tables[0], tables[1]
 
     def causal_mask(self, positions, total, window: int) -> ir.Value:
         """[s, t] additive mask, tiled to the folded rows [rep*s, t]: key j is visible from query i
@@ -297,8 +309,7 @@ class LlamaGraph:
         new_slots = self.op("Range", first, self.op("Add", first, self.op("Squeeze", seq)), self.const(1))  # [s]
         positions = self.op("Max", self.op("Sub", self.op("Unsqueeze", new_slots, self.const([0])),
                                            self.op("Unsqueeze", pad, self.const([1]))), self.const(0))  # [b, s]
-        cos, sin = (self.op("Unsqueeze", self.op("Gather", self.rope_table(kind, which), positions), self.const([1]))
-                    for which in (0, 1))
+        cos, sin = (self.op("Unsqueeze", table, self.const([1])) for table in self.rope_at(kind, positions))
         slots = self.op("Range", self.const(0), self.op("Gather", self.op("Shape", keys), self.const(3)), self.const(1))
         key_slots = self.op("Unsqueeze", slots, self.const([0, 1]))  # [1, 1, t]
         query_slots = self.op("Unsqueeze", new_slots, self.const([0, 2]))  # [1, s, 1]
@@ -325,8 +336,7 @@ class LlamaGraph:
         for kind, (window, _, _) in enumerate(self.kinds):
             if keys is None:
                 positions = self.op("Range", self.const(0), self.op("Squeeze", seq), self.const(1))
-                cos = self.op("Gather", self.rope_table(kind, 0), positions)
-                sin = self.op("Gather", self.rope_table(kind, 1), positions)
+                cos, sin = self.rope_at(kind, positions)
                 tables.append((cos, sin, self.causal_mask(positions, self.op("Squeeze", seq), window)))
             else:
                 cos, sin, mask, write = self.cache_tables(seq, keys, start, pad, kind)

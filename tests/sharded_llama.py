@@ -17,10 +17,10 @@ core): its q and K/V head slices (after repeat_kv) checked against what the rank
 hold, so no data moves between them, and its query heads grouped onto its K/V heads by the
 primitive's own GQA rule within the rank (local head j reads local K/V head j // (n1 / n2)).
 
-The Gemma 3 / Qwen3 parts run forward only (their backward is not written: block_back refuses): q/k
-norms on the heads each rank holds, where the table's q/k norm rows put them (checked against the
-rank's wq / wk slices), sandwich norms on the residual stream, (offset + w) norms, GeGLU, scaled
-embeddings and scores, and per layer its attention kind: a sliding window's mask and its RoPE base.
+The Gemma 3 / Qwen3 parts, forward and backward: q/k norms on the heads each rank holds, where the
+table's q/k norm rows put them (checked against the rank's wq / wk slices; their replicated weights'
+gradients summed over the ranks), sandwich norms on the residual stream, (offset + w) norms, GeGLU,
+scaled embeddings and scores, and per layer its attention kind: a sliding window's mask and its RoPE base.
 """
 from __future__ import annotations
 
@@ -108,8 +108,9 @@ def rmsnorm(x, w, eps):
 
 
 def rmsnorm_back(dy, cache):
+    """Over the last axis of rows of any rank; dw sums every other axis."""
     x, r, w = cache
-    dw = np.sum(dy * x * r, 0)
+    dw = np.sum((dy * x * r).reshape(-1, x.shape[-1]), 0)
     g = dy * w
     return r * g - x * r ** 3 * np.mean(g * x, -1, keepdims=True), dw
 
@@ -120,6 +121,25 @@ def sigmoid(x):
 
 def gelu_tanh(x):
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def gelu_tanh_back(x):
+    """d gelu_tanh / dx."""
+    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * np.sqrt(2.0 / np.pi) * (1.0 + 3 * 0.044715 * x ** 2)
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def silu_back(x):
+    """d silu / dx."""
+    sx = sigmoid(x)
+    return sx + x * sx * (1 - sx)
+
+
+ACTIVATIONS = {"swiglu": (silu, silu_back), "geglu_tanh": (gelu_tanh, gelu_tanh_back)}  # the gate's, and its derivative
 
 
 def causal_mask(s: int, window: int) -> np.ndarray:
@@ -185,7 +205,6 @@ class ShardedLlama:
         kinds, self.layer_kind = attention_kinds(m)
         self.ropes = [Rope(m, seq, theta, scaling) for _, theta, scaling in kinds]
         self.masks = [causal_mask(seq, window) for window, _, _ in kinds]
-        self.rope, self.mask = self.ropes[0], self.masks[0]  # the backward's (plain models: one kind)
         self.weights, self.starts = [], []
         for c in self.ranks.coords:
             w, st = {}, {}
@@ -229,6 +248,7 @@ class ShardedLlama:
     def embed_back(self, dx, key):
         name = "tok_embeddings.weight"
         ids_per_rank = self.caches.pop((key, "embed"))
+        dx = [g * np.float32(self.m.embed_scale) for g in dx]
         if self.sh.vocab_split:
             # forward summed partials (all-reduce / reduce-scatter): backward hands every rank the whole gradient
             full = self.ranks.all_gather(dx) if self.split_tokens() else dx
@@ -296,8 +316,10 @@ class ShardedLlama:
             for name, which in (("wq", "q"), ("wk", "k")):
                 self.check_head_norm_layout(p, which)
                 w = [wi + np.float32(m.norm_offset) for wi in self.w(p + f"attention.{which}_norm.weight")]
-                proj[name] = [rmsnorm(t, wi, m.norm_eps)[0] for t, wi in zip(proj[name], w)]
-        rope, self.mask = self.ropes[self.layer_kind[i]], self.masks[self.layer_kind[i]]
+                normed = [rmsnorm(t, wi, m.norm_eps) for t, wi in zip(proj[name], w)]
+                proj[name] = [y for y, _ in normed]
+                self.caches[(b, s, i), f"{which}_norm"] = [c for _, c in normed]
+        rope, mask = self.ropes[self.layer_kind[i]], self.masks[self.layer_kind[i]]
         scale = np.float32(m.attn_scale or 1.0 / math.sqrt(d))
         q = [rope(t) * scale for t in proj["wq"]]
         k = [rope(t) for t in proj["wk"]]
@@ -308,7 +330,7 @@ class ShardedLlama:
             kv_of, copies = zip(*[self.flash_layout(r, p) for r in range(len(a))])
             k = [np.repeat(ki, c, axis=1) for ki, c in zip(k, copies)]  # repeat_kv: copies of the rank's own heads
             v = [np.repeat(vi, c, axis=1) for vi, c in zip(v, copies)]
-        att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, self.mask), q, k, v, kv_of)
+        att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, mask), q, k, v, kv_of)
         o = [merge(oi) for oi, _ in att]
         attn_out = self.row_out([oi @ wi.T for oi, wi in zip(o, self.w(p + "attention.wo.weight"))])
         if m.sandwich_norm:
@@ -317,7 +339,7 @@ class ShardedLlama:
         a2 = self.norm(x, p + "ffn_norm.weight", (b, s, i, "ffn"))
         g = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w1.weight"))]
         u = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w3.weight"))]
-        act = gelu_tanh if m.mlp == "geglu_tanh" else (lambda z: z * sigmoid(z))
+        act, _ = ACTIVATIONS[m.mlp]
         hmid = [act(gi) * ui for gi, ui in zip(g, u)]
         mlp_out = self.row_out([hi @ wi.T for hi, wi in zip(hmid, self.w(p + "feed_forward.w2.weight"))])
         if m.sandwich_norm:
@@ -371,33 +393,43 @@ class ShardedLlama:
 
     def block_back(self, i, dx, b, s):
         m, p = self.m, f"layers.{i}."
-        if m.qk_norm or m.sandwich_norm or m.mlp != "swiglu" or len(self.ropes) > 1 or m.attn_scale or m.embed_scale != 1:
-            raise NotImplementedError("the oracle's backward covers Llama / Qwen2 blocks only")
         d = m.head_size
         a, q, k, v, kv_of, copies, probs, o, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
-        # MLP
-        dy = self.row_out_back(dx)
+        # MLP (its sandwich norm first: it normed the MLP's output on the residual stream's rows)
+        dy = dx
+        if m.sandwich_norm:
+            dy = self.norm_back(dy, p + "ffn_out_norm.weight", (b, s, i, "ffn_out"))
+        dy = self.row_out_back(dy)
         w2 = self.w(p + "feed_forward.w2.weight")
         self.add_grad(p + "feed_forward.w2.weight", [dyi.T @ hi for dyi, hi in zip(dy, hmid)])
         dh = [dyi @ wi for dyi, wi in zip(dy, w2)]
-        sg = [sigmoid(gi) for gi in g]
-        dg = [dhi * ui * (si + gi * si * (1 - si)) for dhi, ui, si, gi in zip(dh, u, sg, g)]
-        du = [dhi * gi * si for dhi, gi, si in zip(dh, g, sg)]
+        act, act_back = ACTIVATIONS[m.mlp]
+        dg = [dhi * ui * act_back(gi) for dhi, ui, gi in zip(dh, u, g)]
+        du = [dhi * act(gi) for dhi, gi in zip(dh, g)]
         self.add_grad(p + "feed_forward.w1.weight", [dgi.T @ ai for dgi, ai in zip(dg, a2)])
         self.add_grad(p + "feed_forward.w3.weight", [dui.T @ ai for dui, ai in zip(du, a2)])
         da2 = self.column_in_back([dgi @ w1 + dui @ w3 for dgi, dui, w1, w3 in zip(
             dg, du, self.w(p + "feed_forward.w1.weight"), self.w(p + "feed_forward.w3.weight"))])
         dx = [dxi + gi for dxi, gi in zip(dx, self.norm_back(da2, p + "ffn_norm.weight", (b, s, i, "ffn")))]
         # attention
-        dy = self.row_out_back(dx)
+        dy = dx
+        if m.sandwich_norm:
+            dy = self.norm_back(dy, p + "attention_out_norm.weight", (b, s, i, "attn_out"))
+        dy = self.row_out_back(dy)
         wo = self.w(p + "attention.wo.weight")
         self.add_grad(p + "attention.wo.weight", [dyi.T @ oi for dyi, oi in zip(dy, o)])
         do = [heads(dyi @ wi, d, b, s) for dyi, wi in zip(dy, wo)]
         back = each(attention_back, do, q, k, v, probs, kv_of)
-        dq = [self.rope.back(dqi / np.float32(math.sqrt(d))) for dqi, _, _ in back]
+        rope, scale = self.ropes[self.layer_kind[i]], np.float32(m.attn_scale or 1.0 / math.sqrt(d))
+        dq = [rope.back(dqi * scale) for dqi, _, _ in back]
         # repeat_kv's backward sums a rank's copies (the copies other ranks hold: the tp_rep sum below)
-        dk = [self.rope.back(dki.reshape(b, -1, c, s, d).sum(2)) for (_, dki, _), c in zip(back, copies)]
+        dk = [rope.back(dki.reshape(b, -1, c, s, d).sum(2)) for (_, dki, _), c in zip(back, copies)]
         dv = [dvi.reshape(b, -1, c, s, d).sum(2) for (_, _, dvi), c in zip(back, copies)]
+        if m.qk_norm:  # per head; the replicated weights' gradients are partial over the ranks' heads
+            for which, grads in (("q", dq), ("k", dk)):
+                out = each(rmsnorm_back, grads, self.caches.pop(((b, s, i), f"{which}_norm")))
+                grads[:] = [gi for gi, _ in out]
+                self.add_grad(p + f"attention.{which}_norm.weight", self.ranks.all_reduce([dw for _, dw in out]))
         da = [np.zeros_like(ai) for ai in a]
         for name, grads in (("wq", dq), ("wk", dk), ("wv", dv)):
             flat = [merge(gi) for gi in grads]

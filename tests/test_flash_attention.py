@@ -161,7 +161,7 @@ def test_converted_128k_context_is_kept_and_costs_nothing_until_used():
     """An HF config's own context (131,072) survives conversion; the model holds no per-position
     table, RoPE rows at position 100,000 are HF's (cos / sin of the fp32 angle), and since RoPE is
     relative, three tokens at positions 100,000.. give the logits they give at 0.. (a clamped or
-    wrapped position would not)."""
+    wrapped position would not); the exported ONNX graph holds no table either and agrees there."""
     from interop.hf_config import to_model_config
 
     hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
@@ -182,6 +182,20 @@ def test_converted_128k_context_is_kept_and_costs_nothing_until_used():
     angles = np.concatenate([angles, angles], -1).astype(np.float64)
     np.testing.assert_allclose(cos.asnumpy(), np.cos(angles), atol=1e-6)
     np.testing.assert_allclose(sin.asnumpy(), np.sin(angles), atol=1e-6)
+
+    # The ONNX cached graph computes RoPE from positions too: no table, the same logits at 100,000.
+    import onnx_ir as ir
+    import onnxruntime as ort
+    from graph_opt.onnx_llama import build_graph
+    weights = {p.name: p.asnumpy() for p in model.trainable_params()}
+    graph = build_graph(cfg, weights, "cached")
+    extra = sum(v.const_value.size for k, v in graph.graph.initializers.items() if k not in weights)
+    assert extra == cfg.head_size // 2  # the inverse frequencies
+    session = ort.InferenceSession(ir.to_proto(graph).SerializeToString(), providers=["CPUExecutionProvider"])
+    empty = np.zeros((1, 1, cfg.num_kv_heads, t, cfg.head_size), np.float32)
+    onnx_far = session.run(None, {"input_ids": np.array([[5, 6, 7]]), "past_keys": empty, "past_values": empty,
+                                  "start": np.array([0]), "pad": np.array([-100000])})[0]
+    np.testing.assert_allclose(onnx_far, far.asnumpy(), rtol=1e-4, atol=1e-5 * np.abs(far.asnumpy()).max())
 
 
 def test_document_windows_restart_at_each_eos():

@@ -160,8 +160,9 @@ def forward_loss(params, m, sh, ids, labels):
 
 
 def test_gemma_like_oracle_at_one_rank_is_msllms_llama():
-    """The oracle's Gemma-3-like forward is msllm's (MindSpore, PyNative), and its window and RoPE
-    bases matter: the same weights with only full layers give another loss."""
+    """The oracle's Gemma-3-like model is msllm's (MindSpore, PyNative): loss and every gradient, the
+    q/k and sandwich norms', GeGLU's and the scaled embedding's included. Its window and RoPE bases
+    matter: the same weights with only full layers give another loss."""
     import mindspore as ms
     from mindspore import Tensor
     from msllm.models.llama import CausalLMLoss, Llama
@@ -170,12 +171,17 @@ def test_gemma_like_oracle_at_one_rank_is_msllms_llama():
     m = gemma_like()
     params = init_params(m, seed=7)
     ids, labels = batch(m, b=2)
-    ours = forward_loss(params, m, L.sharding(m, ParallelConfig()), ids, labels)
+    ours, ref_grads = reference(params, m, ids, labels)
     model = Llama(m)
     for name, p in model.parameters_and_names():
         p.set_data(Tensor(params[name]))
-    want = float(CausalLMLoss()(model(Tensor(ids.astype(np.int32))), Tensor(labels.astype(np.int32))))
-    assert abs(ours - want) <= 1e-5 * want
+    loss_fn, weights = CausalLMLoss(), model.trainable_params()
+    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, weights)
+    want, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
+    assert abs(ours - float(want)) <= 1e-5 * float(want)
+    assert {p.name for p in weights} == set(ref_grads)
+    for p, g in zip(weights, grads):
+        assert rel(ref_grads[p.name], g.asnumpy()) <= 1e-4, (p.name, rel(ref_grads[p.name], g.asnumpy()))
     full = gemma_like(layer_types=["full", "full"])
     assert abs(forward_loss(params, full, L.sharding(full, ParallelConfig()), ids, labels) - ours) > 1e-3 * ours
 
@@ -185,18 +191,19 @@ def test_gemma_like_oracle_at_one_rank_is_msllms_llama():
     (1, 1, 2, True),    # one KV head held by both ranks (tp_rep 2), sequence parallel sandwich norms
     (2, 2, 2, True),    # dp x tp
 ])
-def test_gemma_like_sharded_forward_equals_unsharded(kv, dp, tp, sp):
+def test_gemma_like_sharded_forward_and_backward_equal_unsharded(kv, dp, tp, sp):
     """A Gemma-3-like model computed as the layout splits it (the q/k norm rows' heads checked against
-    each rank's projection slices inside the oracle) gives the unsplit loss. Forward only: the
-    oracle's backward covers Llama / Qwen2 blocks."""
+    each rank's projection slices inside the oracle) gives the unsplit loss, and every rank the unsplit
+    gradient's slice: the q/k norm weights' gradients summed over the ranks' heads, the sandwich
+    norms' over the sequence-parallel rows."""
     m = gemma_like(num_kv_heads=kv)
     params = init_params(m, seed=8)
     ids, labels = batch(m)
-    ref = forward_loss(params, m, L.sharding(m, ParallelConfig()), ids, labels)
+    ref_loss, ref_grads = reference(params, m, ids, labels)
     sh = L.sharding(m, ParallelConfig(dp=dp, tp=tp, sequence_parallel=sp))
-    assert abs(forward_loss(params, m, sh, ids, labels) - ref) <= 1e-5 * ref
-    with pytest.raises(NotImplementedError):
-        loss_and_grads(params, m, sh, ids, labels)
+    loss, model = loss_and_grads(params, m, sh, ids, labels)
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+    assert_ranks_hold_the_reference(model, ref_grads, sh)
 
 
 def test_moe_dispatch_groups_are_each_ranks_tokens_cut_to_bound_the_one_hot_masks():
