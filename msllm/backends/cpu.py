@@ -11,7 +11,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from msllm.models import llama
+from msllm.models import llama, moe
 from msllm.models.llama import cast, split_heads
 from msllm.models.mla import MLA
 
@@ -140,12 +140,14 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
             else:
                 cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels
                                           else SoftmaxAttention(n, kv))
-        elif isinstance(cell, llama.FeedForward):
+        elif isinstance(cell, (llama.FeedForward, moe.Experts)):
             geglu = cell.activation == "geglu_tanh"
             if fused_fp32 or decode_kernels:
                 cell.act = kernels.FusedGeGLU() if geglu else kernels.FusedSwiGLU()
             else:
                 cell.act = llama.GeGLU() if geglu else llama.SwiGLU()
+            if isinstance(cell, moe.Experts):  # BlockDispatch's blocks: each expert's weights read once
+                cell.grouped = kernels.GroupedMatmul() if fused_fp32 and kernels.has_sgemm() else moe.GatheredMatmul()
         elif isinstance(cell, llama.Linear) and decode_kernels:
             cell.matmul = kernels.LinearFewRows()
     model.broadcast_tables = training and not fused_tables

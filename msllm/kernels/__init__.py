@@ -1,4 +1,4 @@
-"""Fused CPU kernels (C++: cpu_kernels.cc, flash_attention.cc) as MindSpore AOT Custom ops.
+"""Fused CPU kernels (C++: cpu_kernels.cc, flash_attention.cc, grouped_matmul.cc) as MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -35,7 +35,7 @@ from msllm.staged import cache_root
 from msllm.backends.cpu import SoftmaxAttention
 from msllm.models.llama import cast
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cc", "flash_attention.cc")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cc", "flash_attention.cc", "grouped_matmul.cc")]
 HEADERS = [Path(__file__).with_name("common.h")]
 # -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
 FLAGS = ["-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
@@ -111,6 +111,16 @@ def enabled(mode: str = "auto") -> bool:
     """Whether to use the fused kernels: mode auto on the CPU backend with g++ present."""
     return (mode == "auto" and ms.get_context("device_target") == "CPU"
             and (library_path().exists() or shutil.which("g++") is not None))
+
+
+def has_sgemm() -> bool:
+    """Whether MindSpore's CPU backend carries oneDNN's dnnl_sgemm, which GroupedMatmul calls (its
+    libdnnl.so.3, loaded with the backend)."""
+    import ctypes
+    try:
+        return hasattr(ctypes.CDLL(str(Path(ms.__file__).parent / "lib" / "libdnnl.so.3")), "dnnl_sgemm")
+    except OSError:
+        return False
 
 
 def _one_float(*_):
@@ -300,3 +310,22 @@ class FlashAttention(nn.Cell):
         out, lse = self.attention(cast(q, ms.float32), cast(k, ms.float32), cast(v, ms.float32), slot, q_seg, k_seg,
                                   window)
         return cast(out, q.dtype), lse
+
+
+class GroupedMatmul(nn.Cell):
+    """xs [B, n, in] @ w[ids]^T -> [B, n, out]: block i of rows times expert ids[i]'s weights (w [E, out,
+    in]), each run of adjacent blocks of one expert as one GEMM that reads the expert's weights once,
+    forward and backward (grouped_matmul.cc); see msllm.models.moe.GatheredMatmul. Runs in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        grad = _aot("GroupedMatmulGrad", lambda x, w, ids, dy: (x, w), lambda x, w, ids, dy: (x, w))
+
+        def bprop(xs, w, ids, out, dout):
+            dx, dw = grad(xs, w, ids, dout)
+            return dx, dw, ops.zeros_like(ids)
+
+        self.matmul = _aot("GroupedMatmul", lambda x, w, ids: [x[0], x[1], w[1]], bprop=bprop)
+
+    def construct(self, xs, w, ids):
+        return cast(self.matmul(cast(xs, ms.float32), cast(w, ms.float32), ids), xs.dtype)

@@ -2,6 +2,7 @@
 // parallel loops and the vectorizable exp / dot helpers. Inline, so each exists once in the library.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <condition_variable>
@@ -93,6 +94,18 @@ void parallel_for(int64_t n, Fn fn, int64_t grain = 1 << 16) {
   const int64_t chunk = (n + threads - 1) / threads;
   auto run_chunk = [&](int t) { fn(std::min(n, t * chunk), std::min(n, (t + 1) * chunk), t); };
   if (threads == 1 || !pool().Run(threads, run_chunk)) fn(0, n, 0);
+}
+
+// Runs fn(unit, thread) for unit in [0, units), units handed out one at a time (for units that differ
+// in cost), thread in [0, pool size). Falls back to the calling thread when the pool is busy.
+template <typename Fn>
+void run_units(int64_t units, Fn fn) {
+  std::atomic<int64_t> next{0};
+  auto work = [&](int thread) {
+    for (int64_t u = next++; u < units; u = next++) fn(u, thread);
+  };
+  const int threads = static_cast<int>(std::min<int64_t>(pool().size(), units));
+  if (threads <= 1 || !pool().Run(threads, work)) work(0);
 }
 
 // Runs fn(k, lo, hi, t) over the elements of n tensors laid end to end ([lo, hi) within tensor

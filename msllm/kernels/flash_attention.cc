@@ -12,7 +12,6 @@
 // probabilities are 0 in backward). Keys after the last query's slot are never read, so a decode
 // step reads only the filled part of a static cache.
 // GQA: query head h reads KV head h / (heads / kv_heads); K and V are never repeated.
-#include <atomic>
 #include <limits>
 
 #include "common.h"
@@ -24,18 +23,6 @@ namespace {
 constexpr int64_t kQueryBlock = 48;  // query rows per work unit (a multiple of accumulate's 3 or 6 outputs)
 constexpr int64_t kKeyBlock = 64;    // keys per block (a [kKeyBlock, d] slice of K and V stays in L1/L2)
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// Runs fn(unit, thread) for unit in [0, units), units handed out one at a time (causal units differ
-// in cost), thread in [0, pool size). Falls back to the calling thread when the pool is busy.
-template <typename Fn>
-void run_units(int64_t units, Fn fn) {
-  std::atomic<int64_t> next{0};
-  auto work = [&](int thread) {
-    for (int64_t u = next++; u < units; u = next++) fn(u, thread);
-  };
-  const int threads = static_cast<int>(std::min<int64_t>(pool().size(), units));
-  if (threads <= 1 || !pool().Run(threads, work)) work(0);
-}
 
 // The index inputs: q_slot [s], q_seg [s] or [b, s], k_seg [t] or [b, t] (int32; 1-D: shared by
 // the batch); window [1].

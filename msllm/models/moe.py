@@ -106,6 +106,8 @@ class Experts(nn.Cell):
         self.w2 = Parameter(initializer("zeros", (e, h, f), ms.float32), name="w2")   # down
         self.w3 = Parameter(initializer("zeros", (e, f, h), ms.float32), name="w3")   # up
         self.matmul = ops.BatchMatMul(transpose_b=True)
+        self.grouped = GatheredMatmul()
+        self.activation = cfg.mlp
         self.act = ACTIVATIONS[cfg.mlp]()
 
     def construct(self, xs, ids=None):
@@ -115,9 +117,24 @@ class Experts(nn.Cell):
         """The experts' maths with weights w1, w2, w3 (their own, or LoRA-adapted: msllm.lora.LoRAExperts),
         each batch of xs with the expert ids names (None: batch e is expert e)."""
         if ids is not None:
-            w1, w2, w3 = ops.gather(w1, ids, 0), ops.gather(w2, ids, 0), ops.gather(w3, ids, 0)
+            hidden = self.act(self.grouped(xs, w1, ids), self.grouped(xs, w3, ids))
+            return self.grouped(hidden, w2, ids)
         hidden = self.act(self.matmul(xs, cast(w1, xs.dtype)), self.matmul(xs, cast(w3, xs.dtype)))
         return self.matmul(hidden, cast(w2, xs.dtype))
+
+
+class GatheredMatmul(nn.Cell):
+    """xs [B, n, in] @ w[ids]^T -> [B, n, out]: block i of rows times expert ids[i]'s weights (w [E, out,
+    in]), with each block's weights gathered: the portable form. On CPU the backend swaps in
+    msllm.kernels.GroupedMatmul, which reads each expert's weights once and scatters no weight-sized
+    gradient per block."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmul = ops.BatchMatMul(transpose_b=True)
+
+    def construct(self, xs, w, ids):
+        return self.matmul(xs, cast(ops.gather(w, ids, 0), xs.dtype))
 
 
 def choices(chosen, num_experts: int):
