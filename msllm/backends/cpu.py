@@ -12,6 +12,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from msllm.models import llama, moe
+from msllm.models.layouts import BLOCK_ROWS, GROUPED_BLOCK_ROWS
 from msllm.models.llama import cast, split_heads
 from msllm.models.mla import MLA
 
@@ -123,6 +124,7 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
     fused_tables = fused_fp32 and not per_sample_tables
     if fused or decode_kernels or flash:
         from msllm import kernels
+    grouped_kernel = fused_fp32 and kernels.has_sgemm()
     if decode_kernels:  # one-token decode steps: a matmul of a few rows reads each weight once
         model.lm_matmul = kernels.LinearFewRows()
     for cell in [cell for _, cell in model.cells_and_names()]:
@@ -147,7 +149,9 @@ def specialise(model: llama.Llama, *, fused: bool, share_blocks: bool, training:
             else:
                 cell.act = llama.GeGLU() if geglu else llama.SwiGLU()
             if isinstance(cell, moe.Experts):  # BlockDispatch's blocks: each expert's weights read once
-                cell.grouped = kernels.GroupedMatmul() if fused_fp32 and kernels.has_sgemm() else moe.GatheredMatmul()
+                cell.grouped = kernels.GroupedMatmul() if grouped_kernel else moe.GatheredMatmul()
+        elif isinstance(cell, moe.BlockDispatch):  # the kernel needs no big blocks: it gathers no weights
+            cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
         elif isinstance(cell, llama.Linear) and decode_kernels:
             cell.matmul = kernels.LinearFewRows()
     model.broadcast_tables = training and not fused_tables

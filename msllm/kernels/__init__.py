@@ -328,4 +328,4 @@ class GroupedMatmul(nn.Cell):
         self.matmul = _aot("GroupedMatmul", lambda x, w, ids: [x[0], x[1], w[1]], bprop=bprop)
 
     def construct(self, xs, w, ids):
-        return cast(self.matmul(cast(xs, ms.float32), cast(w, ms.float32), ids), xs.dtype)
+        return cast(self.matmul(cast(xs, ms.float32), cast(w, ms.float32), ids.astype(ms.int32)), xs.dtype)

@@ -488,8 +488,11 @@ def _flash_problems(op: Op, sh: Sharding, shapes: list[tuple[int, ...]]) -> list
 
 # Tokens per MoE dispatch group (about): GroupedCapacityDispatch's one-hot masks grow with their square
 DISPATCH_GROUP_TOKENS = 1024
-# Rows per block of BlockDispatch (dropless training): 64 was no faster on CPU (more weight gathers)
+# Rows per block of BlockDispatch (dropless training). With each block's weights gathered (the portable
+# GatheredMatmul) 64 was no faster on CPU than 128: more gathers. The CPU kernel (GroupedMatmul) reads
+# each expert's weights once however many blocks it has, so its blocks are small: less padding.
 BLOCK_ROWS = 128
+GROUPED_BLOCK_ROWS = 32
 
 
 def dispatch_groups(dp: int, tokens_per_rank: int) -> int:

@@ -173,8 +173,9 @@ class MoECost:
         factor = t.moe_capacity_factor
         if factor > 0:
             rows = factor * m.experts_per_token
-        elif t.moe_dropless == "blocks":  # BlockDispatch: at most ceil(N k / block) + E blocks of rows
-            rows = (-(-tokens_per_rank * m.experts_per_token // L.BLOCK_ROWS) + m.num_experts) * L.BLOCK_ROWS / tokens_per_rank
+        elif t.moe_dropless == "blocks":  # BlockDispatch: at most ceil(N k / block) + E blocks of rows (CPU kernel's)
+            block = L.GROUPED_BLOCK_ROWS
+            rows = (-(-tokens_per_rank * m.experts_per_token // block) + m.num_experts) * block / tokens_per_rank
         else:
             rows = float(m.num_experts)
         masks = 0.0
