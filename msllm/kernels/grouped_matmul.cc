@@ -31,28 +31,34 @@ struct Run {
   int64_t expert, first, rows;  // rows [first, first + rows) of the flat [B * n] rows are expert's
 };
 
-std::vector<Run> runs_of(const int32_t *ids, int64_t blocks, int64_t n) {
+// The inputs both kernels read: x [B, n, in], w [E, out, in], ids [B]; the runs of adjacent blocks of
+// one expert, and their row chunks (the pool's work units).
+struct Grouped {
+  int64_t blocks, n, in, experts, out;
+  const float *x, *w;
+  const int32_t *ids;
   std::vector<Run> runs;
-  for (int64_t i = 0; i < blocks; ++i) {
-    if (runs.empty() || runs.back().expert != ids[i]) runs.push_back({ids[i], i * n, 0});
-    runs.back().rows += n;
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (run, first row within it), kChunkRows each
+  bool valid = true;                                 // every id names an expert
+
+  Grouped(void **params, int64_t **shapes)
+      : blocks(shapes[0][0]), n(shapes[0][1]), in(shapes[0][2]), experts(shapes[1][0]), out(shapes[1][1]),
+        x(static_cast<const float *>(params[0])), w(static_cast<const float *>(params[1])),
+        ids(static_cast<const int32_t *>(params[2])) {
+    for (int64_t i = 0; i < blocks; ++i) {
+      valid = valid && ids[i] >= 0 && ids[i] < experts;
+      if (runs.empty() || runs.back().expert != ids[i]) runs.push_back({ids[i], i * n, 0});
+      runs.back().rows += n;
+    }
+    for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
+      for (int64_t lo = 0; lo < runs[r].rows; lo += kChunkRows) chunks.push_back({r, lo});
   }
-  return runs;
-}
 
-// Row chunks of the runs: (run, first row within it), kChunkRows each.
-std::vector<std::pair<int64_t, int64_t>> chunks_of(const std::vector<Run> &runs) {
-  std::vector<std::pair<int64_t, int64_t>> chunks;
-  for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
-    for (int64_t lo = 0; lo < runs[r].rows; lo += kChunkRows) chunks.push_back({r, lo});
-  return chunks;
-}
-
-bool ids_valid(const int32_t *ids, int64_t blocks, int64_t experts) {
-  for (int64_t i = 0; i < blocks; ++i)
-    if (ids[i] < 0 || ids[i] >= experts) return false;
-  return true;
-}
+  // Chunk u's expert weights [out, in], first flat row and row count.
+  const float *weights(int64_t u) const { return w + runs[chunks[u].first].expert * out * in; }
+  int64_t row(int64_t u) const { return runs[chunks[u].first].first + chunks[u].second; }
+  int64_t rows(int64_t u) const { return std::min(kChunkRows, runs[chunks[u].first].rows - chunks[u].second); }
+};
 
 }  // namespace
 
@@ -60,18 +66,12 @@ bool ids_valid(const int32_t *ids, int64_t blocks, int64_t experts) {
 extern "C" int GroupedMatmul(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
   const Sgemm gemm = sgemm();
-  const int64_t blocks = shapes[0][0], n = shapes[0][1], in = shapes[0][2], experts = shapes[1][0];
-  const int64_t out = shapes[1][1];
-  const auto *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
-  const auto *ids = static_cast<const int32_t *>(params[2]);
+  const Grouped g(params, shapes);
   auto *y = static_cast<float *>(params[3]);
-  if (!gemm || !ids_valid(ids, blocks, experts)) return 1;
-  const auto runs = runs_of(ids, blocks, n);
-  const auto chunks = chunks_of(runs);
-  run_units(chunks.size(), [&](int64_t u, int) {
-    const Run &run = runs[chunks[u].first];
-    const int64_t row = run.first + chunks[u].second, rows = std::min(kChunkRows, run.rows - chunks[u].second);
-    gemm('N', 'T', rows, out, in, 1.f, x + row * in, in, w + run.expert * out * in, in, 0.f, y + row * out, out);
+  if (!gemm || !g.valid) return 1;
+  run_units(g.chunks.size(), [&](int64_t u, int) {
+    gemm('N', 'T', g.rows(u), g.out, g.in, 1.f, g.x + g.row(u) * g.in, g.in, g.weights(u), g.in, 0.f,
+         y + g.row(u) * g.out, g.out);
   });
   return 0;
 }
@@ -83,37 +83,31 @@ extern "C" int GroupedMatmul(int nparam, void **params, int *ndims, int64_t **sh
 extern "C" int GroupedMatmulGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                  void *stream, void *extra) {
   const Sgemm gemm = sgemm();
-  const int64_t blocks = shapes[0][0], n = shapes[0][1], in = shapes[0][2], experts = shapes[1][0];
-  const int64_t out = shapes[1][1];
-  const auto *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
-  const auto *ids = static_cast<const int32_t *>(params[2]);
+  const Grouped g(params, shapes);
   const auto *dy = static_cast<const float *>(params[3]);
   auto *dx = static_cast<float *>(params[4]), *dw = static_cast<float *>(params[5]);
-  if (!gemm || !ids_valid(ids, blocks, experts)) return 1;
-  const auto runs = runs_of(ids, blocks, n);
-  const auto chunks = chunks_of(runs);
-  std::vector<std::vector<int64_t>> runs_of_expert(experts);
-  for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r) runs_of_expert[runs[r].expert].push_back(r);
-  const int64_t out_chunks = (out + kChunkRows - 1) / kChunkRows;
-  // units: the dx row chunks, then (expert, output-row chunk) of dw
-  run_units(chunks.size() + experts * out_chunks, [&](int64_t u, int) {
-    if (u < static_cast<int64_t>(chunks.size())) {
-      const Run &run = runs[chunks[u].first];
-      const int64_t row = run.first + chunks[u].second, rows = std::min(kChunkRows, run.rows - chunks[u].second);
-      gemm('N', 'N', rows, in, out, 1.f, dy + row * out, out, w + run.expert * out * in, in, 0.f, dx + row * in, in);
+  if (!gemm || !g.valid) return 1;
+  const int64_t dx_units = g.chunks.size(), out_chunks = (g.out + kChunkRows - 1) / kChunkRows;
+  std::vector<std::vector<int64_t>> runs_of_expert(g.experts);
+  for (int64_t r = 0; r < static_cast<int64_t>(g.runs.size()); ++r) runs_of_expert[g.runs[r].expert].push_back(r);
+  run_units(dx_units + g.experts * out_chunks, [&](int64_t u, int) {
+    if (u < dx_units) {
+      gemm('N', 'N', g.rows(u), g.in, g.out, 1.f, dy + g.row(u) * g.out, g.out, g.weights(u), g.in, 0.f,
+           dx + g.row(u) * g.in, g.in);
       return;
     }
-    u -= chunks.size();
-    const int64_t e = u / out_chunks, o0 = u % out_chunks * kChunkRows, o_rows = std::min(kChunkRows, out - o0);
-    float *dw_rows = dw + (e * out + o0) * in;
+    u -= dx_units;  // (expert, chunk of its output rows) of dw
+    const int64_t e = u / out_chunks, o0 = u % out_chunks * kChunkRows, o_rows = std::min(kChunkRows, g.out - o0);
+    float *dw_rows = dw + (e * g.out + o0) * g.in;
     if (runs_of_expert[e].empty()) {
-      std::fill(dw_rows, dw_rows + o_rows * in, 0.f);
+      std::fill(dw_rows, dw_rows + o_rows * g.in, 0.f);
       return;
     }
     float beta = 0.f;
     for (const int64_t r : runs_of_expert[e]) {
-      gemm('T', 'N', o_rows, in, runs[r].rows, 1.f, dy + runs[r].first * out + o0, out, x + runs[r].first * in, in,
-           beta, dw_rows, in);
+      const Run &run = g.runs[r];
+      gemm('T', 'N', o_rows, g.in, run.rows, 1.f, dy + run.first * g.out + o0, g.out, g.x + run.first * g.in, g.in,
+           beta, dw_rows, g.in);
       beta = 1.f;
     }
   });
