@@ -57,6 +57,55 @@ def test_msllm_engine_generates_what_transformers_does(converted, case):
     assert generate(cell_engine(model), [prompt], NEW_TOKENS).ids == [want]
 
 
+GEMMA_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+              "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+              "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_chat_uses_the_familys_template_and_end_of_turn(corpus, tmp_path):
+    """A Gemma 3 checkpoint carrying a template in Gemma's turn format (it opens with bos_token) and two
+    end ids in generation_config.json (<|endoftext|>, <end_of_turn>): the prompt msllm renders is the one
+    transformers' apply_chat_template renders, the end ids are the checkpoint's, and the greedy reply
+    under them is transformers' generate."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from msllm import chat
+    from msllm.data.tokenizer import EOS
+
+    hf = tmp_path / "hf"
+    model = build("gemma3")
+    model.save_pretrained(hf)
+    path = save_tokenizer(hf, [f.read_text() for f in sorted(corpus.glob("*.py"))[:3]], vocab_size=297,
+                          chat_template=GEMMA_CHAT)
+    tok = Tokenizer.from_file(str(path))
+    tok.add_special_tokens(["<bos>", "<start_of_turn>", "<end_of_turn>"])  # ids 297-299 of the model's 300
+    tok.save(str(path))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": EOS,
+                                                          "chat_template": GEMMA_CHAT}))
+    ends = [tok.token_to_id(EOS), tok.token_to_id("<end_of_turn>")]
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": ends, "bos_token_id": 297}))
+    convert(hf, tmp_path / "msllm", progress=False)
+
+    device.setup("cpu", "pynative")  # a 16-token reply of a tiny model: no graph compile needed
+    cfg, ours, tokenizer, conventions = load_run(tmp_path / "msllm")
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    text = chat.render(conventions, messages, "x")
+    theirs = PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<bos>", eos_token=EOS)
+    assert text == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, chat_template=GEMMA_CHAT)
+    assert text.startswith("<bos><start_of_turn>user\n") and conventions.eos_ids == ends
+    prompt = tokenizer.encode(text, add_special_tokens=False).ids
+    assert prompt[0] == 297 and prompt == theirs.encode(text, add_special_tokens=False)
+    reply = generate(cell_engine(ours), [prompt], NEW_TOKENS, eos_ids=conventions.eos_ids)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=ends,
+                             pad_token_id=ends[0])[0, len(prompt):].tolist()
+    end = next((i for i, t in enumerate(out) if t in ends), len(out))  # transformers keeps the end id
+    assert reply.ids[0] == out[:end] and reply.stopped[0] == ("eos" if end < len(out) else "length")
+
+
 # MindIR exports the model's own Cells (what the msllm engine test runs), so one model with dense
 # and MoE layers suffices there. The ONNX graphs are written op by op: Gemma 3 has every
 # dense-family op (q/k norms, offset and sandwich norms, GeGLU, two attention kinds, scales),
@@ -92,7 +141,8 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
 BY_HAND = pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): beyond CI's budget")
 
 
-@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", pytest.param("mistral_window", marks=BY_HAND)])
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", pytest.param("mistral_window", marks=BY_HAND),
+                                  pytest.param("mixtral", marks=BY_HAND)])
 def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case, monkeypatch):
     """train --init-from on packed SFT rows (windowed masks per sample) with LoRA on every projection,
     merged, converted back to HF: transformers computes the merged model. Gemma 3's adapter also
@@ -114,7 +164,7 @@ def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corp
               "train.steps": 4, "train.batch_size": 2, "train.eval_every": 4, "train.ckpt_every": 4,
               "train.sample_tokens": 0, "optim.lr": 1e-2, "optim.warmup_steps": 0, "lora.rank": 4,
               "lora.targets": "[q, k, v, o, gate, up, down]"}
-    if case == "qwen3_moe":  # layer 1's experts; PEFT takes gate / up / down as the experts' (below)
+    if case in ("qwen3_moe", "mixtral"):  # the experts; PEFT takes gate / up / down as the experts' (below)
         values["lora.targets"] = "[q, k, v, o, experts_gate, experts_up, experts_down]"
     args = ["train", "--init-from", str(folder / "hf")] + [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     assert main([str(a) for a in args]) == 0
