@@ -100,7 +100,6 @@ def small_disk(tmp_path):
 
 def leave_free(disk: Path, nbytes: int) -> None:
     """Fill `disk` with a file so that only about `nbytes` stay free."""
-
     (disk / "filler").write_bytes(b"\0" * max(0, shutil.disk_usage(disk).free - nbytes))
 
 

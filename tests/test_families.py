@@ -148,7 +148,7 @@ def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corp
     merged, converted back to HF: transformers computes the merged model. Gemma 3's adapter also
     exports to PEFT, and Qwen3-MoE's with adapters on its experts (PEFT's LoRA on parameters); Phi-3's
     q/k/v and gate/up live inside fused projections, which PEFT cannot hold. Qwen3 and Mistral (with
-    its window; by hand) take the same path as Gemma 3."""
+    its window; by hand) take the same path as Gemma 3, Mixtral (by hand) the one of Qwen3-MoE."""
     import json
 
     from transformers import AutoModelForCausalLM

@@ -304,7 +304,7 @@ class BlockDispatch(Dispatch):
         rows = gather_rows(x, slot, k, blocks * b).reshape(blocks, b, h)
         # block i is expert j's while ends[j - 1] <= i < ends[j]; blocks past the last are empty (any expert)
         index = ops.arange(0, blocks, dtype=ms.int32).reshape(-1, 1)
-        ids = ops.minimum(ops.sum((ends.reshape(1, -1) <= index).astype(ms.int32), 1), e - 1).astype(ms.int32)
+        ids = ops.minimum(ops.sum((ends.reshape(1, -1) <= index).astype(ms.int32), 1), e - 1)
         return rows, (slot, weights.reshape(-1), k, ids)
 
     def block_ids(self, route):
