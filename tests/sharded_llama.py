@@ -17,6 +17,11 @@ core): its q and K/V head slices (after repeat_kv) checked against what the rank
 hold, so no data moves between them, and its query heads grouped onto its K/V heads by the
 primitive's own GQA rule within the rank (local head j reads local K/V head j // (n1 / n2)).
 
+Context parallel (Ascend's ring attention, sh.cp > 1): a rank's rows are its chunk of its replica's
+one sequence (the table's batch cut over dp x cp), its RoPE at those positions, and its attention
+the ring's steps over the cp group's K/V chunks in natural order with the online-softmax merge,
+its dK / dV shares carried back to each chunk's owner; weight gradients are summed over dp x cp.
+
 The Gemma 3 / Qwen3 parts, forward and backward: q/k norms on the heads each rank holds, where the
 table's q/k norm rows put them (checked against the rank's wq / wk slices; their replicated weights'
 gradients summed over the ranks), sandwich norms on the residual stream, (offset + w) norms, GeGLU,
@@ -48,12 +53,12 @@ def init_params(m: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 class Ranks:
-    """The dp x tp ranks of the mesh, in rank order (dp, tp_kv, tp_rep)."""
+    """The dp x cp x tp ranks of the mesh, in rank order (dp, cp, tp_kv, tp_rep)."""
 
     def __init__(self, sh: L.Sharding):
         self.sh = sh
-        self.coords = [{"dp": i, "tp_kv": j, "tp_rep": k}
-                       for i in range(sh.dp) for j in range(sh.tp_kv) for k in range(sh.tp_rep)]
+        self.coords = [{"dp": i, "cp": c, "tp_kv": j, "tp_rep": k} for i in range(sh.dp) for c in range(sh.cp)
+                       for j in range(sh.tp_kv) for k in range(sh.tp_rep)]
 
     def groups(self, axes):
         """Ranks that differ only along `axes`, each group in chunk order."""
@@ -150,9 +155,11 @@ def causal_mask(s: int, window: int) -> np.ndarray:
 
 
 class Rope:
-    def __init__(self, m: ModelConfig, s: int, theta: float | None = None, scaling: dict | None = None):
+    """RoPE at `positions` (a rank's rows of the sequence)."""
+
+    def __init__(self, m: ModelConfig, positions: np.ndarray, theta: float | None = None, scaling: dict | None = None):
         cos, sin = rope_tables(m, theta, scaling)
-        self.cos, self.sin, self.rot = cos[:s], sin[:s], rotate_half_matrix(m.head_size)
+        self.cos, self.sin, self.rot = cos[positions], sin[positions], rotate_half_matrix(m.head_size)
 
     def __call__(self, x):  # [b, n, s, d]
         return x * self.cos + (x @ self.rot) * self.sin
@@ -180,6 +187,54 @@ def attention_back(do, q, k, v, p, kv_of):
     return dq, dk, dv
 
 
+def ring_attention(q, ks, vs, kv_of, own):
+    """Rank `own` of a cp ring as MindSpore's ring attention runs it: q [b, nq, c, d] (scaled) its chunk
+    of the sequence in natural order, ks / vs the K/V chunks in chunk order, visited as they arrive
+    around the ring (own, own - 1, ..); a chunk after its own is hidden by causality, its own chunk is
+    causal, earlier chunks whole. Online softmax: a running row max and sum, the output rescaled as
+    each chunk merges. Returns (o, row log-sum-exp)."""
+    b, nq, c, _ = q.shape
+    row_max = np.full((b, nq, c, 1), -np.inf, np.float32)
+    row_sum = np.zeros((b, nq, c, 1), np.float32)
+    acc = np.zeros(q.shape[:3] + (vs[0].shape[-1],), np.float32)
+    for j in ring_order(own, len(ks)):
+        scores = _ring_scores(q, ks[j], kv_of, j == own)
+        new_max = np.maximum(row_max, scores.max(-1, keepdims=True))
+        p = np.exp(scores - new_max)
+        rescale = np.exp(row_max - new_max)
+        row_sum = row_sum * rescale + p.sum(-1, keepdims=True)
+        acc = acc * rescale + np.stack([p[:, h] @ vs[j][:, kv_of[h]] for h in range(nq)], 1)
+        row_max = new_max
+    return acc / row_sum, row_max + np.log(row_sum)
+
+
+def ring_attention_back(do, q, ks, vs, o, lse, kv_of, own):
+    """Backward of ring_attention: dq, and per K/V chunk this rank's share of its dK / dV (the ring
+    carries them back to the chunk's owner, which sums the shares)."""
+    dq = np.zeros_like(q)
+    dks, dvs = [np.zeros_like(k) for k in ks], [np.zeros_like(v) for v in vs]
+    row_dot = np.sum(do * o, -1, keepdims=True)
+    for j in ring_order(own, len(ks)):
+        p = np.exp(_ring_scores(q, ks[j], kv_of, j == own) - lse)
+        for h, kv in enumerate(kv_of):
+            dvs[j][:, kv] += p[:, h].transpose(0, 2, 1) @ do[:, h]
+            ds = p[:, h] * (do[:, h] @ vs[j][:, kv].transpose(0, 2, 1) - row_dot[:, h])
+            dq[:, h] += ds @ ks[j][:, kv]
+            dks[j][:, kv] += ds.transpose(0, 2, 1) @ q[:, h]
+    return dq, dks, dvs
+
+
+def ring_order(own: int, cp: int) -> list[int]:
+    """The K/V chunks rank `own` computes with, in the order the ring brings them; chunks after its
+    own arrive too but causality hides every key in them."""
+    return [j for j in ((own - step) % cp for step in range(cp)) if j <= own]
+
+
+def _ring_scores(q, k, kv_of, diagonal):
+    scores = np.stack([q[:, h] @ k[:, kv].transpose(0, 2, 1) for h, kv in enumerate(kv_of)], 1)
+    return scores + causal_mask(q.shape[2], 0) if diagonal else scores
+
+
 def _softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -201,9 +256,13 @@ class ShardedLlama:
     units (embed, block i, head) run in order. Gradients accumulate per rank in `grads`."""
 
     def __init__(self, params: dict, m: ModelConfig, sh: L.Sharding, seq: int, flash: bool = False):
-        self.m, self.sh, self.ranks, self.flash = m, sh, Ranks(sh), flash
+        self.m, self.sh, self.ranks, self.flash = m, sh, Ranks(sh), flash or sh.cp > 1
         kinds, self.layer_kind = attention_kinds(m)
-        self.ropes = [Rope(m, seq, theta, scaling) for _, theta, scaling in kinds]
+        # a rank's positions: its chunk of the sequence under cp (rows cut over dp x cp), else all
+        chunk = seq // sh.cp
+        self.positions = [np.arange(c["cp"] * chunk, (c["cp"] + 1) * chunk) for c in self.ranks.coords]
+        self.ropes = [[Rope(m, pos, theta, scaling) for pos in self.positions] for _, theta, scaling in kinds]
+        assert sh.cp == 1 or all(window == 0 for window, _, _ in kinds), "ring attention is causal only"
         self.masks = [causal_mask(seq, window) for window, _, _ in kinds]
         self.weights, self.starts = [], []
         for c in self.ranks.coords:
@@ -319,18 +378,21 @@ class ShardedLlama:
                 normed = [rmsnorm(t, wi, m.norm_eps) for t, wi in zip(proj[name], w)]
                 proj[name] = [y for y, _ in normed]
                 self.caches[(b, s, i), f"{which}_norm"] = [c for _, c in normed]
-        rope, mask = self.ropes[self.layer_kind[i]], self.masks[self.layer_kind[i]]
+        ropes, mask = self.ropes[self.layer_kind[i]], self.masks[self.layer_kind[i]]
         scale = np.float32(m.attn_scale or 1.0 / math.sqrt(d))
-        q = [rope(t) * scale for t in proj["wq"]]
-        k = [rope(t) for t in proj["wk"]]
+        q = [rope(t) * scale for t, rope in zip(proj["wq"], ropes)]
+        k = [rope(t) for t, rope in zip(proj["wk"], ropes)]
         v = proj["wv"]
         kv_of = [self.kv_of(r, p) for r in range(len(a))]
         copies = [1] * len(a)
         if self.flash:
-            kv_of, copies = zip(*[self.flash_layout(r, p) for r in range(len(a))])
+            kv_of, copies = zip(*[self.flash_layout(r, p, s) for r in range(len(a))])
             k = [np.repeat(ki, c, axis=1) for ki, c in zip(k, copies)]  # repeat_kv: copies of the rank's own heads
             v = [np.repeat(vi, c, axis=1) for vi, c in zip(v, copies)]
-        att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, mask), q, k, v, kv_of)
+        if self.sh.cp > 1:
+            att = self.ring(q, k, v, kv_of)
+        else:
+            att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, mask), q, k, v, kv_of)
         o = [merge(oi) for oi, _ in att]
         attn_out = self.row_out([oi @ wi.T for oi, wi in zip(o, self.w(p + "attention.wo.weight"))])
         if m.sandwich_norm:
@@ -345,8 +407,31 @@ class ShardedLlama:
         if m.sandwich_norm:
             mlp_out = self.norm(mlp_out, p + "ffn_out_norm.weight", (b, s, i, "ffn_out"), gather=False)
         x = [xi + yi for xi, yi in zip(x, mlp_out)]
-        self.caches[(b, s, i), "block"] = (a, q, k, v, kv_of, copies, [pi for _, pi in att], o, a2, g, u, hmid)
+        self.caches[(b, s, i), "block"] = (a, q, k, v, kv_of, copies, att, o, a2, g, u, hmid)
         return x
+
+    # -- context parallel: each cp group is a ring over its ranks' chunks, in chunk order
+    def ring(self, q, k, v, kv_of):
+        att = [None] * len(q)
+        for group in self.ranks.groups(("cp",)):
+            ks, vs = [k[r] for r in group], [v[r] for r in group]
+            for own, r in enumerate(group):
+                att[r] = ring_attention(q[r], ks, vs, kv_of[r], own)
+        return att
+
+    def ring_back(self, do, q, k, v, att, kv_of):
+        dq, dk, dv = [None] * len(q), [None] * len(q), [None] * len(q)
+        for group in self.ranks.groups(("cp",)):
+            ks, vs = [k[r] for r in group], [v[r] for r in group]
+            shares = {}
+            for own, r in enumerate(group):
+                o, lse = att[r]
+                dq[r], shares[own, "k"], shares[own, "v"] = ring_attention_back(do[r], q[r], ks, vs, o, lse,
+                                                                                kv_of[r], own)
+            for j, r in enumerate(group):  # the ring brings every rank's share of chunk j back to its owner
+                dk[r] = sum(shares[own, "k"][j] for own in range(len(group)))
+                dv[r] = sum(shares[own, "v"][j] for own in range(len(group)))
+        return list(zip(dq, dk, dv))
 
     def check_head_norm_layout(self, p, which):
         """The heads each rank's q / k norm reads, as the table's row cuts its [N, heads, d] input,
@@ -360,12 +445,13 @@ class ShardedLlama:
             held = self.weights[r][p + f"attention.w{which}.weight"].shape[0] // d
             assert (cut.start, cut.stop) == (first, first + held), (which, c)
 
-    def flash_layout(self, r, p):
+    def flash_layout(self, r, p, s):
         """Rank r's FlashAttentionScore as the table lays it out: (kv_of, K/V copies the rank holds).
-        Checks that the primitive's q heads are the rank's wq heads and its K/V heads the repeat_kv
-        copies of the rank's wk heads (same slices: nothing to redistribute)."""
+        Checks that the primitive's q heads are the rank's wq heads, its K/V heads the repeat_kv
+        copies of the rank's wk heads, and (ring attention) the sequence of q, k and v the rank's own
+        rows (same slices: nothing to redistribute). s: the rank's tokens of a sequence."""
         m, sh, d = self.m, self.sh, self.m.head_size
-        rows = {op.prim: op for op in L.ops_for(m, flash=True)}
+        rows = {op.prim: op for op in L.ops_for(m, sh.core(True))}
         flash, repeat, c = rows["flash"], rows["repeat_kv"], self.ranks.coords[r]
         nh, kv, n = m.num_heads, m.num_kv_heads, sh.tp_rep
         q0 = self.starts[r][p + "attention.wq.weight"][0] // d
@@ -380,6 +466,9 @@ class ShardedLlama:
         repeated = [h * n + j for h in range(kv_in.start, kv_in.stop) for j in range(held.start, held.stop)]
         k_heads = L.shard_slices((sh.dp, kv * n, 1, d), flash.inputs[1], sh, c, flat=flash.flat)[1]
         assert flash.inputs[1] == flash.inputs[2] and list(range(k_heads.start, k_heads.stop)) == repeated
+        for layout in flash.inputs[:3]:
+            seq = L.shard_slices((sh.dp, nh, s * sh.cp, d), layout, sh, c, flat=flash.flat)[2]
+            assert (seq.start, seq.stop) == (self.positions[r][0], self.positions[r][-1] + 1)
         group = nq // len(repeated)
         return [j // group for j in range(nq)], held.stop - held.start
 
@@ -394,7 +483,7 @@ class ShardedLlama:
     def block_back(self, i, dx, b, s):
         m, p = self.m, f"layers.{i}."
         d = m.head_size
-        a, q, k, v, kv_of, copies, probs, o, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
+        a, q, k, v, kv_of, copies, att, o, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
         # MLP (its sandwich norm first: it normed the MLP's output on the residual stream's rows)
         dy = dx
         if m.sandwich_norm:
@@ -419,11 +508,14 @@ class ShardedLlama:
         wo = self.w(p + "attention.wo.weight")
         self.add_grad(p + "attention.wo.weight", [dyi.T @ oi for dyi, oi in zip(dy, o)])
         do = [heads(dyi @ wi, d, b, s) for dyi, wi in zip(dy, wo)]
-        back = each(attention_back, do, q, k, v, probs, kv_of)
-        rope, scale = self.ropes[self.layer_kind[i]], np.float32(m.attn_scale or 1.0 / math.sqrt(d))
-        dq = [rope.back(dqi * scale) for dqi, _, _ in back]
+        if self.sh.cp > 1:
+            back = self.ring_back(do, q, k, v, att, kv_of)
+        else:
+            back = each(attention_back, do, q, k, v, [pi for _, pi in att], kv_of)
+        ropes, scale = self.ropes[self.layer_kind[i]], np.float32(m.attn_scale or 1.0 / math.sqrt(d))
+        dq = [rope.back(dqi * scale) for (dqi, _, _), rope in zip(back, ropes)]
         # repeat_kv's backward sums a rank's copies (the copies other ranks hold: the tp_rep sum below)
-        dk = [rope.back(dki.reshape(b, -1, c, s, d).sum(2)) for (_, dki, _), c in zip(back, copies)]
+        dk = [rope.back(dki.reshape(b, -1, c, s, d).sum(2)) for (_, dki, _), c, rope in zip(back, copies, ropes)]
         dv = [dvi.reshape(b, -1, c, s, d).sum(2) for (_, _, dvi), c in zip(back, copies)]
         if m.qk_norm:  # per head; the replicated weights' gradients are partial over the ranks' heads
             for which, grads in (("q", dq), ("k", dk)):
@@ -488,17 +580,18 @@ class ShardedLlama:
         return self.norm_back(dxf, "norm.weight", key)
 
     def reduce_dp(self):
-        """Data parallel: every weight's gradient summed over the dp replicas."""
-        if self.sh.dp > 1:
+        """Data and context parallel: every weight's gradient summed over the dp replicas and the cp chunks."""
+        if self.sh.dp * self.sh.cp > 1:
             for name in self.grads[0]:
-                for acc, g in zip(self.grads, self.ranks.all_reduce([gr[name] for gr in self.grads], ("dp",))):
+                for acc, g in zip(self.grads, self.ranks.all_reduce([gr[name] for gr in self.grads], ("dp", "cp"))):
                     acc[name] = g
 
     # -- one step over a batch
     def rows(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Each rank's sequences (the table's batch split), flattened to token rows."""
-        b = ids.shape[0]
-        return [ids[L.shard_slices((b,), ("batch",), self.sh, c)[0]].reshape(-1) for c in self.ranks.coords]
+        """Each rank's token rows (the table's batch split of the [b*s] rows: its replica's sequences,
+        under cp its chunk of its replica's one sequence)."""
+        flat = ids.reshape(-1)
+        return [flat[L.shard_slices(flat.shape, ("batch",), self.sh, c)[0]] for c in self.ranks.coords]
 
     def units(self):
         """The model in order: ("embed",), ("block", i), ("head",)."""
@@ -508,7 +601,7 @@ class ShardedLlama:
 def run_units(model: ShardedLlama, units, ids, labels, n_total, key, x=None):
     """Forward through `units` (a pipeline stage, or the whole model); returns the output activation
     (or the loss after the head)."""
-    b_local, s = ids.shape[0] // model.sh.dp, ids.shape[1]
+    b_local, s = ids.shape[0] // model.sh.dp, ids.shape[1] // model.sh.cp
     for unit in units:
         if unit[0] == "embed":
             x = model.embed(model.rows(ids), key)
@@ -520,7 +613,7 @@ def run_units(model: ShardedLlama, units, ids, labels, n_total, key, x=None):
 
 
 def back_units(model: ShardedLlama, units, ids, key, dx=None):
-    b_local, s = ids.shape[0] // model.sh.dp, ids.shape[1]
+    b_local, s = ids.shape[0] // model.sh.dp, ids.shape[1] // model.sh.cp
     for unit in reversed(units):
         if unit[0] == "head":
             dx = model.head_back(key)

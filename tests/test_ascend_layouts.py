@@ -345,7 +345,7 @@ def test_flash_attention_swapped_in_per_layer_kind_with_the_table_layouts(tp):
     want = L.op_strategies(m, sh, flash=True)
     assert not any(path.endswith((".qk", ".pv", ".softmax")) for path in want)
     cells = dict(model.cells_and_names())
-    for op in L.ops_for(m, flash=True):
+    for op in L.ops_for(m, "flash"):
         found = [c for n, c in cells.items()
                  if fnmatch.fnmatchcase(n, op.cell) and getattr(c, op.prim, None) is not None]
         assert len(found) in ((0, m.num_layers) if op.optional and op.cell.startswith("layers.") else
@@ -365,6 +365,78 @@ def test_flash_attention_swapped_in_per_layer_kind_with_the_table_layouts(tp):
         repeat = model.layers[0].attention.core.softmax_attention.repeat_kv.attrs["in_layout"]
         # kv over tp_kv, copies over tp_rep
         assert [x["tensor_map"] for x in repeat] == [(2, 1, -1, -1, -1), (-1, -1, 0, -1, -1)]
+
+
+# ---- context parallel: FlashAttentionScore as ring attention ---------------------------------------
+
+def ring_golden(dp, cp, tp, kv_split, copies=1):
+    """Golden strategies under context parallel with sequence parallel: the rows of one sequence per
+    replica cut over dp x cp (tokens dp x cp x tp), the ring's q, k and v cut (dp, tp, cp, 1) with no
+    mask, and no softmax-core or rope-matmul rows."""
+    rows = dp * cp
+    out = {k: v for k, v in golden(rows, tp, rows * tp, kv_split, None).items()
+           if not k.startswith(C) and not k.endswith("rope.matmul")}
+    out[C + "repeat_kv"] = {"in": ((dp, kv_split, 1, cp, 1), (1, 1, copies, 1, 1)), "out": None}
+    out[C + "flash"] = {"in": ((dp, tp, cp, 1),) * 3, "out": None}
+    return out
+
+
+def test_golden_ring_attention_strategies_for_llama3_8b_at_64_devices():
+    cfg = load_config(REPO / "configs" / "llama3_8b.yaml",
+                      ["parallel.dp=2", "parallel.cp=4", "parallel.tp=8", "parallel.sequence_parallel=true",
+                       "train.precision=bf16", "data.seq_len=32768", "model.max_seq_len=32768"])
+    check_parallel(cfg, devices=64)
+    m = cfg.model
+    sh = L.sharding(m, cfg.parallel)
+    assert sh.mesh_axes == ("dp", "cp", "tp_kv", "tp_rep") and sh.mesh == (2, 4, 8, 1)
+    assert L.op_strategies(m, sh, flash=True) == ring_golden(2, 4, 8, 8)
+    # a replica's micro-batch of two sequences would cut the rows into whole sequences, not chunks
+    assert any("one sequence" in p for p in L.strategy_problems(m, sh, 4, 32768))
+
+
+def test_ring_attention_swapped_in_under_context_parallel_with_the_table_layouts():
+    """Through the backend seam (built and inspected on CPU; nothing here runs ring attention): every
+    layer's core is FlashAttentionScore with the ring attributes, sparse mode 0 and no mask, and the
+    layouts read back from every primitive are the table's ring rows over the (dp, cp, tp) meshes."""
+    import mindspore as ms
+
+    from msllm import backends
+    from msllm.backends import ascend
+    from msllm.models.llama import Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    model_cfg = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=1, head_dim=16,
+                     ffn_size=32, max_seq_len=64, qk_norm=True)
+    cfg = config_from_dict({"model": model_cfg, "data": {"seq_len": 32},
+                            "train": {"device": "ascend", "precision": "bf16", "batch_size": 1},
+                            "parallel": {"dp": 2, "cp": 2, "tp": 2, "sequence_parallel": True}})
+    check_parallel(cfg, devices=8)
+    m = cfg.model
+    sh = L.sharding(m, cfg.parallel)
+    assert (sh.tp_kv, sh.tp_rep) == (1, 2)   # MQA: the KV head repeated to both tp ranks
+    model = Llama(m)
+    spec = backends.specialise(model, cfg)
+    assert spec.flash
+    want = L.op_strategies(m, sh, flash=True)
+    assert C + "flash" in want and not any(path.endswith((".qk", ".softmax", "rope.matmul")) for path in want)
+    for block in model.layers:
+        core = block.attention.core.softmax_attention
+        assert isinstance(core, ascend.FlashAttention) and core.ring
+        prim = core.flash
+        assert (prim.sparse_mode, prim.pre_tokens, prim.next_tokens) == (0, ascend.UNBOUNDED, ascend.UNBOUNDED)
+        assert prim.attrs["enable_ring_attention"] is True and prim.attrs["enable_ra_send_recv"] is True
+        layouts = prim.attrs["in_layout"]
+        assert len(layouts) == 3   # q, k, v: no mask
+        assert all(x["device_matrix"] == (2, 2, 2) and x["alias_name"] == ("dp", "cp", "tp") for x in layouts)
+        assert [x["tensor_map"] for x in layouts] == [(2, 0, 1, -1)] * 3   # batch dp, heads tp, sequence cp
+    cells = dict(model.cells_and_names())
+    for op in L.ops_for(m, "ring"):
+        for name, cell in cells.items():
+            if fnmatch.fnmatchcase(name, op.cell) and getattr(cell, op.prim, None) is not None:
+                got = tuple(applied_strategy(x) for x in getattr(cell, op.prim).attrs["in_layout"])
+                assert got == want[op.path]["in"], op.path
+    wq = model.layers[0].attention.wq.matmul.attrs["in_layout"][0]
+    assert wq["alias_name"] == ("dp", "cp", "tp_kv", "tp_rep") and wq["tensor_map"] == ((3, 2), -1)  # rows: dp x cp
 
 
 def documented_visible(sparse_mode, pre_tokens, next_tokens, s, t):
@@ -443,7 +515,7 @@ def test_checker_applies_flash_attention_rules(monkeypatch):
     assert L.strategy_problems(cfg.model, sh, 4, 32) == []
     rows = list(L.OPS)
     i = next(i for i, op in enumerate(rows) if op.prim == "flash")
-    kv = ("batch", "heads", "batch", None)
+    kv = ("samples", "heads", "samples", None)
     rows[i] = dataclasses.replace(rows[i], inputs=(rows[i].inputs[0], kv, kv, rows[i].inputs[3]))
     monkeypatch.setattr(L, "OPS", tuple(rows))
     assert any("keys' sequence" in p for p in L.strategy_problems(cfg.model, sh, 4, 32))

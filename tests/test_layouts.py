@@ -88,6 +88,30 @@ def test_flash_attention_layout_equals_unsharded(kv, dp, tp, sp):
     assert_ranks_hold_the_reference(model, ref_grads, sh)
 
 
+@pytest.mark.parametrize("kv, dp, cp, tp, sp, qk_norm", [
+    (8, 1, 2, 1, False, False),   # MHA, two chunks
+    (4, 1, 4, 2, False, True),    # four chunks, tp 2, q/k norms (Qwen3)
+    (2, 2, 2, 4, True, False),    # dp x cp x tp, kv < tp (K/V copies), sequence parallel
+    (1, 1, 2, 2, True, False),    # MQA under sequence parallel
+])
+def test_ring_attention_layout_equals_unsharded(kv, dp, cp, tp, sp, qk_norm):
+    """Context parallel on Ascend (FlashAttentionScore's ring attention): each rank's rows are its
+    chunk of its replica's sequence through every row-wise op, its q, k and v that chunk (checked
+    against the table's ring row), its attention the ring's steps over the other chunks with the
+    online-softmax merge, dK / dV shares carried back to the chunk's owner; every rank ends with the
+    unsharded gradient's slice and the loss is the whole batch's."""
+    m = tiny(num_kv_heads=kv, qk_norm=qk_norm)
+    params = init_params(m, seed=8)
+    ids, labels = batch(m, b=dp, s=16)   # one sequence per replica
+    ref_loss, ref_grads = reference(params, m, ids, labels)
+    sh = L.sharding(m, ParallelConfig(dp=dp, cp=cp, tp=tp, sequence_parallel=sp))
+    assert L.strategy_problems(m, sh, dp, 16) == []
+    loss, model = loss_and_grads(params, m, sh, ids, labels, flash=True)
+    assert len(model.ranks.coords) == dp * cp * tp
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_ranks_hold_the_reference(model, ref_grads, sh)
+
+
 @pytest.mark.parametrize("pp, micro, tp", [(2, 2, 1), (2, 4, 2), (3, 4, 1)])
 def test_pipeline_stages_in_sequence_equal_the_whole_model(pp, micro, tp):
     m = tiny(num_layers=3)

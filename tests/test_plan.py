@@ -299,13 +299,22 @@ def test_plan_is_one_line_exit_2_on_bad_layout_and_never_imports_mindspore(tmp_p
     (["parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2"], "parallel.cp",
      "does not combine with parallel.pp on CPU"),
     (["parallel.cp=2", "parallel.tp=2"], "parallel.cp", "does not combine with parallel.tp on CPU"),
-    (["parallel.cp=2", "train.device=ascend"], "parallel.cp", "runs on CPU only (train.device: ascend)"),
     (["parallel.cp=2", "train.debug_nonfinite=true"], "train.debug_nonfinite", "parallel.cp"),
     (["parallel.cp=0"], "parallel.cp", "must be >= 1"),
+    # Ascend: ring attention (the table's), checked before anything is compiled
+    (["train.device=ascend", "parallel.cp=3"], "parallel.cp", "must divide data.seq_len (4096 % 3 != 0)"),
+    (["train.device=ascend", "parallel.cp=2", "train.attention=softmax"], "train.attention", "ring attention"),
+    (["train.device=ascend", "parallel.cp=2", "train.precision=fp32"], "train.precision",
+     "parallel.cp needs it (ring attention)"),
+    (["train.device=ascend", "parallel.cp=2", "train.batch_size=2"], "parallel",
+     "micro-batch must be one sequence (4 sequences over dp 2)"),
+    (["train.device=ascend", "parallel.cp=2", "model.sliding_window=1024",
+      ], "parallel.cp", "sliding-window layers"),
+    (["train.device=gpu", "parallel.cp=2"], "parallel.cp", "runs on CPU and Ascend only"),
 ])
 def test_checker_context_parallel(overrides, key, message):
     with pytest.raises(ConfigError) as err:
-        load_config(LLAMA2, ["train.device=cpu", *overrides])
+        load_config(LLAMA2, ["train.device=cpu", "train.precision=bf16", "parallel.dp=2", *overrides])
     assert err.value.key == key
     assert message in str(err.value) and "\n" not in str(err.value)
 
@@ -336,7 +345,31 @@ def test_context_parallel_estimate_and_plan_output(capsys, tmp_path):
     assert "context parallel 2: each device computes 8192 of every 16384 tokens" in out
     assert "--set parallel.cp=2" in out
     code, out, _ = plan_cli(capsys, "--config", str(config), "--devices", "2", "--device", "cpu", "--check")
-    assert code == 0 and out.startswith(f"msllm plan: {config}: dp 1 x tp 1 x pp 1 x cp 2") and "exchanging" in out
+    assert code == 0 and out.startswith(f"msllm plan: {config}: dp 1 x tp 1 x pp 1 x cp 2") and "exchanging it" in out
+
+
+def test_ring_attention_estimate_on_ascend(capsys):
+    """cp 4 on 910B, FlashAttentionScore's ring attention: a device keeps only its own chunk's K/V, so
+    a layer's activations are exactly a quarter of the one-device layer's (on CPU the exchange keeps
+    the whole sequence's); the ring passes 3 (cp-1)/cp of the sequence's K/V per layer and micro-batch
+    (forward; backward with dK / dV); plan --check says so."""
+    overrides = ["train.precision=bf16", "data.seq_len=32768", "model.max_seq_len=32768", "train.batch_size=1"]
+    cfg = load_config(REPO / "configs" / "llama3_8b.yaml", overrides)
+    m, s, e = cfg.model, 32768, 2
+    layout = ParallelConfig(dp=2, cp=4, tp=8, sequence_parallel=True)
+    sh = L.sharding(m, layout)
+    whole = P.layer_activations(m, sh, 1, s, e, "none", True, 64)
+    assert P.layer_activations(m, sh, 1, s, e, "none", True, 64, cp=4, ring=True) == pytest.approx(whole / 4)
+    assert P.layer_activations(m, sh, 1, s, e, "none", True, 64, cp=4) > whole / 4   # CPU's: whole K/V kept
+    est = P.estimate(cfg, layout, "910b")
+    kv_buffer = 2 * s * (m.num_kv_heads // sh.tp_kv) * m.head_size * e
+    assert est["comm"]["cp"] == pytest.approx(m.num_layers * 3 * 3 / 4 * kv_buffer)
+    code, out, _ = plan_cli(capsys, "--config", str(REPO / "configs" / "llama3_8b.yaml"), "--devices", "64",
+                            "--device", "910b", "--check", *[f"--set={o}" for o in overrides],
+                            "--set=parallel.dp=2", "--set=parallel.cp=4", "--set=parallel.tp=8",
+                            "--set=parallel.sequence_parallel=true")
+    assert code in (0, 1) and "dp 2 x tp 8 x pp 1 x cp 4" in out
+    assert "keeps its chunk's K/V, passing the others around the ring" in out
 
 
 # ---- mixture of experts --------------------------------------------------------------------------

@@ -79,6 +79,7 @@ class VocabParallelCrossEntropy(nn.Cell):
 # ---- FlashAttentionScore -------------------------------------------------------------------------
 
 SPARSE_CAUSAL, SPARSE_BAND = 2, 4   # FlashAttentionScore's leftUpCausal and band sparse modes
+RING_SPARSE_MODE = 0                # ring attention's: the pass builds each ring step's mask
 UNBOUNDED = 2**31 - 1               # pre_tokens / next_tokens without a limit (the primitive's default)
 
 
@@ -120,14 +121,22 @@ class FlashAttention(nn.Cell):
     GQA is native (nkv divides nh), so K/V are not repeated, except kv_copies > 1: a layout with
     fewer KV heads than tp (tp_rep = kv_copies) repeats each KV head so that K/V heads are cut
     exactly as the query heads (layouts.OPS, repeat_kv). `window`: the layer's sliding window
-    (0: none), a compile-time sparse mode (flash_form)."""
+    (0: none), a compile-time sparse mode (flash_form).
 
-    def __init__(self, num_heads: int, num_kv_heads: int, window: int = 0, kv_copies: int = 1):
+    ring (context parallel): MindSpore's ring attention, whose parallel pass passes K/V chunks around
+    the cp group and builds each step's causal mask itself; it takes sparse mode 0 and no mask (the
+    form MindSpore's own ring tests compile). Causal only: the checker refuses windows under cp."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, window: int = 0, kv_copies: int = 1, ring: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.window, self.kv_copies = num_heads, num_kv_heads, window, kv_copies
-        sparse_mode, pre_tokens, next_tokens = flash_form(window)
+        self.ring = ring
+        sparse_mode, pre_tokens, next_tokens = (RING_SPARSE_MODE, UNBOUNDED, UNBOUNDED) if ring else flash_form(window)
         self.flash = FlashAttentionScore(head_num=num_heads, keep_prob=1.0, scale_value=1.0, pre_tokens=pre_tokens,
                                          next_tokens=next_tokens, input_layout="BNSD", sparse_mode=sparse_mode)
+        if ring:
+            self.flash.add_prim_attr("enable_ring_attention", True)
+            self.flash.add_prim_attr("enable_ra_send_recv", True)  # K/V pass by Send / Receive, as MindFormers
         if kv_copies > 1:
             self.repeat_kv = ops.Mul()
             self.copies = Tensor(np.ones((1, 1, kv_copies, 1, 1), np.float32))
@@ -140,18 +149,22 @@ class FlashAttention(nn.Cell):
     def construct(self, q, k, v, mask):
         if self.kv_copies > 1:
             k, v = self.repeat(k), self.repeat(v)
+        if self.ring:
+            mask = None
         softmax_max, _, _, out = self.flash(q, k, v, None, None, None, mask, None, None, None)
         return out, softmax_max
 
 
 def use_flash_attention(model, cfg: Config) -> int:
-    """Swap every layer's attention core for FlashAttention with that layer's window, and the
-    model's attention_mask for the compressed causal mask. Returns the layers swapped."""
+    """Swap every layer's attention core for FlashAttention with that layer's window (ring attention
+    under context parallel), and the model's attention_mask for the compressed causal mask. Returns
+    the layers swapped."""
     sh = L.sharding(cfg.model, cfg.parallel)
     for i, block in enumerate(model.layers):
         core = block.attention.core.softmax_attention
         window = model.windows[model.layer_kind[i]]
-        block.attention.core.softmax_attention = FlashAttention(core.num_heads, core.num_kv_heads, window, sh.tp_rep)
+        block.attention.core.softmax_attention = FlashAttention(core.num_heads, core.num_kv_heads, window, sh.tp_rep,
+                                                                ring=sh.cp > 1)
     model.attention_mask = CompressedCausalMask()
     return len(model.layers)
 
@@ -159,9 +172,10 @@ def use_flash_attention(model, cfg: Config) -> int:
 # ---- layouts -------------------------------------------------------------------------------------
 
 def mesh(sh: L.Sharding, flat: bool = False) -> Layout:
-    """The device mesh (dp, tp_kv, tp_rep) (with expert parallel (dp / ep, ep, tp_kv, tp_rep)), or for
-    `flat` ops (dp, tp): the same ranks in the same order."""
-    return Layout(sh.flat_mesh, L.FLAT_AXES) if flat else Layout(sh.mesh, sh.mesh_axes)
+    """The device mesh (dp, tp_kv, tp_rep) (with expert parallel (dp / ep, ep, tp_kv, tp_rep), with
+    context parallel (dp, cp, tp_kv, tp_rep)), or for `flat` ops (dp, [cp,] tp): the same ranks in the
+    same order."""
+    return Layout(sh.flat_mesh, sh.flat_axes) if flat else Layout(sh.mesh, sh.mesh_axes)
 
 
 def ms_layout(device_mesh: Layout, sh: L.Sharding, layout: tuple, flat: bool = False):
@@ -188,7 +202,7 @@ def apply_layout(model, cfg: Config, flash: bool = False) -> dict[str, int]:
     sh = L.sharding(m, p)
     cells = dict(model.cells_and_names())
     applied = {}
-    for op in L.ops_for(m, flash):
+    for op in L.ops_for(m, sh.core(flash)):
         found = [cells[name] for name in cells
                  if fnmatch.fnmatchcase(name, op.cell) and getattr(cells[name], op.prim, None) is not None]
         if not found and not op.optional:

@@ -17,9 +17,17 @@ group is adjacent devices (one node). Ops marked `flat` are laid out over the fl
 instead: the same ranks in the same order, tp = tp_kv x tp_rep as one axis (Ascend's
 FlashAttentionScore maps each dim of its query to one mesh axis).
 
-The attention core has two formulations with their own rows (`Op.core`): the softmax core's
-BatchMatMuls and softmax, and Ascend's FlashAttentionScore (msllm.backends.ascend); `ops_for(m,
-flash)` picks one, the checker checks both.
+The attention core has three formulations with their own rows (`Op.cores`): the softmax core's
+BatchMatMuls and softmax, Ascend's FlashAttentionScore (msllm.backends.ascend), and the same
+primitive as ring attention under context parallel; `ops_for(m, core)` picks one (`core_of`), the
+checker checks those a layout can take (`table_ops`).
+
+Context parallel (cp) on Ascend is ring attention: one sequence per data-parallel replica and
+micro-batch, its rows cut over (dp, cp), so each rank holds a contiguous chunk of the sequence
+through every row-wise op; FlashAttentionScore's q, k and v are cut on the sequence over cp and the
+primitive's ring attribute makes MindSpore pass K/V chunks around the cp group (sparse mode 0, no
+mask: the pass builds each step's causal mask on chunks in natural order). The mesh is then
+(dp, cp, tp_kv, tp_rep), the flat mesh (dp, cp, tp).
 """
 from __future__ import annotations
 
@@ -30,16 +38,19 @@ from dataclasses import dataclass
 from msllm.config import ModelConfig, ParallelConfig
 
 MESH_AXES = ("dp", "tp_kv", "tp_rep")
-FLAT_AXES = ("dp", "tp")
+CORES = ("softmax", "flash", "ring")
 
 # Split names, what they split, and over which mesh axes (see Sharding.axes):
-#   batch      sequences: rows of the [b*s, h] stream, token ids            dp
-#   tokens     rows entering norms, leaving row-parallel matmuls             dp; dp x tp with sequence_parallel
+#   batch      sequences: rows of the [b*s, h] stream, token ids            dp; dp x cp (cp: one sequence
+#                                                                            per replica, a chunk per rank)
+#   samples    sequences of the attention core's [b, heads, s, d] inputs     dp
+#   seq        the sequence of FlashAttentionScore's q, k, v (ring)          cp
+#   tokens     rows entering norms, leaving row-parallel matmuls             batch's; x tp with sequence_parallel
 #   heads      query heads (q projection outputs, o projection inputs)       tp
 #   kv         key / value heads                                             tp_kv
 #   group      query rows of one KV head's group, [b, kv, rep*s, d] view     tp_rep
 #   copies     copies of a KV head, one per rank of its group (flash, kv < tp) tp_rep
-#   head_rows  rows of the per-head [b*heads*s, d] view (RoPE)               dp x tp
+#   head_rows  rows of the per-head [b*heads*s, d] view (RoPE)               dp x tp (never with cp: see OPS)
 #   ffn        MLP hidden features                                           tp
 #   vocab      vocabulary rows                                               tp, or nothing (replicated,
 #                                                                            data-parallel fallback)
@@ -97,8 +108,8 @@ class Op:
     out: tuple | None = None
     when: str | None = None   # a CONDITIONS key
     optional: bool = False    # held only by some formulations of the Cell (applied when present)
-    core: str | None = None   # "softmax" / "flash": a row of that attention core only (ops_for)
-    flat: bool = False        # laid out over the flat (dp, tp) mesh (FLAT_AXES), not (dp, tp_kv, tp_rep)
+    cores: tuple = CORES      # the attention cores (CORES) whose model holds this row (ops_for)
+    flat: bool = False        # laid out over the flat mesh (dp, [cp,] tp), not (dp, [cp,] tp_kv, tp_rep)
 
     @property
     def path(self) -> str:
@@ -153,27 +164,31 @@ OPS = _NORM_OPS + _HEAD_NORM_OPS + (
     Op("layers.*.attention.wq", "matmul", (("batch", None), ("heads", None))),
     Op("layers.*.attention.wk", "matmul", (("batch", None), ("kv", None))),
     Op("layers.*.attention.wv", "matmul", (("batch", None), ("kv", None))),
-    # One primitive rotates q and k (when Rope holds one; the element-wise form has none): rows of
-    # the per-head view; k's rows under GQA with kv < tp are resliced to match.
-    Op("layers.*.attention.rope", "matmul", (("head_rows", None), (None, None)), optional=True),
+    # One primitive rotates q and k (when Rope holds one: the CPU formulation; Ascend's element-wise
+    # form has none): rows of the per-head view; k's rows under GQA with kv < tp are resliced to
+    # match. Under cp a rank's rows of that view are its heads x its chunk, no one block: not a ring row.
+    Op("layers.*.attention.rope", "matmul", (("head_rows", None), (None, None)), optional=True,
+       cores=("softmax", "flash")),
     # q is viewed [b, kv, rep*s, d] so one BatchMatMul serves a KV head's group. A hand-written
     # backward (when present) reuses them and adds pt_x (dv, dk), whose contraction over the
     # group's rows is cut by tp_rep: those partial sums are all-reduced.
-    Op(_ATTN, "qk", (("batch", "kv", "group", None), ("batch", "kv", None, None)), core="softmax"),
-    Op(_ATTN, "pv", (("batch", "kv", "group", None), ("batch", "kv", None, None)), core="softmax"),
-    Op(_ATTN, "pt_x", (("batch", "kv", "group", None), ("batch", "kv", "group", None)), optional=True,
-       core="softmax"),
-    Op(_ATTN, "softmax", (("batch", "heads", None, None),), when="mha", core="softmax"),        # [b, h, s, t]
-    Op(_ATTN, "softmax", (("batch", "kv", "group", None, None),), when="gqa", core="softmax"),  # [b, kv, rep, s, t]
+    Op(_ATTN, "qk", (("samples", "kv", "group", None), ("samples", "kv", None, None)), cores=("softmax",)),
+    Op(_ATTN, "pv", (("samples", "kv", "group", None), ("samples", "kv", None, None)), cores=("softmax",)),
+    Op(_ATTN, "pt_x", (("samples", "kv", "group", None), ("samples", "kv", "group", None)), optional=True,
+       cores=("softmax",)),
+    Op(_ATTN, "softmax", (("samples", "heads", None, None),), when="mha", cores=("softmax",)),        # [b, h, s, t]
+    Op(_ATTN, "softmax", (("samples", "kv", "group", None, None),), when="gqa", cores=("softmax",)),  # [b, kv, rep, s, t]
     # Ascend's FlashAttentionScore in its place (BNSD): q [b, nh, s, d], k and v [b, kv', s, d], the
     # compressed [2048, 2048] causal mask whole. MindSpore cuts K/V heads exactly as the query heads
     # and never the keys' sequence, so with kv < tp each KV head is first repeated tp_rep times
     # (repeat_kv, a broadcasting Mul by ones: [b, kv, 1, s, d] x [1, 1, tp_rep, 1, 1]), each rank
     # computing only the copy of its own KV head (kv' = kv x tp_rep = tp); the copies' gradients
     # are summed over tp_rep in backward. Batch over dp, heads over tp, one mesh axis per dim (flat).
-    Op(_ATTN, "repeat_kv", (("batch", "kv", None, None, None), (None, None, "copies", None, None)),
-       optional=True, core="flash"),
-    Op(_ATTN, "flash", (("batch", "heads", None, None),) * 3 + ((None, None),), core="flash", flat=True),
+    # As ring attention (cp > 1) q, k and v are cut on the sequence alike and there is no mask.
+    Op(_ATTN, "repeat_kv", (("samples", "kv", None, "seq", None), (None, None, "copies", None, None)),
+       optional=True, cores=("flash", "ring")),
+    Op(_ATTN, "flash", (("samples", "heads", None, None),) * 3 + ((None, None),), cores=("flash",), flat=True),
+    Op(_ATTN, "flash", (("samples", "heads", "seq", None),) * 3, cores=("ring",), flat=True),
     Op("layers.*.attention.wo", "matmul", (("batch", "heads"), (None, "heads")), out=_ROW_OUT),
     Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
     Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
@@ -226,36 +241,44 @@ class Sharding:
     sequence_parallel: bool
     vocab_split: bool
     ep: int = 1
+    cp: int = 1
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        return ("dp", "ep", "tp_kv", "tp_rep") if self.ep > 1 else MESH_AXES
+        return (("dp",) + (("ep",) if self.ep > 1 else ()) + (("cp",) if self.cp > 1 else ())
+                + ("tp_kv", "tp_rep"))
 
     @property
     def mesh(self) -> tuple[int, ...]:
-        if self.ep > 1:
-            return (self.dp // self.ep, self.ep, self.tp_kv, self.tp_rep)
-        return (self.dp, self.tp_kv, self.tp_rep)
+        return ((self.dp // self.ep,) + ((self.ep,) if self.ep > 1 else ()) + ((self.cp,) if self.cp > 1 else ())
+                + (self.tp_kv, self.tp_rep))
 
     @property
-    def flat_mesh(self) -> tuple[int, int]:
-        return (self.dp, self.tp)
+    def flat_axes(self) -> tuple[str, ...]:
+        return ("dp", "cp", "tp") if self.cp > 1 else ("dp", "tp")
+
+    @property
+    def flat_mesh(self) -> tuple[int, ...]:
+        return (self.dp, self.cp, self.tp) if self.cp > 1 else (self.dp, self.tp)
 
     def axes(self, name: str | None, flat: bool = False) -> tuple[str, ...]:
-        """Mesh axes a split name cuts over; flat: over (dp, tp), where only whole-tp splits exist."""
+        """Mesh axes a split name cuts over; flat: over (dp, [cp,] tp), where only whole-tp splits exist."""
+        seq = ("cp",) if self.cp > 1 else ()
         if flat:
-            return {None: (), "batch": ("dp",), "heads": ("tp",)}[name]
+            return {None: (), "samples": ("dp",), "heads": ("tp",), "seq": seq}[name]
         tp = ("tp_kv", "tp_rep")
         dp = ("dp", "ep") if self.ep > 1 else ("dp",)
+        rows = dp + seq
         return {
-            None: (), "batch": dp, "tokens": dp + tp if self.sequence_parallel else dp,
-            "heads": tp, "kv": ("tp_kv",), "group": ("tp_rep",), "copies": ("tp_rep",),
+            None: (), "batch": rows, "tokens": rows + tp if self.sequence_parallel else rows,
+            "samples": dp, "seq": seq, "heads": tp, "kv": ("tp_kv",), "group": ("tp_rep",), "copies": ("tp_rep",),
             "head_rows": dp + tp, "ffn": tp, "vocab": tp if self.vocab_split else (),
             "experts": ("ep",) if self.ep > 1 else (), "expert_rows": ("dp",),
         }[name]
 
-    def ways(self, axes: tuple[str, ...]) -> int:
-        sizes = {**dict(zip(self.mesh_axes, self.mesh)), "tp": self.tp}
+    def ways(self, axes: tuple[str, ...], flat: bool = False) -> int:
+        sizes = dict(zip(self.flat_axes, self.flat_mesh)) if flat else {**dict(zip(self.mesh_axes, self.mesh)),
+                                                                         "tp": self.tp}
         out = 1
         for a in axes:
             out *= sizes[a]
@@ -267,7 +290,16 @@ class Sharding:
 
     def strategy(self, layout: tuple, flat: bool = False) -> tuple[int, ...]:
         """Split names -> how many ways each dim is cut (a MindSpore in_strategy tuple)."""
-        return tuple(self.ways(axes) for axes in self.dims(layout, flat))
+        return tuple(self.ways(axes, flat) for axes in self.dims(layout, flat))
+
+    @property
+    def core_names(self) -> tuple[str, ...]:
+        """The attention cores this layout can take: ring attention alone under cp."""
+        return ("ring",) if self.cp > 1 else ("softmax", "flash")
+
+    def core(self, flash: bool) -> str:
+        """The attention core a model runs under this layout (flash: FlashAttentionScore is used)."""
+        return "ring" if self.cp > 1 else "flash" if flash else "softmax"
 
 
 def sharding(m: ModelConfig, p: ParallelConfig) -> Sharding:
@@ -276,7 +308,7 @@ def sharding(m: ModelConfig, p: ParallelConfig) -> Sharding:
     return Sharding(dp=p.dp, tp=p.tp, pp=p.pp, tp_kv=kv_split, tp_rep=p.tp // kv_split,
                     sequence_parallel=p.sequence_parallel and p.tp > 1,
                     vocab_split=p.vocab_parallel and p.tp > 1 and m.vocab_size % p.tp == 0,
-                    ep=p.ep if m.num_experts else 1)
+                    ep=p.ep if m.num_experts else 1, cp=p.cp)
 
 
 # ---- parameters ---------------------------------------------------------------------------------
@@ -351,18 +383,20 @@ def shard_shape(shape: tuple[int, ...], layout: tuple, sh: Sharding) -> tuple[in
 
 def shard_slices(shape: tuple[int, ...], layout: tuple, sh: Sharding, rank: dict[str, int],
                  flat: bool = False) -> tuple[slice, ...]:
-    """Index of the slice held by the rank at mesh coordinates `rank` ({"dp": i, "tp_kv": j, "tp_rep": k};
-    i the data-parallel index, split into (i // ep, i % ep) when the layout has expert parallel).
+    """Index of the slice held by the rank at mesh coordinates `rank` ({"dp": i, "tp_kv": j, "tp_rep": k},
+    and "cp": c under context parallel; i the data-parallel index, split into (i // ep, i % ep) when the
+    layout has expert parallel).
 
     A dim split over several axes is cut in their order, the first outermost (MindSpore's
-    tensor_map and DTensor agree on this). flat: a layout over (dp, tp), where the rank's tp
+    tensor_map and DTensor agree on this). flat: a layout over (dp, [cp,] tp), where the rank's tp
     coordinate is j x tp_rep + k (the same rank order)."""
     sizes = dict(zip(sh.mesh_axes, sh.mesh))
     if sh.ep > 1 and not flat:
         rank = {**rank, "dp": rank.get("dp", 0) // sh.ep, "ep": rank.get("dp", 0) % sh.ep}
     if flat:
-        sizes = dict(zip(FLAT_AXES, sh.flat_mesh))
-        rank = {"dp": rank.get("dp", 0), "tp": rank.get("tp_kv", 0) * sh.tp_rep + rank.get("tp_rep", 0)}
+        sizes = dict(zip(sh.flat_axes, sh.flat_mesh))
+        rank = {"dp": rank.get("dp", 0), "cp": rank.get("cp", 0),
+                "tp": rank.get("tp_kv", 0) * sh.tp_rep + rank.get("tp_rep", 0)}
     out = []
     for n, axes in zip(shape, sh.dims(layout, flat), strict=True):
         chunk, ways = 0, 1
@@ -387,22 +421,22 @@ def _applies(op: Op, m: ModelConfig) -> bool:
     return op.when is None or CONDITIONS[op.when](m)
 
 
-def ops_for(m: ModelConfig, flash: bool = False) -> list[Op]:
-    """The table's rows for model m with the softmax attention core, or (flash) Ascend's FlashAttentionScore."""
-    core = "flash" if flash else "softmax"
-    return [op for op in OPS if _applies(op, m) and op.core in (None, core)]
+def ops_for(m: ModelConfig, core: str = "softmax") -> list[Op]:
+    """The table's rows for model m with one attention core (CORES; Sharding.core picks it)."""
+    return [op for op in OPS if _applies(op, m) and core in op.cores]
 
 
-def table_ops(m: ModelConfig) -> list[Op]:
-    """Every row of model m, both attention cores (what the checker checks)."""
-    return [op for op in OPS if _applies(op, m)]
+def table_ops(m: ModelConfig, cores: tuple[str, ...] = ("softmax", "flash")) -> list[Op]:
+    """Every row of model m with any of `cores` (what the checker checks: Sharding.core_names)."""
+    return [op for op in OPS if _applies(op, m) and any(c in op.cores for c in cores)]
 
 
 def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, groups: int = 1,
-                    capacity_factor: float = 1.0) -> dict[str, list[tuple[int, ...]]]:
+                    capacity_factor: float = 1.0,
+                    cores: tuple[str, ...] = ("softmax", "flash")) -> dict[str, list[tuple[int, ...]]]:
     """The shapes each op's inputs have in a micro-batch of `batch` sequences of `seq` tokens
-    (the global shapes: semi-auto parallel describes the whole computation, layouts cut it), both
-    attention cores. kv_copies: how many times flash attention repeats each KV head (the layout's tp_rep);
+    (the global shapes: semi-auto parallel describes the whole computation, layouts cut it), for the
+    rows of `cores`. kv_copies: how many times flash attention repeats each KV head (the layout's tp_rep);
     groups, capacity_factor: the MoE dispatch's token groups (dp) and capacity (GroupedCapacityDispatch)."""
     b, s, h, d, f, v = batch, seq, m.hidden_size, m.head_size, m.ffn_size, m.vocab_size
     nh, kv = m.num_heads, m.num_kv_heads
@@ -421,7 +455,8 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, gr
         c + "pt_x": [(b, kv, rep * s, s), (b, kv, rep * s, d)],
         c + "softmax": [(b, nh, s, s)] if rep == 1 else [(b, kv, rep, s, s)],
         c + "repeat_kv": [(b, kv, 1, s, d), (1, 1, kv_copies, 1, 1)],
-        c + "flash": [(b, nh, s, d), (b, kv_in, s, d), (b, kv_in, s, d), (COMPRESSED_MASK, COMPRESSED_MASK)],
+        c + "flash": [(b, nh, s, d), (b, kv_in, s, d), (b, kv_in, s, d)] + (
+            [] if "ring" in cores else [(COMPRESSED_MASK, COMPRESSED_MASK)]),
         a + "wo.matmul": [(n, nh * d), (h, nh * d)],
         "layers.*.feed_forward.w1.matmul": [(n, h), (f, h)],
         "layers.*.feed_forward.w3.matmul": [(n, h), (f, h)],
@@ -449,7 +484,7 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, gr
         shapes[op.path] = {"square": [(n, heads, d)], "mean": [(n, heads, d)], "add": [(n, heads, 1), (1, 1, 1)],
                            "rsqrt": [(n, heads, 1)], "scale": [(n, heads, d), (n, heads, 1)],
                            "weigh": [(n, heads, d), (d,)]}[op.prim]
-    return {op.path: shapes[op.path] for op in table_ops(m)}
+    return {op.path: shapes[op.path] for op in table_ops(m, cores)}
 
 
 # Which input dims each matmul contracts: (dim of input 0, dim of input 1). Both must be cut alike.
@@ -469,9 +504,10 @@ def _contraction(op: Op) -> tuple[int, int] | None:
 def _flash_problems(op: Op, sh: Sharding, shapes: list[tuple[int, ...]]) -> list[str]:
     """FlashAttentionScore's own rules (BNSD; MindSpore 2.10's parallel implementation checks them):
     one mesh axis per dim, K and V cut alike, batch and heads of q and K/V cut alike (the KV
-    heads exactly as the query heads), the keys' sequence and the compressed mask whole, and
-    the KV heads a divisor of the query heads."""
-    q, k, v, mask = (sh.dims(layout, op.flat) for layout in op.inputs)
+    heads exactly as the query heads), and the KV heads a divisor of the query heads. Without cp the
+    keys' sequence and the compressed mask are whole; as ring attention (no mask) q, k and v are cut
+    on the sequence alike, over the cp axis."""
+    q, k, v = (sh.dims(layout, op.flat) for layout in op.inputs[:3])
     out = []
     if any(len(axes) > 1 for axes in q):
         out.append(f"{op.path}: each dim of q may map to one mesh axis only")
@@ -479,7 +515,9 @@ def _flash_problems(op: Op, sh: Sharding, shapes: list[tuple[int, ...]]) -> list
         out.append(f"{op.path}: k and v cut differently")
     if q[:2] != k[:2]:
         out.append(f"{op.path}: batch and heads of q and k/v must be cut alike")
-    if k[2] or any(mask):
+    if sh.cp > 1 and not (len(op.inputs) == 3 and q[2] == k[2] == ("cp",)):
+        out.append(f"{op.path}: ring attention cuts q, k and v on the sequence over cp alike, with no mask")
+    if sh.cp == 1 and (k[2] or any(sh.dims(op.inputs[3], op.flat))):
         out.append(f"{op.path}: the keys' sequence and the compressed mask are never cut")
     if shapes[0][1] % shapes[1][1]:
         out.append(f"{op.path}: {shapes[1][1]} KV heads do not divide {shapes[0][1]} query heads")
@@ -505,12 +543,17 @@ def dispatch_groups(dp: int, tokens_per_rank: int) -> int:
 
 
 def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int, capacity_factor: float = 1.0) -> list[str]:
-    """Each op's layout against its input shapes (both attention cores): rank, divisibility,
-    contraction dims cut alike, and FlashAttentionScore's own rules."""
+    """Each op's layout against its input shapes (the attention cores the layout can take): rank,
+    divisibility, contraction dims cut alike, and FlashAttentionScore's own rules. Under cp the rows
+    cut over (dp, cp) are chunks of one sequence only when each replica's micro-batch is one sequence."""
     problems = []
+    if sh.cp > 1 and batch != sh.dp:
+        problems.append(f"context parallel: each data-parallel replica's micro-batch must be one sequence "
+                        f"({batch} sequences over dp {sh.dp}), so that the rows cut over dp x cp are chunks of it")
     groups = dispatch_groups(sh.dp, batch // sh.dp * seq)
-    shapes = op_input_shapes(m, batch, seq, sh.tp_rep, groups=groups, capacity_factor=capacity_factor)
-    for op in table_ops(m):
+    shapes = op_input_shapes(m, batch, seq, sh.tp_rep, groups=groups, capacity_factor=capacity_factor,
+                             cores=sh.core_names)
+    for op in table_ops(m, sh.core_names):
         ins = shapes[op.path]
         if len(ins) != len(op.inputs):
             problems.append(f"{op.path}: {len(op.inputs)} input layouts for {len(ins)} inputs")
@@ -539,9 +582,9 @@ def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int, capaci
 
 def op_strategies(m: ModelConfig, sh: Sharding, flash: bool = False) -> dict[str, dict]:
     """{op path: {"in": per-input strategy tuples, "out": output strategies or None}} for model m
-    with the softmax attention core, or (flash) FlashAttentionScore."""
+    with the softmax attention core, or (flash) FlashAttentionScore (as ring attention under cp)."""
     out = {}
-    for op in ops_for(m, flash):
+    for op in ops_for(m, sh.core(flash)):
         sp_out = op.out if (op.out is not None and sh.sequence_parallel) else None
         out[op.path] = {"in": tuple(sh.strategy(layout, op.flat) for layout in op.inputs),
                         "out": None if sp_out is None else tuple(sh.strategy(layout) for layout in sp_out)}

@@ -5,6 +5,8 @@ Runs on every config load (without a device count) and as `msllm plan --check --
 """
 from __future__ import annotations
 
+import dataclasses
+
 from msllm.config import Config, ConfigError
 from msllm.models.layouts import sharding, strategy_problems
 
@@ -62,7 +64,10 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
         return "parallel.sequence_parallel", "needs tp > 1 (it splits tokens within the tp group)"
     if p.sequence_parallel and seq % p.tp:
         return "parallel.sequence_parallel", f"needs data.seq_len divisible by tp ({seq} % {p.tp} != 0)"
-    problems = strategy_problems(m, sharding(m, p), batch // p.micro_batches, seq, cfg.train.moe_capacity_factor or 1.0)
+    sh = sharding(m, p)
+    if cfg.train.device != "ascend":  # CPU's context parallel is msllm.parallel.cp's exchange, not a table layout
+        sh = dataclasses.replace(sh, cp=1)
+    problems = strategy_problems(m, sh, batch // p.micro_batches, seq, cfg.train.moe_capacity_factor or 1.0)
     if problems:
         return "parallel", f"layout table: {problems[0]}"
     return None
@@ -91,24 +96,50 @@ def expert_parallel_problem(cfg: Config) -> tuple[str, str] | None:
 
 def context_parallel_problem(cfg: Config, seq: int) -> tuple[str, str] | None:
     """(key, message) when parallel.cp cannot split this config's sequences, else None. Executed on
-    CPU (msllm.parallel.cp) with data parallel only; zig-zag needs 2 cp equal chunks."""
+    CPU (msllm.parallel.cp) with data parallel only, in zig-zag chunks (2 cp of them); on Ascend it is
+    FlashAttentionScore's ring attention (msllm.models.layouts), generated and checked here, not run."""
     p, t = cfg.parallel, cfg.train
     if p.cp == 1:
         return None
+    if cfg.model.mla:  # its exchange (msllm.parallel.cp.ExchangeKV) joins keys and values of one shape
+        return "parallel.cp", "context parallel is not built for MLA (model.attention: mla)"
+    if t.debug_nonfinite:
+        return "train.debug_nonfinite", ("re-runs the step in one process, which cannot take a sequence split "
+                                         "over the cp group (parallel.cp); set it false")
+    if t.device == "ascend":
+        return ring_attention_problem(cfg, seq)
     if seq % (2 * p.cp):
         return "parallel.cp", (f"needs data.seq_len divisible by 2 x cp = {2 * p.cp} ({seq} % {2 * p.cp} != 0): "
                                f"each rank takes two of 2 x cp equal chunks (zig-zag)")
     if t.device != "cpu":
-        return "parallel.cp", f"context parallel runs on CPU only (train.device: {t.device})"
-    if cfg.model.mla:  # its exchange (msllm.parallel.cp.ExchangeKV) joins keys and values of one shape
-        return "parallel.cp", "context parallel is not built for MLA (model.attention: mla)"
+        return "parallel.cp", f"context parallel runs on CPU and Ascend only (train.device: {t.device})"
     for key, on in (("pp", p.pp > 1), ("tp", p.tp > 1), ("sequence_parallel", p.sequence_parallel)):
         if on:
             return "parallel.cp", (f"does not combine with parallel.{key} on CPU (only with data parallel: "
                                    f"workers = dp x cp)")
-    if t.debug_nonfinite:
-        return "train.debug_nonfinite", ("re-runs the step in one process, which cannot take a sequence split "
-                                         "over the cp group (parallel.cp); set it false")
+    return None
+
+
+def ring_attention_problem(cfg: Config, seq: int) -> tuple[str, str] | None:
+    """Context parallel on Ascend is FlashAttentionScore's ring attention: causal attention on cp
+    chunks in natural order, so it needs the flash core, no sliding window and a sequence that cp
+    divides. MoE layers' dispatch groups are per replica, not per chunk (not built)."""
+    from msllm.backends import ascend_flash_problem, packed_samples
+
+    p, m = cfg.parallel, cfg.model
+    if seq % p.cp:
+        return "parallel.cp", f"must divide data.seq_len ({seq} % {p.cp} != 0): each rank takes one chunk"
+    if cfg.train.attention == "softmax":
+        return "train.attention", ("softmax cannot take context parallel on Ascend (parallel.cp): it is "
+                                   "FlashAttentionScore's ring attention; set flash or auto")
+    problem = ascend_flash_problem(cfg, packed_samples(cfg))
+    if problem is not None:
+        return problem[0], f"{problem[1].split('; set')[0]}, and parallel.cp needs it (ring attention)"
+    if "sliding" in m.layer_kinds():
+        return "parallel.cp", (f"ring attention is causal over whole chunks; this model's sliding-window layers "
+                               f"(model.sliding_window {m.sliding_window}) are not built with it on Ascend")
+    if "moe" in m.mlp_kinds():
+        return "parallel.cp", "context parallel with MoE layers is not built on Ascend (dispatch groups per replica)"
     return None
 
 

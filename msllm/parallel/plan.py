@@ -22,14 +22,16 @@ Analytic (pure Python, instant). The model, per device, for the busiest pipeline
                                          micro-batch (2 forward, 2 backward; sequence parallel's
                                          all-gather + reduce-scatter move the same bytes), PP one
                                          activation forward and one gradient back per micro-batch,
-                                         CP (context parallel, msllm.parallel.cp) the whole
-                                         sequence's K and V summed over the cp group per layer,
-                                         forward and again backward (again forward under full
-                                         recompute).
+                                         CP on CPU (msllm.parallel.cp) the whole sequence's K and
+                                         V summed over the cp group per layer, forward and again
+                                         backward (again forward under full recompute); on Ascend
+                                         (ring attention) each K/V chunk passed around the ring
+                                         forward, again backward with its dK / dV: 3 (cp-1)/cp of
+                                         the sequence's K/V per layer (4 under full recompute).
   context parallel                       a device computes seq / cp tokens of each sequence: the
-                                         activations and FLOPs above count those, plus the whole
-                                         sequence's K and V every layer keeps; gradients are
-                                         all-reduced over dp x cp.
+                                         activations and FLOPs above count those, plus the K and V
+                                         every layer keeps (CPU: the whole sequence's; ring: its own
+                                         chunk's); gradients are all-reduced over dp x cp.
   step time                              (micro_batches + pp - 1) x the slowest stage's micro-batch
                                          (matmul FLOPs at a fraction of peak, plus its TP and PP
                                          transfers; no overlap assumed) + the DP all-reduce + the
@@ -108,10 +110,11 @@ def parse_bytes(text: str) -> float:
 # ---- memory ----------------------------------------------------------------------------------------
 
 def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, recompute: str, flash: bool,
-                      flash_stats: int = 4, cp: int = 1, moe: "MoECost | None" = None) -> float:
+                      flash_stats: int = 4, cp: int = 1, moe: "MoECost | None" = None, ring: bool = False) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch of `batch` sequences, on one device.
     Under context parallel the device holds seq / cp tokens of each sequence, and every key and
-    value of it (kv_local d e x cp more per token: the exchanged K/V the attention core keeps).
+    value of it (kv_local d e x cp more per token: the exchanged K/V the attention core keeps) or,
+    as ring attention (`ring`), its own chunk's only (the others pass through).
 
     Per token (t = tp, sp = t under sequence parallel else 1, e = act_bytes, a = heads):
       norms       4h e / sp      the layer input, the mid residual and the two norm outputs
@@ -135,7 +138,7 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
     if recompute == "full":
         return tokens * h * act_bytes / sp
     norms = 4 * h * act_bytes / sp
-    attention = (2 * h / t + 2 * kv_local * d * cp) * act_bytes
+    attention = (2 * h / t + 2 * kv_local * d * (1 if ring else cp)) * act_bytes
     if m.mla:  # the layer input to wq, q and the up-projected keys and values per head, the latent and rope key
         attention = (h + m.num_heads * (2 * d + m.v_head_dim) + m.kv_lora_rank + m.qk_rope_head_dim) * act_bytes
     if recompute == "selective":
@@ -289,6 +292,7 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     counts, expert_counts = params_per_stage or (stage_parameters(m, sh), stage_parameters(m, sh, experts=True))
     layers = L.stage_layer_counts(m.num_layers, p.pp)
     tokens = micro * seq / p.cp  # computed on one device
+    ring_cp = p.cp > 1 and dev.backend == "ascend"  # context parallel as FlashAttentionScore's ring attention
     moe = MoECost.of(cfg, int(micro * seq), dev)
     kinds = m.mlp_kinds()
     firsts = L.stage_offsets(m.num_layers, p.pp)
@@ -299,8 +303,10 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
         kept, rebuilt = 0.0, 0.0
         for kind in set(stage_kinds[stage]):
             cost = moe if kind == "moe" else None
-            per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash, dev.flash_stats, p.cp, cost)
-            full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash, dev.flash_stats, p.cp, cost)
+            per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash, dev.flash_stats, p.cp, cost,
+                                          ring_cp)
+            full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash, dev.flash_stats, p.cp, cost,
+                                           ring_cp)
             kept += stage_kinds[stage].count(kind) * per_layer
             rebuilt = max(rebuilt, full_layer - per_layer)  # one layer's dropped activations, rebuilt in its backward
         logits = 2 * 4 * tokens * m.vocab_size / (p.tp if sh.vocab_split else 1) if stage == p.pp - 1 else 0.0
@@ -353,10 +359,15 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     else:
         ep_per_layer = 0.0
     ep_bytes = [n * ep_per_layer for n in moe_layers]
-    # K and V of the whole sequence, [2, micro, kv_local, seq, d], summed over the cp group per layer
+    # K and V of the whole sequence, [2, micro, kv_local, seq, d]: on CPU summed over the cp group per
+    # layer (AllReduce); on Ascend the ring passes every other chunk through each device, forward, and
+    # backward again with the chunks' dK / dV
     kv_buffer = 2 * micro * seq * m.num_kv_heads // sh.tp_kv * m.head_size * e
-    exchanges = 2 + (1 if t.recompute == "full" else 0)
-    cp_bytes = [n * exchanges * ring(p.cp) * kv_buffer for n in layers] if p.cp > 1 else [0.0] * p.pp
+    if ring_cp:
+        per_layer_cp = (3 + (1 if t.recompute == "full" else 0)) * (p.cp - 1) / p.cp * kv_buffer
+    else:
+        per_layer_cp = (2 + (1 if t.recompute == "full" else 0)) * ring(p.cp) * kv_buffer
+    cp_bytes = [n * per_layer_cp for n in layers] if p.cp > 1 else [0.0] * p.pp
 
     # matmul parameters per layer and token: a MoE layer's as MoECost counts them (not cut by tp: the
     # experts are whole on each tp rank), a dense layer's all (cut by tp)
@@ -376,7 +387,7 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
             flops += tokens * 6 * m.vocab_size * h
         experts = tokens * moe_layers[k] * moe_flops
         stage_time.append(flops / p.tp / rate + experts / rate + tp_bytes[k] / bandwidth(p.tp)
-                          + cp_bytes[k] / bandwidth(p.cp) + ep_bytes[k] / bandwidth(sh.ep * p.tp))
+                          + cp_bytes[k] / bandwidth(p.cp * p.tp) + ep_bytes[k] / bandwidth(sh.ep * p.tp))
     pp_time = pp_bytes / bandwidth(p.dp * p.tp * p.pp) if p.pp > 1 else 0.0
     micro_time = max(stage_time) + pp_time
     slots = p.micro_batches + p.pp - 1
@@ -528,13 +539,15 @@ def overrides(c: Candidate, cfg: Config, given: typing.Sequence[str] = ()) -> li
     return kept + sets
 
 
-def context_parallel_note(cfg: Config, seq: int, est: dict) -> str:
+def context_parallel_note(cfg: Config, seq: int, est: dict, device: str) -> str:
     """'; context parallel ...' for a layout that splits sequences, else ''."""
     cp = cfg.parallel.cp
     if cp == 1:
         return ""
-    return (f"; context parallel {cp}: each device computes {seq // cp} of every {seq} tokens and keeps the whole "
-            f"sequence's K/V, exchanging {est['comm']['cp'] / GB:.2f} GB of it per step "
+    kept = ("its chunk's K/V, passing the others around the ring" if DEVICES[device].backend == "ascend"
+            else "the whole sequence's K/V, exchanging it")
+    return (f"; context parallel {cp}: each device computes {seq // cp} of every {seq} tokens and keeps {kept}: "
+            f"{est['comm']['cp'] / GB:.2f} GB per step "
             f"({est['comm']['cp'] / GB / max(est['time']['step'], 1e-12):.1f} GB/s at the estimated step time)")
 
 
@@ -571,7 +584,7 @@ def run(cfg: Config, source: str, devices: int, device: str, memory: float | Non
         line = (f"msllm plan: {source}: {describe(c)} is valid on {devices} devices; per device "
                 f"{_gb(e['total'])} GB (weights {_gb(e['weights'])}, grads {_gb(e['grads'])}, optimizer "
                 f"{_gb(e['optimizer'])}, activations {_gb(e['activations'])}), est. {e['time']['step']:.2f} s/step"
-                + context_parallel_note(laid, seq, e))
+                + context_parallel_note(laid, seq, e, device))
         if fits:
             out(line + f"; fits {devices} x {device} ({mem_text})")
             return 0
@@ -603,7 +616,7 @@ def run(cfg: Config, source: str, devices: int, device: str, memory: float | Non
     for line in table(shown):
         out(line)
     if cfg.parallel.cp > 1:
-        out(context_parallel_note(best.cfg, seq, best.est).lstrip("; "))
+        out(context_parallel_note(best.cfg, seq, best.est, device).lstrip("; "))
     acts = best.est["activations_by_recompute"]
     out("activations per device of the best, none / selective / full recompute: "
         + " / ".join(_gb(acts[r, False]) for r in RECOMPUTE) + " GB without flash attention, "
