@@ -701,3 +701,101 @@ def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer():
         for t, ex, slot, weight in slots:
             oracle[r * n + t] += weight * back[r][ex, slot]
     np.testing.assert_allclose(oracle, whole, rtol=1e-4, atol=1e-5)
+
+
+# ---- MLA under tensor parallel ---------------------------------------------------------------------
+
+MLA = dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4, ffn_size=32, max_seq_len=16,
+           attention="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+
+
+def test_mla_golden_strategies_for_deepseek_v3_and_the_backend_applies_them():
+    """DeepSeek-V3's MLA at tp 8: the down-projections to the latents and their norms whole on every
+    rank, the up-projections cut by heads as wq, wo by heads (row); a tiny MLA model carries exactly the
+    table's rows (every required one found)."""
+    import mindspore as ms
+
+    from msllm.backends import ascend
+    from msllm.models.llama import Llama
+
+    cfg = load_config(REPO / "configs" / "deepseek_v3.yaml",
+                      ["parallel.dp=8", "parallel.tp=8", "parallel.ep=8", "parallel.sequence_parallel=true",
+                       "train.precision=bf16", "train.moe_capacity_factor=1.25"])
+    check_parallel(cfg, devices=64)
+    sh = L.sharding(cfg.model, cfg.parallel)
+    got = L.op_strategies(cfg.model, sh)
+    rows = ((8, 1), (1, 1))
+    assert {k: got[A + k]["in"] for k in ("wq_a.matmul", "wq_b.matmul", "wkv_a.matmul", "wkv_b.matmul", "wo.matmul")} \
+        == {"wq_a.matmul": rows, "wq_b.matmul": ((8, 1), (8, 1)), "wkv_a.matmul": rows,
+            "wkv_b.matmul": ((8, 1), (8, 1)), "wo.matmul": ((8, 8), (1, 8))}
+    assert got[A + "kv_norm.core.square"]["in"] == ((8, 1),) and got[A + "q_norm.core.weigh"]["in"] == ((8, 1), (1,))
+    assert got[C + "qk"]["in"] == ((8, 8, 1, 1),) * 2 and not any(".wk." in k or ".flash" in k for k in got)
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    tiny = config_from_dict({"model": {**MLA, "q_lora_rank": 12}, "data": {"seq_len": 8},
+                             "train": {"device": "ascend", "precision": "bf16", "batch_size": 2},
+                             "parallel": {"tp": 2, "sequence_parallel": True}})
+    model = Llama(tiny.model)
+    applied = ascend.specialise(model, tiny)
+    assert applied[A + "wkv_b.matmul"] == applied[A + "q_norm.core.square"] == 1 and applied[C + "pv"] == 1
+    want = L.op_strategies(tiny.model, L.sharding(tiny.model, tiny.parallel))
+    got = tuple(applied_strategy(x) for x in model.layers[0].attention.wq_b.matmul.attrs["in_layout"])
+    assert got == want[A + "wq_b.matmul"]["in"] == ((1, 1), (2, 1))
+
+
+@pytest.mark.parametrize("tp, q_rank", [(2, 12), (4, 0)])
+def test_mla_heads_cut_over_tp_equal_the_whole_layer(tp, q_rank):
+    """The one-process proof of the MLA rows: tp ranks, each an MLA of num_heads / tp heads holding the
+    table's slices of the weights (the latent projections whole, wq_b / wq and wkv_b cut by heads, wo by
+    heads), run by MindSpore. Their outputs and input gradients summed (the row-parallel all-reduce and
+    the column-parallel input's) equal the whole layer's; each rank's gradient of a cut weight is the
+    slice of the whole gradient, and of a replicated weight a share that sums to it over the ranks."""
+    import dataclasses
+
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    from msllm.config import ModelConfig, ParallelConfig
+    from msllm.models.llama import Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    m = ModelConfig(**MLA, q_lora_rank=q_rank)
+    sh = L.sharding(m, ParallelConfig(tp=tp))
+    rng = np.random.default_rng(5)
+    b, s = 2, 8
+    x = Tensor(rng.normal(size=(b * s, m.hidden_size)).astype(np.float32))
+    up = Tensor(rng.normal(size=(b * s, m.hidden_size)).astype(np.float32))
+    prefix = "layers.0.attention."
+
+    def run(cfg, weights=None):
+        model = Llama(cfg)
+        attention = model.layers[0].attention
+        params = {p.name: p for p in model.get_parameters() if p.name.startswith(prefix)}
+        for name, p in params.items():
+            value = weights[name] if weights else rng.normal(0, 0.3, p.shape).astype(np.float32)
+            p.set_data(Tensor(value + (1.0 if name.endswith("norm.weight") else 0.0) * (weights is None)))
+        cos, sin, mask = model.tables(0, b, s, s, None, None, None, None)
+        loss = lambda inp: (attention(inp, cos, sin, mask)[0] * up).sum()  # noqa: E731
+        out = attention(x, cos, sin, mask)[0].asnumpy()
+        dx, grads = ms.value_and_grad(loss, grad_position=0, weights=list(params.values()))(x)[1]
+        return ({n: p.asnumpy() for n, p in params.items()}, out, dx.asnumpy(),
+                {n: g.asnumpy() for n, g in zip(params, grads)})
+
+    whole_w, whole_out, whole_dx, whole_g = run(m)
+    rank_cfg = dataclasses.replace(m, num_heads=m.num_heads // tp, num_kv_heads=m.num_kv_heads // tp)
+    outs, dxs, shares = [], [], {}
+    for j in range(tp):
+        cut = {n: L.shard_slices(w.shape, L.param_entry(n)[0], sh, {"tp_kv": j}) for n, w in whole_w.items()}
+        _, out, dx, grads = run(rank_cfg, {n: w[cut[n]] for n, w in whole_w.items()})
+        outs.append(out)
+        dxs.append(dx)
+        for n, g in grads.items():
+            if L.param_entry(n)[1] == "replicated":
+                shares[n] = shares.get(n, 0) + g
+            else:
+                np.testing.assert_allclose(g, whole_g[n][cut[n]], rtol=1e-4, atol=1e-5, err_msg=n)
+    assert {L.param_entry(n)[1] for n in whole_w} == {"replicated", "column", "row"}
+    np.testing.assert_allclose(sum(outs), whole_out, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(sum(dxs), whole_dx, rtol=1e-4, atol=1e-5)
+    for n, g in shares.items():
+        np.testing.assert_allclose(g, whole_g[n], rtol=1e-4, atol=1e-5, err_msg=n)

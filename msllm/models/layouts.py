@@ -83,11 +83,12 @@ PARAMS = (
     ("layers.*.feed_forward.experts.w*",   ("experts", None, None), "expert parallel"),
     ("layers.*.feed_forward.router.expert_bias", (None,),   "replicated"),
     ("layers.*.feed_forward.shared.w*.weight", (None, None), "replicated"),
-    # MLA (DeepSeek): whole on every rank, no tensor-parallel split of its latent projections yet
+    # MLA (DeepSeek): the down-projections to the q and kv latents (and their norms) whole on every
+    # rank, the up-projections to heads cut by heads as wq is (their rows are head after head)
     ("layers.*.attention.wq_a.weight",   (None, None),    "replicated"),
-    ("layers.*.attention.wq_b.weight",   (None, None),    "replicated"),
+    ("layers.*.attention.wq_b.weight",   ("heads", None), "column"),
     ("layers.*.attention.wkv_a.weight",  (None, None),    "replicated"),
-    ("layers.*.attention.wkv_b.weight",  (None, None),    "replicated"),
+    ("layers.*.attention.wkv_b.weight",  ("heads", None), "column"),
     ("layers.*.attention.kv_norm.weight", (None,),        "replicated"),
     ("layers.*.feed_forward.w1.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w3.weight",  ("ffn", None),   "column"),
@@ -125,25 +126,37 @@ CONDITIONS = {
     "qk_norm": lambda m: m.qk_norm,
     "dense_mlp": lambda m: "dense" in m.mlp_kinds(),
     "moe": lambda m: "moe" in m.mlp_kinds(),
+    "qkv": lambda m: not m.mla,                     # q, k and v projections of their own
+    "q_proj": lambda m: not (m.mla and m.q_lora_rank),
+    "mla": lambda m: m.mla,
+    "mla_low_rank_q": lambda m: m.mla and m.q_lora_rank > 0,
 }
 
 _ROW_OUT = (("tokens", None),)
 _ATTN = "layers.*.attention.core.softmax_attention"
 _DISPATCH = "layers.*.feed_forward.dispatch"
+
+
 # RMSNorm cores: Ascend swaps in msllm.backends.ascend.RMSNormCore, whose primitives these are:
-# x [N, h] -> x * rsqrt(mean(x^2) + eps) * weight, rows cut over tokens.
-_NORM_OPS = tuple(
-    Op(cell, prim, inputs, when=when)
-    for cell, when in (("layers.*.attention_norm.core", None), ("layers.*.ffn_norm.core", None), ("norm.core", None),
-                       ("layers.*.attention_out_norm.core", "sandwich"), ("layers.*.ffn_out_norm.core", "sandwich"))
-    for prim, inputs in (
-        ("square", (("tokens", None),)),
-        ("mean", (("tokens", None),)),
-        ("add", (("tokens", None), (None, None))),           # + eps [1, 1]
-        ("rsqrt", (("tokens", None),)),
-        ("scale", (("tokens", None), ("tokens", None))),
-        ("weigh", (("tokens", None), (None,))),
+# x [N, h] -> x * rsqrt(mean(x^2) + eps) * weight, rows cut by `rows`.
+def _norm_ops(cell: str, when: str | None, rows: str = "tokens") -> tuple[Op, ...]:
+    return tuple(Op(cell, prim, inputs, when=when) for prim, inputs in (
+        ("square", ((rows, None),)),
+        ("mean", ((rows, None),)),
+        ("add", ((rows, None), (None, None))),           # + eps [1, 1]
+        ("rsqrt", ((rows, None),)),
+        ("scale", ((rows, None), (rows, None))),
+        ("weigh", ((rows, None), (None,))),
     ))
+
+
+_NORM_OPS = sum((_norm_ops(cell, when) for cell, when in (
+    ("layers.*.attention_norm.core", None), ("layers.*.ffn_norm.core", None), ("norm.core", None),
+    ("layers.*.attention_out_norm.core", "sandwich"), ("layers.*.ffn_out_norm.core", "sandwich"))), ())
+# MLA's latent norms, on rows every tp rank holds whole: their inputs come from the replicated
+# down-projections.
+_LATENT_NORM_OPS = (_norm_ops("layers.*.attention.q_norm.core", "mla_low_rank_q", "batch")
+                    + _norm_ops("layers.*.attention.kv_norm.core", "mla", "batch"))
 # q / k norms (HeadNorm.heads_axis, msllm.backends.ascend.HeadRMSNormCore): the projection viewed
 # [N, heads, d], its heads cut as the projection's columns are (q: heads, k: kv), so each rank
 # normalises the heads it holds: no data moves between the projection, the norm and RoPE.
@@ -159,15 +172,21 @@ _HEAD_NORM_OPS = tuple(
         ("scale", (("batch", "H", None), ("batch", "H", None))),
         ("weigh", (("batch", "H", None), (None,))),
     ))
-OPS = _NORM_OPS + _HEAD_NORM_OPS + (
+OPS = _NORM_OPS + _HEAD_NORM_OPS + _LATENT_NORM_OPS + (
     Op("tok_embeddings", "gather", (("vocab", None), ("batch",))),
-    Op("layers.*.attention.wq", "matmul", (("batch", None), ("heads", None))),
-    Op("layers.*.attention.wk", "matmul", (("batch", None), ("kv", None))),
-    Op("layers.*.attention.wv", "matmul", (("batch", None), ("kv", None))),
+    Op("layers.*.attention.wq", "matmul", (("batch", None), ("heads", None)), when="q_proj"),
+    Op("layers.*.attention.wk", "matmul", (("batch", None), ("kv", None)), when="qkv"),
+    Op("layers.*.attention.wv", "matmul", (("batch", None), ("kv", None)), when="qkv"),
+    # MLA: latents whole on every rank, expanded to the rank's heads (its keys' shared RoPE part is
+    # computed whole from wkv_a's output and broadcast to the heads)
+    Op("layers.*.attention.wq_a", "matmul", (("batch", None), (None, None)), when="mla_low_rank_q"),
+    Op("layers.*.attention.wq_b", "matmul", (("batch", None), ("heads", None)), when="mla_low_rank_q"),
+    Op("layers.*.attention.wkv_a", "matmul", (("batch", None), (None, None)), when="mla"),
+    Op("layers.*.attention.wkv_b", "matmul", (("batch", None), ("heads", None)), when="mla"),
     # One primitive rotates q and k (when Rope holds one: the CPU formulation; Ascend's element-wise
     # form has none): rows of the per-head view; k's rows under GQA with kv < tp are resliced to
     # match. Under cp a rank's rows of that view are its heads x its chunk, no one block: not a ring row.
-    Op("layers.*.attention.rope", "matmul", (("head_rows", None), (None, None)), optional=True,
+    Op("layers.*.attention.rope", "matmul", (("head_rows", None), (None, None)), optional=True, when="qkv",
        cores=("softmax", "flash")),
     # q is viewed [b, kv, rep*s, d] so one BatchMatMul serves a KV head's group. A hand-written
     # backward (when present) reuses them and adds pt_x (dv, dk), whose contraction over the
@@ -185,10 +204,12 @@ OPS = _NORM_OPS + _HEAD_NORM_OPS + (
     # computing only the copy of its own KV head (kv' = kv x tp_rep = tp); the copies' gradients
     # are summed over tp_rep in backward. Batch over dp, heads over tp, one mesh axis per dim (flat).
     # As ring attention (cp > 1) q, k and v are cut on the sequence alike and there is no mask.
+    # (No flash core takes MLA, whose value heads differ from its q/k heads.)
     Op(_ATTN, "repeat_kv", (("samples", "kv", None, "seq", None), (None, None, "copies", None, None)),
-       optional=True, cores=("flash", "ring")),
-    Op(_ATTN, "flash", (("samples", "heads", None, None),) * 3 + ((None, None),), cores=("flash",), flat=True),
-    Op(_ATTN, "flash", (("samples", "heads", "seq", None),) * 3, cores=("ring",), flat=True),
+       optional=True, cores=("flash", "ring"), when="qkv"),
+    Op(_ATTN, "flash", (("samples", "heads", None, None),) * 3 + ((None, None),), cores=("flash",), flat=True,
+       when="qkv"),
+    Op(_ATTN, "flash", (("samples", "heads", "seq", None),) * 3, cores=("ring",), flat=True, when="qkv"),
     Op("layers.*.attention.wo", "matmul", (("batch", "heads"), (None, "heads")), out=_ROW_OUT),
     Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
     Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
@@ -414,10 +435,7 @@ COMPRESSED_MASK = 2048
 
 
 def _applies(op: Op, m: ModelConfig) -> bool:
-    """A row holds for model m: its condition, and no attention row for MLA, whose latent projections
-    the table does not cut yet (they run whole on every rank; the checker keeps tp at 1)."""
-    if m.mla and op.cell.startswith("layers.*.attention."):
-        return False
+    """A row holds for model m: its condition."""
     return op.when is None or CONDITIONS[op.when](m)
 
 
@@ -476,15 +494,38 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, gr
             ff + "dispatch.from_experts": [(e, g, c, h)],
             ff + "dispatch.combine_rows": [(g, n // g, e * c), (g, e * c, h)],
         })
-    for op in _NORM_OPS:
-        shapes[op.path] = {"square": [(n, h)], "mean": [(n, h)], "add": [(n, 1), (1, 1)], "rsqrt": [(n, 1)],
-                           "scale": [(n, h), (n, 1)], "weigh": [(n, h), (h,)]}[op.prim]
-    for op in _HEAD_NORM_OPS:
+    if m.mla:
+        shapes.update(_mla_input_shapes(m, b, s))
+    for op in _NORM_OPS + _LATENT_NORM_OPS:
+        width = {"q_norm": m.q_lora_rank, "kv_norm": m.kv_lora_rank}.get(op.cell.split(".")[-2], h)
+        shapes[op.path] = {"square": [(n, width)], "mean": [(n, width)], "add": [(n, 1), (1, 1)], "rsqrt": [(n, 1)],
+                           "scale": [(n, width), (n, 1)], "weigh": [(n, width), (width,)]}[op.prim]
+    for op in _HEAD_NORM_OPS if m.qk_norm else ():
         heads = nh if ".q_norm." in op.cell else kv
         shapes[op.path] = {"square": [(n, heads, d)], "mean": [(n, heads, d)], "add": [(n, heads, 1), (1, 1, 1)],
                            "rsqrt": [(n, heads, 1)], "scale": [(n, heads, d), (n, heads, 1)],
                            "weigh": [(n, heads, d), (d,)]}[op.prim]
     return {op.path: shapes[op.path] for op in table_ops(m, cores)}
+
+
+def _mla_input_shapes(m: ModelConfig, b: int, s: int) -> dict[str, list[tuple[int, ...]]]:
+    """An MLA layer's projections and attention core (mla.MLA): q/k heads of nope + rope features,
+    value heads of v_head_dim, one KV head per query head."""
+    h, nh, n = m.hidden_size, m.num_heads, b * s
+    qk, v, r, c = m.head_size, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    a, core = "layers.*.attention.", _ATTN + "."
+    return {
+        a + "wq.matmul": [(n, h), (nh * qk, h)],
+        a + "wq_a.matmul": [(n, h), (r, h)],
+        a + "wq_b.matmul": [(n, r), (nh * qk, r)],
+        a + "wkv_a.matmul": [(n, h), (c + m.qk_rope_head_dim, h)],
+        a + "wkv_b.matmul": [(n, c), (nh * (m.qk_nope_head_dim + v), c)],
+        a + "wo.matmul": [(n, nh * v), (h, nh * v)],
+        core + "qk": [(b, nh, s, qk), (b, nh, s, qk)],
+        core + "pv": [(b, nh, s, s), (b, nh, s, v)],
+        core + "pt_x": [(b, nh, s, s), (b, nh, s, v)],
+        core + "softmax": [(b, nh, s, s)],
+    }
 
 
 # Which input dims each matmul contracts: (dim of input 0, dim of input 1). Both must be cut alike.

@@ -37,9 +37,6 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
     problem = expert_parallel_problem(cfg)
     if problem is not None:
         return problem
-    if m.mla and p.tp > 1:
-        return "parallel.tp", ("must be 1 for MLA (model.attention: mla): the layout table does not cut its "
-                               "latent projections yet")
     if m.num_heads % p.tp:
         return "parallel.tp", f"must divide model.num_heads ({m.num_heads} % {p.tp} != 0)"
     if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:

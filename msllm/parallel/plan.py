@@ -139,8 +139,9 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
         return tokens * h * act_bytes / sp
     norms = 4 * h * act_bytes / sp
     attention = (2 * h / t + 2 * kv_local * d * (1 if ring else cp)) * act_bytes
-    if m.mla:  # the layer input to wq, q and the up-projected keys and values per head, the latent and rope key
-        attention = (h + m.num_heads * (2 * d + m.v_head_dim) + m.kv_lora_rank + m.qk_rope_head_dim) * act_bytes
+    if m.mla:  # the layer input to wq, q and the up-projected keys and values of the device's heads, the
+        # latent and rope key (whole on every tp rank)
+        attention = (h + m.num_heads / t * (2 * d + m.v_head_dim) + m.kv_lora_rank + m.qk_rope_head_dim) * act_bytes
     if recompute == "selective":
         return tokens * (norms + attention)
     mlp = 3 * m.ffn_size * act_bytes / t if moe is None else moe.activations(act_bytes)
