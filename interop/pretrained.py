@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import shutil
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from interop.layouts import Source, open_source
 from interop.maps import FAMILIES
 from interop.table import entries
 from msllm import checkpoint
-from msllm.config import Config, LoraConfig, Pretrained
+from msllm.config import Config, LoraConfig, ModelConfig, Pretrained
 from msllm.safetensors_reader import SafetensorsReader
 from msllm.staged import staged_dir
 
@@ -113,8 +114,9 @@ class InitFrom:
     def __init__(self, cfg: Config):
         self.cfg, self.base = cfg, PretrainedWeights(cfg.train.init_from)
         self.adapter = PeftAdapter(cfg.train.lora_from, self.base.architecture) if cfg.train.lora_from else None
-        if self.adapter is not None:
-            self.adapter.check_base(self.base)  # before anything is built or written
+        if self.adapter is not None:  # before anything is built or written
+            self.adapter.check_base(self.base)
+            self.adapter.check(self.base.architecture, cfg)
 
     def load_base(self, params) -> None:
         self.base.load(params)
@@ -168,47 +170,118 @@ def peft_keys(arch: str, cfg: Config) -> dict[str, str]:
     return keys
 
 
-def peft_experts(cfg: Config, adapters: dict) -> tuple[dict[str, np.ndarray], dict]:
-    """Adapters on stacked experts as PEFT's LoRA on parameters (target_parameters, PEFT >= 0.17):
-    transformers 5 holds a MoE layer's experts as mlp.experts.gate_up_proj [E, 2f, h] (gate rows, then
-    up) and down_proj [E, h, f]. PEFT keeps one adapter per parameter, lora_A [E r, in] (expert e's
-    rows e r .. e r + r - 1) and lora_B [out, r E] (expert e's columns e, E + e, ...). msllm's gate and
-    up adapters (rank r each) become one of rank 2r on gate_up_proj: A stacks them, B is
-    block-diagonal, and alpha doubles so the scale alpha / r stays (rank_pattern, alpha_pattern). PEFT
-    wraps a module's parameters one inside another, the first listed innermost (`base_layer.`).
-    Returns (tensors by PEFT key, the adapter_config.json entries)."""
+# --- PEFT's LoRA on the experts' parameters (target_parameters, PEFT >= 0.17)
+#
+# transformers 5 holds a MoE layer's experts as mlp.experts.gate_up_proj [E, 2f, h] (gate rows, then up) and
+# down_proj [E, h, f]. PEFT keeps one adapter per parameter, lora_A [E R, in] (expert e's rows e R .. e R + R - 1)
+# and lora_B [out, R E] (expert e's columns e, E + e, ...). msllm's gate and up adapters (rank r each) become one
+# of rank R = 2r on gate_up_proj: A stacks them, B is block-diagonal, and alpha doubles so the scale alpha / r
+# stays (rank_pattern, alpha_pattern). PEFT wraps a module's parameters one inside another, the first listed
+# innermost (`base_layer.`). Export and read back both go through the functions below.
+
+PEFT_EXPERTS = "mlp.experts"  # a MoE layer's experts module in transformers 5
+# each experts parameter PEFT adapts -> the msllm stacked weights it joins, in row order
+PEFT_EXPERT_PARAMETERS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+# adapter_model.safetensors metadata: the expert targets msllm trained (gate_up_proj holds gate and up
+# whether one or both were adapted; the other's block is zero)
+EXPERT_TARGETS_KEY = "msllm_expert_targets"
+
+
+def expert_parameters(targets: list[str]) -> list[str]:
+    """The experts' parameters PEFT adapts for lora.targets, in target_parameters order."""
     from msllm.lora import EXPERT_TARGETS
 
-    r, targets = cfg.lora.rank, [t for t in cfg.lora.targets if t in EXPERT_TARGETS]
-    wrapped = [w for w, wanted in (("gate_up_proj", {"experts_gate", "experts_up"} & set(targets)),
-                                   ("down_proj", "experts_down" in targets)) if wanted]
-    tensors = {}
-    for i, kind in enumerate(cfg.model.mlp_kinds()):
+    ours = {EXPERT_TARGETS[t] for t in targets if t in EXPERT_TARGETS}
+    return [name for name, joined in PEFT_EXPERT_PARAMETERS.items() if ours & set(joined)]
+
+
+def expert_config(parameters: list[str], rank: int, alpha: float) -> dict:
+    """adapter_config.json's entries for the experts: a parameter joining n weights has rank n r and
+    alpha n alpha, so its scale stays alpha / r."""
+    joined = {p: len(PEFT_EXPERT_PARAMETERS[p]) for p in parameters if len(PEFT_EXPERT_PARAMETERS[p]) > 1}
+    return {"target_parameters": [f"{PEFT_EXPERTS}.{p}" for p in parameters],
+            "rank_pattern": {p: n * rank for p, n in joined.items()},
+            "alpha_pattern": {p: n * alpha for p, n in joined.items()}}
+
+
+def expert_keys(model: ModelConfig, parameters: list[str]):
+    """(layer, parameter, lora_A key, lora_B key) of every MoE layer's adapted parameters."""
+    for i, kind in enumerate(model.mlp_kinds()):
         if kind != "moe":
             continue
-        ours = f"layers.{i}.feed_forward.experts."
+        for depth, p in enumerate(parameters):
+            module = f"{PEFT_PREFIX}model.layers.{i}.{PEFT_EXPERTS}." + "base_layer." * (len(parameters) - 1 - depth)
+            yield i, p, module + "lora_A.weight", module + "lora_B.weight"
 
-        def pair(w: str, shape_a, shape_b):
-            if f"{ours}{w}.lora_a" in adapters:
-                return adapters[f"{ours}{w}.lora_a"], adapters[f"{ours}{w}.lora_b"]
-            return np.zeros(shape_a, np.float32), np.zeros(shape_b, np.float32)
 
-        e, f, h = cfg.model.num_experts, cfg.model.moe_ffn_size or cfg.model.ffn_size, cfg.model.hidden_size
-        for depth, w in enumerate(wrapped):
-            key = f"{PEFT_PREFIX}model.layers.{i}.mlp.experts." + "base_layer." * (len(wrapped) - 1 - depth)
-            if w == "gate_up_proj":
-                (a1, b1), (a3, b3) = pair("w1", (e, r, h), (e, f, r)), pair("w3", (e, r, h), (e, f, r))
-                a = np.concatenate([a1, a3], 1)                                           # [E, 2r, h]
-                b = np.zeros((e, 2 * f, 2 * r), np.float32)
-                b[:, :f, :r], b[:, f:, r:] = b1, b3                                       # [E, 2f, 2r]
-            else:
-                a, b = pair("w2", (e, r, f), (e, h, r))
-            tensors[key + "lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, a.shape[-1]))
-            tensors[key + "lora_B.weight"] = np.ascontiguousarray(b.transpose(1, 2, 0).reshape(b.shape[1], -1))
-    config = {"target_parameters": [f"mlp.experts.{w}" for w in wrapped]}
-    if "gate_up_proj" in wrapped:
-        config.update(rank_pattern={"gate_up_proj": 2 * r}, alpha_pattern={"gate_up_proj": 2 * cfg.lora.alpha})
-    return tensors, config
+def expert_adapter_name(layer: int, weight: str) -> str:
+    """msllm's name of an expert adapter (msllm/lora.py): layers.1.feed_forward.experts.w1 (+ .lora_a / .lora_b)."""
+    return f"layers.{layer}.feed_forward.experts.{weight}"
+
+
+def expert_outputs(model: ModelConfig, parameter: str) -> tuple[list[int], int]:
+    """(out of each stacked weight the parameter joins, their common in): w1 / w3 [E, f, h], w2 [E, h, f]."""
+    f, h = model.moe_ffn_size or model.ffn_size, model.hidden_size
+    shapes = [(h, f) if w == "w2" else (f, h) for w in PEFT_EXPERT_PARAMETERS[parameter]]
+    return [out for out, _ in shapes], shapes[0][1]
+
+
+def expert_peft_shapes(model: ModelConfig, parameter: str, rank: int) -> tuple[tuple, tuple]:
+    """The shapes of a parameter's lora_A [E R, in] and lora_B [out, R E] (R = n rank)."""
+    outs, inp = expert_outputs(model, parameter)
+    joined_rank = len(outs) * rank * model.num_experts
+    return (joined_rank, inp), (sum(outs), joined_rank)
+
+
+def _blocks(outs: list[int], rank: int) -> list[tuple[slice, slice]]:
+    """Where joined weight j's B sits in the block-diagonal B [E, sum outs, n rank]: (rows, rank columns)."""
+    starts = np.cumsum([0, *outs])
+    return [(slice(starts[j], starts[j + 1]), slice(j * rank, (j + 1) * rank)) for j in range(len(outs))]
+
+
+def join_experts(pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """msllm's (A [E, r, in], B [E, out_j, r]) of the weights one PEFT parameter joins -> its (lora_A, lora_B)."""
+    e, rank, _ = pairs[0][0].shape
+    outs = [b.shape[1] for _, b in pairs]
+    b = np.zeros((e, sum(outs), rank * len(pairs)), np.float32)
+    for (rows, cols), (_, b_j) in zip(_blocks(outs, rank), pairs):
+        b[:, rows, cols] = b_j
+    a = np.concatenate([a for a, _ in pairs], 1)
+    return (np.ascontiguousarray(a.reshape(-1, a.shape[-1])),
+            np.ascontiguousarray(b.transpose(1, 2, 0).reshape(b.shape[1], -1)))
+
+
+def split_experts(lora_a: np.ndarray, lora_b: np.ndarray, e: int, outs: list[int], kept: list[bool],
+                  where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """join_experts' inverse: the (A, B) of each kept joined weight. B must be zero outside them (msllm
+    adapts the joined weights separately), else `where` is refused."""
+    a = lora_a.reshape(e, -1, lora_a.shape[-1])                      # [E, n r, in]
+    b = lora_b.reshape(lora_b.shape[0], -1, e).transpose(2, 0, 1)    # [E, sum outs, n r]
+    rest, pairs = b.copy(), []
+    for (rows, cols), keep in zip(_blocks(outs, a.shape[1] // len(outs)), kept):
+        if keep:
+            pairs.append((np.array(a[:, cols], np.float32), np.array(b[:, rows, cols], np.float32)))
+            rest[:, rows, cols] = 0
+    if rest.any():
+        raise InteropError(f"{where}: nonzero outside the diagonal blocks of the adapted projections (msllm keeps "
+                           f"one adapter per projection); merge it (PEFT's merge_and_unload) and train from that")
+    return pairs
+
+
+def peft_experts(cfg: Config, adapters: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """A run's expert adapters as PEFT tensors (by key) and the adapter_config.json entries; a joined
+    weight the run did not adapt gets a zero block."""
+    r, e, parameters = cfg.lora.rank, cfg.model.num_experts, expert_parameters(cfg.lora.targets)
+    tensors = {}
+    for i, p, key_a, key_b in expert_keys(cfg.model, parameters):
+        outs, inp = expert_outputs(cfg.model, p)
+        pairs = []
+        for w, out in zip(PEFT_EXPERT_PARAMETERS[p], outs):
+            name = expert_adapter_name(i, w)
+            pairs.append((adapters[f"{name}.lora_a"], adapters[f"{name}.lora_b"]) if f"{name}.lora_a" in adapters
+                         else (np.zeros((e, r, inp), np.float32), np.zeros((e, out, r), np.float32)))
+        tensors[key_a], tensors[key_b] = join_experts(pairs)
+    return tensors, expert_config(parameters, r, cfg.lora.alpha)
 
 
 def hf_leaves(arch: str) -> dict[str, str]:
@@ -225,27 +298,59 @@ class PeftAdapter:
 
     def __init__(self, path: str | Path, arch: str):
         self.path = Path(path).expanduser()
-        config = read_json(self.path / PEFT_CONFIG)
+        self.config_file, self.weights = self.path / PEFT_CONFIG, self.path / PEFT_WEIGHTS
+        config = read_json(self.config_file)
         if config.get("peft_type", "LORA") != "LORA":
-            raise InteropError(f"{self.path / PEFT_CONFIG}: peft_type {config.get('peft_type')!r}; msllm trains LORA")
+            raise InteropError(f"{self.config_file}: peft_type {config.get('peft_type')!r}; msllm trains LORA")
         modules = config.get("target_modules")
         leaf_to_target = {leaf: target for target, leaf in hf_leaves(arch).items()}
         if isinstance(modules, str) or not isinstance(modules, list) or not all(m in leaf_to_target for m in modules):
-            raise InteropError(f"{self.path / PEFT_CONFIG}: target_modules {modules!r}: msllm adapts a list of "
+            raise InteropError(f"{self.config_file}: target_modules {modules!r}: msllm adapts a list of "
                                f"{', '.join(leaf_to_target)}")
         for key in ("use_dora", "use_rslora"):
             if config.get(key):
-                raise InteropError(f"{self.path / PEFT_CONFIG}: {key} is not supported (plain LoRA)")
-        if config.get("target_parameters"):
-            raise InteropError(f"{self.path / PEFT_CONFIG}: target_parameters {config['target_parameters']!r}: "
-                               f"reading adapters on experts back (train.lora_from) is not built; merge them instead")
-        self.lora = {"rank": int(config["r"]), "alpha": float(config["lora_alpha"]),
-                     "targets": [leaf_to_target[m] for m in modules]}
-        weights = self.path / PEFT_WEIGHTS
-        if not weights.is_file():
-            raise InteropError(f"{weights}: missing (msllm reads safetensors adapters)")
-        self.reader = SafetensorsReader(weights)
+                raise InteropError(f"{self.config_file}: {key} is not supported (plain LoRA)")
+        self.parameters = self._expert_parameters(config.get("target_parameters"))
+        rank, alpha = int(config["r"]), float(config["lora_alpha"])
+        self._check_patterns(config, rank, alpha)
+        if not self.weights.is_file():
+            raise InteropError(f"{self.weights}: missing (msllm reads safetensors adapters)")
+        self.reader = SafetensorsReader(self.weights)
         self.base_sha256 = self.reader.metadata.get(BASE_SHA)
+        self.lora = {"rank": rank, "alpha": alpha,
+                     "targets": [leaf_to_target[m] for m in modules] + self._expert_targets()}
+
+    def _expert_parameters(self, listed) -> list[str]:
+        """target_parameters (mlp.experts.gate_up_proj, ...) -> the experts' parameters (gate_up_proj, ...)."""
+        known = {f"{PEFT_EXPERTS}.{p}": p for p in PEFT_EXPERT_PARAMETERS}
+        listed = listed or []
+        if not isinstance(listed, list) or not all(p in known for p in listed) or len(set(listed)) < len(listed):
+            raise InteropError(f"{self.config_file}: target_parameters {listed!r}: msllm adapts a list of "
+                               f"{', '.join(known)}")
+        return [known[p] for p in listed]
+
+    def _check_patterns(self, config: dict, rank: int, alpha: float) -> None:
+        """One rank and alpha, doubled on gate_up_proj (which joins gate and up), as export_peft writes them."""
+        expected = expert_config(self.parameters, rank, alpha)
+        for key in ("rank_pattern", "alpha_pattern"):
+            if (config.get(key) or {}) != expected[key]:
+                raise InteropError(f"{self.config_file}: {key} {config.get(key)!r}: msllm reads {expected[key]!r} "
+                                   f"(r {rank}, lora_alpha {alpha:g}, one pair per adapted projection)")
+
+    def _expert_targets(self) -> list[str]:
+        """The expert targets the adapter holds: those msllm recorded, else every weight its parameters join."""
+        from msllm.lora import EXPERT_TARGETS
+
+        joined = {w for p in self.parameters for w in PEFT_EXPERT_PARAMETERS[p]}
+        held = [t for t, w in EXPERT_TARGETS.items() if w in joined]
+        recorded = self.reader.metadata.get(EXPERT_TARGETS_KEY)
+        if recorded is None:
+            return held
+        targets = recorded.split(",")
+        if not set(targets) <= set(held) or set(expert_parameters(targets)) != set(self.parameters):
+            raise InteropError(f"{self.weights}: metadata {EXPERT_TARGETS_KEY} {recorded!r} contradicts "
+                               f"target_parameters of {self.config_file}")
+        return targets
 
     def check_base(self, base: PretrainedWeights) -> None:
         """An adapter msllm exported names its base's sha256; one from elsewhere is trusted."""
@@ -253,20 +358,60 @@ class PeftAdapter:
             raise InteropError(f"{self.path}: adapter trained on another base (sha256 {self.base_sha256[:12]}...) "
                                f"than {base.path} ({base.sha256[:12]}...)")
 
+    def check(self, arch: str, cfg: Config) -> None:
+        """The whole adapter fits the model, before anything is built or written: every tensor is there,
+        the experts' with their shapes and block structure (the others' shapes are checked as they load)."""
+        self._check_keys(arch, cfg)
+        for _ in self._expert_adapters(cfg):  # one PEFT parameter in memory at a time
+            pass
+
+    def _check_keys(self, arch: str, cfg: Config) -> None:
+        wanted = {key: None for key in peft_keys(arch, cfg).values()}
+        for _, p, key_a, key_b in expert_keys(cfg.model, self.parameters):
+            wanted[key_a], wanted[key_b] = expert_peft_shapes(cfg.model, p, cfg.lora.rank)
+        missing = [k for k in wanted if k not in self.reader.shapes]
+        if missing:
+            raise InteropError(f"{self.weights}: missing {missing[0]} (and {len(missing) - 1} more)")
+        wrong = [k for k, shape in wanted.items() if shape is not None and self.reader.shapes[k] != shape]
+        if wrong:
+            raise InteropError(f"{self.weights}: {wrong[0]} {list(self.reader.shapes[wrong[0]])} != "
+                               f"{list(wanted[wrong[0]])}")
+
+    def _read(self, key: str) -> np.ndarray:
+        return self.reader.read(key).to(torch.float32).numpy()
+
+    def _expert_adapters(self, cfg: Config):
+        """(msllm name, array) of the experts' adapters, split out of one PEFT parameter at a time
+        (export_peft's inverse)."""
+        from msllm.lora import EXPERT_TARGETS
+
+        adapted = {EXPERT_TARGETS[t] for t in cfg.lora.targets if t in EXPERT_TARGETS}
+        for i, p, key_a, key_b in expert_keys(cfg.model, self.parameters):
+            joined = PEFT_EXPERT_PARAMETERS[p]
+            pairs = split_experts(self._read(key_a), self._read(key_b), cfg.model.num_experts,
+                                  expert_outputs(cfg.model, p)[0], [w in adapted for w in joined],
+                                  f"{self.weights}: {key_b}")
+            for w, (a, b) in zip([w for w in joined if w in adapted], pairs):
+                yield f"{expert_adapter_name(i, w)}.lora_a", a
+                yield f"{expert_adapter_name(i, w)}.lora_b", b
+
     def load(self, params, arch: str, cfg: Config, base: PretrainedWeights) -> None:
-        """Copy the adapter into the model's lora_a / lora_b Parameters."""
+        """Copy the adapter into the model's lora_a / lora_b Parameters (InitFrom ran `check` first)."""
         from mindspore import Tensor
 
         self.check_base(base)
-        keys = peft_keys(arch, cfg)
-        missing = [k for k in keys.values() if k not in self.reader.infos]
-        if missing:
-            raise InteropError(f"{self.path / PEFT_WEIGHTS}: missing {missing[0]} (and {len(missing) - 1} more)")
-        for p in params:
-            t = self.reader.read(keys[p.name])
-            if tuple(t.shape) != tuple(p.shape):
-                raise InteropError(f"{self.path / PEFT_WEIGHTS}: {keys[p.name]} {list(t.shape)} != {list(p.shape)}")
-            p.set_data(Tensor(t.to(torch.float32).numpy()))
+        self._check_keys(arch, cfg)
+        by_name, keys = {p.name: p for p in params}, peft_keys(arch, cfg)
+        linear = [name for name in by_name if name in keys]
+        values = itertools.chain(self._expert_adapters(cfg), ((name, self._read(keys[name])) for name in linear))
+        for name, value in values:
+            p = by_name.pop(name)
+            if tuple(value.shape) != tuple(p.shape):
+                raise InteropError(f"{self.weights}: {keys.get(name, name)} {list(value.shape)} != {list(p.shape)}")
+            p.set_data(Tensor(value))
+        if by_name:
+            raise InteropError(f"{self.weights}: holds no adapter for {sorted(by_name)[0]} "
+                               f"(and {len(by_name) - 1} more)")
         self.reader.close()
 
 
@@ -335,10 +480,11 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
                            f"projection, which a PEFT adapter cannot hold; `msllm lora merge` makes a full model")
     keys = peft_keys(weights.architecture, cfg)
     tensors = {keys[n]: np.ascontiguousarray(a) for n, a in adapters.items() if n in keys}
-    expert_config = {}
+    expert_config, metadata = {}, {"format": "pt", BASE_SHA: weights.sha256}
     if experts:
         expert_tensors, expert_config = peft_experts(cfg, adapters)
         tensors.update(expert_tensors)
+        metadata[EXPERT_TARGETS_KEY] = ",".join(experts)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
               "lora_dropout": 0.0 if experts else cfg.lora.dropout,  # PEFT's parameter LoRA refuses dropout
               "target_modules": [leaves[t] for t in cfg.lora.targets if t not in experts], **expert_config,
@@ -347,6 +493,6 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
               "use_dora": False}
     with staged_dir(out, need=sum(a.nbytes for a in adapters.values()), replace=force, sources=(run,),
                     then="free space or choose another OUT, then export again") as tmp:
-        save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt", BASE_SHA: weights.sha256})
+        save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata=metadata)
         write_json(tmp / PEFT_CONFIG, config)
     return Path(out)

@@ -2,6 +2,7 @@
 the sliding window, on the msllm engine (CPU backend, fused decode kernels, GRAPH_MODE) and on the
 exported MindIR and ONNX graphs. (Logits and per-layer states: test_interop_convert; train steps:
 test_verify_train.)"""
+import dataclasses
 import os
 
 import mindspore as ms
@@ -208,6 +209,36 @@ def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corp
     with torch.no_grad():
         peft_logits = PeftModel.from_pretrained(original, tmp_path / "peft").eval()(torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(peft_logits, ours, rtol=0, atol=1e-5 * np.abs(peft_logits).max())
+    if case in ("qwen3_moe", "mixtral"):
+        continues_from_peft(folder / "hf", tmp_path / "run", tmp_path / "peft", values)
+
+
+def continues_from_peft(hf, run, peft, values: dict):
+    """train.init_from + train.lora_from on the adapter a MoE run exported (experts as PEFT's
+    target_parameters): the run's lora section, its adapters bit for bit in the new run's model, and
+    the new run's first val loss equal to the one the trained run logged at its last step."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from interop.pretrained import InitFrom, describe
+    from msllm.checkpoint import latest, read_state
+    from msllm.config import load_config
+    from msllm.lora import adapter_params
+    from msllm.train.trainer import Trainer, evaluate
+
+    ckpt = latest(run)
+    overrides = {**values, "train.run_dir": run.parent / "continued", "train.init_from": hf, "train.lora_from": peft}
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], pretrained=describe)
+    assert dataclasses.asdict(cfg.lora) == read_state(ckpt)["config"]["lora"]
+    trainer = Trainer(cfg, pretrained=InitFrom(cfg))
+    trained = load_file(str(ckpt / "model.safetensors"))
+    loaded = {p.name: p.asnumpy() for p in adapter_params(trainer.model)}
+    assert loaded.keys() == trained.keys() and any(".experts.w3.lora_b" in n for n in loaded)
+    assert all(np.array_equal(loaded[n], trained[n]) for n in trained)
+    logged = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+    assert evaluate(trainer.eval_step, trainer.val_tokens, cfg) == logged[-1]["val_loss"]
+    trainer.metrics.close()
 
 
 GEMMA_SPEC = {"model.head_dim": 32, "model.qk_norm": "true", "model.norm_offset": 1.0, "model.sandwich_norm": "true",
@@ -284,6 +315,54 @@ def test_moe_bad_inputs_are_one_line_and_write_nothing(converted, tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert "missing [model.layers.1.block_sparse_moe.experts.3.w3.weight]" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_expert_adapter_bad_inputs_are_one_line_and_write_nothing(converted, tmp_path, capsys):
+    """train.lora_from on a PEFT adapter of a Qwen3-MoE's experts: a target_parameters entry msllm does
+    not adapt, an expert tensor missing or of the wrong shape, a gate_up_proj B that is not gate's and
+    up's blocks: one line naming the file and key, exit 2, no run dir."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from interop.pretrained import PEFT_CONFIG, PEFT_WEIGHTS, describe, peft_experts
+    from msllm.cli import main
+    from msllm.config import load_config
+
+    hf = converted["qwen3_moe"][0] / "hf"
+    lora = {"lora.rank": 2, "lora.targets": "[experts_gate, experts_up, experts_down]"}
+    cfg = load_config(None, [f"train.init_from={hf}", "data.seq_len=16", *(f"{k}={v}" for k, v in lora.items())],
+                      pretrained=describe)
+    tensors, entries = peft_experts(cfg, {})  # zero adapters, laid out as export_peft writes them
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 16.0, "target_modules": [], **entries}
+    gate_up_a, gate_up_b, down_b = (f"base_model.model.model.layers.1.mlp.experts.{m}.weight"
+                                    for m in ("base_layer.lora_A", "base_layer.lora_B", "lora_B"))
+    row = json.dumps({"prompt": "def f(x):", "response": " return x"}) + "\n"
+    (tmp_path / "rows.jsonl").write_text(row * 4)
+
+    def refused(name: str, config: dict, tensors: dict) -> str:
+        adapter = tmp_path / name
+        adapter.mkdir()
+        (adapter / PEFT_CONFIG).write_text(json.dumps(config))
+        save_file(tensors, str(adapter / PEFT_WEIGHTS))
+        values = {"train.lora_from": adapter, "train.run_dir": tmp_path / "run", "data.path": tmp_path / "rows.jsonl",
+                  "data.seq_len": 16}
+        sets = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+        assert main(["train", "--init-from", str(hf), *sets]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and not (tmp_path / "run").exists(), err
+        return err
+
+    err = refused("unknown", {**config, "target_parameters": ["mlp.experts.gate_proj"]}, tensors)
+    assert f"{PEFT_CONFIG}: target_parameters ['mlp.experts.gate_proj']: msllm adapts a list of " in err
+    err = refused("missing", config, {k: v for k, v in tensors.items() if k != down_b})
+    assert f"{PEFT_WEIGHTS}: missing {down_b} (and 0 more)" in err
+    err = refused("shape", config, {**tensors, gate_up_a: tensors[gate_up_a][:8]})
+    assert f"{PEFT_WEIGHTS}: {gate_up_a} [8, 64] != [16, 64]" in err
+    crossed = tensors[gate_up_b].copy()
+    crossed[0, -1] = 1.0  # gate's row 0 reads up's rank columns: one adapter on both, not two
+    err = refused("crossed", config, {**tensors, gate_up_b: crossed})
+    assert f"{PEFT_WEIGHTS}: {gate_up_b}: nonzero outside" in err
 
 
 def test_deepseek_v3_parts_without_a_formulation_are_refused_in_one_line(converted, tmp_path):
