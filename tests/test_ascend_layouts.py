@@ -472,7 +472,7 @@ def test_each_window_maps_to_a_sparse_mode_that_sees_what_the_model_sees(window,
 
 def test_ascend_attention_resolves_and_refuses_in_one_line(tmp_path):
     """auto: FlashAttentionScore on Ascend whenever it can take the config (fp16 / bf16, head size a
-    multiple of 16, no packed samples), else the softmax core; flash where it cannot: one line at load;
+    multiple of 16, packed samples only without sliding windows), else the softmax core; flash where it cannot: one line at load;
     softmax: never flash; Ascend inference keeps the softmax core."""
     from msllm import backends
     from msllm.config import ConfigError
@@ -494,11 +494,14 @@ def test_ascend_attention_resolves_and_refuses_in_one_line(tmp_path):
     data["model"]["head_dim"] = 16
     config_from_dict(data)
     data["data"]["document_attention"] = True
-    with pytest.raises(ConfigError, match="actual sequence lengths .* packed samples \\(data.document_attention\\)"):
+    assert backends.plan(config_from_dict(data)).flash   # packed samples: its TND form
+    data["model"].update(sliding_window=8, layer_types=["sliding", "full"])
+    with pytest.raises(ConfigError, match="packed samples \\(data.document_attention\\) causal per sample in its TND "
+                                          "layout, which msllm does not build with sliding-window layers"):
         config_from_dict(data)
     data["train"]["attention"] = "auto"
     packed = config_from_dict(data)
-    assert not backends.plan(packed).flash   # packed: the softmax core
+    assert not backends.plan(packed).flash   # packed with a sliding layer: the softmax core
     import dataclasses
     asked = dataclasses.replace(packed, train=dataclasses.replace(packed.train, attention="flash"))
     with pytest.raises(ConfigError, match="train.attention: flash on Ascend .* packed samples"):
@@ -799,3 +802,96 @@ def test_mla_heads_cut_over_tp_equal_the_whole_layer(tp, q_rank):
     np.testing.assert_allclose(sum(dxs), whole_dx, rtol=1e-4, atol=1e-5)
     for n, g in shares.items():
         np.testing.assert_allclose(g, whole_g[n], rtol=1e-4, atol=1e-5, err_msg=n)
+
+
+# ---- packed samples: FlashAttentionScore's TND form ------------------------------------------------
+
+def packed_config(dp=2, tp=2):
+    model = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
+                 ffn_size=64, max_seq_len=64, qk_norm=True)
+    return config_from_dict({"model": model, "data": {"seq_len": 16, "document_attention": True},
+                             "train": {"device": "ascend", "precision": "bf16", "batch_size": 2},
+                             "parallel": {"dp": dp, "tp": tp, "sequence_parallel": tp > 1}})
+
+
+def test_sample_ends_give_each_rank_the_samples_the_visibility_describes():
+    """SampleEnds (run here by MindSpore on CPU) turns packed rows' segments into the ends the TND
+    kernel reads. Each data-parallel rank's slice of them, as the table's varlen row cuts them, is
+    increasing, ends at its own row count, and delimits exactly its rows' samples: attention causal
+    within [previous end, end) per sample, as the TND form computes it (emulated in numpy), equals
+    msllm's attention under the same visibility (the softmax core's additive mask) on that rank's rows."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm.backends.ascend import SampleEnds
+    from msllm.models.llama import AdditiveMask, visibility
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    cfg = packed_config(dp=2, tp=1)
+    sh = L.sharding(cfg.model, cfg.parallel)
+    rng = np.random.default_rng(4)
+    b, t, d = 4, 16, 8                                    # 4 rows over dp 2: 2 rows per shard
+    lengths = [[5, 3, 8], [16], [1, 1, 7, 7], [2, 9, 5]]
+    segments = np.stack([np.repeat(np.arange(len(row)), row) for row in lengths]).astype(np.int32)
+    slots = Tensor(np.arange(t, dtype=np.int32))
+    seen = visibility(slots, Tensor(segments), Tensor(segments), Tensor(np.zeros(1, np.int32)))
+    _, ends = SampleEnds(rows_per_shard=b // sh.dp)(seen, b)
+    ends = ends.asnumpy()
+    mask = AdditiveMask(1, 1)(seen, b).asnumpy().reshape(b, t, t)
+    varlen = next(op for op in L.ops_for(cfg.model, "packed") if op.prim == "varlen")
+    q, k, v = (rng.normal(size=(b * t, d)).astype(np.float32) for _ in range(3))
+    for r in range(sh.dp):
+        rows = L.shard_slices((b * t, 1, d), varlen.inputs[0], sh, {"dp": r}, flat=True)[0]
+        mine = ends[L.shard_slices(ends.shape, varlen.inputs[4], sh, {"dp": r}, flat=True)[0]]
+        n = rows.stop - rows.start
+        assert (np.diff(mine) >= 0).all() and mine[-1] == n
+        own = [e for row in lengths[r * 2:(r + 1) * 2] for e in np.cumsum(row)]
+        assert sorted(set(mine)) == sorted(set(np.array(own) + np.repeat([0, t], [len(lengths[r * 2]),
+                                                                                   len(lengths[r * 2 + 1])])))
+        tnd = np.zeros((n, d), np.float32)
+        for start, end in zip(np.concatenate([[0], mine[:-1]]), mine):   # one sample at a time, causal
+            if end > start:
+                scores = q[rows][start:end] @ k[rows][start:end].T + np.triu(np.full((end - start,) * 2, -1e9), 1)
+                p = np.exp(scores - scores.max(-1, keepdims=True))
+                tnd[start:end] = (p / p.sum(-1, keepdims=True)) @ v[rows][start:end]
+        for i in range(2):                                   # msllm's attention on the rank's rows
+            row = r * 2 + i
+            scores = q[row * t:(row + 1) * t] @ k[row * t:(row + 1) * t].T + mask[row]
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            want = (p / p.sum(-1, keepdims=True)) @ v[row * t:(row + 1) * t]
+            np.testing.assert_allclose(tnd[i * t:(i + 1) * t], want, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_samples_take_the_tnd_form_with_the_table_layouts():
+    """Through the backend seam (built and inspected on CPU; FlashAttentionScore cannot run here):
+    packed samples on Ascend get the primitive in its TND layout, causal per sample (sparse mode 3),
+    the model's attention_mask gives it the samples' ends, and the layouts read back are the table's
+    varlen rows: rows over dp, heads over tp, the ends over dp, the compressed mask whole."""
+    import mindspore as ms
+
+    from msllm import backends
+    from msllm.backends import ascend
+    from msllm.models.llama import Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    cfg = packed_config()
+    check_parallel(cfg, devices=4)
+    m, sh = cfg.model, L.sharding(cfg.model, cfg.parallel)
+    assert (sh.tp_kv, sh.tp_rep) == (2, 1)
+    model = Llama(m)
+    spec = backends.specialise(model, cfg)
+    assert spec.flash and spec.packed
+    want = L.op_strategies(m, sh, flash=True, packed=True)
+    assert want[C + "varlen"]["in"] == ((2, 2, 1),) * 3 + ((1, 1), (2,), (2,))
+    assert not any(path.endswith((".flash", ".qk", ".softmax")) for path in want)
+    assert isinstance(model.attention_mask, ascend.SampleEnds) and model.attention_mask.rows_per_shard == 2
+    tnd = ascend.FlashAttentionScore(head_num=8, input_layout="TND").input_layout
+    for block in model.layers:
+        core = block.attention.core.softmax_attention
+        assert isinstance(core, ascend.FlashAttention) and core.packed and not hasattr(core, "flash")
+        prim = core.varlen
+        assert (prim.input_layout, prim.sparse_mode, prim.head_num) == (tnd, ascend.PACKED_SPARSE_MODE, 8)
+        got = tuple(applied_strategy(x) for x in prim.attrs["in_layout"])
+        assert got == want[C + "varlen"]["in"]
+        assert prim.attrs["in_layout"][0]["alias_name"] == ("dp", "tp")
+    assert L.strategy_problems(m, sh, 4, 16) == []

@@ -93,18 +93,18 @@ def packed_samples(cfg: Config) -> bool:
 
 def ascend_flash_problem(cfg: Config, packed: bool) -> tuple[str, str] | None:
     """(key, one-line message) when Ascend's FlashAttentionScore cannot take this config's attention,
-    else None: it takes fp16 / bf16 only and head sizes that are multiples of 16 up to 512; packed
-    samples (`packed`: SFT rows, data.document_attention) would need its actual sequence lengths
-    (TND layout), which msllm does not build."""
+    else None: it takes fp16 / bf16 only and head sizes that are multiples of 16 up to 512. Packed
+    samples (`packed`: SFT rows, data.document_attention) take its TND layout, causal per sample, which
+    msllm builds without sliding windows (MindFormers' TND form is causal only too)."""
     d = cfg.model.head_size
     if cfg.train.precision == "fp32":
         key, why = "train.precision", "takes fp16 / bf16 only (train.precision: fp32)"
     elif d % 16 or d > 512:
         key, why = "model.head_dim", f"takes head sizes that are multiples of 16 up to 512 (this model's: {d})"
-    elif packed:
+    elif packed and "sliding" in cfg.model.layer_kinds():
         key = "data.document_attention" if cfg.data.document_attention else "data.path"
-        why = (f"would need actual sequence lengths (TND layout) for packed samples ({key}), "
-               "which msllm does not build")
+        why = (f"takes packed samples ({key}) causal per sample in its TND layout, which msllm does not build "
+               f"with sliding-window layers (model.sliding_window {cfg.model.sliding_window})")
     else:
         return None
     return key, f"flash on Ascend is FlashAttentionScore, which {why}; set train.attention: softmax (or auto)"
@@ -176,7 +176,7 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
                        per_sample_tables=spec.packed, flash=spec.flash)
     elif spec.device == "ascend" and training:  # generated and checked here; executed only on Ascend
         from msllm.backends import ascend
-        ascend.specialise(model, cfg, flash=spec.flash)
+        ascend.specialise(model, cfg, flash=spec.flash, packed=spec.packed)
     if spec.device == "cpu":  # sequences split over the cp group, experts over the ep group (training)
         from msllm.parallel import cp, ep
         cp.specialise(model, cfg, training)

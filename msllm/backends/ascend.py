@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import mindspore as ms
 import numpy as np
 from mindspore import Layout, Tensor, nn, ops
 from mindspore.ops.operations.nn_ops import FlashAttentionScore
@@ -80,6 +81,7 @@ class VocabParallelCrossEntropy(nn.Cell):
 
 SPARSE_CAUSAL, SPARSE_BAND = 2, 4   # FlashAttentionScore's leftUpCausal and band sparse modes
 RING_SPARSE_MODE = 0                # ring attention's: the pass builds each ring step's mask
+PACKED_SPARSE_MODE = 3              # rightDownCausal, per sample of the TND layout (MindFormers' choice for it)
 UNBOUNDED = 2**31 - 1               # pre_tokens / next_tokens without a limit (the primitive's default)
 
 
@@ -103,8 +105,7 @@ def compressed_causal_mask() -> np.ndarray:
 class CompressedCausalMask(nn.Cell):
     """Llama.attention_mask for FlashAttentionScore: every attention kind gets the one compressed
     causal mask; no [s, t] mask is built. Causal order and the window are each layer's sparse mode
-    (flash_form, fixed when specialising); packed samples, whose segments the visibility carries,
-    are refused before this is used (msllm.backends.ascend_flash_problem)."""
+    (flash_form, fixed when specialising). Packed samples take SampleEnds instead."""
 
     def __init__(self):
         super().__init__()
@@ -112,6 +113,32 @@ class CompressedCausalMask(nn.Cell):
 
     def construct(self, visibility, b: int):
         return self.table
+
+
+class SampleEnds(CompressedCausalMask):
+    """Llama.attention_mask for packed samples on FlashAttentionScore's TND layout: (the compressed
+    causal mask, ends [b * t] int64), where the row's samples end. A row's samples are its runs of
+    equal key segment; ends lists, for each row, the slot after each sample's last token, then t
+    for the rest of the row's t entries (empty samples: a row holds at most t samples), offset by
+    the rows before it in the same data-parallel shard: `rows_per_shard` = sequences per replica
+    and micro-batch. Each rank's slice of ends (cut over dp with its rows) is then what the kernel
+    reads as actual_seq_qlen / actual_seq_kvlen of its own rows: MindSpore rebases these only when
+    the sequence itself is cut, not the batch (flash_attention_score_info.cc), and MindFormers feeds
+    its TND layout per-rank offsets the same way."""
+
+    def __init__(self, rows_per_shard: int):
+        super().__init__()
+        self.rows_per_shard = rows_per_shard
+
+    def construct(self, visibility, b: int):
+        _, _, segments, _ = visibility                                                  # [b, t]
+        t = segments.shape[-1]
+        ends_here = ops.concat((segments[:, :-1] != segments[:, 1:], ops.ones((b, 1), ms.bool_)), 1).astype(ms.int32)
+        ended_before = ops.cumsum(ends_here, 1) - ends_here                             # samples ended before each slot
+        sample = ops.broadcast_to(ops.arange(0, t, dtype=ms.int32).reshape(1, t), (b, t))
+        ends = ops.searchsorted(ended_before, sample, right=True)                       # [b, t] int64
+        offset = (ops.arange(0, b, dtype=ms.int64) % self.rows_per_shard) * t
+        return self.table, (ends + offset.reshape(b, 1)).reshape(-1)
 
 
 class FlashAttention(nn.Cell):
@@ -125,12 +152,21 @@ class FlashAttention(nn.Cell):
 
     ring (context parallel): MindSpore's ring attention, whose parallel pass passes K/V chunks around
     the cp group and builds each step's causal mask itself; it takes sparse mode 0 and no mask (the
-    form MindSpore's own ring tests compile). Causal only: the checker refuses windows under cp."""
+    form MindSpore's own ring tests compile). Causal only: the checker refuses windows under cp.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, window: int = 0, kv_copies: int = 1, ring: bool = False):
+    packed (packed samples): the primitive in its TND layout (`varlen`, CANN's variable-length form):
+    q, k, v as [b*s, heads, d] rows, causal within each sample (sparse mode 3 per sample), the samples
+    delimited by SampleEnds' ends (mask = (table, ends)). Causal only: the checker refuses windows."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, window: int = 0, kv_copies: int = 1, ring: bool = False,
+                 packed: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.window, self.kv_copies = num_heads, num_kv_heads, window, kv_copies
-        self.ring = ring
+        self.ring, self.packed = ring, packed
+        if packed:
+            self.varlen = FlashAttentionScore(head_num=num_heads, keep_prob=1.0, scale_value=1.0,
+                                              input_layout="TND", sparse_mode=PACKED_SPARSE_MODE)
+            return
         sparse_mode, pre_tokens, next_tokens = (RING_SPARSE_MODE, UNBOUNDED, UNBOUNDED) if ring else flash_form(window)
         self.flash = FlashAttentionScore(head_num=num_heads, keep_prob=1.0, scale_value=1.0, pre_tokens=pre_tokens,
                                          next_tokens=next_tokens, input_layout="BNSD", sparse_mode=sparse_mode)
@@ -149,23 +185,34 @@ class FlashAttention(nn.Cell):
     def construct(self, q, k, v, mask):
         if self.kv_copies > 1:
             k, v = self.repeat(k), self.repeat(v)
+        if self.packed:
+            return self.samples(q, k, v, mask)
         if self.ring:
             mask = None
         softmax_max, _, _, out = self.flash(q, k, v, None, None, None, mask, None, None, None)
         return out, softmax_max
 
+    def samples(self, q, k, v, mask):
+        """Packed samples: BNSD -> TND rows, the variable-length call, and back."""
+        table, ends = mask
+        b, n, s, d = q.shape
+        rows = lambda x: x.transpose(0, 2, 1, 3).reshape(b * s, x.shape[1], d)  # noqa: E731
+        softmax_max, _, _, out = self.varlen(rows(q), rows(k), rows(v), None, None, None, table, None, ends, ends)
+        return out.reshape(b, s, n, d).transpose(0, 2, 1, 3), softmax_max
 
-def use_flash_attention(model, cfg: Config) -> int:
+
+def use_flash_attention(model, cfg: Config, packed: bool = False) -> int:
     """Swap every layer's attention core for FlashAttention with that layer's window (ring attention
-    under context parallel), and the model's attention_mask for the compressed causal mask. Returns
-    the layers swapped."""
-    sh = L.sharding(cfg.model, cfg.parallel)
+    under context parallel; the TND form for packed samples), and the model's attention_mask for the
+    compressed causal mask (with packed samples, and their ends). Returns the layers swapped."""
+    p = cfg.parallel
+    sh = L.sharding(cfg.model, p)
     for i, block in enumerate(model.layers):
         core = block.attention.core.softmax_attention
         window = model.windows[model.layer_kind[i]]
         block.attention.core.softmax_attention = FlashAttention(core.num_heads, core.num_kv_heads, window, sh.tp_rep,
-                                                                ring=sh.cp > 1)
-    model.attention_mask = CompressedCausalMask()
+                                                                ring=sh.cp > 1, packed=packed)
+    model.attention_mask = SampleEnds(cfg.train.batch_size // p.micro_batches) if packed else CompressedCausalMask()
     return len(model.layers)
 
 
@@ -193,16 +240,17 @@ def _shard(prim, sh, op: L.Op):
     prim.shard(ins, out)
 
 
-def apply_layout(model, cfg: Config, flash: bool = False) -> dict[str, int]:
+def apply_layout(model, cfg: Config, flash: bool = False, packed: bool = False) -> dict[str, int]:
     """Set every table op's layout on `model`'s primitives (the attention core's rows: the softmax
-    core's, or with `flash` FlashAttentionScore's) and, with pp > 1, each Cell's pipeline_stage.
+    core's, or with `flash` FlashAttentionScore's, in its TND form with `packed`) and, with pp > 1,
+    each Cell's pipeline_stage.
     Returns {op path: primitives set}; a required op the model lacks is an error (the table and
     the model disagree). The norm rows need use_shardable_norms first (specialise)."""
     m, p = cfg.model, cfg.parallel
     sh = L.sharding(m, p)
     cells = dict(model.cells_and_names())
     applied = {}
-    for op in L.ops_for(m, sh.core(flash)):
+    for op in L.ops_for(m, sh.core(flash, packed)):
         found = [cells[name] for name in cells
                  if fnmatch.fnmatchcase(name, op.cell) and getattr(cells[name], op.prim, None) is not None]
         if not found and not op.optional:
@@ -259,15 +307,16 @@ def use_expert_dispatch(model, cfg: Config) -> int:
     return len(routed)
 
 
-def specialise(model, cfg: Config, flash: bool = False) -> dict[str, int]:
+def specialise(model, cfg: Config, flash: bool = False, packed: bool = False) -> dict[str, int]:
     """Everything Ascend changes on a built Llama for a layout (the seam in msllm.backends calls it,
-    with flash = msllm.backends.uses_flash: train.attention as Ascend resolves it)."""
+    with flash = msllm.backends.uses_flash: train.attention as Ascend resolves it, and packed: the
+    samples are packed, msllm.backends.packed_samples)."""
     execution_profile(cfg)
     if flash:
-        use_flash_attention(model, cfg)
+        use_flash_attention(model, cfg, packed)
     use_shardable_norms(model)
     use_expert_dispatch(model, cfg)
-    return apply_layout(model, cfg, flash)
+    return apply_layout(model, cfg, flash, packed)
 
 
 def micro_batches(loss_net, cfg: Config):

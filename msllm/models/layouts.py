@@ -17,10 +17,10 @@ group is adjacent devices (one node). Ops marked `flat` are laid out over the fl
 instead: the same ranks in the same order, tp = tp_kv x tp_rep as one axis (Ascend's
 FlashAttentionScore maps each dim of its query to one mesh axis).
 
-The attention core has three formulations with their own rows (`Op.cores`): the softmax core's
-BatchMatMuls and softmax, Ascend's FlashAttentionScore (msllm.backends.ascend), and the same
-primitive as ring attention under context parallel; `ops_for(m, core)` picks one (`core_of`), the
-checker checks those a layout can take (`table_ops`).
+The attention core has four formulations with their own rows (`Op.cores`): the softmax core's
+BatchMatMuls and softmax, Ascend's FlashAttentionScore (msllm.backends.ascend), the same primitive
+as ring attention under context parallel, and in its TND layout for packed samples; `ops_for(m,
+core)` picks one (`Sharding.core`), the checker checks those a layout can take (`table_ops`).
 
 Context parallel (cp) on Ascend is ring attention: one sequence per data-parallel replica and
 micro-batch, its rows cut over (dp, cp), so each rank holds a contiguous chunk of the sequence
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from msllm.config import ModelConfig, ParallelConfig
 
 MESH_AXES = ("dp", "tp_kv", "tp_rep")
-CORES = ("softmax", "flash", "ring")
+CORES = ("softmax", "flash", "ring", "packed")
 
 # Split names, what they split, and over which mesh axes (see Sharding.axes):
 #   batch      sequences: rows of the [b*s, h] stream, token ids            dp; dp x cp (cp: one sequence
@@ -206,10 +206,15 @@ OPS = _NORM_OPS + _HEAD_NORM_OPS + _LATENT_NORM_OPS + (
     # As ring attention (cp > 1) q, k and v are cut on the sequence alike and there is no mask.
     # (No flash core takes MLA, whose value heads differ from its q/k heads.)
     Op(_ATTN, "repeat_kv", (("samples", "kv", None, "seq", None), (None, None, "copies", None, None)),
-       optional=True, cores=("flash", "ring"), when="qkv"),
+       optional=True, cores=("flash", "ring", "packed"), when="qkv"),
     Op(_ATTN, "flash", (("samples", "heads", None, None),) * 3 + ((None, None),), cores=("flash",), flat=True,
        when="qkv"),
     Op(_ATTN, "flash", (("samples", "heads", "seq", None),) * 3, cores=("ring",), flat=True, when="qkv"),
+    # Packed samples: its TND form (`varlen`), q, k, v as [b*s, heads, d] rows (a replica's rows, cut
+    # over dp, are its sequences), the samples' ends [b*s] cut over dp with them (per-shard offsets:
+    # msllm.backends.ascend.SampleEnds), the compressed mask whole.
+    Op(_ATTN, "varlen", (("samples", "heads", None),) * 3 + ((None, None), ("samples",), ("samples",)),
+       cores=("packed",), flat=True, when="qkv"),
     Op("layers.*.attention.wo", "matmul", (("batch", "heads"), (None, "heads")), out=_ROW_OUT),
     Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
     Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
@@ -316,11 +321,14 @@ class Sharding:
     @property
     def core_names(self) -> tuple[str, ...]:
         """The attention cores this layout can take: ring attention alone under cp."""
-        return ("ring",) if self.cp > 1 else ("softmax", "flash")
+        return ("ring",) if self.cp > 1 else ("softmax", "flash", "packed")
 
-    def core(self, flash: bool) -> str:
-        """The attention core a model runs under this layout (flash: FlashAttentionScore is used)."""
-        return "ring" if self.cp > 1 else "flash" if flash else "softmax"
+    def core(self, flash: bool, packed: bool = False) -> str:
+        """The attention core a model runs under this layout (flash: FlashAttentionScore is used;
+        packed: on packed samples)."""
+        if not flash:
+            return "softmax"
+        return "ring" if self.cp > 1 else "packed" if packed else "flash"
 
 
 def sharding(m: ModelConfig, p: ParallelConfig) -> Sharding:
@@ -475,6 +483,7 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, gr
         c + "repeat_kv": [(b, kv, 1, s, d), (1, 1, kv_copies, 1, 1)],
         c + "flash": [(b, nh, s, d), (b, kv_in, s, d), (b, kv_in, s, d)] + (
             [] if "ring" in cores else [(COMPRESSED_MASK, COMPRESSED_MASK)]),
+        c + "varlen": [(n, nh, d), (n, kv_in, d), (n, kv_in, d), (COMPRESSED_MASK, COMPRESSED_MASK), (n,), (n,)],
         a + "wo.matmul": [(n, nh * d), (h, nh * d)],
         "layers.*.feed_forward.w1.matmul": [(n, h), (f, h)],
         "layers.*.feed_forward.w3.matmul": [(n, h), (f, h)],
@@ -565,6 +574,25 @@ def _flash_problems(op: Op, sh: Sharding, shapes: list[tuple[int, ...]]) -> list
     return out
 
 
+def _varlen_problems(op: Op, sh: Sharding, shapes: list[tuple[int, ...]]) -> list[str]:
+    """FlashAttentionScore's TND rules as msllm uses them: one mesh axis per dim, q, k and v cut alike
+    (rows and heads), the samples' ends cut as the rows (each rank reads its own rows' ends, which
+    MindSpore does not rebase when only the batch is cut), the compressed mask whole."""
+    q, k, v, mask, q_ends, kv_ends = (sh.dims(layout, op.flat) for layout in op.inputs)
+    out = []
+    if any(len(axes) > 1 for axes in q):
+        out.append(f"{op.path}: each dim of q may map to one mesh axis only")
+    if not q[:2] == k[:2] == v[:2] or k[2] or v[2] or q[2]:
+        out.append(f"{op.path}: q, k and v rows and heads cut alike, their features whole")
+    if not q_ends == kv_ends == q[:1]:
+        out.append(f"{op.path}: the samples' ends are cut as the rows")
+    if any(mask):
+        out.append(f"{op.path}: the compressed mask is never cut")
+    if shapes[0][1] % shapes[1][1]:
+        out.append(f"{op.path}: {shapes[1][1]} KV heads do not divide {shapes[0][1]} query heads")
+    return out
+
+
 # Tokens per MoE dispatch group (about): GroupedCapacityDispatch's one-hot masks grow with their square
 DISPATCH_GROUP_TOKENS = 1024
 # Rows per block of BlockDispatch (dropless training). With each block's weights gathered (the portable
@@ -618,14 +646,17 @@ def strategy_problems(m: ModelConfig, sh: Sharding, batch: int, seq: int, capaci
                 problems.append(f"{op.path}: batch dims cut differently")
         if op.prim == "flash":
             problems += _flash_problems(op, sh, ins)
+        if op.prim == "varlen":
+            problems += _varlen_problems(op, sh, ins)
     return problems
 
 
-def op_strategies(m: ModelConfig, sh: Sharding, flash: bool = False) -> dict[str, dict]:
+def op_strategies(m: ModelConfig, sh: Sharding, flash: bool = False, packed: bool = False) -> dict[str, dict]:
     """{op path: {"in": per-input strategy tuples, "out": output strategies or None}} for model m
-    with the softmax attention core, or (flash) FlashAttentionScore (as ring attention under cp)."""
+    with the softmax attention core, or (flash) FlashAttentionScore (as ring attention under cp, in
+    its TND form for `packed` samples)."""
     out = {}
-    for op in ops_for(m, sh.core(flash)):
+    for op in ops_for(m, sh.core(flash, packed)):
         sp_out = op.out if (op.out is not None and sh.sequence_parallel) else None
         out[op.path] = {"in": tuple(sh.strategy(layout, op.flat) for layout in op.inputs),
                         "out": None if sp_out is None else tuple(sh.strategy(layout) for layout in sp_out)}

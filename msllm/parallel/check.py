@@ -129,7 +129,10 @@ def ring_attention_problem(cfg: Config, seq: int) -> tuple[str, str] | None:
     if cfg.train.attention == "softmax":
         return "train.attention", ("softmax cannot take context parallel on Ascend (parallel.cp): it is "
                                    "FlashAttentionScore's ring attention; set flash or auto")
-    problem = ascend_flash_problem(cfg, packed_samples(cfg))
+    if packed_samples(cfg):
+        key = "data.document_attention" if cfg.data.document_attention else "data.path"
+        return "parallel.cp", f"ring attention is causal over whole chunks; packed samples ({key}) are not built with it"
+    problem = ascend_flash_problem(cfg, False)
     if problem is not None:
         return problem[0], f"{problem[1].split('; set')[0]}, and parallel.cp needs it (ring attention)"
     if "sliding" in m.layer_kinds():
