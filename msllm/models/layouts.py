@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 from msllm.config import ModelConfig, ParallelConfig
 
-MESH_AXES = ("dp", "tp_kv", "tp_rep")
 CORES = ("softmax", "flash", "ring", "packed")
 
 # Split names, what they split, and over which mesh axes (see Sharding.axes):
