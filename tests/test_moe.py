@@ -195,39 +195,93 @@ def test_the_bias_update_moves_each_expert_toward_even_load_as_numpy_says():
         assert (rate > 0) == bool(np.abs(after).max() > 0)
 
 
+def test_zero1_cuts_dense_moments_over_the_world_and_experts_over_their_edp_group():
+    """msllm.parallel.zero.ShardedAdamW at world 4, ep 2, built for each rank in one process (no
+    collective runs): a checkpoint's whole moments, loaded on every rank, are cut into 4 chunks in rank
+    order for a dense parameter and into 2 over the edp group (ranks r % 2 and r % 2 + 2) for a rank's
+    experts, the last chunk zero-padded; no gather bucket mixes the two."""
+    from mindspore import Parameter
+    from msllm.parallel.zero import MOMENTS, ShardedAdamW
+
+    dense, expert = "layers.0.attention.wq.weight", "layers.1.feed_forward.experts.w1"
+    params = [Parameter(Tensor(np.zeros((7, 3), np.float32)), name=dense),       # 21: chunks of 6, the last 3 + 3 zeros
+              Parameter(Tensor(np.zeros((2, 3, 5), np.float32)), name=expert)]  # 30: chunks of 15
+    rng = np.random.default_rng(0)
+    whole = {"optimizer.step": np.array(3, np.int32),
+             **{f"{m}.{p.name}": rng.standard_normal(p.shape).astype(np.float32) for m in MOMENTS for p in params}}
+    chunks = []
+    for rank in range(4):
+        optimizer = ShardedAdamW(params, OptimConfig(), 10, rank=rank, world=4, ep=2, edp_group=f"msllm_edp_{rank % 2}")
+        optimizer.load_full_state(whole, "a checkpoint")
+        assert all(len({optimizer.expert[i] for i in bucket}) == 1 for bucket in optimizer.buckets)
+        chunks.append({m: [c.asnumpy() for c in getattr(optimizer, m)] for m in MOMENTS})
+    for m in MOMENTS:
+        assert [c[m][0].size for c in chunks] == [6] * 4 and not chunks[3][m][0][3:].any()
+        np.testing.assert_array_equal(np.concatenate([c[m][0] for c in chunks])[:21], whole[f"{m}.{dense}"].reshape(-1))
+        for group in ((0, 2), (1, 3)):
+            np.testing.assert_array_equal(np.concatenate([chunks[r][m][1] for r in group]),
+                                          whole[f"{m}.{expert}"].reshape(-1))
+
+
 # --- expert parallel under msrun: tests/ep_worker.py against the whole batch in one process -------
 
 def test_two_workers_at_ep2_train_as_one_worker_with_every_expert(tmp_path):
     """10 steps with parallel.ep = 2 (each rank half the batch and half the experts; the all-gather
     dispatcher) against one process with the whole batch and every expert: the same losses and
-    gradient norms (the experts' squares summed over the ranks), and the same weights, experts gathered
-    whole, up to summation order; dropless, and at a capacity that drops choices."""
+    gradient norms (the experts' squares summed over the ranks), and the same weights and AdamW
+    moments, experts gathered whole, up to summation order; dropless, and at a capacity that drops
+    choices with ZeRO-1 (parallel.optimizer_shard), resumed halfway from the one process's state."""
     from tests.conftest import REPO, run_under_msrun
-    from tests.ep_worker import CAPACITY, run as run_whole
+    from tests.ep_worker import CAPACITY, HALF, RESUME, part, run as run_whole
 
-    run_under_msrun(REPO / "tests" / "ep_worker.py", tmp_path)
-    zero, one = (dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2))
     device.setup("cpu", "graph")
-    whole = run_whole(1, 1, 0)
+    whole, capped = run_whole(1, 1, 0), run_whole(1, 1, 0, CAPACITY)
+    np.savez(tmp_path / RESUME, **part(capped, "saved/"))  # what one process's checkpoint holds after HALF steps
+    run_under_msrun(REPO / "tests" / "ep_worker.py", tmp_path)
+
+    def assert_trained_as(rank, one, steps):
+        np.testing.assert_allclose(rank["outs"], one["outs"][steps], rtol=2e-5)  # loss, grad norm, lr per step
+        for name in (k for k in one if k.startswith("weight/")):
+            np.testing.assert_allclose(rank[name], one[name], rtol=0, atol=2e-5, err_msg=name)
+        for name in (k for k in one if k.startswith("state/")):  # the moments, as a checkpoint holds them
+            np.testing.assert_allclose(rank[name], one[name], rtol=0, atol=2e-5 * np.abs(one[name]).max(), err_msg=name)
+
+    zero, one = (dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2))
     for rank in (zero, one):
-        np.testing.assert_allclose(rank["outs"], whole["outs"], rtol=2e-5)  # loss, grad norm, lr per step
-        for name in (k for k in whole if k.startswith("weight/")):
-            np.testing.assert_allclose(rank[name], whole[name], rtol=0, atol=2e-5, err_msg=name)
+        assert_trained_as(rank, whole, slice(None))
     assert whole["outs"][-1, 0] < whole["outs"][0, 0] - 0.1  # it trained
     # each rank held its two of the four experts
     w1 = whole["weight/layers.1.feed_forward.experts.w1"]
     assert zero["held"].shape[0] == one["held"].shape[0] == 2
     np.testing.assert_array_equal(np.concatenate([zero["held"], one["held"]]), zero["weight/layers.1.feed_forward.experts.w1"])
     np.testing.assert_allclose(one["held"], w1[2:], rtol=0, atol=2e-5)
-    # at a capacity (AllGatherCapacityDispatch): the group's choices cut as one process cuts the whole batch
-    zero, one = (dict(np.load(tmp_path / f"rank{r}_capacity.npz")) for r in range(2))
-    whole = run_whole(1, 1, 0, CAPACITY)
-    assert whole["loads"][:, 2].sum() > 0  # choices were dropped
+    # at a capacity (AllGatherCapacityDispatch): the group's choices cut as one process cuts the whole batch;
+    # with ZeRO-1 (msllm.parallel.zero): dense moments split over the world, the experts' over their edp group
+    zero, one = (dict(np.load(tmp_path / f"rank{r}_capacity_zero1.npz")) for r in range(2))
+    assert capped["loads"][:, 2].sum() > 0  # choices were dropped
     for rank in (zero, one):
-        np.testing.assert_allclose(rank["loads"][:, 2], whole["loads"][:, 2], rtol=1e-6)
-        np.testing.assert_allclose(rank["outs"], whole["outs"], rtol=2e-5)
-        for name in (k for k in whole if k.startswith("weight/")):
-            np.testing.assert_allclose(rank[name], whole[name], rtol=0, atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(rank["loads"][:, 2], capped["loads"][:, 2], rtol=1e-6)
+        assert_trained_as(rank, capped, slice(HALF, None))
     # each rank routed its own tokens: loads differ, and average to the whole batch's
     assert not np.array_equal(zero["loads"], one["loads"])
-    np.testing.assert_allclose((zero["loads"][:, 0] + one["loads"][:, 0]) / 2, whole["loads"][:, 0], rtol=1e-5)
+    np.testing.assert_allclose((zero["loads"][:, 0] + one["loads"][:, 0]) / 2, capped["loads"][:, 0], rtol=1e-5)
+    # the edp gather (an AllReduce of placed chunks), here over the world of 2
+    np.testing.assert_array_equal(zero["group_all_gather"], [[0, 1, 2], [10, 11, 12]])
+
+
+def test_plan_splits_the_experts_adam_states_over_the_ranks_holding_them_on_cpu():
+    """ZeRO-1 with ep on CPU (msllm.parallel.zero): a device's E / ep experts' Adam states are split
+    over the dp / ep ranks holding the same experts, the rest over dp; the CPU layouts the planner
+    searches shard the optimizer with ep too."""
+    from msllm.config import ParallelConfig
+    from msllm.parallel import plan as P
+    from tests.ep_worker import CFG, SEQ
+
+    cfg = Config(model=CFG, data=DataConfig(seq_len=SEQ), train=TrainConfig(device="cpu", batch_size=1))
+    e = P.estimate(P.with_layout(cfg, ParallelConfig(dp=4, ep=2, optimizer_shard=True), global_batch=4), device="cpu")
+    experts = 3 * CFG.num_experts * CFG.moe_ffn_size * CFG.hidden_size  # one MoE layer
+    updated = (CFG.num_params() - experts) / 4 + experts / 2 / 2          # dense over dp 4; half the experts over 2
+    assert e["optimizer"] == pytest.approx(8 * updated)
+    assert e["time"]["optimizer"] == pytest.approx(updated * (2 * 4 + 4 + 2 * 8) / P.DEVICES["cpu"].hbm)
+    layouts = [c.cfg.parallel for c in P.candidates(cfg, 4, 4, SEQ, P.DEVICES["cpu"], False)]
+    assert any(p.ep == 2 and p.optimizer_shard for p in layouts)

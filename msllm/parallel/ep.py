@@ -11,8 +11,9 @@ AllReduce, so backward needs nothing more.
 Expert weights and their AdamW moments are this rank's only: their gradients are summed over the
 ranks holding the same experts (the expert-data-parallel group: ranks with the same index in their
 ep group), the others over all ranks, and the gradient norm adds the experts' squares over the ep
-group. Checkpoints hold every expert (`whole` gathers them; `mine` cuts a checkpoint's), so a run
-resumes at any ep and any worker count.
+group. Under ZeRO-1 (msllm.parallel.zero) the experts' moments are split over that edp group and
+the updated chunks come back by GroupAllGather. Checkpoints hold every expert (`whole` gathers them;
+`mine` cuts a checkpoint's), so a run resumes at any ep and any worker count.
 """
 from __future__ import annotations
 
@@ -59,6 +60,33 @@ def all_reduce(group: str | None):
     return ops.AllReduce() if group is None else ops.AllReduce(group=group)
 
 
+def placed(x, index: int, count: int):
+    """x [N, c] -> [count N, c], x at rows index N .. (index + 1) N, zeros elsewhere: summed over a group
+    by AllReduce, every member's x at its rows, an all-gather."""
+    n, c = x.shape
+    pieces = (x,)
+    if index > 0:
+        pieces = (ops.zeros((index * n, c), x.dtype),) + pieces
+    if index < count - 1:
+        pieces = pieces + (ops.zeros(((count - 1 - index) * n, c), x.dtype),)
+    return ops.concat(pieces, 0)
+
+
+class GroupAllGather(nn.Cell):
+    """x [c] -> [size, c], row j the x of the group's j-th rank: an all-gather over a sub-group (mccl
+    has AllGather on the world only), as an AllReduce of `placed` buffers. group "": a group of one."""
+
+    def __init__(self, size: int, index: int, group: str | None):
+        super().__init__()
+        self.size, self.index, self.alone = size, index, group == ""
+        self.all_reduce = None if self.alone else all_reduce(group)
+
+    def construct(self, x):
+        if self.alone:
+            return x.reshape(1, -1)
+        return self.all_reduce(placed(x.reshape(1, -1), self.index, self.size))
+
+
 class AllGatherDispatch(Dispatch):
     """EveryExpert's interface (msllm.models.moe) over an ep group: dispatch(x [N, h], weights, chosen)
     -> (the group's ep x N tokens for this rank's E / ep experts [E / ep, ep N, h], their routing
@@ -72,13 +100,7 @@ class AllGatherDispatch(Dispatch):
 
     def place(self, x):
         """x [N, c] -> [ep N, c], x at this rank's rows, zeros elsewhere."""
-        n, c = x.shape
-        pieces = (x,)
-        if self.index > 0:
-            pieces = (ops.zeros((self.index * n, c), x.dtype),) + pieces
-        if self.index < self.ep - 1:
-            pieces = pieces + (ops.zeros(((self.ep - 1 - self.index) * n, c), x.dtype),)
-        return ops.concat(pieces, 0)
+        return placed(x, self.index, self.ep)
 
     def dispatch(self, x, weights, chosen):
         combine = ops.sum(choices(chosen, self.num_experts) * weights.reshape(weights.shape + (1,)), 1)  # [N, E]
@@ -179,7 +201,6 @@ def check(cfg: Config, replicas: int, source: str = "config") -> None:
         raise ConfigError(source, "parallel.ep", f"is {p.ep} but the run has {replicas} data-parallel "
                           f"worker{'s' if replicas > 1 else ''}; ep must divide them (msllm launch --nproc N)")
     for key, on, why in (("parallel.cp", p.cp > 1, "context parallel"),
-                         ("parallel.optimizer_shard", p.optimizer_shard, "ZeRO-1"),
                          ("train.debug_nonfinite", t.debug_nonfinite, "the one-process re-run of a bad step")):
         if on:
             raise ConfigError(source, key, f"does not combine with parallel.ep {p.ep} yet ({why}); "

@@ -7,7 +7,9 @@ Analytic (pure Python, instant). The model, per device, for the busiest pipeline
                                          table): fp32 4 + 4 + 8 (Adam m, v); fp16/bf16 2 + 2 + 12
                                          (fp32 master, m, v), the ZeRO paper's mixed-precision
                                          accounting, 16 bytes either way. optimizer_shard (ZeRO-1)
-                                         splits the optimizer states over dp: 4 + 12 / dp.
+                                         splits the optimizer states over dp: 4 + 12 / dp (a
+                                         device's E / ep experts' over dp / ep, the ranks
+                                         holding the same experts).
   activations                            per layer and micro-batch, counted as Korthikanti et al.
                                          ("Reducing Activation Recomputation in Large Transformer
                                          Models", 2022) count GPT's, for this Llama (see
@@ -313,11 +315,15 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
         logits = 2 * 4 * tokens * m.vocab_size / (p.tp if sh.vocab_split else 1) if stage == p.pp - 1 else 0.0
         return kept * in_flight + rebuilt + logits
 
-    def optimizer(stage: int, shard: bool = p.optimizer_shard) -> float:
-        """Adam states: ZeRO-1 splits them over the ranks holding the same weights, dp (experts: dp / ep)."""
+    def updated(stage: int, shard: bool = p.optimizer_shard) -> float:
+        """Parameters whose Adam states a device holds and updates: ZeRO-1 splits them over the ranks
+        holding the same weights, dp (a device's E / ep experts: over dp / ep, the edp group)."""
         if not shard:
-            return counts[stage] * ob
-        return (counts[stage] - expert_counts[stage]) * ob / p.dp + expert_counts[stage] * ob / (p.dp // sh.ep)
+            return counts[stage]
+        return (counts[stage] - expert_counts[stage]) / p.dp + expert_counts[stage] / (p.dp // sh.ep)
+
+    def optimizer(stage: int, shard: bool = p.optimizer_shard) -> float:
+        return updated(stage, shard) * ob
 
     stages = []
     for k in range(p.pp):
@@ -392,7 +398,7 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     pp_time = pp_bytes / bandwidth(p.dp * p.tp * p.pp) if p.pp > 1 else 0.0
     micro_time = max(stage_time) + pp_time
     slots = p.micro_batches + p.pp - 1
-    optimizer_params = max(counts) / (p.dp if p.optimizer_shard else 1)
+    optimizer_params = max(updated(k) for k in range(p.pp))
     time = {"compute": p.micro_batches * micro_time, "bubble": (p.pp - 1) * micro_time,
             "dp": dp_bytes / bandwidth(grad_ranks * p.tp) if grad_ranks > 1 else 0.0,
             "optimizer": optimizer_params * (2 * wb + gb + 2 * ob) / dev.hbm}
@@ -445,9 +451,7 @@ def candidates(cfg: Config, devices: int, global_batch: int, seq_len: int, devic
                 for micro in divisors(global_batch // dp):
                     if pp > 1 and micro < pp:
                         continue
-                    # ZeRO-1 with ep on CPU is not built (msllm.parallel.ep.check); on Ascend it splits both
-                    zero = dp > 1 and not (ep > 1 and cfg.train.device == "cpu")
-                    p = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batches=micro, optimizer_shard=zero,
+                    p = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batches=micro, optimizer_shard=dp > 1,
                                        sequence_parallel=tp > 1 and seq_len % tp == 0, vocab_parallel=True)
                     laid = with_layout(cfg, p, global_batch=global_batch, seq_len=seq_len)
                     if layout_problem(laid, devices) is not None:

@@ -7,8 +7,16 @@ torch's AdamW arithmetic, then gathers every rank's updated chunks back into the
 a world AllGather, bucketed like the gradient all-reduce. On CPU this is the whole mechanism; on
 Ascend the same config maps to MindSpore's parallel optimizer (backends/ascend.py).
 
+Under expert parallel (parallel.ep, msllm.parallel.ep) a rank's experts are shared only by its
+expert-data-parallel (edp) group, world / ep ranks, so their moments are cut into world / ep chunks
+and the updated chunks come back by ep.GroupAllGather, an AllReduce over the edp group of buffers
+that are zero outside each rank's chunk: mccl has AllGather on the world only. That moves twice an
+all-gather's bytes, but only the experts this group holds; a world AllGather of every rank's expert
+chunks would move and buffer ep times more. At ep = world the edp group is one rank: nothing moves.
+
 Checkpoints hold the state in its full, layout-free form (`full_state` gathers it, `load_full_state`
-slices it), so a run resumes at any world size, with or without sharding.
+slices it; experts as plain AdamW holds this rank's, whole), so a run resumes at any world size and
+ep, with or without sharding.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from msllm.config import OptimConfig
 from msllm.parallel.dp import plan_buckets
+from msllm.parallel.ep import GroupAllGather, is_expert
 from msllm.train.optim import LRSchedule, decays
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -32,16 +41,21 @@ class ShardedAdamW(nn.Cell):
 
     fused = False  # the fused CPU kernel updates whole parameters in place; chunks use MindSpore ops
 
-    def __init__(self, params, cfg: OptimConfig, total_steps: int, *, rank: int, world: int,
-                 bucket_bytes: int = GATHER_BUCKET_BYTES):
+    def __init__(self, params, cfg: OptimConfig, total_steps: int, *, rank: int, world: int, ep: int = 1,
+                 edp_group: str | None = None, bucket_bytes: int = GATHER_BUCKET_BYTES):
+        """ep > 1: the experts' moments split over edp_group (msllm.parallel.ep.groups), not the world."""
         super().__init__()
         self.params = ParameterTuple(params)
-        self.rank, self.world = rank, world
         self.sizes = tuple(int(np.prod(p.shape)) for p in self.params)
         self.shapes = tuple(tuple(p.shape) for p in self.params)
-        self.chunks = tuple(math.ceil(n / world) for n in self.sizes)
+        self.expert = tuple(ep > 1 and is_expert(p.name) for p in self.params)
+        # (ranks sharing the parameter, this rank's place among them): an edp group is every ep-th rank
+        shards = tuple((world // ep, rank // ep) if expert else (world, rank) for expert in self.expert)
+        self.shards = tuple(count for count, _ in shards)
+        self.chunks = tuple(math.ceil(n / count) for n, count in zip(self.sizes, self.shards))
         # this rank's [start, end) of each flattened parameter; the last rank's chunk may run short
-        self.bounds = tuple((min(n, rank * c), min(n, (rank + 1) * c)) for n, c in zip(self.sizes, self.chunks))
+        self.bounds = tuple((min(n, at * c), min(n, (at + 1) * c))
+                            for n, c, (_, at) in zip(self.sizes, self.chunks, shards))
         self.exp_avg = ParameterTuple([Parameter(Tensor(np.zeros(c, np.float32)), name=f"exp_avg.{p.name}")
                                        for p, c in zip(self.params, self.chunks)])
         self.exp_avg_sq = ParameterTuple([Parameter(Tensor(np.zeros(c, np.float32)), name=f"exp_avg_sq.{p.name}")
@@ -50,9 +64,9 @@ class ShardedAdamW(nn.Cell):
         self.schedule = LRSchedule(cfg, total_steps)
         self.beta1, self.beta2, self.eps = cfg.beta1, cfg.beta2, cfg.eps
         self.weight_decay = tuple(cfg.weight_decay if decays(p.name, p) else 0.0 for p in self.params)
-        self.buckets = tuple(tuple(b) for b in plan_buckets([c * world for c in self.chunks], 4, bucket_bytes))
-        self.all_gather = ops.AllGather()
-        self.gather_moments = _GatherMoments(self.sizes, self.shapes)  # for checkpoints; compiled once
+        self.buckets = _buckets([c * count for c, count in zip(self.chunks, self.shards)], self.expert, bucket_bytes)
+        self.gather = _GatherChunks(GroupAllGather(world // ep, rank // ep, edp_group if ep > 1 else None))
+        self.gather_moments = _GatherMoments(self.sizes, self.shapes, self.expert, self.gather)  # for checkpoints
 
     def _chunk(self, x, i):
         """This rank's chunk of tensor x shaped like parameter i, flattened and zero-padded."""
@@ -86,7 +100,7 @@ class ShardedAdamW(nn.Cell):
                 ops.assign(self.exp_avg_sq[i], v)
                 w = self._chunk(self.params[i], i) * (1.0 - lr * self.weight_decay[i])  # torch AdamW: decay first
                 updated = updated + (w - step_size * m / (ops.sqrt(v) + eps),)
-            gathered = self.all_gather(ops.concat(updated).reshape(1, -1))  # [world, sum of the bucket's chunks]
+            gathered = self.gather(ops.concat(updated), self.expert[bucket[0]])  # [shards, the bucket's chunks]
             offset = 0
             for j in range(len(bucket)):
                 i = bucket[j]
@@ -122,17 +136,41 @@ class ShardedAdamW(nn.Cell):
                 chunk.set_data(Tensor(flat))
 
 
+def _buckets(sizes: list[int], expert: tuple[bool, ...], bucket_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """plan_buckets over the dense parameters, then over the experts: a bucket comes back by one collective."""
+    buckets = []
+    for kind in (False, True):
+        members = [i for i, e in enumerate(expert) if e == kind]
+        buckets += [tuple(members[j] for j in b) for b in plan_buckets([sizes[i] for i in members], 4, bucket_bytes)]
+    return tuple(buckets)
+
+
+class _GatherChunks(nn.Cell):
+    """(this rank's chunk [c], expert) -> [shards, c], every sharing rank's chunk in rank order: a
+    dense parameter's from the world (AllGather), an expert's from its edp group."""
+
+    def __init__(self, edp_gather: GroupAllGather):
+        super().__init__()
+        self.all_gather = ops.AllGather()
+        self.edp_gather = edp_gather
+
+    def construct(self, chunk, expert):
+        if expert:
+            return self.edp_gather(chunk)
+        return self.all_gather(chunk.reshape(1, -1))
+
+
 class _GatherMoments(nn.Cell):
     """Chunks of one moment from every rank -> full tensors shaped like the parameters."""
 
-    def __init__(self, sizes, shapes):
+    def __init__(self, sizes, shapes, expert, gather: _GatherChunks):
         super().__init__()
-        self.sizes, self.shapes = sizes, shapes
-        self.all_gather = ops.AllGather()
+        self.sizes, self.shapes, self.expert = sizes, shapes, expert
+        self.gather = gather
 
     def construct(self, chunks):
         out = ()
         for i in range(len(chunks)):
-            whole = self.all_gather(chunks[i].reshape(1, -1)).reshape(-1)[:self.sizes[i]]
+            whole = self.gather(chunks[i], self.expert[i]).reshape(-1)[:self.sizes[i]]
             out = out + (whole.reshape(self.shapes[i]),)
         return out

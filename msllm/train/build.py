@@ -11,6 +11,7 @@ from msllm import backends, device
 from msllm.backends import Specialisation
 from msllm.config import Config
 from msllm.models.llama import Llama, build_model
+from msllm.parallel import ep
 from msllm.parallel.dp import GradAllReduce
 from msllm.parallel.zero import ShardedAdamW
 from msllm.train.optim import AdamW
@@ -44,16 +45,18 @@ def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=Non
         if load_weights is not None:
             load_weights(model.trainable_params())
     spec = backends.specialise(model, cfg, training=True)
+    # each rank holds its experts alone: ranks holding the same ones (the edp group) sum their gradients
+    ep_group, edp_group = ep.groups(spec.ep, rank, world) if spec.ep > 1 else (None, None)
     if cfg.parallel.optimizer_shard and world > 1:
-        optimizer = ShardedAdamW(model.trainable_params(), cfg.optim, t.steps, rank=rank, world=world)
+        optimizer = ShardedAdamW(model.trainable_params(), cfg.optim, t.steps, rank=rank, world=world, ep=spec.ep,
+                                 edp_group=edp_group)
     else:
         optimizer = AdamW(model.trainable_params(), cfg.optim, t.steps, fused=spec.fused_kernels)
     scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
     stepped = wrap_optimizer(optimizer) if wrap_optimizer else optimizer
     reducer = GradAllReduce(optimizer.params) if world > 1 else None
-    if spec.ep > 1:  # each rank holds its experts alone: they are summed over the ranks holding the same ones
-        from msllm.parallel import ep
-        reducer = ep.ExpertGradReduce(optimizer.params, *ep.groups(spec.ep, rank, world))
+    if spec.ep > 1:
+        reducer = ep.ExpertGradReduce(optimizer.params, ep_group, edp_group)
     train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world,
                            t.moe_bias_update_rate)
     return Built(model, optimizer, train_step, EvalStep(model), spec)
