@@ -319,6 +319,15 @@ def test_checker_context_parallel(overrides, key, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("overrides", [["parallel.cp=2"], ["parallel.ep=2", "model.num_experts=4"]])
+def test_cpu_context_and_expert_parallel_load_with_dp_left_to_the_launch(overrides):
+    """On CPU, parallel.dp 1 means every launched replica (resolved at launch); cp and ep there are
+    msllm.parallel's exchanges over the workers, not table layouts: the config loads (ep 2 at dp 1
+    once divided the layout table's dp by ep: ZeroDivisionError)."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["train.device=cpu", *overrides])
+    assert cfg.parallel.dp == 1
+
+
 def test_context_parallel_estimate_and_plan_output(capsys, tmp_path):
     """cp 2: each device computes half of every sequence but keeps its whole K and V (per layer the
     activations are half the one-device layer's plus one more copy of K/V: b s kv d e); the exchange

@@ -62,8 +62,8 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
     if p.sequence_parallel and seq % p.tp:
         return "parallel.sequence_parallel", f"needs data.seq_len divisible by tp ({seq} % {p.tp} != 0)"
     sh = sharding(m, p)
-    if cfg.train.device != "ascend":  # CPU's context parallel is msllm.parallel.cp's exchange, not a table layout
-        sh = dataclasses.replace(sh, cp=1)
+    if cfg.train.device != "ascend":  # CPU's context and expert parallel are msllm.parallel.cp's and .ep's
+        sh = dataclasses.replace(sh, cp=1, ep=1)  # exchanges over the launched workers, not table layouts
     problems = strategy_problems(m, sh, batch // p.micro_batches, seq, cfg.train.moe_capacity_factor or 1.0)
     if problems:
         return "parallel", f"layout table: {problems[0]}"
