@@ -102,18 +102,13 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     to = to or ("hf" if source.layout == "msllm" else "msllm")
     if to not in LAYOUTS:
         raise InteropError(f"unknown destination layout {to!r} (expected {', '.join(LAYOUTS)})")
+    if to == "mindformers":
+        _refuse_what_mindformers_computes_differently(source)
     rows = plan(source, to)
     if any(e.stored[to] is None for e in rows):
         raise InteropError(f"{source.path}: msllm has no {to} layout for {source.architecture} (MindFormers names "
-                           f"are mapped for Llama, Mistral, Qwen2 and Qwen3; MindFormers 1.9 has no Gemma 3, Phi-3 "
-                           f"or Mixtral, and its Qwen3-MoE is not mapped)")
-
-    sliding = source.config.model.layer_kinds().count("sliding")
-    if to == "mindformers" and sliding and source.architecture == "Qwen3ForCausalLM":
-        raise InteropError(f"{source.path}: {sliding} of its layers attend to a sliding window of "
-                           f"{source.config.model.sliding_window} positions, which MindFormers 1.9's Qwen3 ignores "
-                           f"(its config marks sliding_window unused): it would compute differently there; "
-                           f"convert to hf or msllm instead")
+                           f"are mapped for Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE; MindFormers 1.9 has no "
+                           f"Gemma 3, Phi-3 or Mixtral, and its DeepSeek-V3 is not mapped)")
 
     def out_dtype(e: Entry) -> torch.dtype:
         first = next(iter(e.stored[source.layout].shapes(e)))
@@ -131,6 +126,24 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     finally:
         source.reader.close()
     return Result(dst, source.layout, to, len(infos), written, time.perf_counter() - start)
+
+
+def _refuse_what_mindformers_computes_differently(source: Source) -> None:
+    """MindFormers 1.9's Qwen3 and Qwen3-MoE mark sliding_window unused, and its Qwen3-MoE builds every
+    layer MoE (mlp_only_layers / decoder_sparse_step unused): such models would compute differently there."""
+    name = {"Qwen3ForCausalLM": "Qwen3", "Qwen3MoeForCausalLM": "Qwen3-MoE"}.get(source.architecture)
+    m = source.config.model
+    sliding = m.layer_kinds().count("sliding")
+    dense = m.mlp_kinds().count("dense") if m.num_experts else 0
+    if name and sliding:
+        why = (f"{sliding} of its layers attend to a sliding window of {m.sliding_window} positions, which "
+               f"MindFormers 1.9's {name} ignores (its config marks sliding_window unused)")
+    elif name and dense:
+        why = (f"{dense} of its layers are dense MLPs (mlp_only_layers / decoder_sparse_step), which MindFormers "
+               f"1.9's Qwen3-MoE builds as MoE (its config marks both unused)")
+    else:
+        return
+    raise InteropError(f"{source.path}: {why}: it would compute differently there; convert to hf or msllm instead")
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype, name: str, path) -> torch.Tensor:

@@ -5,12 +5,15 @@ layout (Hugging Face, MindFormers) stores it:
 
     "name"                        the same tensor under another name
     Concat(dim, "a", "b", ...)    stored as parts joined along `dim`; the msllm shape spells that
-                                  dim as one term per part ("q+kv+kv"), which gives the split back
+                                  dim as one term per part ("q+kv+kv"), which gives the split back;
+                                  a part may itself be a rule (Stacked: a part stored per expert)
     Transposed("name")            stored as the 2-D transpose
     Stacked("name.{e}.w")         stored one tensor per expert e; msllm stacks them on a new dim 0
     Interleaved("name", "groups") stored as the parts of an msllm Concat interleaved in blocks: dim 0 cut
                                   into `groups` (a named dim) blocks, block g holding each part's g-th
                                   slice in turn (MindFormers' mcore linear_qkv: [q, k, v] per KV head)
+    GroupedTransposed("name")     stored as one matrix: each expert's 2-D transpose, one expert after
+                                  another along dim 0 ([E * in, out]: MindFormers' grouped-GEMM weight1 / weight2)
     None                          this layout has no such tensor (the family is not in that layout)
 
 The msllm column may be a Concat too: Phi-3 stores q, k and v as one qkv_proj, so its row is
@@ -66,22 +69,29 @@ class Same:
 
 
 class Concat:
-    def __init__(self, dim: int, *parts: str):
-        self.dim, self.parts = dim, parts
+    def __init__(self, dim: int, *parts):
+        self.dim, self.parts = dim, tuple(_rule(p) for p in parts)
 
     def expand(self, prefix: str, i: int):
-        return Concat(self.dim, *((prefix + p).format(i=i) for p in self.parts))
+        return Concat(self.dim, *(p.expand(prefix, i) for p in self.parts))
+
+    def _pieces(self, entry: "Entry") -> list[tuple]:
+        """(part's rule, the part as an entry of its own: dim `dim` cut to that part's size)."""
+        d = self.dim
+        return [(p, entry._replace(shape=entry.shape[:d] + (size,) + entry.shape[d + 1:],
+                                   terms=entry.terms[:d] + ((size,),) + entry.terms[d + 1:]))
+                for p, size in zip(self.parts, entry.terms[d], strict=True)]
 
     def shapes(self, entry: "Entry") -> dict[str, tuple]:
-        return {part: entry.shape[:self.dim] + (size,) + entry.shape[self.dim + 1:]
-                for part, size in zip(self.parts, entry.terms[self.dim], strict=True)}
+        return {name: shape for p, part in self._pieces(entry) for name, shape in p.shapes(part).items()}
 
     def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
-        return torch.cat([read(p) for p in self.parts], self.dim)
+        return torch.cat([p.gather(part, read) for p, part in self._pieces(entry)], self.dim)
 
     def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         pieces = torch.split(t, list(entry.terms[self.dim]), self.dim)
-        return [(p, piece.contiguous()) for p, piece in zip(self.parts, pieces, strict=True)]
+        return [out for (p, part), piece in zip(self._pieces(entry), pieces, strict=True)
+                for out in p.scatter(part, piece.contiguous())]
 
 
 class Transposed(Same):
@@ -140,11 +150,27 @@ class Interleaved(Same):
         return [(self.name, blocks.reshape(t.shape).contiguous())]
 
 
+class GroupedTransposed(Same):
+    """An msllm [E, out, in] expert stack stored as one [E * in, out] matrix: expert e's transpose in rows
+    e * in .. (e + 1) * in (MindFormers' FFNGroupedGEMM weight1 / weight2, Megatron's GroupedMLP)."""
+
+    def shapes(self, entry: "Entry") -> dict[str, tuple]:
+        experts, out, inp = entry.shape
+        return {self.name: (experts * inp, out)}
+
+    def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
+        experts, out, inp = entry.shape
+        return read(self.name).reshape(experts, inp, out).transpose(1, 2).contiguous()
+
+    def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(self.name, t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous())]
+
+
 class Row(NamedTuple):
     msllm: str | Concat
     shape: str                         # named dims, e.g. "vocab, hidden" or "q+kv+kv, hidden"
-    hf: str | Concat | Transposed
-    mindformers: str | Concat | Transposed | Interleaved | None
+    hf: str | Concat | Transposed | Stacked
+    mindformers: str | Concat | Transposed | Interleaved | GroupedTransposed | None
     when: str | None = None            # a key of CONDITIONS
 
 
@@ -189,7 +215,7 @@ def entries(table: Table, m: ModelConfig) -> list[Entry]:
                 raise ValueError(f"table row {row.msllm}: {layout} joins {len(rule.parts)} parts but "
                                  f"dim {rule.dim} of {row.shape!r} has {len(terms[rule.dim])} terms")
         mine = stored["msllm"]
-        name = "+".join(mine.parts) if isinstance(mine, Concat) else mine.name
+        name = "+".join(p.name for p in mine.parts) if isinstance(mine, Concat) else mine.name
         out.append(Entry(name, tuple(map(sum, terms)), terms, stored))
     return out
 

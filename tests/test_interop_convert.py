@@ -144,7 +144,78 @@ def test_qwen3_with_sliding_layers_is_refused_for_mindformers_which_ignores_the_
     convert(tmp_path / "hf", tmp_path / "ms", progress=False)  # msllm computes the window: fine
 
 
-@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3"])
+# MindFormers 1.9.0's TrainingQwen3MoeForCausalLM, built in its own venv (tools/mindformers_peer.py), holds these
+# parameters for tests/hf_models.py's qwen3_moe every layer MoE with expert ffn 24 (hidden 64, 4 heads and 2 KV
+# heads of 16, 4 experts), beside a router.fi_accu [4] aux-loss counter that is no weight.
+MF_QWEN3_MOE_LAYER = {"input_layernorm.weight": (64,), "self_attention.linear_qkv.weight": (128, 64),
+                      "self_attention.linear_proj.weight": (64, 64), "self_attention.q_layernorm.weight": (16,),
+                      "self_attention.k_layernorm.weight": (16,), "pre_mlp_layernorm.weight": (64,),
+                      "mlp.router.weight": (4, 64), "mlp.experts.weight1": (256, 48), "mlp.experts.weight2": (96, 64)}
+
+
+def test_qwen3_moe_to_mindformers_grouped_experts_and_back_is_bitwise(tmp_path):
+    """HF -> msllm -> MindFormers -> msllm -> HF, and MindFormers -> HF directly. MindFormers' grouped-GEMM
+    experts: weight1 holds expert e's [gate; up] transposed in rows e*h.., weight2 its down transposed in
+    rows e*f..; its logits on this file were checked against transformers by tools/mindformers_check.py."""
+    model = build("qwen3_moe", mlp_only_layers=[], moe_intermediate_size=24)
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    convert(tmp_path / "ms", tmp_path / "mf", to="mindformers", mf_format="safetensors", progress=False)
+    mf = load_file(tmp_path / "mf" / "model.safetensors")
+    want = {"embedding.word_embeddings.weight": (300, 64), "decoder.final_layernorm.weight": (64,),
+            "output_layer.weight": (300, 64),
+            **{f"decoder.layers.{i}.{k}": v for i in range(2) for k, v in MF_QWEN3_MOE_LAYER.items()}}
+    assert {k: tuple(v.shape) for k, v in mf.items()} == want
+
+    saved, h, f = load_file(tmp_path / "hf" / "model.safetensors"), 64, 24  # one tensor per expert
+    experts = "decoder.layers.1.mlp.experts"
+    for e in (0, 3):
+        hf = f"model.layers.1.mlp.experts.{e}"
+        block = mf[f"{experts}.weight1"][e * h:(e + 1) * h]
+        assert torch.equal(block[:, :f], saved[f"{hf}.gate_proj.weight"].T)
+        assert torch.equal(block[:, f:], saved[f"{hf}.up_proj.weight"].T)
+        assert torch.equal(mf[f"{experts}.weight2"][e * f:(e + 1) * f], saved[f"{hf}.down_proj.weight"].T)
+    assert torch.equal(mf["decoder.layers.1.mlp.router.weight"], saved["model.layers.1.mlp.gate.weight"])
+    assert verify(tmp_path / "hf", tmp_path / "mf").ok
+
+    convert(tmp_path / "mf", tmp_path / "ms2", progress=False)
+    assert same_state(load_file(tmp_path / "ms2" / "model.safetensors"), load_file(tmp_path / "ms" / "model.safetensors"))
+    convert(tmp_path / "ms2", tmp_path / "back", progress=False)
+    assert same_state(AutoModelForCausalLM.from_pretrained(tmp_path / "back").state_dict(), model.state_dict())
+    convert(tmp_path / "mf" / "model.safetensors", tmp_path / "direct", to="hf", progress=False)
+    assert same_state(load_file(tmp_path / "direct" / "model.safetensors"), saved)
+
+
+def test_qwen3_moe_with_dense_layers_is_refused_for_mindformers_which_builds_every_layer_moe(hf_dirs, tmp_path):
+    from interop import InteropError
+
+    _, hf = hf_dirs["qwen3_moe"]  # mlp_only_layers [0]
+    with pytest.raises(InteropError) as e:
+        convert(hf, tmp_path / "mf", to="mindformers", progress=False)
+    assert "\n" not in str(e.value) and "1 of its layers are dense MLPs" in str(e.value)
+    assert not (tmp_path / "mf").exists()
+
+
+def test_mindformers_checkpoint_with_a_missing_or_misshaped_expert_tensor_is_refused_in_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    from interop import InteropError
+
+    build("qwen3_moe", mlp_only_layers=[]).save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "mf", to="mindformers", mf_format="safetensors", progress=False)
+    tensors = load_file(tmp_path / "mf" / "model.safetensors")
+    del tensors["decoder.layers.1.mlp.experts.weight1"]
+    tensors["decoder.layers.0.mlp.experts.weight2"] = tensors["decoder.layers.0.mlp.experts.weight2"][:-1]
+    save_file(tensors, tmp_path / "mf" / "model.safetensors")
+    with pytest.raises(InteropError) as e:
+        convert(tmp_path / "mf", tmp_path / "ms", progress=False)
+    message = str(e.value)
+    assert "\n" not in message and "missing [decoder.layers.1.mlp.experts.weight1]" in message
+    assert "wrong shape [decoder.layers.0.mlp.experts.weight2 [127, 64] != [128, 64]]" in message
+    assert not (tmp_path / "ms").exists()
+
+
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "mixtral", "deepseek_v3"])
 def test_families_without_mindformers_names_are_refused_in_one_line(hf_dirs, tmp_path, case):
     from interop import InteropError
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Cross-check the MindFormers layout for real: MindFormers' own model runs our checkpoint (its
-LlamaForCausalLM for Llama / Qwen2, its mcore TrainingQwen3ForCausalLM for Qwen3).
+LlamaForCausalLM for Llama / Qwen2, its mcore TrainingQwen3ForCausalLM for Qwen3 and
+TrainingQwen3MoeForCausalLM for Qwen3-MoE).
 
 For each case, a tiny random Hugging Face model is converted by `msllm convert --to mindformers`
-(.ckpt, and safetensors), then tools/mindformers_peer.py runs MindFormers' LlamaForCausalLM on it in
+(.ckpt, and safetensors), then tools/mindformers_peer.py runs that MindFormers model on it in
 the separate MindFormers venv (mindformers 1.9 + mindspore 2.9, tools/mindformers_env.sh) and the
 logits are compared with the HF model's and with msllm's on the same tokens.
 
@@ -34,6 +35,11 @@ CASES = {
     "qwen2_bias_tied": ("qwen2_bias_tied", {}),
     "qwen3": ("qwen3", {}),                                # tied, head_dim 32 != 64 / 4: MindFormers' mcore Qwen3
     "qwen3_untied": ("qwen3", {"tie_word_embeddings": False}),
+    # MindFormers' Qwen3-MoE builds every layer MoE; expert ffn 24 keeps weight1 [4 * 64, 48] apart from
+    # its transpose's shape. Untied without renormalising the top 2, then tied with it.
+    "qwen3_moe": ("qwen3_moe", {"mlp_only_layers": [], "moe_intermediate_size": 24}),
+    "qwen3_moe_norm_tied": ("qwen3_moe", {"mlp_only_layers": [], "moe_intermediate_size": 24,
+                                          "norm_topk_prob": True, "tie_word_embeddings": True}),
 }
 
 
@@ -84,9 +90,9 @@ def main() -> int:
                 rows.append({"case": case, "format": fmt, "mf_vs_hf": float(np.abs(mf - ref).max()),
                              "mf_vs_msllm": float(np.abs(mf - ours).max()),
                              "msllm_vs_hf": float(np.abs(ours - ref).max()), "logit_scale": float(np.abs(ref).max())})
-    print(f"{'case':18} {'format':12} {'MF vs HF':>10} {'MF vs msllm':>12} {'msllm vs HF':>12}  (max-abs logits)")
+    print(f"{'case':20} {'format':12} {'MF vs HF':>10} {'MF vs msllm':>12} {'msllm vs HF':>12}  (max-abs logits)")
     for r in rows:
-        print(f"{r['case']:18} {r['format']:12} {r['mf_vs_hf']:10.2e} {r['mf_vs_msllm']:12.2e} "
+        print(f"{r['case']:20} {r['format']:12} {r['mf_vs_hf']:10.2e} {r['mf_vs_msllm']:12.2e} "
               f"{r['msllm_vs_hf']:12.2e}")
     ok = all(r["mf_vs_hf"] <= a.tol for r in rows)
     print(json.dumps({"ok": ok, "tol": a.tol, "rows": rows}))

@@ -15,7 +15,9 @@ num_kv_heads, ffn_size, rope_theta, norm_eps, max_seq_len, tie_embeddings; optio
 Weights use MindFormers names: its Llama (model.tok_embeddings.embedding_weight,
 model.layers.N.attention.wq.weight, ..., model.norm_out.weight, lm_head.weight), or with qk_norm
 (and head_dim) its mcore Qwen3 (embedding.word_embeddings.weight, decoder.layers.N.self_attention.
-linear_qkv.weight, ..., decoder.final_layernorm.weight, output_layer.weight).
+linear_qkv.weight, ..., decoder.final_layernorm.weight, output_layer.weight); with num_experts too
+(experts_per_token, moe_ffn_size, norm_topk_prob, routed_scaling) its mcore Qwen3-MoE (... decoder.layers.N.
+mlp.router.weight, mlp.experts.weight1, mlp.experts.weight2 ...), on CPU through use_cpu_moe_kernels.
 """
 import argparse
 import json
@@ -74,21 +76,21 @@ def build_llama(vocab, hidden, layers, heads, kv_heads, ffn, seq, batch, theta=1
 
 def build_qwen3(c, seq, batch):
     """MindFormers' own mcore Qwen3 (TrainingQwen3ForCausalLM: the class MindFormers trains Qwen3 with),
-    fp32, with three Ascend-only kernels given CPU stand-ins that compute the same: RmsNorm (y and
+    or with num_experts its Qwen3-MoE (TrainingQwen3MoeForCausalLM: router, grouped experts weight1 /
+    weight2), fp32, with three Ascend-only kernels given CPU stand-ins that compute the same: RmsNorm (y and
     rstd from ops), a broadcast product for Outer (RoPE's angle table) and
     softmax attention for FlashAttentionScore (BNSD, its GQA grouping, mask 1 = hidden). The fp16
-    casts it puts before FlashAttentionScore (that kernel's input dtypes) are skipped, so all runs in fp32.
-    The weight layout, the q/k norms, RoPE and the MLP are MindFormers' own."""
+    casts it puts before FlashAttentionScore (that kernel's input dtypes) are skipped, so all runs in fp32;
+    the MoE's kernels without a CPU kernel are stood in for by use_cpu_moe_kernels.
+    The weight layout, the q/k norms, RoPE, the MLP and the MoE routing are MindFormers' own."""
     import mindspore as ms
     from mindspore import nn, ops
     from mindformers import build_context
-    from mindformers.models.qwen3 import Qwen3Config
-    from mindformers.models.qwen3 import modeling_qwen3_train as train
 
     mode = "GRAPH_MODE" if ms.get_context("mode") == ms.GRAPH_MODE else "PYNATIVE_MODE"
     build_context({"context": {"mode": mode, "device_target": "CPU"}, "use_legacy": False, "parallel": {}})
     f32 = "float32"
-    cfg = Qwen3Config(
+    common = dict(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["ffn_size"],
         num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"],
         num_key_value_heads=c.get("num_kv_heads") or c["num_heads"],
@@ -97,7 +99,20 @@ def build_qwen3(c, seq, batch):
         seq_length=seq, batch_size=batch, tie_word_embeddings=bool(c.get("tie_embeddings", False)),
         pad_token_id=-1, compute_dtype=f32, params_dtype=f32, layernorm_compute_dtype=f32,
         softmax_compute_dtype=f32, rotary_dtype=f32)
-    net = train.TrainingQwen3ForCausalLM(cfg)
+    if c.get("num_experts"):
+        use_cpu_moe_kernels()
+        from mindformers.models.qwen3_moe import Qwen3MoeConfig
+        from mindformers.models.qwen3_moe.modeling_qwen3_moe_train import TrainingQwen3MoeForCausalLM
+        # Grouped GEMM is its only MoE kind. Hugging Face's Qwen3-MoE scales the routing weights by 1
+        # (msllm's routed_scaling); MindFormers' own 30B-A3B yaml says 1.5.
+        net = TrainingQwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, num_experts=c["num_experts"], num_experts_per_tok=c["experts_per_token"],
+            moe_intermediate_size=c.get("moe_ffn_size") or c["ffn_size"], norm_topk_prob=bool(c["norm_topk_prob"]),
+            moe_grouped_gemm=True, routed_scaling_factor=float(c.get("routed_scaling", 1.0))))
+    else:
+        from mindformers.models.qwen3 import Qwen3Config
+        from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
+        net = TrainingQwen3ForCausalLM(Qwen3Config(**common))
 
     class Outer(nn.Cell):
         def construct(self, a, b):
@@ -143,6 +158,64 @@ def build_qwen3(c, seq, batch):
     return net
 
 
+def use_cpu_moe_kernels():
+    """MindFormers' MoE (router, token dispatcher, grouped-GEMM experts) calls eight primitives that have no
+    CPU kernel in MindSpore 2.9 ("Unsupported op [TopkExt] on CPU" is the first): swap them, in the modules
+    that call them, for stand-ins computing what their documentation says. The routing, the token
+    permutation and the experts' weight1 / weight2 reshape stay MindFormers' own."""
+    import mindspore as ms
+    from mindspore import ops
+    from mindformers.parallel_core.training_graph.transformer.moe import ffn, router, token_dispatcher
+
+    class Kernel:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def recompute(self, *args, **kwargs):  # what MindFormers sets on the primitives: nothing to do here
+            return self
+
+        add_prim_attr = shard = recompute
+
+    def stand_in(call):
+        return ms.jit_class(type(call.__name__, (Kernel,), {"__call__": call}))
+
+    def TopkExt(self, x, k, dim=-1, largest=True, sorted=True):
+        return ops.topk(x, k, dim, largest, sorted)
+
+    def SortExt(self, x, dim=-1, descending=False, stable=False):
+        return ops.sort(x, dim, descending)
+
+    def IndexSelect(self, x, dim, index):
+        return ops.gather(x, index, dim)
+
+    def OneHotExt(self, x, num_classes, on_value, off_value, axis=-1):
+        return ops.one_hot(x, num_classes, on_value, off_value, axis)
+
+    def CumsumExt(self, x, dim, dtype=None):
+        return ops.cumsum(x, dim)
+
+    def FmodScalar(self, x, y):  # of non-negative indices: floor_mod is fmod
+        return ops.floor_mod(x, y)
+
+    def Swiglu(self, x, dim=-1):  # silu(first half) * second half
+        gate, up = ops.split(x, x.shape[dim] // 2, dim)
+        return ops.silu(gate) * up
+
+    def GroupedMatmul(self, x, weight, bias=None, scale=None, offset=None, antiquant_scale=None,
+                      antiquant_offset=None, group_list=None):
+        """split_item 3, group_type 0: row r times weight[e] for group_list[e - 1] <= r < group_list[e]
+        (group_list: cumulative row counts)."""
+        x, w = x[0], weight[0]
+        rows = ops.arange(x.shape[0]).astype(ms.int64).reshape(-1, 1)
+        group = (rows >= group_list.reshape(1, -1)).astype(ms.int32).sum(1)
+        return [ops.bmm(x.reshape(x.shape[0], 1, -1), ops.gather(w, group, 0)).reshape(x.shape[0], -1)]
+
+    for call in (TopkExt, SortExt, IndexSelect, OneHotExt, CumsumExt, FmodScalar, Swiglu, GroupedMatmul):
+        for module in (ffn, router, token_dispatcher):
+            if hasattr(module, call.__name__):
+                setattr(module, call.__name__, stand_in(call))
+
+
 def read_weights(path):
     """name -> fp32 numpy array, from a MindSpore .ckpt or a .safetensors file."""
     import mindspore as ms
@@ -154,7 +227,9 @@ def read_weights(path):
 def load_strict(net, weights):
     import mindspore as ms
     net_params = net.parameters_dict()  # tied params appear once
-    missing = sorted(set(net_params) - set(weights))
+    # Buffers that are not weights (MoE routers' fi_accu: the aux loss's running expert load) keep their init.
+    buffers = sorted(k for k, p in net_params.items() if not p.requires_grad and k not in weights)
+    missing = sorted(set(net_params) - set(weights) - set(buffers))
     unexpected = sorted(set(weights) - set(net_params))
     bad_shape = sorted(f"{k}: file {weights[k].shape} vs model {tuple(net_params[k].shape)}"
                        for k in set(net_params) & set(weights)
@@ -162,9 +237,9 @@ def load_strict(net, weights):
     if missing or unexpected or bad_shape:
         raise SystemExit("strict load failed:\n  missing: %s\n  unexpected: %s\n  shape: %s"
                          % (missing, unexpected, bad_shape))
-    for k, p in net_params.items():
-        p.set_data(ms.Tensor(weights[k], ms.float32))
-    _log(f"loaded {len(net_params)} tensors strictly")
+    for k in weights:
+        net_params[k].set_data(ms.Tensor(weights[k], ms.float32))
+    _log(f"loaded {len(weights)} tensors strictly" + (f" (buffers left at init: {buffers})" if buffers else ""))
 
 
 def cmd_logits(a):

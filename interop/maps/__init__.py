@@ -26,7 +26,7 @@ FAMILIES = {
     "Qwen3ForCausalLM": Family(qwen3.QWEN3, "qwen3", qwen3.SPEC, mindformers=qwen3.QWEN3_MINDFORMERS),
     "Gemma3ForCausalLM": Family(gemma3.GEMMA3, "gemma3_text", gemma3.SPEC, "gelu_pytorch_tanh"),
     "Phi3ForCausalLM": Family(phi3.PHI3, "phi3", phi3.SPEC),
-    "Qwen3MoeForCausalLM": Family(moe.QWEN3_MOE, "qwen3_moe", qwen3.SPEC, moe=True),
+    "Qwen3MoeForCausalLM": Family(moe.QWEN3_MOE, "qwen3_moe", qwen3.SPEC, moe=True, mindformers=moe.QWEN3_MOE_MINDFORMERS),
     "MixtralForCausalLM": Family(moe.MIXTRAL, "mixtral", {}, moe=True),
     "DeepseekV3ForCausalLM": Family(deepseek_v3.DEEPSEEK_V3, "deepseek_v3", deepseek_v3.SPEC, moe=True),
 }

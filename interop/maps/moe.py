@@ -1,12 +1,19 @@
 """Mixture-of-experts families: Qwen3-MoE (Qwen3ForCausalLM's attention, q/k norms) and Mixtral
 (Mistral's attention). Hugging Face stores one tensor per expert; msllm stacks a layer's experts
 into one [E, ...] tensor per projection (Stacked). A layer is MoE or dense by the model's
-mlp_types (Qwen3-MoE's mlp_only_layers / decoder_sparse_step). Not mapped to MindFormers."""
+mlp_types (Qwen3-MoE's mlp_only_layers / decoder_sparse_step).
+
+MindFormers 1.9 trains Qwen3-MoE as TrainingQwen3MoeForCausalLM (mcore; read from the parameters it
+builds and its own HF converter, ExpertsConvertOp): Qwen3's mcore attention rows, the router as
+mlp.router.weight [E, h], and each layer's experts as two grouped-GEMM matrices: mlp.experts.weight1
+[E * h, 2f] (expert e's [gate; up] transposed, gate columns first: not alternated like the dense
+linear_fc1) and mlp.experts.weight2 [E * f, h] (expert e's down transposed). It builds every layer as
+MoE (mlp_only_layers and decoder_sparse_step are ignored there) and no shared experts."""
 from interop.maps.llama import LLAMA
-from interop.maps.qwen3 import QWEN3
+from interop.maps.qwen3 import QWEN3, QWEN3_MINDFORMERS, QWEN3_MINDFORMERS_ATTENTION
 import torch
 
-from interop.table import Row, Stacked
+from interop.table import Concat, GroupedTransposed, Row, Stacked
 
 _DENSE = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 
@@ -30,8 +37,22 @@ def _with_moe(table, moe_rows):
                           after=[r._replace(mindformers=None) for r in table.after])
 
 
-QWEN3_MOE = _with_moe(QWEN3, _moe_rows("mlp", "gate_proj", "down_proj", "up_proj"))
+_QWEN3_MOE_ROWS = _moe_rows("mlp", "gate_proj", "down_proj", "up_proj")
+QWEN3_MOE = _with_moe(QWEN3, _QWEN3_MOE_ROWS)
 MIXTRAL = _with_moe(LLAMA, _moe_rows("block_sparse_moe", "w1", "w2", "w3"))
+
+_router, _gate, _down, _up = _QWEN3_MOE_ROWS
+QWEN3_MOE_MINDFORMERS = QWEN3_MINDFORMERS._replace(
+    per_layer=QWEN3_MINDFORMERS_ATTENTION + [
+        _router._replace(mindformers="mlp.router.weight"),
+        Row(Concat(1, _gate.msllm, _up.msllm), "experts, expert_ffn+expert_ffn, hidden", Concat(1, _gate.hf, _up.hf),
+            GroupedTransposed("mlp.experts.weight1"), when="moe"),
+        _down._replace(mindformers=GroupedTransposed("mlp.experts.weight2")),
+    ],
+    # A MindFormers training checkpoint also holds each router's aux-loss running expert load.
+    ignore={**QWEN3_MINDFORMERS.ignore,
+            "mindformers": QWEN3_MINDFORMERS.ignore["mindformers"] + ["decoder.layers.*.mlp.router.fi_accu"]},
+)
 
 
 # transformers 5 holds a layer's experts in memory as two stacked tensors (mlp.experts.gate_up_proj
