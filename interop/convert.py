@@ -107,8 +107,8 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
     rows = plan(source, to)
     if any(e.stored[to] is None for e in rows):
         raise InteropError(f"{source.path}: msllm has no {to} layout for {source.architecture} (MindFormers names "
-                           f"are mapped for Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE; MindFormers 1.9 has no "
-                           f"Gemma 3, Phi-3 or Mixtral, and its DeepSeek-V3 is not mapped)")
+                           f"are mapped for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3; MindFormers 1.9 "
+                           f"has no Gemma 3, Phi-3 or Mixtral)")
 
     def out_dtype(e: Entry) -> torch.dtype:
         first = next(iter(e.stored[source.layout].shapes(e)))
@@ -130,9 +130,22 @@ def convert(src: str | Path, dst: str | Path, to: str | None = None, dtype: str 
 
 def _refuse_what_mindformers_computes_differently(source: Source) -> None:
     """MindFormers 1.9's Qwen3 and Qwen3-MoE mark sliding_window unused, and its Qwen3-MoE builds every
-    layer MoE (mlp_only_layers / decoder_sparse_step unused): such models would compute differently there."""
+    layer MoE (mlp_only_layers / decoder_sparse_step unused); its DeepSeek-V3 always builds an output layer
+    of its own, always de-interleaves the RoPE dims and scores an expert group by its best
+    experts_per_token // topk_groups experts (transformers: best 2): such models would compute differently there."""
     name = {"Qwen3ForCausalLM": "Qwen3", "Qwen3MoeForCausalLM": "Qwen3-MoE"}.get(source.architecture)
     m = source.config.model
+    if source.architecture == "DeepseekV3ForCausalLM":
+        why = ("its output layer is tied to the embedding, which MindFormers 1.9's TrainingDeepseekV3ForCausalLM "
+               "builds apart (it ignores tie_word_embeddings)" if m.tie_embeddings else
+               "rope_interleave is false, and MindFormers 1.9's MLA always de-interleaves the RoPE dims"
+               if not m.rope_interleave else
+               f"num_experts_per_tok // topk_group is {m.experts_per_token // m.topk_groups}, and MindFormers 1.9 "
+               f"scores an expert group by that many best experts where transformers takes 2"
+               if m.expert_groups > 1 and m.experts_per_token // m.topk_groups != 2 else None)
+        if why:
+            raise InteropError(f"{source.path}: {why}: it would compute differently there; convert to hf or msllm "
+                               f"instead")
     sliding = m.layer_kinds().count("sliding")
     dense = m.mlp_kinds().count("dense") if m.num_experts else 0
     if name and sliding:

@@ -153,6 +153,16 @@ MF_QWEN3_MOE_LAYER = {"input_layernorm.weight": (64,), "self_attention.linear_qk
                       "mlp.router.weight": (4, 64), "mlp.experts.weight1": (256, 48), "mlp.experts.weight2": (96, 64)}
 
 
+def _mindformers_back_is_bitwise(tmp_path, model, saved):
+    """tmp_path/mf (from tmp_path/ms) -> msllm -> HF, and -> HF directly, equal bit for bit."""
+    convert(tmp_path / "mf", tmp_path / "ms2", progress=False)
+    assert same_state(load_file(tmp_path / "ms2" / "model.safetensors"), load_file(tmp_path / "ms" / "model.safetensors"))
+    convert(tmp_path / "ms2", tmp_path / "back", progress=False)
+    assert same_state(AutoModelForCausalLM.from_pretrained(tmp_path / "back").state_dict(), model.state_dict())
+    convert(tmp_path / "mf" / "model.safetensors", tmp_path / "direct", to="hf", progress=False)
+    assert same_state(load_file(tmp_path / "direct" / "model.safetensors"), saved)
+
+
 def test_qwen3_moe_to_mindformers_grouped_experts_and_back_is_bitwise(tmp_path):
     """HF -> msllm -> MindFormers -> msllm -> HF, and MindFormers -> HF directly. MindFormers' grouped-GEMM
     experts: weight1 holds expert e's [gate; up] transposed in rows e*h.., weight2 its down transposed in
@@ -178,12 +188,7 @@ def test_qwen3_moe_to_mindformers_grouped_experts_and_back_is_bitwise(tmp_path):
     assert torch.equal(mf["decoder.layers.1.mlp.router.weight"], saved["model.layers.1.mlp.gate.weight"])
     assert verify(tmp_path / "hf", tmp_path / "mf").ok
 
-    convert(tmp_path / "mf", tmp_path / "ms2", progress=False)
-    assert same_state(load_file(tmp_path / "ms2" / "model.safetensors"), load_file(tmp_path / "ms" / "model.safetensors"))
-    convert(tmp_path / "ms2", tmp_path / "back", progress=False)
-    assert same_state(AutoModelForCausalLM.from_pretrained(tmp_path / "back").state_dict(), model.state_dict())
-    convert(tmp_path / "mf" / "model.safetensors", tmp_path / "direct", to="hf", progress=False)
-    assert same_state(load_file(tmp_path / "direct" / "model.safetensors"), saved)
+    _mindformers_back_is_bitwise(tmp_path, model, saved)
 
 
 def test_qwen3_moe_with_dense_layers_is_refused_for_mindformers_which_builds_every_layer_moe(hf_dirs, tmp_path):
@@ -215,7 +220,81 @@ def test_mindformers_checkpoint_with_a_missing_or_misshaped_expert_tensor_is_ref
     assert not (tmp_path / "ms").exists()
 
 
-@pytest.mark.parametrize("case", ["gemma3", "phi3", "mixtral", "deepseek_v3"])
+# MindFormers 1.9.0's TrainingDeepseekV3ForCausalLM (qk_layernorm, no MTP), built in its own venv, holds these
+# parameters for tests/hf_models.py's deepseek_v3 (hidden 64, 4 heads, q_lora_rank 24, kv_lora_rank 16, nope 12,
+# rope 8, v 10; layer 0 dense ffn 96, then 8 experts of 32 and one shared), beside the routers' expert_load and
+# fi_accu [8] counters, which are no weights.
+MF_DEEPSEEK_V3_ATTENTION = {
+    "input_layernorm.weight": (64,), "self_attention.linear_qkv.weight": (48, 64),
+    "self_attention.q_layernorm.weight": (24,), "self_attention.linear_qb.weight": (80, 24),
+    "self_attention.k_layernorm.weight": (16,), "self_attention.linear_kvb.weight": (88, 16),
+    "self_attention.linear_proj.weight": (64, 40), "pre_mlp_layernorm.weight": (64,)}
+MF_DEEPSEEK_V3_MOE = {"mlp.router.weight": (8, 64), "mlp.router.expert_bias": (8,), "mlp.experts.weight1": (512, 64),
+                      "mlp.experts.weight2": (256, 64), "mlp.shared_experts.linear_fc1.weight": (64, 64),
+                      "mlp.shared_experts.linear_fc2.weight": (64, 32)}
+
+
+def test_deepseek_v3_to_mindformers_mla_and_experts_and_back_is_bitwise(tmp_path):
+    """HF -> msllm -> MindFormers -> msllm -> HF, and MindFormers -> HF directly. MindFormers' MLA joins
+    q_a_proj and kv_a_proj_with_mqa in linear_qkv; its dense and shared linear_fc1 alternate gate and up rows;
+    its routed experts are grouped like Qwen3-MoE's; its MTP block and router counters are ignored on read.
+    Its logits on this file were checked against transformers by tools/mindformers_check.py."""
+    from safetensors.torch import save_file
+
+    model = build("deepseek_v3")
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    convert(tmp_path / "ms", tmp_path / "mf", to="mindformers", mf_format="safetensors", progress=False)
+    mf = load_file(tmp_path / "mf" / "model.safetensors")
+
+    def layer(i, rows):
+        return {f"decoder.layers.{i}.{k}": v for k, v in rows.items()}
+
+    want = {"embedding.word_embeddings.weight": (300, 64), "decoder.final_layernorm.weight": (64,),
+            "output_layer.weight": (300, 64), **{k: v for i in range(3) for k, v in layer(i, MF_DEEPSEEK_V3_ATTENTION).items()},
+            **layer(0, {"mlp.linear_fc1.weight": (192, 64), "mlp.linear_fc2.weight": (64, 96)}),
+            **layer(1, MF_DEEPSEEK_V3_MOE), **layer(2, MF_DEEPSEEK_V3_MOE)}
+    assert {k: tuple(v.shape) for k, v in mf.items()} == want
+
+    saved, h, f = load_file(tmp_path / "hf" / "model.safetensors"), 64, 32
+    hf, ours = "model.layers.{}.", "decoder.layers.{}."
+    qkv = mf[ours.format(2) + "self_attention.linear_qkv.weight"]
+    assert torch.equal(qkv[:24], saved[hf.format(2) + "self_attn.q_a_proj.weight"])
+    assert torch.equal(qkv[24:], saved[hf.format(2) + "self_attn.kv_a_proj_with_mqa.weight"])
+    assert torch.equal(mf[ours.format(2) + "self_attention.k_layernorm.weight"], saved[hf.format(2) + "self_attn.kv_a_layernorm.weight"])
+    dense, shared = mf[ours.format(0) + "mlp.linear_fc1.weight"], mf[ours.format(1) + "mlp.shared_experts.linear_fc1.weight"]
+    assert torch.equal(dense[0::2], saved[hf.format(0) + "mlp.gate_proj.weight"])
+    assert torch.equal(dense[1::2], saved[hf.format(0) + "mlp.up_proj.weight"])
+    assert torch.equal(shared[0::2], saved[hf.format(1) + "mlp.shared_experts.gate_proj.weight"])
+    assert torch.equal(shared[1::2], saved[hf.format(1) + "mlp.shared_experts.up_proj.weight"])
+    assert torch.equal(mf[ours.format(1) + "mlp.router.expert_bias"], saved[hf.format(1) + "mlp.gate.e_score_correction_bias"])
+    block = mf[ours.format(1) + "mlp.experts.weight1"][7 * h:8 * h]
+    assert torch.equal(block[:, :f], saved[hf.format(1) + "mlp.experts.7.gate_proj.weight"].T)
+    assert torch.equal(block[:, f:], saved[hf.format(1) + "mlp.experts.7.up_proj.weight"].T)
+    assert torch.equal(mf[ours.format(1) + "mlp.experts.weight2"][7 * f:], saved[hf.format(1) + "mlp.experts.7.down_proj.weight"].T)
+    assert verify(tmp_path / "hf", tmp_path / "mf").ok
+
+    # A MindFormers training checkpoint's MTP block and router counters: ignored on read.
+    save_file({**mf, "mtp.layers.0.enorm.weight": torch.ones(64), "decoder.layers.1.mlp.router.fi_accu": torch.zeros(8),
+               "decoder.layers.1.mlp.router.expert_load": torch.zeros(8)}, tmp_path / "mf" / "model.safetensors")
+    _mindformers_back_is_bitwise(tmp_path, model, saved)
+
+
+@pytest.mark.parametrize("changes, why", [
+    ({"tie_word_embeddings": True}, "builds apart (it ignores tie_word_embeddings)"),
+    ({"rope_interleave": False}, "rope_interleave is false"),
+    ({"num_experts_per_tok": 4}, "num_experts_per_tok // topk_group is 4")])
+def test_deepseek_v3_that_mindformers_computes_differently_is_refused_in_one_line(tmp_path, changes, why):
+    from interop import InteropError
+
+    build("deepseek_v3", **changes).save_pretrained(tmp_path / "hf")
+    with pytest.raises(InteropError) as e:
+        convert(tmp_path / "hf", tmp_path / "mf", to="mindformers", progress=False)
+    assert "\n" not in str(e.value) and why in str(e.value)
+    assert not (tmp_path / "mf").exists()
+
+
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "mixtral"])
 def test_families_without_mindformers_names_are_refused_in_one_line(hf_dirs, tmp_path, case):
     from interop import InteropError
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Cross-check the MindFormers layout for real: MindFormers' own model runs our checkpoint (its
 LlamaForCausalLM for Llama / Qwen2, its mcore TrainingQwen3ForCausalLM for Qwen3 and
-TrainingQwen3MoeForCausalLM for Qwen3-MoE).
+TrainingQwen3MoeForCausalLM for Qwen3-MoE, TrainingDeepseekV3ForCausalLM for DeepSeek-V3).
 
 For each case, a tiny random Hugging Face model is converted by `msllm convert --to mindformers`
 (.ckpt, and safetensors), then tools/mindformers_peer.py runs that MindFormers model on it in
@@ -40,6 +40,12 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", {"mlp_only_layers": [], "moe_intermediate_size": 24}),
     "qwen3_moe_norm_tied": ("qwen3_moe", {"mlp_only_layers": [], "moe_intermediate_size": 24,
                                           "norm_topk_prob": True, "tie_word_embeddings": True}),
+    # MindFormers' DeepSeek-V3: MLA with q_lora_rank, one dense layer, grouped sigmoid router with its expert
+    # bias, a shared expert; then without q_lora_rank (linear_qkv holds q_proj), not renormalised, 4 groups
+    # of 2 choosing 2 for top-4. (Its output layer is never tied: tied models are refused.)
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3_no_q_lora": ("deepseek_v3", {"q_lora_rank": None, "norm_topk_prob": False, "n_group": 4,
+                                              "topk_group": 2, "num_experts_per_tok": 4}),
 }
 
 
@@ -90,9 +96,9 @@ def main() -> int:
                 rows.append({"case": case, "format": fmt, "mf_vs_hf": float(np.abs(mf - ref).max()),
                              "mf_vs_msllm": float(np.abs(mf - ours).max()),
                              "msllm_vs_hf": float(np.abs(ours - ref).max()), "logit_scale": float(np.abs(ref).max())})
-    print(f"{'case':20} {'format':12} {'MF vs HF':>10} {'MF vs msllm':>12} {'msllm vs HF':>12}  (max-abs logits)")
+    print(f"{'case':22} {'format':12} {'MF vs HF':>10} {'MF vs msllm':>12} {'msllm vs HF':>12}  (max-abs logits)")
     for r in rows:
-        print(f"{r['case']:20} {r['format']:12} {r['mf_vs_hf']:10.2e} {r['mf_vs_msllm']:12.2e} "
+        print(f"{r['case']:22} {r['format']:12} {r['mf_vs_hf']:10.2e} {r['mf_vs_msllm']:12.2e} "
               f"{r['msllm_vs_hf']:12.2e}")
     ok = all(r["mf_vs_hf"] <= a.tol for r in rows)
     print(json.dumps({"ok": ok, "tol": a.tol, "rows": rows}))

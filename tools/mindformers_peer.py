@@ -17,7 +17,9 @@ model.layers.N.attention.wq.weight, ..., model.norm_out.weight, lm_head.weight),
 (and head_dim) its mcore Qwen3 (embedding.word_embeddings.weight, decoder.layers.N.self_attention.
 linear_qkv.weight, ..., decoder.final_layernorm.weight, output_layer.weight); with num_experts too
 (experts_per_token, moe_ffn_size, norm_topk_prob, routed_scaling) its mcore Qwen3-MoE (... decoder.layers.N.
-mlp.router.weight, mlp.experts.weight1, mlp.experts.weight2 ...), on CPU through use_cpu_moe_kernels.
+mlp.router.weight, mlp.experts.weight1, mlp.experts.weight2 ...), on CPU through use_cpu_moe_kernels; with
+attention "mla" (q_lora_rank, kv_lora_rank, ... expert_groups, topk_groups, shared_experts) its mcore DeepSeek-V3
+(... self_attention.linear_qkv / linear_qb / linear_kvb, mlp.router.expert_bias, mlp.shared_experts ...).
 """
 import argparse
 import json
@@ -84,7 +86,6 @@ def build_qwen3(c, seq, batch):
     the MoE's kernels without a CPU kernel are stood in for by use_cpu_moe_kernels.
     The weight layout, the q/k norms, RoPE, the MLP and the MoE routing are MindFormers' own."""
     import mindspore as ms
-    from mindspore import nn, ops
     from mindformers import build_context
 
     mode = "GRAPH_MODE" if ms.get_context("mode") == ms.GRAPH_MODE else "PYNATIVE_MODE"
@@ -113,6 +114,47 @@ def build_qwen3(c, seq, batch):
         from mindformers.models.qwen3 import Qwen3Config
         from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
         net = TrainingQwen3ForCausalLM(Qwen3Config(**common))
+    return use_cpu_attention_kernels(net)
+
+
+def build_deepseek_v3(c, seq, batch):
+    """MindFormers' own mcore DeepSeek-V3 (TrainingDeepseekV3ForCausalLM: MLA with linear_qkv / linear_qb /
+    linear_kvb and its q / k layernorms, dense first layers, the sigmoid group-limited router with its expert
+    bias, shared experts, grouped experts), fp32, on CPU with build_qwen3's stand-ins. No multi-token
+    prediction (msllm has none); RoPE unscaled, so MindFormers' yarn mscale (factor 40 by default) is 1."""
+    import mindspore as ms
+    from mindformers import build_context
+
+    if c.get("rope_scaling") or c.get("attn_scale"):
+        raise SystemExit("mindformers_peer: DeepSeek-V3 with scaled RoPE is not set up here")
+    mode = "GRAPH_MODE" if ms.get_context("mode") == ms.GRAPH_MODE else "PYNATIVE_MODE"
+    build_context({"context": {"mode": mode, "device_target": "CPU"}, "use_legacy": False, "parallel": {}})
+    use_cpu_moe_kernels()
+    from mindformers.models.deepseek3.configuration_deepseek_v3 import DeepseekV3Config
+    from mindformers.models.deepseek3.modeling_deepseek_v3_train import TrainingDeepseekV3ForCausalLM
+    f32 = "float32"
+    dense = (c.get("mlp_types") or []).count("dense")
+    net = TrainingDeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["ffn_size"],
+        moe_intermediate_size=c.get("moe_ffn_size") or c["ffn_size"], num_hidden_layers=c["num_layers"],
+        num_nextn_predict_layers=0, num_attention_heads=c["num_heads"], num_key_value_heads=c["num_heads"],
+        n_shared_experts=c["shared_experts"], n_routed_experts=c["num_experts"],
+        routed_scaling_factor=float(c["routed_scaling"]), kv_lora_rank=c["kv_lora_rank"],
+        q_lora_rank=c["q_lora_rank"] or None, qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+        qk_nope_head_dim=c["qk_nope_head_dim"], n_group=c["expert_groups"], topk_group=c["topk_groups"],
+        num_experts_per_tok=c["experts_per_token"], first_k_dense_replace=dense,
+        norm_topk_prob=bool(c["norm_topk_prob"]), rms_norm_eps=float(c["norm_eps"]), rope_theta=float(c["rope_theta"]),
+        max_position_embeddings=max(c.get("max_seq_len") or seq, seq), tie_word_embeddings=bool(c["tie_embeddings"]),
+        seq_length=seq, batch_size=batch, pad_token_id=-1, compute_dtype=f32, params_dtype=f32,
+        layernorm_compute_dtype=f32, softmax_compute_dtype=f32, rotary_dtype=f32, router_dense_type=f32,
+        moe_grouped_gemm=True, qk_layernorm=True, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=1.0))
+    return use_cpu_attention_kernels(net)
+
+
+def use_cpu_attention_kernels(net):
+    """build_qwen3's CPU stand-ins for RmsNorm, Outer and FlashAttentionScore, set on `net`."""
+    import mindspore as ms
+    from mindspore import nn, ops
 
     class Outer(nn.Cell):
         def construct(self, a, b):
@@ -244,12 +286,15 @@ def load_strict(net, weights):
 
 def cmd_logits(a):
     c = json.load(open(a.config))
-    ms = setup_ms("graph" if c.get("qk_norm") else a.mode, a.threads)  # mcore Qwen3's logits reshape is graph-only
+    mcore = c.get("qk_norm") or c.get("attention") == "mla"
+    ms = setup_ms("graph" if mcore else a.mode, a.threads)  # mcore's logits reshape is graph-only
     tokens = np.load(a.tokens).astype(np.int32)
     assert tokens.ndim == 2, f"tokens must be [batch, seq], got {tokens.shape}"
     weights = read_weights(a.ckpt)
     qkv_bias = c.get("qkv_bias", any(k.endswith("attention.wq.bias") for k in weights))
-    if c.get("qk_norm"):
+    if c.get("attention") == "mla":
+        net = build_deepseek_v3(c, seq=tokens.shape[1], batch=tokens.shape[0])
+    elif c.get("qk_norm"):
         net = build_qwen3(c, seq=tokens.shape[1], batch=tokens.shape[0])
     else:
         net = build_llama(c["vocab_size"], c["hidden_size"], c["num_layers"], c["num_heads"],

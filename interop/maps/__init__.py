@@ -28,7 +28,8 @@ FAMILIES = {
     "Phi3ForCausalLM": Family(phi3.PHI3, "phi3", phi3.SPEC),
     "Qwen3MoeForCausalLM": Family(moe.QWEN3_MOE, "qwen3_moe", qwen3.SPEC, moe=True, mindformers=moe.QWEN3_MOE_MINDFORMERS),
     "MixtralForCausalLM": Family(moe.MIXTRAL, "mixtral", {}, moe=True),
-    "DeepseekV3ForCausalLM": Family(deepseek_v3.DEEPSEEK_V3, "deepseek_v3", deepseek_v3.SPEC, moe=True),
+    "DeepseekV3ForCausalLM": Family(deepseek_v3.DEEPSEEK_V3, "deepseek_v3", deepseek_v3.SPEC, moe=True,
+                                    mindformers=deepseek_v3.DEEPSEEK_V3_MINDFORMERS),
 }
 
 

@@ -1,9 +1,19 @@
 """DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention (msllm/models/mla.py), dense MLPs in
 the first first_k_dense_replace layers, then MoE layers with DeepSeek's grouped sigmoid router, its
 expert bias (e_score_correction_bias, a buffer in transformers, saved with the weights) and shared
-experts. Hugging Face stores one tensor per expert; msllm stacks them (Stacked). Not mapped to MindFormers."""
-from interop.maps.moe import _moe_rows
-from interop.table import Row, Table
+experts. Hugging Face stores one tensor per expert; msllm stacks them (Stacked).
+
+MindFormers 1.9 trains DeepSeek-V3 as TrainingDeepseekV3ForCausalLM (mcore, MLASelfAttentionConcatenated;
+read from the parameters it builds): the query and KV down-projections as one self_attention.linear_qkv
+[q_rank + kv_rank + rope, h] (q_a_proj then kv_a_proj_with_mqa; q_proj in its place without q_lora_rank),
+q_layernorm, linear_qb (q_b_proj), k_layernorm (the KV latent's norm), linear_kvb (kv_b_proj), linear_proj;
+dense and shared-expert linear_fc1 with gate and up rows alternated (as its Qwen3), the router as
+mlp.router.weight with the expert bias mlp.router.expert_bias, and the routed experts as Qwen3-MoE's grouped
+weight1 / weight2. Its MLA always takes the RoPE dims de-interleaved (transformers' rope_interleave). Its
+multi-token-prediction layer (mtp.*, HF model.layers.61) is ignored on read, as transformers and msllm do."""
+from interop.maps.moe import QWEN3_MOE_MINDFORMERS, _moe_rows
+from interop.maps.qwen3 import QWEN3_MINDFORMERS
+from interop.table import Concat, Interleaved, Row, Table
 
 _ATTENTION = [
     #   msllm                      shape                Hugging Face                              MindFormers
@@ -46,3 +56,36 @@ DEEPSEEK_V3 = Table(
 
 # What the family computes beyond its config.json (interop/hf_config.py reads the sizes, ranks, groups).
 SPEC = {"attention": "mla", "router": "sigmoid_grouped"}
+
+_DENSE_FC1, _DENSE_FC2 = QWEN3_MINDFORMERS.per_layer[-2:]
+DEEPSEEK_V3_MINDFORMERS = QWEN3_MINDFORMERS._replace(
+    per_layer=[
+        #   msllm                       shape            Hugging Face                       MindFormers 1.9 (mcore)
+        Row("attention_norm.weight",    "hidden",        "input_layernorm.weight",          "input_layernorm.weight"),
+        Row(Concat(0, "attention.wq_a.weight", "attention.wkv_a.weight"), "q_rank+kv_a, hidden",
+            Concat(0, "self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+            "self_attention.linear_qkv.weight", when="q_lora"),
+        Row(Concat(0, "attention.wq.weight", "attention.wkv_a.weight"), "q+kv_a, hidden",
+            Concat(0, "self_attn.q_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+            "self_attention.linear_qkv.weight", when="no_q_lora"),
+        Row("attention.q_norm.weight",  "q_rank",        "self_attn.q_a_layernorm.weight",  "self_attention.q_layernorm.weight", when="q_lora"),
+        Row("attention.wq_b.weight",    "q, q_rank",     "self_attn.q_b_proj.weight",       "self_attention.linear_qb.weight", when="q_lora"),
+        Row("attention.kv_norm.weight", "kv_rank",       "self_attn.kv_a_layernorm.weight", "self_attention.k_layernorm.weight"),
+        Row("attention.wkv_b.weight",   "kv_b, kv_rank", "self_attn.kv_b_proj.weight",      "self_attention.linear_kvb.weight"),
+        Row("attention.wo.weight",      "hidden, o",     "self_attn.o_proj.weight",         "self_attention.linear_proj.weight"),
+        Row("ffn_norm.weight",          "hidden",        "post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+        _DENSE_FC1._replace(when="dense"), _DENSE_FC2._replace(when="dense"),
+        *QWEN3_MOE_MINDFORMERS.per_layer[-3:],  # router, grouped experts weight1 / weight2
+        Row("feed_forward.router.expert_bias", "experts", "mlp.gate.e_score_correction_bias", "mlp.router.expert_bias", when="moe"),
+        Row(Concat(0, "feed_forward.shared.w1.weight", "feed_forward.shared.w3.weight"), "shared_ffn+shared_ffn, hidden",
+            Concat(0, "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+            Interleaved("mlp.shared_experts.linear_fc1.weight", "shared_ffn"), when="shared"),
+        Row("feed_forward.shared.w2.weight", "hidden, shared_ffn", "mlp.shared_experts.down_proj.weight",
+            "mlp.shared_experts.linear_fc2.weight", when="shared"),
+    ],
+    # A MindFormers training checkpoint also holds each router's running expert load and aux-loss counter,
+    # and, with mtp_num_layers, the multi-token-prediction block (mtp.layers.N.*), which msllm has not.
+    ignore={**DEEPSEEK_V3.ignore,
+            "mindformers": QWEN3_MOE_MINDFORMERS.ignore["mindformers"] + ["decoder.layers.*.mlp.router.expert_load",
+                                                                          "mtp.*"]},
+)
