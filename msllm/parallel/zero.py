@@ -65,8 +65,10 @@ class ShardedAdamW(nn.Cell):
         self.beta1, self.beta2, self.eps = cfg.beta1, cfg.beta2, cfg.eps
         self.weight_decay = tuple(cfg.weight_decay if decays(p.name, p) else 0.0 for p in self.params)
         self.buckets = _buckets([c * count for c, count in zip(self.chunks, self.shards)], self.expert, bucket_bytes)
-        self.gather = _GatherChunks(GroupAllGather(world // ep, rank // ep, edp_group if ep > 1 else None))
-        self.gather_moments = _GatherMoments(self.sizes, self.shapes, self.expert, self.gather)  # for checkpoints
+        self.world_gather = _GatherChunks()
+        self.edp_gather = _GatherChunks(GroupAllGather(world // ep, rank // ep, edp_group if ep > 1 else None))
+        self.gather_moments = _GatherMoments(self.sizes, self.shapes, self.expert, self.world_gather,
+                                             self.edp_gather)  # for checkpoints
 
     def _chunk(self, x, i):
         """This rank's chunk of tensor x shaped like parameter i, flattened and zero-padded."""
@@ -100,7 +102,10 @@ class ShardedAdamW(nn.Cell):
                 ops.assign(self.exp_avg_sq[i], v)
                 w = self._chunk(self.params[i], i) * (1.0 - lr * self.weight_decay[i])  # torch AdamW: decay first
                 updated = updated + (w - step_size * m / (ops.sqrt(v) + eps),)
-            gathered = self.gather(ops.concat(updated), self.expert[bucket[0]])  # [shards, the bucket's chunks]
+            if self.expert[bucket[0]]:  # [shards, the bucket's chunks]
+                gathered = self.edp_gather(ops.concat(updated))
+            else:
+                gathered = self.world_gather(ops.concat(updated))
             offset = 0
             for j in range(len(bucket)):
                 i = bucket[j]
@@ -146,16 +151,16 @@ def _buckets(sizes: list[int], expert: tuple[bool, ...], bucket_bytes: int) -> t
 
 
 class _GatherChunks(nn.Cell):
-    """(this rank's chunk [c], expert) -> [shards, c], every sharing rank's chunk in rank order: a
-    dense parameter's from the world (AllGather), an expert's from its edp group."""
+    """This rank's chunk [c] -> [shards, c], every sharing rank's chunk in rank order: a dense
+    parameter's from the world (AllGather), or with `edp_gather` an expert's from its edp group."""
 
-    def __init__(self, edp_gather: GroupAllGather):
+    def __init__(self, edp_gather: GroupAllGather | None = None):
         super().__init__()
         self.all_gather = ops.AllGather()
         self.edp_gather = edp_gather
 
-    def construct(self, chunk, expert):
-        if expert:
+    def construct(self, chunk):
+        if self.edp_gather is not None:
             return self.edp_gather(chunk)
         return self.all_gather(chunk.reshape(1, -1))
 
@@ -163,14 +168,17 @@ class _GatherChunks(nn.Cell):
 class _GatherMoments(nn.Cell):
     """Chunks of one moment from every rank -> full tensors shaped like the parameters."""
 
-    def __init__(self, sizes, shapes, expert, gather: _GatherChunks):
+    def __init__(self, sizes, shapes, expert, world_gather: _GatherChunks, edp_gather: _GatherChunks):
         super().__init__()
         self.sizes, self.shapes, self.expert = sizes, shapes, expert
-        self.gather = gather
+        self.world_gather, self.edp_gather = world_gather, edp_gather
 
     def construct(self, chunks):
         out = ()
         for i in range(len(chunks)):
-            whole = self.gather(chunks[i], self.expert[i]).reshape(-1)[:self.sizes[i]]
-            out = out + (whole.reshape(self.shapes[i]),)
+            if self.expert[i]:
+                whole = self.edp_gather(chunks[i])
+            else:
+                whole = self.world_gather(chunks[i])
+            out = out + (whole.reshape(-1)[:self.sizes[i]].reshape(self.shapes[i]),)
         return out
