@@ -862,7 +862,8 @@ def test_sample_ends_give_each_rank_the_samples_the_visibility_describes():
             np.testing.assert_allclose(tnd[i * t:(i + 1) * t], want, rtol=1e-5, atol=1e-6)
 
 
-def test_packed_samples_take_the_tnd_form_with_the_table_layouts():
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 4)])   # kv = tp; kv < tp: each KV head repeated to 2 ranks
+def test_packed_samples_take_the_tnd_form_with_the_table_layouts(dp, tp):
     """Through the backend seam (built and inspected on CPU; FlashAttentionScore cannot run here):
     packed samples on Ascend get the primitive in its TND layout, causal per sample (sparse mode 3),
     the model's attention_mask gives it the samples' ends, and the layouts read back are the table's
@@ -874,24 +875,25 @@ def test_packed_samples_take_the_tnd_form_with_the_table_layouts():
     from msllm.models.llama import Llama
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    cfg = packed_config()
+    cfg = packed_config(dp, tp)
     check_parallel(cfg, devices=4)
     m, sh = cfg.model, L.sharding(cfg.model, cfg.parallel)
-    assert (sh.tp_kv, sh.tp_rep) == (2, 1)
+    assert (sh.tp_kv, sh.tp_rep) == ((2, 1) if tp == 2 else (2, 2))
     model = Llama(m)
     spec = backends.specialise(model, cfg)
     assert spec.flash and spec.packed
     want = L.op_strategies(m, sh, flash=True, packed=True)
-    assert want[C + "varlen"]["in"] == ((2, 2, 1),) * 3 + ((1, 1), (2,), (2,))
+    assert want[C + "varlen"]["in"] == ((dp, tp, 1),) * 3 + ((1, 1), (dp,), (dp,))
     assert not any(path.endswith((".flash", ".qk", ".softmax")) for path in want)
     assert isinstance(model.attention_mask, ascend.SampleEnds) and model.attention_mask.rows_per_shard == 2
     tnd = ascend.FlashAttentionScore(head_num=8, input_layout="TND").input_layout
     for block in model.layers:
         core = block.attention.core.softmax_attention
         assert isinstance(core, ascend.FlashAttention) and core.packed and not hasattr(core, "flash")
+        assert hasattr(core, "repeat_kv") == (sh.tp_rep > 1)   # K/V copies made before the TND rows
         prim = core.varlen
         assert (prim.input_layout, prim.sparse_mode, prim.head_num) == (tnd, ascend.PACKED_SPARSE_MODE, 8)
         got = tuple(applied_strategy(x) for x in prim.attrs["in_layout"])
         assert got == want[C + "varlen"]["in"]
         assert prim.attrs["in_layout"][0]["alias_name"] == ("dp", "tp")
-    assert L.strategy_problems(m, sh, 4, 16) == []
+    assert L.strategy_problems(m, sh, 2 * dp, 16) == []

@@ -166,13 +166,14 @@ class FlashAttention(nn.Cell):
         if packed:
             self.varlen = FlashAttentionScore(head_num=num_heads, keep_prob=1.0, scale_value=1.0,
                                               input_layout="TND", sparse_mode=PACKED_SPARSE_MODE)
-            return
-        sparse_mode, pre_tokens, next_tokens = (RING_SPARSE_MODE, UNBOUNDED, UNBOUNDED) if ring else flash_form(window)
-        self.flash = FlashAttentionScore(head_num=num_heads, keep_prob=1.0, scale_value=1.0, pre_tokens=pre_tokens,
-                                         next_tokens=next_tokens, input_layout="BNSD", sparse_mode=sparse_mode)
-        if ring:
-            self.flash.add_prim_attr("enable_ring_attention", True)
-            self.flash.add_prim_attr("enable_ra_send_recv", True)  # K/V pass by Send / Receive, as MindFormers
+        else:
+            sparse_mode, pre_tokens, next_tokens = (RING_SPARSE_MODE, UNBOUNDED, UNBOUNDED) if ring else \
+                flash_form(window)
+            self.flash = FlashAttentionScore(head_num=num_heads, keep_prob=1.0, scale_value=1.0, pre_tokens=pre_tokens,
+                                             next_tokens=next_tokens, input_layout="BNSD", sparse_mode=sparse_mode)
+            if ring:
+                self.flash.add_prim_attr("enable_ring_attention", True)
+                self.flash.add_prim_attr("enable_ra_send_recv", True)  # K/V pass by Send / Receive, as MindFormers
         if kv_copies > 1:
             self.repeat_kv = ops.Mul()
             self.copies = Tensor(np.ones((1, 1, kv_copies, 1, 1), np.float32))
