@@ -533,11 +533,11 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
          "flash on CPU is a fused kernel; set train.fused_kernels: auto, or train.attention: softmax",
          "train.fused_kernels")
     if t.attention == "flash" and t.device == "ascend":  # late: msllm.backends reads Config
-        from msllm.backends import ascend_flash_problem, packed_samples
+        from msllm.backends import SOFTMAX_INSTEAD, ascend_flash_problem, packed_samples
 
         problem = ascend_flash_problem(cfg, packed_samples(cfg))
         if problem is not None:
-            need(False, "train.attention", problem[1], problem[0])
+            need(False, "train.attention", problem[1] + SOFTMAX_INSTEAD, problem[0])
     need(t.moe_capacity_factor >= 0, "train.moe_capacity_factor", "must be >= 0 (0: dropless)")
     need(t.moe_bias_update_rate >= 0, "train.moe_bias_update_rate", "must be >= 0 (0: off)")
     need(t.moe_bias_update_rate == 0 or (m.router == "sigmoid_grouped" and "moe" in m.mlp_kinds()),

@@ -91,9 +91,13 @@ def packed_samples(cfg: Config) -> bool:
     return cfg.data.document_attention or is_sft(cfg.data.path)
 
 
+# What a refusal of train.attention: flash on Ascend tells the user to do instead.
+SOFTMAX_INSTEAD = "; set train.attention: softmax (or auto)"
+
+
 def ascend_flash_problem(cfg: Config, packed: bool) -> tuple[str, str] | None:
-    """(key, one-line message) when Ascend's FlashAttentionScore cannot take this config's attention,
-    else None: it takes fp16 / bf16 only and head sizes that are multiples of 16 up to 512. Packed
+    """(key, one-line reason; callers add the remedy, SOFTMAX_INSTEAD) when Ascend's FlashAttentionScore
+    cannot take this config's attention, else None: it takes fp16 / bf16 only and head sizes that are multiples of 16 up to 512. Packed
     samples (`packed`: SFT rows, data.document_attention) take its TND layout, causal per sample, which
     msllm builds without sliding windows (MindFormers' TND form is causal only too)."""
     d = cfg.model.head_size
@@ -107,7 +111,7 @@ def ascend_flash_problem(cfg: Config, packed: bool) -> tuple[str, str] | None:
                f"with sliding-window layers (model.sliding_window {cfg.model.sliding_window})")
     else:
         return None
-    return key, f"flash on Ascend is FlashAttentionScore, which {why}; set train.attention: softmax (or auto)"
+    return key, f"flash on Ascend is FlashAttentionScore, which {why}"
 
 
 def resolves_to_flash(cfg: Config, device: str, fused: bool, seq: int, packed: bool) -> bool:
@@ -136,7 +140,7 @@ def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
         problem = ascend_flash_problem(cfg, packed)
         if problem is not None:
             from msllm.config import ConfigError
-            raise ConfigError("<config>", "train.attention", problem[1])
+            raise ConfigError("<config>", "train.attention", problem[1] + SOFTMAX_INSTEAD)
     if t.attention == "flash" and cfg.model.mla:  # the flash cores take q/k and value heads of one size
         from msllm.config import ConfigError
         raise ConfigError("<config>", "train.attention", "flash is not built for MLA (model.attention mla), whose "

@@ -134,7 +134,7 @@ def ring_attention_problem(cfg: Config, seq: int) -> tuple[str, str] | None:
         return "parallel.cp", f"ring attention is causal over whole chunks; packed samples ({key}) are not built with it"
     problem = ascend_flash_problem(cfg, False)
     if problem is not None:
-        return problem[0], f"{problem[1].split('; set')[0]}, and parallel.cp needs it (ring attention)"
+        return problem[0], f"{problem[1]}, and parallel.cp needs it (ring attention)"
     if "sliding" in m.layer_kinds():
         return "parallel.cp", (f"ring attention is causal over whole chunks; this model's sliding-window layers "
                                f"(model.sliding_window {m.sliding_window}) are not built with it on Ascend")
