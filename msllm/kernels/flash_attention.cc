@@ -71,10 +71,10 @@ Cover cover(const Range &slot, const Range &q_seg, int64_t j0, int64_t n, const 
 
 // Block of keys transposed to [d][kKeyBlock] (zeros past n), so a query row's scores are an
 // axpy over d of contiguous, vectorizable kKeyBlock-wide rows.
-void transpose_block(const float *x, int64_t n, int64_t d, float *xt) {
+void transpose_block(const float *x, int64_t n, int64_t d, float *xt, float scale = 1.f) {
   for (int64_t c = 0; c < d; ++c) {
     float *row = xt + c * kKeyBlock;
-    for (int64_t j = 0; j < n; ++j) row[j] = x[j * d + c];
+    for (int64_t j = 0; j < n; ++j) row[j] = x[j * d + c] * scale;
     for (int64_t j = n; j < kKeyBlock; ++j) row[j] = 0.f;
   }
 }
@@ -92,49 +92,73 @@ typedef float vec __attribute__((vector_size(4 * kLanes)));  // GCC vector exten
 inline vec load(const float *p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float *p, vec v) { std::memcpy(p, &v, sizeof v); }
 
-constexpr int kColumns = 32;                  // columns of y per register block
-constexpr int kVectors = kColumns / kLanes;  // vectors per output row of the block
+// The register block is kRows outputs x V vectors: with AVX-512, 6 x 4 zmm (64 columns; 24
+// accumulators + 4 loads + a broadcast of 32 registers) where the width allows, else 6 x 2; with
+// AVX2, 3 x 4 ymm (32 columns; 12 + 4 of 16).
+#if defined(__AVX512F__)
+constexpr int kWideVectors = 4, kNarrowVectors = 2;
+#else
+constexpr int kWideVectors = 4, kNarrowVectors = 4;
+#endif
 
-// K outputs of a small matmul on a 32-column slice: y[k][c] += sum_i w[k * w_out + i * w_in] x[i][c],
-// c < kColumns, i < n (x rows x_stride apart, y rows y_stride apart). The K x 32 accumulators stay in
+// K outputs of a small matmul on a V-vector slice: y[k][c] (=|+=) sum_i w[k * w_out + i * w_in] x[i][c],
+// c < V * kLanes, i < n (x rows x_stride apart, y rows y_stride apart). The K x V accumulators stay in
 // registers and each x load serves K outputs: without the blocking these loops were bound by loads
-// and stores, not arithmetic.
-template <int K>
+// and stores, not arithmetic. kAdd false overwrites y (no zero-fill and reload).
+template <int K, int V, bool kAdd>
 inline void accumulate_block(const float *__restrict w, int64_t w_out, int64_t w_in, const float *__restrict x,
                              int64_t x_stride, int64_t n, float *__restrict y, int64_t y_stride) {
-  vec acc[K][kVectors];
+  vec acc[K][V];
   for (int k = 0; k < K; ++k)
-    for (int v = 0; v < kVectors; ++v) acc[k][v] = load(y + k * y_stride + kLanes * v);
+    for (int v = 0; v < V; ++v) acc[k][v] = kAdd ? load(y + k * y_stride + kLanes * v) : vec{};
   for (int64_t i = 0; i < n; ++i) {
     float wk[K];
     for (int k = 0; k < K; ++k) wk[k] = w[k * w_out + i * w_in];
-    for (int v = 0; v < kVectors; ++v) {
+    for (int v = 0; v < V; ++v) {
       const vec xv = load(x + i * x_stride + kLanes * v);
       for (int k = 0; k < K; ++k) acc[k][v] += wk[k] * xv;
     }
   }
   for (int k = 0; k < K; ++k)
-    for (int v = 0; v < kVectors; ++v) store(y + k * y_stride + kLanes * v, acc[k][v]);
+    for (int v = 0; v < V; ++v) store(y + k * y_stride + kLanes * v, acc[k][v]);
 }
 
-// y [outs, width] += w-weighted sums of x [n, width] rows (as accumulate_block), in register blocks
-// when width is a multiple of 32 (head sizes 32, 64, 128, 256, and the key block), else plainly.
-void accumulate(const float *w, int64_t w_out, int64_t w_in, const float *x, int64_t n, int64_t width, float *y,
-                int64_t y_stride, int64_t outs) {
-  if (width % kColumns) {
-    for (int64_t k = 0; k < outs; ++k)
-      for (int64_t i = 0; i < n; ++i) {
-        const float wk = w[k * w_out + i * w_in];
-        for (int64_t c = 0; c < width; ++c) y[k * y_stride + c] += wk * x[i * width + c];
-      }
-    return;
+// The last rows < kRows of accumulate_columns in one block (key blocks of 64 leave 4 at kRows 6).
+template <int V, bool kAdd, int K = kRows - 1>
+inline void accumulate_tail(int64_t rows, const float *w, int64_t w_out, int64_t w_in, const float *x,
+                            int64_t x_stride, int64_t n, float *y, int64_t y_stride) {
+  if constexpr (K > 0) {
+    if (rows == K) return accumulate_block<K, V, kAdd>(w, w_out, w_in, x, x_stride, n, y, y_stride);
+    accumulate_tail<V, kAdd, K - 1>(rows, w, w_out, w_in, x, x_stride, n, y, y_stride);
   }
-  for (int64_t c = 0; c < width; c += kColumns) {
+}
+
+template <int V, bool kAdd>
+void accumulate_columns(const float *w, int64_t w_out, int64_t w_in, const float *x, int64_t n, int64_t width,
+                        float *y, int64_t y_stride, int64_t outs) {
+  for (int64_t c = 0; c < width; c += V * kLanes) {
     int64_t k = 0;
     for (; k + kRows <= outs; k += kRows)
-      accumulate_block<kRows>(w + k * w_out, w_out, w_in, x + c, width, n, y + k * y_stride + c, y_stride);
-    for (; k < outs; ++k)
-      accumulate_block<1>(w + k * w_out, w_out, w_in, x + c, width, n, y + k * y_stride + c, y_stride);
+      accumulate_block<kRows, V, kAdd>(w + k * w_out, w_out, w_in, x + c, width, n, y + k * y_stride + c, y_stride);
+    accumulate_tail<V, kAdd>(outs - k, w + k * w_out, w_out, w_in, x + c, width, n, y + k * y_stride + c, y_stride);
+  }
+}
+
+// y [outs, width] (=|+=) w-weighted sums of x [n, width] rows (as accumulate_block), in register blocks
+// when width is a multiple of 32 (head sizes 32, 64, 128, 256, and the key block), else plainly.
+template <bool kAdd = true>
+void accumulate(const float *w, int64_t w_out, int64_t w_in, const float *x, int64_t n, int64_t width, float *y,
+                int64_t y_stride, int64_t outs) {
+  if (width % (kWideVectors * kLanes) == 0)
+    return accumulate_columns<kWideVectors, kAdd>(w, w_out, w_in, x, n, width, y, y_stride, outs);
+  if (width % (kNarrowVectors * kLanes) == 0)
+    return accumulate_columns<kNarrowVectors, kAdd>(w, w_out, w_in, x, n, width, y, y_stride, outs);
+  for (int64_t k = 0; k < outs; ++k) {
+    if (!kAdd) std::fill(y + k * y_stride, y + k * y_stride + width, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const float wk = w[k * w_out + i * w_in];
+      for (int64_t c = 0; c < width; ++c) y[k * y_stride + c] += wk * x[i * width + c];
+    }
   }
 }
 
@@ -162,33 +186,33 @@ inline float max_of_block(const float *x) {
 
 typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
 
-// exp_approx (common.h) on a vector: the same steps, written on vectors because GCC leaves the
-// scalar loop over it unvectorized here.
-inline vec exp_vec(vec x) {
-  const vec hi = vec{} + 88.0f, lo = vec{} - 87.0f, shifter = vec{} + 12582912.0f;
-  x = x > hi ? hi : (x < lo ? lo : x);
-  const vec n = (x * 1.44269504088896341f + shifter) - shifter;
-  vec r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vec p = vec{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const vec y = p * r * r + r + 1.0f;
+// Scores are kept in base 2 (K scaled by log2(e) as it is transposed), so the softmax's exp is a
+// 2^x: no range reduction by ln 2, and a degree-5 polynomial on [-1/2, 1/2] (fitted for relative
+// error: at most 2.3e-7 in float) where exp_approx needs degree 7.
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
+
+// 2^x for x <= 0 (x <= -127, -inf included, gives exactly 0: 2^n's exponent bits are then 0).
+inline vec exp2_vec(vec x) {
+  const vec lo = vec{} - 127.0f, shifter = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  x = x < lo ? lo : x;  // written so that NaN passes through
+  const vec n = (x + shifter) - shifter, r = x - n;
+  vec p = vec{} + 1.3274837e-3f;
+  p = p * r + 9.6755270e-3f;
+  p = p * r + 5.5507183e-2f;
+  p = p * r + 2.4022120e-1f;
+  p = p * r + 6.9314694e-1f;
+  p = p * r + 1.0000001f;
   const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
   vec scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
+  return p * scale;
 }
 
-// x[j] = exp(x[j] - shift) (0 for -inf) over a block; returns their sum (by lanes, then across).
-inline float exp_block(float *x, float shift) {
+// x[j] = 2^(x[j] - shift) (0 for -inf) over a block; returns their sum (by lanes, then across).
+inline float exp2_block(float *x, float shift) {
   vec sum = vec{};
   for (int64_t j = 0; j < kKeyBlock; j += kLanes) {
-    const vec v = load(x + j);
-    const vec e = v == -kInf ? vec{} : exp_vec(v - shift);
+    const vec e = exp2_vec(load(x + j) - shift);
     store(x + j, e);
     sum += e;
   }
@@ -199,8 +223,7 @@ inline float exp_block(float *x, float shift) {
 
 // scores [rows, kKeyBlock] = q [rows, d] @ kt [d, kKeyBlock] (overwritten).
 void block_scores(const float *q, int64_t rows, const float *kt, int64_t d, float *scores) {
-  std::fill(scores, scores + rows * kKeyBlock, 0.f);
-  accumulate(q, d, 1, kt, d, kKeyBlock, scores, kKeyBlock, rows);
+  accumulate<false>(q, d, 1, kt, d, kKeyBlock, scores, kKeyBlock, rows);
 }
 
 template <int D>
@@ -214,7 +237,8 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
   parallel_for(b * kv_heads * key_blocks, [&](int64_t lo, int64_t hi, int) {
     for (int64_t u = lo; u < hi; ++u) {
       const int64_t j0 = u % key_blocks * kKeyBlock;
-      transpose_block(k + (u / key_blocks * t + j0) * d, std::min(kKeyBlock, t - j0), d, k_t.data() + u * block_size);
+      transpose_block(k + (u / key_blocks * t + j0) * d, std::min(kKeyBlock, t - j0), d, k_t.data() + u * block_size,
+                      kLog2e);
     }
   }, 16);
   run_units(b * heads * query_blocks, [&](int64_t unit, int) {
@@ -243,8 +267,8 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
           std::fill(sr, sr + kKeyBlock, 0.f);
           continue;
         }
-        const float rescale = row_max[r] == -kInf ? 0.f : exp_approx(row_max[r] - new_max);
-        row_sum[r] = row_sum[r] * rescale + exp_block(sr, new_max);
+        const float rescale = row_max[r] == -kInf ? 0.f : exp_approx((row_max[r] - new_max) * kLn2);
+        row_sum[r] = row_sum[r] * rescale + exp2_block(sr, new_max);
         row_max[r] = new_max;
         if (rescale != 1.f)
           for (float *ar = acc.data() + r * d, *end = ar + d; ar < end; ++ar) *ar *= rescale;
@@ -257,7 +281,7 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
       const bool any = row_sum[r] > 0.f;
       const float inv = any ? 1.f / row_sum[r] : 0.f;
       for (int64_t c = 0; c < d; ++c) o[c] = ar[c] * inv;
-      lse[bh * s + i0 + r] = any ? row_max[r] + std::log(row_sum[r]) : kInf;
+      lse[bh * s + i0 + r] = any ? (row_max[r] + std::log2(row_sum[r])) * kLn2 : kInf;
     }
   });
 }
@@ -294,7 +318,7 @@ void backward(const float *q, const float *k, const float *v, const float *out, 
     // P, dP and dS of one query block's rows against this key block
     std::vector<float> p(kQueryBlock * kKeyBlock), dp(kQueryBlock * kKeyBlock), ds(kQueryBlock * kKeyBlock);
     std::vector<float> dk_acc(n * d, 0.f), dv_acc(n * d, 0.f);
-    transpose_block(kh, n, d, kt.data());
+    transpose_block(kh, n, d, kt.data(), kLog2e);
     transpose_block(vh, n, d, vt.data());
     const int32_t *slot_all = vis.slots(batch), *q_seg_all = vis.query_segments(batch);
     for (int64_t i0 = 0; i0 < s; i0 += kQueryBlock) {
@@ -316,7 +340,7 @@ void backward(const float *q, const float *k, const float *v, const float *out, 
             continue;
           }
           hide(pr, n, seen == Cover::kSome ? &vis : nullptr, slot[r], q_seg[r], j0, k_seg);
-          exp_block(pr, row_lse);
+          exp2_block(pr, row_lse * kLog2e);
           for (int64_t j = 0; j < kKeyBlock; ++j) dsr[j] = pr[j] * (dpr[j] - row_delta);
         }
         accumulate(p.data(), 1, kKeyBlock, d_out + first * d, rows, d, dv_acc.data(), d, n);  // dV += P^T dO
