@@ -43,8 +43,9 @@ def segments_of(rng, b, s, samples):
     return np.stack([np.searchsorted(c, np.arange(s), side="right") for c in cuts]).astype(np.int32)
 
 
-# (b, heads, kv_heads, s, t, d, window, form): form plain (training), packed (SFT samples) or
-# cache (start 7, row 1 left-padded by 3).
+# (b, heads, kv_heads, s, t, d, window, form): form plain (training), packed (SFT samples),
+# cache (start 7, row 1 left-padded by 3) or rising (keys scaled up along the sequence, so a row's
+# largest score climbs by far more than the forward's stale-shift margin from one key block to the next).
 CASES = [
     (2, 4, 4, 64, 64, 16, 0, "plain"),
     (1, 4, 2, 131, 131, 64, 0, "plain"),       # odd length, GQA, a vectorised head size
@@ -53,6 +54,7 @@ CASES = [
     (1, 2, 2, 70, 70, 24, 9, "packed"),        # window inside samples
     (2, 4, 2, 5, 40, 32, 0, "cache"),          # a prefill into a static cache
     (2, 4, 2, 1, 300, 64, 50, "cache"),        # a decode step under a window
+    (1, 2, 1, 260, 260, 64, 0, "rising"),
 ]
 
 
@@ -63,6 +65,8 @@ def test_flash_core_equals_softmax_core(case):
     q = rng.normal(size=(b, heads, s, d)).astype(np.float32) / np.sqrt(d)
     k, v = (rng.normal(size=(b, kv_heads, t, d)).astype(np.float32) for _ in range(2))
     slots, q_seg, k_seg = np.arange(s)[None], np.zeros((1, s)), np.zeros((1, t))
+    if form == "rising":
+        k *= np.linspace(0.2, 12, t, dtype=np.float32)[:, None]
     if form == "packed":
         q_seg = k_seg = segments_of(rng, b, s, 4)
     if form == "cache":

@@ -190,8 +190,10 @@ typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
 // 2^x: no range reduction by ln 2, and a degree-5 polynomial on [-1/2, 1/2] (fitted for relative
 // error: at most 2.3e-7 in float) where exp_approx needs degree 7.
 constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
+// How far (log2 units) a forward row's scores may pass the shift of its exps before it is moved.
+constexpr float kStaleShift = 8.f;
 
-// 2^x for x <= 0 (x <= -127, -inf included, gives exactly 0: 2^n's exponent bits are then 0).
+// 2^x for x < 128 (x <= -127, -inf included, gives exactly 0: 2^n's exponent bits are then 0).
 inline vec exp2_vec(vec x) {
   const vec lo = vec{} - 127.0f, shifter = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   x = x < lo ? lo : x;  // written so that NaN passes through
@@ -262,16 +264,22 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
       for (int64_t r = 0; r < rows; ++r) {
         float *sr = scores.data() + r * kKeyBlock;
         hide(sr, n, seen == Cover::kSome ? &vis : nullptr, slot[r], q_seg[r], j0, k_seg + j0);
-        const float new_max = std::max(row_max[r], max_of_block(sr));
-        if (new_max == -kInf) {  // nothing visible to this row yet
+        // The shift moves only when a block's max passes it by more than kStaleShift, so most blocks
+        // skip rescaling the row (terms up to 2^kStaleShift are summed; fp32 keeps them exact enough).
+        const float block_max = max_of_block(sr);
+        if (block_max > row_max[r] + kStaleShift) {
+          if (row_max[r] != -kInf) {
+            const float rescale = exp_approx((row_max[r] - block_max) * kLn2);
+            row_sum[r] *= rescale;
+            for (float *ar = acc.data() + r * d, *end = ar + d; ar < end; ++ar) *ar *= rescale;
+          }
+          row_max[r] = block_max;
+        }
+        if (row_max[r] == -kInf) {  // nothing visible to this row yet
           std::fill(sr, sr + kKeyBlock, 0.f);
           continue;
         }
-        const float rescale = row_max[r] == -kInf ? 0.f : exp_approx((row_max[r] - new_max) * kLn2);
-        row_sum[r] = row_sum[r] * rescale + exp2_block(sr, new_max);
-        row_max[r] = new_max;
-        if (rescale != 1.f)
-          for (float *ar = acc.data() + r * d, *end = ar + d; ar < end; ++ar) *ar *= rescale;
+        row_sum[r] += exp2_block(sr, row_max[r]);
       }
       accumulate(scores.data(), kKeyBlock, 1, vh + j0 * d, n, d, acc.data(), d, rows);  // acc += P V
     }
