@@ -26,7 +26,7 @@ Context parallel (cp) on Ascend is ring attention: one sequence per data-paralle
 micro-batch, its rows cut over (dp, cp), so each rank holds a contiguous chunk of the sequence
 through every row-wise op; FlashAttentionScore's q, k and v are cut on the sequence over cp and the
 primitive's ring attribute makes MindSpore pass K/V chunks around the cp group (sparse mode 0, no
-mask: the pass builds each step's causal mask on chunks in natural order). The mesh is then
+mask: the pass builds each step's mask on chunks in natural order, all-masked for later chunks). The mesh is then
 (dp, cp, tp_kv, tp_rep), the flat mesh (dp, cp, tp).
 """
 from __future__ import annotations
