@@ -133,30 +133,33 @@ def _refuse_what_mindformers_computes_differently(source: Source) -> None:
     layer MoE (mlp_only_layers / decoder_sparse_step unused); its DeepSeek-V3 always builds an output layer
     of its own, always de-interleaves the RoPE dims and scores an expert group by its best
     experts_per_token // topk_groups experts (transformers: best 2): such models would compute differently there."""
-    name = {"Qwen3ForCausalLM": "Qwen3", "Qwen3MoeForCausalLM": "Qwen3-MoE"}.get(source.architecture)
+    why = _what_mindformers_computes_differently(source)
+    if why:
+        raise InteropError(f"{source.path}: {why}: it would compute differently there; convert to hf or msllm "
+                           f"instead")
+
+
+def _what_mindformers_computes_differently(source: Source) -> str | None:
     m = source.config.model
-    if source.architecture == "DeepseekV3ForCausalLM":
-        why = ("its output layer is tied to the embedding, which MindFormers 1.9's TrainingDeepseekV3ForCausalLM "
-               "builds apart (it ignores tie_word_embeddings)" if m.tie_embeddings else
-               "rope_interleave is false, and MindFormers 1.9's MLA always de-interleaves the RoPE dims"
-               if not m.rope_interleave else
-               f"num_experts_per_tok // topk_group is {m.experts_per_token // m.topk_groups}, and MindFormers 1.9 "
-               f"scores an expert group by that many best experts where transformers takes 2"
-               if m.expert_groups > 1 and m.experts_per_token // m.topk_groups != 2 else None)
-        if why:
-            raise InteropError(f"{source.path}: {why}: it would compute differently there; convert to hf or msllm "
-                               f"instead")
+    name = {"Qwen3ForCausalLM": "Qwen3", "Qwen3MoeForCausalLM": "Qwen3-MoE"}.get(source.architecture)
     sliding = m.layer_kinds().count("sliding")
     dense = m.mlp_kinds().count("dense") if m.num_experts else 0
-    if name and sliding:
-        why = (f"{sliding} of its layers attend to a sliding window of {m.sliding_window} positions, which "
-               f"MindFormers 1.9's {name} ignores (its config marks sliding_window unused)")
+    if source.architecture == "DeepseekV3ForCausalLM":
+        if m.tie_embeddings:
+            return ("its output layer is tied to the embedding, which MindFormers 1.9's TrainingDeepseekV3ForCausalLM "
+                    "builds apart (it ignores tie_word_embeddings)")
+        if not m.rope_interleave:
+            return "rope_interleave is false, and MindFormers 1.9's MLA always de-interleaves the RoPE dims"
+        if m.expert_groups > 1 and m.experts_per_token // m.topk_groups != 2:
+            return (f"num_experts_per_tok // topk_group is {m.experts_per_token // m.topk_groups}, and MindFormers "
+                    f"1.9 scores an expert group by that many best experts where transformers takes 2")
+    elif name and sliding:
+        return (f"{sliding} of its layers attend to a sliding window of {m.sliding_window} positions, which "
+                f"MindFormers 1.9's {name} ignores (its config marks sliding_window unused)")
     elif name and dense:
-        why = (f"{dense} of its layers are dense MLPs (mlp_only_layers / decoder_sparse_step), which MindFormers "
-               f"1.9's Qwen3-MoE builds as MoE (its config marks both unused)")
-    else:
-        return
-    raise InteropError(f"{source.path}: {why}: it would compute differently there; convert to hf or msllm instead")
+        return (f"{dense} of its layers are dense MLPs (mlp_only_layers / decoder_sparse_step), which MindFormers "
+                f"1.9's Qwen3-MoE builds as MoE (its config marks both unused)")
+    return None
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype, name: str, path) -> torch.Tensor:

@@ -273,6 +273,12 @@ def uses_flash(cfg: Config, dev: Device, seq: int | None = None) -> bool:
                                       backends.packed_samples(cfg))
 
 
+def ring_attention(cp: int, dev: Device) -> bool:
+    """Context parallel as FlashAttentionScore's ring attention (Ascend); on CPU it is
+    msllm.parallel.cp's exchange of the whole sequence's K/V."""
+    return cp > 1 and dev.backend == "ascend"
+
+
 def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | Device = "910b",
              flash: bool | None = None, params_per_stage=None) -> dict:
     """Per-device memory (bytes), per-step communication (bytes sent per device) and time (s) of
@@ -295,7 +301,7 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     counts, expert_counts = params_per_stage or (stage_parameters(m, sh), stage_parameters(m, sh, experts=True))
     layers = L.stage_layer_counts(m.num_layers, p.pp)
     tokens = micro * seq / p.cp  # computed on one device
-    ring_cp = p.cp > 1 and dev.backend == "ascend"  # context parallel as FlashAttentionScore's ring attention
+    ring_cp = ring_attention(p.cp, dev)
     moe = MoECost.of(cfg, int(micro * seq), dev)
     kinds = m.mlp_kinds()
     firsts = L.stage_offsets(m.num_layers, p.pp)
@@ -549,7 +555,7 @@ def context_parallel_note(cfg: Config, seq: int, est: dict, device: str) -> str:
     cp = cfg.parallel.cp
     if cp == 1:
         return ""
-    kept = ("its chunk's K/V, passing the others around the ring" if DEVICES[device].backend == "ascend"
+    kept = ("its chunk's K/V, passing the others around the ring" if ring_attention(cp, DEVICES[device])
             else "the whole sequence's K/V, exchanging it")
     return (f"; context parallel {cp}: each device computes {seq // cp} of every {seq} tokens and keeps {kept}: "
             f"{est['comm']['cp'] / GB:.2f} GB per step "
