@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import platform
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from msllm import kernels
+from msllm import kernels  # before bench_dp puts this checkout first on sys.path: PYTHONPATH picks the tree
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dp import cpu_name  # noqa: E402
 
 
 def call(fn, arrays: list[np.ndarray]) -> None:
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
         times["forward"].append(middle - started)
         times["backward"].append(time.perf_counter() - middle)
     causal = 2.0 * s * s * d * h  # two [s, s/2, d] matmuls per head
-    print(f"flash kernel, {platform.processor() or platform.machine()}, build -march={kernels.march()}: "
+    print(f"flash kernel, {cpu_name()}, build -march={kernels.march()}: "
           f"s {s}, heads {h} (kv {kv}) x {d}, best of {args.reps}")
     for name, matmuls in (("forward", 2), ("backward", 5)):
         best = min(times[name])
