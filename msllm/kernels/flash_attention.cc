@@ -79,27 +79,19 @@ void transpose_block(const float *x, int64_t n, int64_t d, float *xt, float scal
   }
 }
 
-// The small matmuls' register block: kRows outputs x 32 columns of accumulators. With AVX-512 a
-// vector is a 16-float zmm and there are 32 registers, so 6 x 2 accumulators fit beside the loads;
-// with AVX2, 3 x 4 8-float ymm (12 + 3 + 1 of its 16). 16-float vectors on an AVX2 build spill to
-// the stack, so the width follows what the build targets.
+// The small matmuls' register block: kRows outputs x V vectors of accumulators, the vector width
+// the build targets (16-float vectors on an AVX2 build spill to the stack). AVX-512 has 32 zmm:
+// 6 x 4 (64 columns; 24 accumulators, the x loads and the broadcasts) where the width allows,
+// else 6 x 2. AVX2 has 16 ymm: 3 x 4 (32 columns; 12 + 3 + 1).
 #if defined(__AVX512F__)
-constexpr int kLanes = 16, kRows = 6;
+constexpr int kLanes = 16, kRows = 6, kWideVectors = 4, kNarrowVectors = 2;
 #else
-constexpr int kLanes = 8, kRows = 3;
+constexpr int kLanes = 8, kRows = 3, kWideVectors = 4, kNarrowVectors = 4;
 #endif
 typedef float vec __attribute__((vector_size(4 * kLanes)));  // GCC vector extension: one register
 inline vec load(const float *p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float *p, vec v) { std::memcpy(p, &v, sizeof v); }
 
-// The register block is kRows outputs x V vectors: with AVX-512, 6 x 4 zmm (64 columns; 24
-// accumulators + 4 loads + a broadcast of 32 registers) where the width allows, else 6 x 2; with
-// AVX2, 3 x 4 ymm (32 columns; 12 + 4 of 16).
-#if defined(__AVX512F__)
-constexpr int kWideVectors = 4, kNarrowVectors = 2;
-#else
-constexpr int kWideVectors = 4, kNarrowVectors = 4;
-#endif
 
 // K outputs of a small matmul on a V-vector slice: y[k][c] (=|+=) sum_i w[k * w_out + i * w_in] x[i][c],
 // c < V * kLanes, i < n (x rows x_stride apart, y rows y_stride apart). The K x V accumulators stay in
