@@ -165,7 +165,7 @@ def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, extern
     import onnx
     import onnx_ir as ir
 
-    from graph_opt.onnx_llama import GRAPHS, build_graph
+    from graph_opt.onnx_decoder import GRAPHS, build_graph
     from graph_opt.onnx_passes import clean_up, describe
 
     shared = None  # initializer name -> its bytes in ONNX_DATA

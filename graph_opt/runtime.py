@@ -31,7 +31,7 @@ class OnnxEngine(Engine):
 def export_engine(export_dir: Path, manifest: dict) -> Engine:
     """A MindIR or onnxruntime engine over the graph files of an export dir. Kinds served by the
     same file (prefill and decode) share one loaded graph."""
-    from msllm.config import config_from_dict
+    from msllm.config_file import config_from_dict
 
     check_sizes(export_dir, manifest)
     files = {kind: str(Path(export_dir) / name) for kind, name in manifest["files"].items()}
@@ -64,7 +64,7 @@ def load_engine(engine: str, path: str | Path):
     """(engine, model config, tokenizer, text conventions): `msllm` reads a run/checkpoint dir,
     mindir/onnxruntime an export dir."""
     from msllm import chat
-    from msllm.config import config_from_dict
+    from msllm.config_file import config_from_dict
     from msllm.data.tokenizer import load_tokenizer
 
     if engine not in ENGINES:

@@ -18,7 +18,8 @@ from interop.formats.safetensors import SafetensorsWriter
 from interop.formats.torch_bin import TorchBinReader
 from interop.hf_config import architecture, default_architecture, to_model_config
 from msllm import checkpoint
-from msllm.config import Config, config_from_dict
+from msllm.config import Config
+from msllm.config_file import config_from_dict
 from msllm.errors import names_line
 from msllm.safetensors_reader import SafetensorsReader, TensorInfo
 

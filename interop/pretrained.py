@@ -25,7 +25,8 @@ from interop.layouts import Source, open_source
 from interop.maps import FAMILIES
 from interop.table import entries
 from msllm import checkpoint
-from msllm.config import Config, LoraConfig, ModelConfig, Pretrained
+from msllm.config import Config, LoraConfig, ModelConfig
+from msllm.config_file import Pretrained
 from msllm.safetensors_reader import SafetensorsReader
 from msllm.staged import staged_dir
 
@@ -419,7 +420,7 @@ class PeftAdapter:
 
 def _lora_run(run: str | Path, base: str | Path | None):
     """(ckpt dir, state, config, base weights checked against the run's recorded base, adapter arrays)."""
-    from msllm.config import config_from_dict
+    from msllm.config_file import config_from_dict
 
     ckpt = checkpoint.latest(Path(run))
     state = checkpoint.read_state(ckpt)
@@ -435,7 +436,7 @@ def _lora_run(run: str | Path, base: str | Path | None):
 def merge(run: str | Path, out: str | Path, base: str | Path | None = None, force: bool = False) -> Path:
     """A full msllm checkpoint dir: base + scale * B A folded into each adapted weight."""
     from msllm.lora import adapter_params, apply_lora, merge_lora
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     ckpt, state, cfg, weights, adapters = _lora_run(run, base)
     model = Llama(cfg.model)

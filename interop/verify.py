@@ -75,7 +75,7 @@ def stored_precision(source: Source) -> str:
 def msllm_model(source: Source):
     """An msllm Llama holding the source's weights, whatever layout they are stored in."""
     from msllm import checkpoint
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     rows = plan(source)
     # copy=True: own the memory rather than keep the file mappings (interop/formats) alive in the model

@@ -236,8 +236,8 @@ def find_tokenizer(ckpt_dir: Path, state: dict) -> Path | None:
 def read_checkpoint(ckpt: str | Path):
     """(config, checkpoint dir, train state) of a full model, from a run dir or a checkpoint dir,
     without loading the weights."""
-    from msllm.config import config_from_dict
-    from msllm.models.layouts import param_shapes
+    from msllm.config_file import config_from_dict
+    from msllm.layout.table import param_shapes
     from msllm.train.compat import stored_shapes
 
     path = latest(Path(ckpt))
@@ -252,7 +252,7 @@ def read_checkpoint(ckpt: str | Path):
 
 def load_model(ckpt: str | Path):
     """(config, eval-mode model, checkpoint dir, train state) from a run dir or a checkpoint dir."""
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     cfg, path, state = read_checkpoint(ckpt)
     model = Llama(cfg.model)

@@ -23,7 +23,7 @@ class UsageError(UserError, ValueError):
 
 def train_config(args):
     """The run's Config from `msllm train` arguments, checked before MindSpore is imported or anything written."""
-    from msllm.config import load_config
+    from msllm.config_file import load_config
     from msllm.preflight import check_train
 
     overrides = list(args.set)
@@ -116,7 +116,7 @@ def removed_on_failure(folder: Path):
 
 
 def cmd_launch(args) -> int:
-    from msllm.parallel.check import data_replicas
+    from msllm.layout.check import data_replicas
     from msllm.parallel.launch import Layout, launch
 
     rest = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
@@ -270,7 +270,7 @@ def _print_report(hf, ckpt, args) -> int:
 
 def cmd_lint(args) -> int:
     from graph_opt.lint import lint_paths
-    from msllm.config import load_config
+    from msllm.config_file import load_config
 
     cfg = load_config(args.config, args.set) if args.compile else None  # a bad config fails first
     paths = args.paths or [str(Path(__file__).resolve().parent)]  # default: msllm's own package
@@ -292,15 +292,15 @@ def cmd_lint(args) -> int:
 
 def cmd_doctor(args) -> int:
     from msllm import doctor
-    from msllm.config import load_config
+    from msllm.config_file import load_config
 
     cfg = load_config(args.config, args.set) if args.config or args.set else None
     return doctor.main(cfg, args.config)
 
 
 def cmd_plan(args) -> int:
-    from msllm.config import load_config
-    from msllm.parallel import plan
+    from msllm.config_file import load_config
+    from msllm.layout import plan
 
     cfg = load_config(args.config, args.set)
     device = args.device or {"ascend": "910b", "gpu": "h100", "cpu": "cpu"}[cfg.train.device]

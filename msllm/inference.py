@@ -12,7 +12,7 @@ import numpy as np
 from mindspore import nn
 
 from msllm.engine import Engine
-from msllm.models.llama import Llama
+from msllm.models.decoder import Llama
 
 
 class CachedForward(nn.Cell):

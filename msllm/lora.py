@@ -18,7 +18,8 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from msllm.config import LoraConfig
-from msllm.models.llama import Linear, Llama, cast
+from msllm.models.decoder import Llama
+from msllm.models.layers import Linear, cast
 from msllm.models.moe import Experts
 
 # lora.targets name -> the Linear it adapts inside each block (a dense MLP's; attention's)

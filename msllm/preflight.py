@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from msllm.config import Config
+from msllm.data.index import open_tokens
 from msllm.errors import UserError
 
 
@@ -140,10 +141,8 @@ def _check_shard_dir(folder: Path, vocab_size: int) -> None:
         raise PreflightError(f"data.path: {folder} has shard vocab_size {shard_vocab} > model.vocab_size "
                              f"{vocab_size}; raise model.vocab_size")
     check_tokenizer(folder / "tokenizer.json", vocab_size, "data.path")
-    from msllm.data import shards
-
     for split in ("train", "val"):
-        shards.open_tokens(folder, split)  # files of the size the index says
+        open_tokens(folder, split)  # files of the size the index says
 
 
 def _check_host_memory(cfg: Config) -> None:

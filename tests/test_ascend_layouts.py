@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from msllm.config import config_from_dict, load_config
-from msllm.models import layouts as L
-from msllm.parallel.check import check_parallel
+from msllm.config_file import config_from_dict, load_config
+from msllm.layout import table as L
+from msllm.layout.check import check_parallel
 from tests.conftest import REPO
 
 A = "layers.*.attention."
@@ -118,7 +118,8 @@ def test_ascend_backend_applies_the_same_layouts_to_a_tiny_model(name):
     import mindspore as ms
 
     from msllm.backends import ascend
-    from msllm.models.llama import CausalLMLoss, Llama
+    from msllm.models.decoder import Llama
+    from msllm.models.layers import CausalLMLoss
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     want = CASES[name][4]
@@ -164,7 +165,7 @@ def test_kv_heads_fewer_than_tp_are_grouped_in_the_layouts():
     import mindspore as ms
 
     from msllm.backends import ascend
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     cfg = config_from_dict({"model": dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2,
@@ -185,7 +186,7 @@ def test_table_and_model_agree():
     the parameter's placement says."""
     import mindspore as ms
 
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     for tied in (False, True):
@@ -211,7 +212,7 @@ def test_shardable_norm_and_vocab_parallel_loss_are_the_same_maths():
     from mindspore import Tensor, ops
 
     from msllm.backends import ascend
-    from msllm.models.llama import RMSNormCore
+    from msllm.models.layers import RMSNormCore
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     rng = np.random.default_rng(0)
@@ -316,7 +317,7 @@ def test_flash_attention_swapped_in_per_layer_kind_with_the_table_layouts(tp):
 
     from msllm import backends
     from msllm.backends import ascend
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     cfg = gemma_like(tp)
@@ -402,7 +403,7 @@ def test_ring_attention_swapped_in_under_context_parallel_with_the_table_layouts
 
     from msllm import backends
     from msllm.backends import ascend
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     model_cfg = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=1, head_dim=16,
@@ -459,13 +460,13 @@ def test_each_window_maps_to_a_sparse_mode_that_sees_what_the_model_sees(window,
     from mindspore import Tensor
 
     from msllm.backends import ascend
-    from msllm.models import llama
+    from msllm.models import layers
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     slots = Tensor(np.arange(s, dtype=np.int32).reshape(1, s))
     zeros = Tensor(np.zeros((1, s), np.int32))
-    seen = llama.visibility(slots, zeros, zeros, Tensor(np.array([window], np.int32)))
-    model_visible = llama.AdditiveMask(4, 2)(seen, 1).asnumpy() == 0
+    seen = layers.visibility(slots, zeros, zeros, Tensor(np.array([window], np.int32)))
+    model_visible = layers.AdditiveMask(4, 2)(seen, 1).asnumpy() == 0
     assert (documented_visible(*ascend.flash_form(window), s, s) == model_visible).all()
     assert (ascend.compressed_causal_mask() == ~documented_visible(2, 0, 0, 2048, 2048)).all()
 
@@ -533,7 +534,7 @@ def test_qk_norms_are_cut_on_heads_as_their_projections_and_compute_the_same():
     from mindspore import Tensor
 
     from msllm.backends import ascend
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     model = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, ffn_size=64,
@@ -590,7 +591,7 @@ def test_expert_parallel_golden_strategies_and_the_backend_applies_them():
     from mindspore import Tensor
 
     from msllm.backends import ascend
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     cfg = moe_config(dp=4, ep=2, tp=2)
     check_parallel(cfg, 8)
@@ -719,7 +720,7 @@ def test_mla_golden_strategies_for_deepseek_v3_and_the_backend_applies_them():
     import mindspore as ms
 
     from msllm.backends import ascend
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     cfg = load_config(REPO / "configs" / "deepseek_v3.yaml",
                       ["parallel.dp=8", "parallel.tp=8", "parallel.ep=8", "parallel.sequence_parallel=true",
@@ -759,7 +760,7 @@ def test_mla_heads_cut_over_tp_equal_the_whole_layer(tp, q_rank):
     from mindspore import Tensor, ops
 
     from msllm.config import ModelConfig, ParallelConfig
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     m = ModelConfig(**MLA, q_lora_rank=q_rank)
@@ -824,7 +825,7 @@ def test_sample_ends_give_each_rank_the_samples_the_visibility_describes():
     from mindspore import Tensor
 
     from msllm.backends.ascend import SampleEnds
-    from msllm.models.llama import AdditiveMask, visibility
+    from msllm.models.layers import AdditiveMask, visibility
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     cfg = packed_config(dp=2, tp=1)
@@ -872,7 +873,7 @@ def test_packed_samples_take_the_tnd_form_with_the_table_layouts(dp, tp):
 
     from msllm import backends
     from msllm.backends import ascend
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     cfg = packed_config(dp, tp)

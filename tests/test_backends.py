@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from mindspore import Tensor, nn, ops
 
-from msllm import backends, device
+from msllm import backends, device, kernels
 from msllm.backends import cpu
 from msllm.config import ModelConfig
-from msllm.models import llama
+from msllm.models import decoder, layers
 from tests.conftest import step_config
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=96,
@@ -48,7 +48,7 @@ def test_rms_norm_core_matches_plain():
     rng = np.random.default_rng(0)
     x, up = (Tensor(rng.normal(0, 2, (50, 72)).astype(np.float32)) for _ in range(2))
     w = Tensor(rng.normal(1, 0.3, 72).astype(np.float32))
-    assert_same(grads(llama.RMSNormCore(72, 1e-5), x, w, up), grads(cpu.RMSNormCore(72, 1e-5), x, w, up),
+    assert_same(grads(layers.RMSNormCore(72, 1e-5), x, w, up), grads(cpu.RMSNormCore(72, 1e-5), x, w, up),
                 1e-5, 1e-5)
 
 
@@ -58,7 +58,7 @@ def test_rope_matches_plain():
     cos, sin = (Tensor(f(rng.uniform(0, 6, (s, d))).astype(np.float32)) for f in (np.cos, np.sin))
     x = Tensor(rng.normal(size=(2 * s, 3 * d)).astype(np.float32))
     up = Tensor(rng.normal(size=(2, 3, s, d)).astype(np.float32))
-    plain = ops.value_and_grad(Loss(llama.Rope(d), sin), grad_position=(0, 1))(x, cos, up)
+    plain = ops.value_and_grad(Loss(layers.Rope(d), sin), grad_position=(0, 1))(x, cos, up)
     special = ops.value_and_grad(Loss(cpu.Rope(d), sin), grad_position=(0, 1))(x, cos, up)
     assert_same(plain, special, 1e-6, 1e-6)
 
@@ -71,7 +71,7 @@ def test_softmax_attention_backward_matches_autodiff(heads, kv_heads):
     q, up = (Tensor(rng.normal(size=(b, heads, s, d)).astype(np.float32)) for _ in range(2))
     k, v = (Tensor(rng.normal(size=(b, kv_heads, s, d)).astype(np.float32)) for _ in range(2))
     mask = ops.broadcast_to(Tensor(np.triu(np.full((s, s), -1e9, np.float32), k=1)),
-                            llama.scores_shape(heads, kv_heads, b, s, s))
+                            layers.scores_shape(heads, kv_heads, b, s, s))
 
     class Core(nn.Cell):
         def __init__(self, attn):
@@ -81,8 +81,8 @@ def test_softmax_attention_backward_matches_autodiff(heads, kv_heads):
         def construct(self, q, k, v, upstream):
             return (self.attn(q, k, v, mask)[0] * upstream).sum()
 
-    want = ops.grad(Core(llama.SoftmaxAttention(heads, kv_heads)), grad_position=(0, 1, 2))(q, k, v, up)
-    got = ops.grad(Core(cpu.SoftmaxAttention(heads, kv_heads)), grad_position=(0, 1, 2))(q, k, v, up)
+    want = ops.grad(Core(layers.SoftmaxAttention(heads, kv_heads)), grad_position=(0, 1, 2))(q, k, v, up)
+    got = ops.grad(Core(kernels.SoftmaxAttention(heads, kv_heads)), grad_position=(0, 1, 2))(q, k, v, up)
     # dS = P * (dP - rowsum(dO * O)) subtracts terms of the size of dP: its rounding error is
     # relative to the gradient's scale, not to each element (a row attending to one key has
     # dq = 0 exactly under autodiff, ~1e-7 here).
@@ -92,10 +92,10 @@ def test_softmax_attention_backward_matches_autodiff(heads, kv_heads):
 
 
 def test_specialised_model_equals_plain_and_keeps_its_weights():
-    plain = llama.build_model(CFG, seed=4)
+    plain = decoder.build_model(CFG, seed=4)
     ids = Tensor(np.random.default_rng(3).integers(0, CFG.vocab_size, (2, 16)).astype(np.int32))
     want = plain(ids).asnumpy()
-    special = llama.build_model(CFG, seed=4)
+    special = decoder.build_model(CFG, seed=4)
     weights = [id(p) for p in special.trainable_params()]
     spec = backends.specialise(special, step_config(CFG, fused_kernels="off", block_graph="shared"))
     assert (spec.fused_kernels, spec.shared_blocks) == (False, True)

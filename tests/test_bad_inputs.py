@@ -437,9 +437,9 @@ def _fixtures(root: Path, corpus: Path) -> dict[str, str]:
 
     from graph_opt.export import export
     from msllm import checkpoint, device
-    from msllm.config import config_from_dict, save_config
+    from msllm.config_file import config_from_dict, save_config
     from msllm.data.tokenizer import train_tokenizer
-    from msllm.models.llama import build_model
+    from msllm.models.decoder import build_model
     from tests.hf_models import build
     from tests.test_export import LLAMA
 
@@ -568,9 +568,9 @@ def _finetune_fixtures(root: Path, f: dict, texts: list[str]) -> None:
     """HF dirs with tokenizers, SFT rows good and bad, a LoRA run (adapters + base sha256) and its PEFT export."""
     from interop.pretrained import InitFrom, PretrainedWeights, export_peft
     from msllm import checkpoint
-    from msllm.config import config_from_dict
+    from msllm.config_file import config_from_dict
     from msllm.lora import adapter_params, apply_lora
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
     from tests.hf_models import build, save_tokenizer
 
     f["hftok"] = root / "hftok"

@@ -1,6 +1,8 @@
 import pytest
 
-from msllm.config import ConfigError, load_config
+from msllm.config import ConfigError
+
+from msllm.config_file import load_config
 from tests.conftest import REPO, run_cli
 
 

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from msllm import device, kernels
 from msllm.backends import cpu
-from msllm.models import llama
+from msllm.models import layers
 from msllm.parallel import cp
 from tests.conftest import REPO, msrun_env, run_under_msrun, tiny_overrides
 from tests.test_flash_attention import Core, run, segments_of
@@ -47,7 +47,7 @@ def test_placed_chunks_of_every_rank_sum_to_the_sequence(group):
 
 
 CORES = {"flash": (kernels.FlashAttention, cpu.VisibilityIndices),
-         "softmax": (llama.SoftmaxAttention, lambda: llama.AdditiveMask(4, 2))}
+         "softmax": (layers.SoftmaxAttention, lambda: layers.AdditiveMask(4, 2))}
 
 
 @pytest.mark.parametrize("core", CORES)

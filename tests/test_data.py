@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from msllm.config import load_config
+from msllm.config_file import load_config
 from msllm.data import shards
 from msllm.data.corpus import DataError
 from msllm.data.loader import RankSampler, make_dataset

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from msllm.models.llama import build_model
+from msllm.models.decoder import build_model
 from tests.conftest import REPO, msrun_env, run_under_msrun, tiny_overrides
 from tests.dp_worker import CFG, STEPS
 from tests.numerics import REORDER_RTOL, U32, assert_close_to_scale

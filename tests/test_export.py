@@ -14,7 +14,7 @@ import pytest
 
 from graph_opt import export as export_mod
 from graph_opt.export import export
-from graph_opt.onnx_llama import build_graph
+from graph_opt.onnx_decoder import build_graph
 from graph_opt.onnx_passes import clean_up
 from graph_opt import ExportError
 from msllm.inference import cell_engine
@@ -23,7 +23,7 @@ from msllm.config import Config, ModelConfig
 from msllm.data.tokenizer import load_tokenizer, train_tokenizer
 from msllm.checkpoint import load_model
 from msllm.generate import Sampling, generate, generate_ids
-from msllm.models.llama import build_model
+from msllm.models.decoder import build_model
 from msllm.staged import DiskFullError
 from tests.conftest import REPO, leave_free, needed_bytes, run_cli
 from tests.numerics import REORDER_RTOL

@@ -125,7 +125,7 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
     full gives other logits once the sequence is longer than the window, and the same ones within it."""
     from dataclasses import replace
 
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     device.setup("cpu", "pynative")
     cfg, model, _, _ = load_run(converted["gemma3"][0] / "msllm")
@@ -223,7 +223,7 @@ def continues_from_peft(hf, run, peft, values: dict):
 
     from interop.pretrained import InitFrom, describe
     from msllm.checkpoint import latest, read_state
-    from msllm.config import load_config
+    from msllm.config_file import load_config
     from msllm.lora import adapter_params
     from msllm.train.trainer import Trainer, evaluate
 
@@ -274,7 +274,7 @@ def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(
     """configs/<name>.yaml describes the real model: its parameter count equals transformers' for the
     same config (built on the meta device), and `msllm plan` lays it out on 64 devices."""
     from interop.hf_config import default_architecture, to_hf_config
-    from msllm.config import load_config
+    from msllm.config_file import load_config
     from tests.conftest import REPO
     import transformers
 
@@ -327,7 +327,7 @@ def test_expert_adapter_bad_inputs_are_one_line_and_write_nothing(converted, tmp
 
     from interop.pretrained import PEFT_CONFIG, PEFT_WEIGHTS, describe, peft_experts
     from msllm.cli import main
-    from msllm.config import load_config
+    from msllm.config_file import load_config
 
     hf = converted["qwen3_moe"][0] / "hf"
     lora = {"lora.rank": 2, "lora.targets": "[experts_gate, experts_up, experts_down]"}

@@ -137,9 +137,9 @@ def test_merge_then_convert_export_generate_and_peft_equals_merged(base, lora_ru
 def test_peft_adapter_continues_and_wrong_base_is_refused(base, lora_run, tmp_path):
     from interop import InteropError
     from interop.pretrained import InitFrom, describe, export_peft
-    from msllm.config import load_config
+    from msllm.config_file import load_config
     from msllm.lora import adapter_params, apply_lora
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     export_peft(lora_run, tmp_path / "peft")
     cfg = load_config(None, [f"train.init_from={base / 'hf'}", f"train.lora_from={tmp_path / 'peft'}",
@@ -185,7 +185,8 @@ def test_full_finetune_from_hf_converts_back_and_verifies(base, corpus, tmp_path
 
 def test_config_follows_the_source(base):
     from interop.pretrained import describe
-    from msllm.config import ConfigError, load_config
+    from msllm.config import ConfigError
+    from msllm.config_file import load_config
 
     hf = str(base / "hf")
     cfg = load_config(None, [f"train.init_from={hf}", "data.seq_len=32", "model.max_seq_len=32"], pretrained=describe)
@@ -203,7 +204,7 @@ def test_every_source_layout_loads_the_same_weights(base, tmp_path):
     all stream the same tensors into the model's Parameters."""
     from interop.convert import convert
     from interop.pretrained import PretrainedWeights
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
     from tests.hf_models import save_bin
 
     model = build("qwen2_bias_tied")

@@ -10,7 +10,7 @@ from mindspore import Tensor, nn, ops
 from msllm import backends, device, kernels
 from msllm.backends import cpu
 from msllm.config import ModelConfig
-from msllm.models import llama
+from msllm.models import decoder, layers
 from tests.conftest import step_config
 
 pytestmark = pytest.mark.skipif(not kernels.enabled("auto"), reason="the fused kernels need g++")
@@ -29,7 +29,7 @@ class Core(nn.Cell):
         self.attention, self.mask = attention, mask
 
     def construct(self, q, k, v, slots, q_seg, k_seg, window, upstream):
-        seen = llama.visibility(slots, q_seg, k_seg, window)
+        seen = layers.visibility(slots, q_seg, k_seg, window)
         return (self.attention(q, k, v, self.mask(seen, q.shape[0]))[0] * upstream).sum()
 
 
@@ -76,7 +76,7 @@ def test_flash_core_equals_softmax_core(case):
     up = rng.normal(size=q.shape).astype(np.float32)
     inputs = [Tensor(x) for x in (q, k, v)] + [Tensor(np.asarray(x, np.int32)) for x in (slots, q_seg, k_seg, [window])]
     inputs.append(Tensor(up))
-    want = run(Core(llama.SoftmaxAttention(heads, kv_heads), llama.AdditiveMask(heads, kv_heads)), inputs)
+    want = run(Core(layers.SoftmaxAttention(heads, kv_heads), layers.AdditiveMask(heads, kv_heads)), inputs)
     got = run(Core(kernels.FlashAttention(heads, kv_heads), cpu.VisibilityIndices()), inputs)
     for name, g, w in zip(("loss", "dq", "dk", "dv"), got, want):
         scale = np.abs(w).max()
@@ -105,7 +105,7 @@ GEMMA_LIKE = ModelConfig(vocab_size=96, hidden_size=64, num_layers=3, num_heads=
 class LossCell(nn.Cell):
     def __init__(self, model):
         super().__init__()
-        self.model, self.loss = model, llama.CausalLMLoss()
+        self.model, self.loss = model, layers.CausalLMLoss()
 
     def construct(self, ids, labels, segments, positions):
         return self.loss(self.model(ids, segments=segments, positions=positions), labels)
@@ -123,7 +123,7 @@ def test_model_with_flash_core_trains_as_the_plain_model(packed):
     extra = (Tensor(segments), Tensor(positions)) if packed else (None, None)
     results = []
     for attention in ("softmax", "flash"):
-        model = llama.build_model(GEMMA_LIKE, seed=2)
+        model = decoder.build_model(GEMMA_LIKE, seed=2)
         cfg = step_config(GEMMA_LIKE, attention=attention)
         spec = backends.plan(cfg)
         assert spec.flash == (attention == "flash")
@@ -147,7 +147,7 @@ def test_cached_generation_with_flash_core_equals_plain():
     ids = rng.integers(0, GEMMA_LIKE.vocab_size, (b, prompt + 6)).astype(np.int32)
     models = []
     for flash in (False, True):
-        model = llama.build_model(GEMMA_LIKE, seed=5)
+        model = decoder.build_model(GEMMA_LIKE, seed=5)
         cpu.specialise(model, fused=True, share_blocks=False, training=False, flash=flash)
         models.append(model)
     shape = (GEMMA_LIKE.num_layers, b, GEMMA_LIKE.num_kv_heads, t, GEMMA_LIKE.head_size)
@@ -173,7 +173,7 @@ def test_converted_128k_context_is_kept_and_costs_nothing_until_used():
           "max_position_embeddings": 131072, "rope_theta": 500000.0}
     cfg = to_model_config(hf, "config.json")
     assert cfg.max_seq_len == 131072
-    model = llama.build_model(cfg, seed=0)
+    model = decoder.build_model(cfg, seed=0)
     held = sum(int(np.prod(t.shape)) for t in (model.inv_freq, model.kind_windows))
     assert held < 100  # [kinds, head_dim / 2] frequencies, not [131072, head_dim] tables
     t = 8
@@ -190,7 +190,7 @@ def test_converted_128k_context_is_kept_and_costs_nothing_until_used():
     # The ONNX cached graph computes RoPE from positions too: no table, the same logits at 100,000.
     import onnx_ir as ir
     import onnxruntime as ort
-    from graph_opt.onnx_llama import build_graph
+    from graph_opt.onnx_decoder import build_graph
     weights = {p.name: p.asnumpy() for p in model.trainable_params()}
     graph = build_graph(cfg, weights, "cached")
     extra = sum(v.const_value.size for k, v in graph.graph.initializers.items() if k not in weights)
@@ -225,7 +225,7 @@ def test_a_packed_document_computes_what_it_computes_alone(flash):
     ids = rng.integers(0, GEMMA_LIKE.vocab_size, (1, first + second)).astype(np.int32)
     segments = np.array([[1] * first + [2] * second], np.int32)
     positions = np.array([list(range(first)) + list(range(second))], np.int32)
-    model = llama.build_model(GEMMA_LIKE, seed=8)
+    model = decoder.build_model(GEMMA_LIKE, seed=8)
     cpu.specialise(model, fused=True, share_blocks=False, training=True, per_sample_tables=True, flash=flash)
     packed = model(Tensor(ids), segments=Tensor(segments), positions=Tensor(positions)).asnumpy()[0, first:]
     cpu.specialise(model, fused=True, share_blocks=False, training=True, flash=flash)

@@ -394,7 +394,7 @@ def test_msllm_trained_run_to_hf(tmp_path):
     from msllm import checkpoint
     from msllm.config import ModelConfig
     from msllm.data.tokenizer import train_tokenizer
-    from msllm.models.llama import build_model
+    from msllm.models.decoder import build_model
 
     cfg = ModelConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
                       max_seq_len=32, qkv_bias=True, tie_embeddings=True)

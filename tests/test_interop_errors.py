@@ -141,7 +141,7 @@ def test_a_step_dir_given_directly_is_verified_against_its_manifest(tmp_path, ca
     """Overwritten weight bytes in a checkpoint step dir are refused by every reader, not only resume."""
     from msllm import checkpoint
     from msllm.config import ModelConfig
-    from msllm.models.llama import build_model
+    from msllm.models.decoder import build_model
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, ffn_size=48,
                       max_seq_len=16)

@@ -10,8 +10,8 @@ from interop.convert import convert
 from interop.maps.llama import LLAMA
 from interop.table import Concat, Row, Transposed, entries
 from msllm.config import ModelConfig
-from msllm.models.layouts import param_entry, param_shapes
-from msllm.models.llama import Llama
+from msllm.layout.table import param_entry, param_shapes
+from msllm.models.decoder import Llama
 from tests.hf_models import build
 
 GQA = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48, max_seq_len=16)

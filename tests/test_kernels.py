@@ -14,8 +14,9 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from msllm import device, kernels
-from msllm.backends.cpu import Rope, RMSNormCore, SoftmaxAttention
-from msllm.models.llama import CacheWrite, GeGLU, SwiGLU, scores_shape
+from msllm.backends.cpu import Rope, RMSNormCore
+from msllm.kernels import SoftmaxAttention
+from msllm.models.layers import CacheWrite, GeGLU, SwiGLU, scores_shape
 from tests.numerics import U32
 
 

@@ -6,7 +6,7 @@ import numpy as np
 from msllm import device
 from msllm.config import ModelConfig
 from msllm.inference import CachedForward, cell_engine
-from msllm.models.llama import build_model
+from msllm.models.decoder import build_model
 from tests.numerics import FP16_RTOL, REORDER_RTOL
 
 # Qwen2-style bias and tied embeddings plus llama3 rope scaling: every optional path at once.

@@ -1,12 +1,12 @@
-"""The layout table's maths proven on CPU: sharded forward and backward (tests/sharded_llama.py)
+"""The layout table's maths proven on CPU: sharded forward and backward (tests/sharded_decoder.py)
 equal to unsharded, with the softmax core's and FlashAttentionScore's attention layouts, pipeline
 stages equal to the whole model, and the oracle's one-rank model equal to msllm's MindSpore Llama."""
 import numpy as np
 import pytest
 
 from msllm.config import ModelConfig, ParallelConfig
-from msllm.models import layouts as L
-from tests.sharded_llama import ShardedLlama, back_units, init_params, loss_and_grads, run_units
+from msllm.layout import table as L
+from tests.sharded_decoder import ShardedLlama, back_units, init_params, loss_and_grads, run_units
 
 
 def tiny(**kw) -> ModelConfig:
@@ -149,7 +149,9 @@ def test_oracle_at_one_rank_is_msllms_llama():
     import mindspore as ms
     from mindspore import Tensor
 
-    from msllm.models.llama import CausalLMLoss, Llama
+    from msllm.models.decoder import Llama
+
+    from msllm.models.layers import CausalLMLoss
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     m = tiny(num_kv_heads=2)
@@ -189,7 +191,8 @@ def test_gemma_like_oracle_at_one_rank_is_msllms_llama():
     matter: the same weights with only full layers give another loss."""
     import mindspore as ms
     from mindspore import Tensor
-    from msllm.models.llama import CausalLMLoss, Llama
+    from msllm.models.decoder import Llama
+    from msllm.models.layers import CausalLMLoss
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     m = gemma_like()

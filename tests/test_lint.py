@@ -115,11 +115,11 @@ def test_compile_error_points_at_the_users_line(tmp_path, monkeypatch):
     """A user's construct with a shape bug, swapped into the model: the finding names the user's
     line (not MindSpore's or msllm's frames), the op's own line, and MindSpore's IR dump."""
     from graph_opt.compile_check import compile_train_step
-    from msllm.config import load_config
-    from msllm.models import llama
+    from msllm.config_file import load_config
+    from msllm.models import layers
 
     (tmp_path / "user_ffn.py").write_text(BAD_FEED_FORWARD)
-    monkeypatch.setattr(llama.FeedForward, "construct", load(tmp_path / "user_ffn.py").construct)
+    monkeypatch.setattr(layers.FeedForward, "construct", load(tmp_path / "user_ffn.py").construct)
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, ["model.num_layers=1", "model.hidden_size=32", "model.ffn_size=48",
                              "model.vocab_size=64", "model.max_seq_len=16", "data.seq_len=8", "train.batch_size=2"])

@@ -9,7 +9,7 @@ import pytest
 from msllm.checkpoint import load_into
 from msllm.config import LoraConfig, ModelConfig, OptimConfig
 from msllm.lora import LoRALinear, adapter_params, apply_lora, merge_lora
-from msllm.models.llama import build_model
+from msllm.models.decoder import build_model
 from msllm.train.build import build_train_step
 from tests.conftest import step_config
 

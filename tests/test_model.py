@@ -11,7 +11,8 @@ from interop.maps import FAMILIES
 from interop.table import entries
 from msllm import checkpoint, device
 from msllm.config import ModelConfig
-from msllm.models.llama import Llama, rope_inv_freq
+from msllm.models.decoder import Llama
+from msllm.models.layers import rope_inv_freq
 from tests.numerics import REORDER_RTOL
 
 
@@ -83,7 +84,7 @@ def test_llama3_scaling_changes_only_long_wavelengths():
 def test_attention_core_backward_matches_torch_autograd(heads, kv_heads):
     """The hand-written attention backward (rowsum(dO*O) form) against torch autograd, MHA and GQA."""
     from mindspore import nn, ops
-    from msllm.models.llama import AttentionCore
+    from msllm.models.layers import AttentionCore
 
     device.setup("cpu", "graph")
     b, s, d = 2, 16, 8

@@ -153,7 +153,7 @@ def test_router_z_loss_is_the_mean_squared_log_sum_exp_with_its_gradient(moe):
 
 def test_the_train_loss_adds_the_router_z_loss_times_its_coefficient():
     from msllm.train.step import LossCell
-    from msllm.models.llama import Llama
+    from msllm.models.decoder import Llama
 
     device.setup("cpu", "pynative")
     tokens = Tensor(np.random.default_rng(6).integers(0, 64, (2, 17)).astype(np.int32))
@@ -274,7 +274,7 @@ def test_plan_splits_the_experts_adam_states_over_the_ranks_holding_them_on_cpu(
     over the dp / ep ranks holding the same experts, the rest over dp; the CPU layouts the planner
     searches shard the optimizer with ep too."""
     from msllm.config import ParallelConfig
-    from msllm.parallel import plan as P
+    from msllm.layout import plan as P
     from tests.ep_worker import CFG, SEQ
 
     cfg = Config(model=CFG, data=DataConfig(seq_len=SEQ), train=TrainConfig(device="cpu", batch_size=1))

@@ -7,10 +7,12 @@ import sys
 import pytest
 import yaml
 
-from msllm.config import ConfigError, ParallelConfig, config_from_dict, load_config
-from msllm.models import layouts as L
-from msllm.parallel import plan as P
-from msllm.parallel.check import check_execution, check_parallel, global_batch_of
+from msllm.config import ConfigError, ParallelConfig
+
+from msllm.config_file import config_from_dict, load_config
+from msllm.layout import table as L
+from msllm.layout import plan as P
+from msllm.layout.check import check_execution, check_parallel, global_batch_of
 from tests.conftest import REPO, run_cli
 
 LLAMA2 = REPO / "configs" / "llama2_7b.yaml"

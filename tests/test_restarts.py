@@ -142,7 +142,9 @@ def test_a_workers_own_error_is_not_restarted(tmp_path, monkeypatch, capsys):
 def test_max_restarts_config_key_is_validated_and_several_nodes_are_refused(tmp_path):
     import pytest
 
-    from msllm.config import ConfigError, load_config
+    from msllm.config import ConfigError
+
+    from msllm.config_file import load_config
 
     with pytest.raises(ConfigError, match=r"^--set: train.max_restarts: must be >= 0"):
         load_config(None, ["train.max_restarts=-1"])

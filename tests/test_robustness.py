@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 from msllm import checkpoint, device
 from msllm.staged import DiskFullError
 from msllm.config import ModelConfig, OptimConfig
-from msllm.models.llama import build_model
+from msllm.models.decoder import build_model
 from msllm.train.build import build_train_step
 from tests.conftest import REPO, leave_free, needed_bytes, run_cli, step_config, tiny_overrides
 from tests.numerics import (FP16_RTOL, REORDER_RTOL, Recorded, assert_adamw_first_step, assert_close_to_scale,
@@ -207,7 +207,7 @@ def test_background_checkpoints_equal_synchronous_ones_and_survive_a_full_disk(t
     import errno
     import time
 
-    from msllm.config import load_config
+    from msllm.config_file import load_config
     from msllm.train.trainer import Trainer
 
     def run(name, background, fail_step=None):

@@ -10,7 +10,8 @@ from msllm import backends
 from msllm.config import Config, DataConfig, ModelConfig, TrainConfig
 from msllm.data import sft
 from msllm.data.corpus import DataError
-from msllm.models.llama import MaskedCausalLMLoss, build_model
+from msllm.models.decoder import build_model
+from msllm.models.layers import MaskedCausalLMLoss
 from msllm.train.step import LossCell
 from tests.hf_models import save_tokenizer
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from msllm import backends, device
 from msllm.config import ModelConfig, OptimConfig
-from msllm.models.llama import build_model
+from msllm.models.decoder import build_model
 from msllm.train.build import build_train_step
 from msllm.train.optim import lr_at
 from tests.conftest import step_config

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from msllm.config import ConfigError, OptimConfig, load_config
+from msllm.config import ConfigError, OptimConfig
+
+from msllm.config_file import load_config
 from msllm.train.optim import LRSchedule, lr_at, warmup_steps, warmup_warning
 
 LR, MIN_LR = 1e-3, 1e-4

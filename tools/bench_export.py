@@ -27,7 +27,7 @@ from msllm.inference import cell_engine  # noqa: E402
 from msllm import checkpoint, device  # noqa: E402
 from msllm.config import Config, ModelConfig  # noqa: E402
 from msllm.checkpoint import load_model  # noqa: E402
-from msllm.models.llama import build_model  # noqa: E402
+from msllm.models.decoder import build_model  # noqa: E402
 
 SIZES = {
     "tiny": ModelConfig(),  # configs/tiny.yaml: vocab 2048, hidden 128, 4 layers, 4/2 heads, FFN 352

@@ -49,7 +49,7 @@ def worker_msllm(w: dict, args) -> dict:
 
     from interop.pretrained import InitFrom, describe
     from msllm import device
-    from msllm.config import load_config
+    from msllm.config_file import load_config
     from msllm.train.build import build_train_step
 
     device.setup("cpu", "graph", args.threads)

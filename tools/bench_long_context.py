@@ -32,7 +32,7 @@ def generate_probe(prompt_len: int, new: int, threads: int) -> dict:
     from msllm.config import Config, TrainConfig
     from msllm.generate import generate
     from msllm.inference import cell_engine
-    from msllm.models.llama import build_model
+    from msllm.models.decoder import build_model
 
     device.setup("cpu", "graph", threads)
     w = {**bench_train.WORKLOADS["L"], "seq": prompt_len + new}

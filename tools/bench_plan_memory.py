@@ -4,7 +4,7 @@ For W1 and W2 (tools/bench_train.py) in fp32 with the fused CPU kernels and no r
 plain process (no msrun), 2 msrun workers of plain data parallel, and 2 with ZeRO-1 (the workers
 of tools/bench_dp.py's machinery). Each worker builds the step with msllm's step builder, runs a
 few steps and reports its peak RSS (getrusage), set against
-`msllm.parallel.plan.estimate(cfg, device="cpu")["total"]`. A runtime-only worker (MindSpore
+`msllm.layout.plan.estimate(cfg, device="cpu")["total"]`. A runtime-only worker (MindSpore
 imported, a trivial graph compiled and run, communication initialised under msrun) measures what
 the CPU profile's `runtime` constant stands for. Writes benchmarks/DATE-plan-vs-rss-cpu.md.
 
@@ -99,7 +99,7 @@ def main() -> None:
         return worker(args)
 
     from bench_train import WORKLOADS
-    from msllm.parallel import plan as P
+    from msllm.layout import plan as P
 
     runtime = {n: max(r["peak_rss"] for r in measure("runtime", n, False, 0)) for n in (1, 2)}
     print(f"runtime only: 1 process {runtime[1] / MB:.0f} MB, 2 workers {runtime[2] / MB:.0f} MB / worker", flush=True)

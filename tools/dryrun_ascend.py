@@ -1,6 +1,6 @@
 """Compile a config's parallel layout for Ascend without Ascend devices: MindSpore's dry run
 (msrun --sim_level) builds one rank's graph under AutoParallel with the layouts from
-msllm/models/layouts.py and reports compile errors and, at level 1, the memory it would use.
+msllm/layout/table.py and reports compile errors and, at level 1, the memory it would use.
 
 NOT EXECUTED by this project (no CANN / Ascend here; MindSpore's CPU build refuses both the
 semi-auto compile and --sim_level). For users with CANN installed:
@@ -28,9 +28,10 @@ from mindspore.communication import get_group_size, get_rank, init  # noqa: E402
 
 from msllm import backends  # noqa: E402
 from msllm.backends import ascend  # noqa: E402
-from msllm.config import load_config  # noqa: E402
-from msllm.models.llama import CausalLMLoss, build_model  # noqa: E402
-from msllm.parallel.check import check_parallel, global_batch_of  # noqa: E402
+from msllm.config_file import load_config  # noqa: E402
+from msllm.models.decoder import build_model  # noqa: E402
+from msllm.models.layers import CausalLMLoss  # noqa: E402
+from msllm.layout.check import check_parallel, global_batch_of  # noqa: E402
 
 
 class LossNet(nn.Cell):

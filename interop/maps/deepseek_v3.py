@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention (msllm/models/mla.py), dense MLPs in
+"""DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention (msllm/models/mixers/mla.py), dense MLPs in
 the first first_k_dense_replace layers, then MoE layers with DeepSeek's grouped sigmoid router, its
 expert bias (e_score_correction_bias, a buffer in transformers, saved with the weights) and shared
 experts. Hugging Face stores one tensor per expert; msllm stacks them (Stacked).

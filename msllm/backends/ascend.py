@@ -1,4 +1,4 @@
-"""Ascend: the Llama layout table (msllm/models/layouts.py) applied through MindSpore 2.10's
+"""Ascend: the Llama layout table (msllm/layout/table.py) applied through MindSpore 2.10's
 semi-auto parallel, and the Ascend execution profile checked against the config.
 
     specialise(model, cfg, flash)                # FlashAttentionScore per layer, shardable norm cores,
@@ -26,8 +26,11 @@ from mindspore import Layout, Tensor, nn, ops
 from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from msllm.config import Config
-from msllm.models import layouts as L
-from msllm.parallel.check import check_execution
+from msllm.layout import table as L
+from msllm.layout.check import check_execution
+from msllm.models.layers import HeadNorm, RMSNorm
+from msllm.models.moe import GroupedCapacityDispatch
+from msllm.rules import COMPRESSED_MASK
 
 # semi_auto: every primitive the table names carries its layout; MindSpore derives the weights'
 # slices from them and inserts the collectives.
@@ -99,7 +102,7 @@ def flash_form(window: int) -> tuple[int, int, int]:
 
 def compressed_causal_mask() -> np.ndarray:
     """[2048, 2048] uint8, 1 above the diagonal (masked): the table sparse modes 2 / 3 / 4 read."""
-    return np.triu(np.ones((L.COMPRESSED_MASK, L.COMPRESSED_MASK), np.uint8), 1)
+    return np.triu(np.ones((COMPRESSED_MASK, COMPRESSED_MASK), np.uint8), 1)
 
 
 class CompressedCausalMask(nn.Cell):
@@ -255,7 +258,7 @@ def apply_layout(model, cfg: Config, flash: bool = False, packed: bool = False) 
         found = [cells[name] for name in cells
                  if fnmatch.fnmatchcase(name, op.cell) and getattr(cells[name], op.prim, None) is not None]
         if not found and not op.optional:
-            raise KeyError(f"{op.path}: the model has no such primitive; msllm/models/layouts.py is out of date")
+            raise KeyError(f"{op.path}: the model has no such primitive; msllm/layout/table.py is out of date")
         for cell in found:
             _shard(getattr(cell, op.prim), sh, op)
         applied[op.path] = len(found)
@@ -268,8 +271,6 @@ def apply_layout(model, cfg: Config, flash: bool = False, packed: bool = False) 
 def use_shardable_norms(model) -> int:
     """Swap each RMSNorm's core for RMSNormCore above (parameter-free, same maths); q / k norms
     normalise their [rows, heads, d] view with HeadRMSNormCore, so the heads axis can be cut."""
-    from msllm.models.llama import HeadNorm, RMSNorm
-
     norms = [cell for _, cell in model.cells_and_names() if isinstance(cell, RMSNorm)]
     for norm in norms:
         if isinstance(norm, HeadNorm):
@@ -296,8 +297,6 @@ def use_expert_dispatch(model, cfg: Config) -> int:
     table's MoE rows cut: under parallel.ep the experts' rows move between the ep group's ranks by the
     AllToAll semi-auto parallel inserts. Without a capacity the layer stays dropless (EveryExpert), its
     experts whole on every rank (the checker refuses ep then)."""
-    from msllm.models.moe import GroupedCapacityDispatch
-
     factor, p = cfg.train.moe_capacity_factor, cfg.parallel
     if factor <= 0:
         return 0
@@ -401,6 +400,6 @@ class ExecutionProfile:
 
 
 def execution_profile(cfg: Config, source: str = "<config>") -> ExecutionProfile:
-    """The profile, after its constraints are checked against the config (msllm.parallel.check)."""
+    """The profile, after its constraints are checked against the config (msllm.layout.check)."""
     check_execution(cfg, source)
     return ExecutionProfile(cfg.train.jit_level, cfg.parallel.sink_size)

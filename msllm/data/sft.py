@@ -22,23 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from msllm.data.corpus import DataError
+from msllm.data.index import INDEX, SFT_KIND as KIND, read_index, token_dtype
 from msllm.data.tokenizer import chat_template, eos_id, load_tokenizer, special_token, tokenizer_config
-
-KIND = "sft"
-
-
-def is_sft(path: str | None) -> bool:
-    """data.path names JSONL SFT rows, or a shard built from them."""
-    if not path:
-        return False
-    p = Path(path).expanduser()
-    if p.suffix == ".jsonl":
-        return True
-    try:
-        return json.loads((p / "index.json").read_text()).get("kind") == KIND
-    except (OSError, ValueError, AttributeError):
-        return False
-
+from msllm.preflight import make_dir
+from msllm.staged import staged_dir
 
 def read_rows(path: Path) -> list[tuple[int, dict]]:
     """(line number, row) of every non-blank line; a line that is not a JSON object is refused."""
@@ -187,8 +174,6 @@ def encode(path: Path, tokenizer_json: Path, seq_len: int):
 def write_shard(tmp: Path, renderer: Renderer, samples: int, packed, val_fraction: float, vocab: int, key: dict,
                 source: Path, log) -> None:
     """The packed windows, the tokenizer files and index.json into tmp."""
-    from msllm.data.shards import INDEX, token_dtype
-
     tokens, mask, segments = packed
     n_val = max(1, int(len(tokens) * val_fraction))
     dtype = token_dtype(vocab)
@@ -242,10 +227,6 @@ class SFTWindows:
 def prepare(path: Path, tokenizer: str | None, out_dir: Path, seq_len: int, val_fraction: float, vocab: int,
             log) -> Path:
     """The shard of an SFT JSONL file in out_dir, (re)built when its inputs changed."""
-    from msllm.data.shards import INDEX, read_index
-    from msllm.preflight import make_dir
-    from msllm.staged import staged_dir
-
     if tokenizer is None:
         raise DataError(f"data.path: {path} holds SFT rows, which need the model's tokenizer: set train.init_from "
                         f"(or data.tokenizer)")

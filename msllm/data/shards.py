@@ -16,35 +16,10 @@ import numpy as np
 from msllm.config import Config
 from msllm.data import corpus, sft
 from msllm.data.corpus import DataError
+from msllm.data.index import INDEX, SFT_KIND, open_tokens, read_index, token_dtype
 from msllm.data.tokenizer import eos_id, load_tokenizer, tokenizer_config, train_tokenizer
 from msllm.preflight import make_dir
 from msllm.staged import staged_dir
-
-INDEX = "index.json"
-
-
-def token_dtype(vocab_size: int):
-    return np.uint16 if vocab_size <= 65535 else np.uint32
-
-
-def read_index(shard_dir: Path) -> dict:
-    try:
-        return json.loads((shard_dir / INDEX).read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{shard_dir / INDEX}: unreadable shard index ({e})") from None
-
-
-def open_tokens(shard_dir: Path, split: str) -> np.ndarray:
-    index = read_index(shard_dir)
-    path = shard_dir / f"{split}.bin"
-    try:
-        count, dtype = int(index[f"{split}_tokens"]), np.dtype(index["dtype"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise DataError(f"{shard_dir / INDEX}: bad {split}_tokens or dtype entry ({e}); rebuild the shard") from None
-    if not path.exists() or path.stat().st_size != count * dtype.itemsize:
-        raise DataError(f"{path}: missing or wrong size (index says {count} tokens of {dtype}); rebuild the shard")
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
-
 
 def _log(msg: str) -> None:
     print(f"[data] {msg}", file=sys.stderr, flush=True)
@@ -53,7 +28,7 @@ def _log(msg: str) -> None:
 def open_split(shard_dir: Path, split: str):
     """What the loader reads: the token stream of a text shard, or the packed windows of an SFT shard."""
     index = read_index(shard_dir)
-    if index.get("kind") == sft.KIND:
+    if index.get("kind") == SFT_KIND:
         return sft.SFTWindows(shard_dir, split, index)
     return open_tokens(shard_dir, split)
 

@@ -32,8 +32,8 @@ from mindspore.ops import signature as sig
 
 from msllm.errors import UserError
 from msllm.staged import cache_root
-from msllm.backends.cpu import SoftmaxAttention
-from msllm.models.llama import cast
+from msllm.models import layers
+from msllm.models.layers import cast
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cc", "flash_attention.cc", "grouped_matmul.cc")]
 HEADERS = [Path(__file__).with_name("common.h")]
@@ -170,7 +170,7 @@ def sum_of_squares_op():
 
 
 class FusedSwiGLU(nn.Cell):
-    """silu(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.llama.SwiGLU."""
+    """silu(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.layers.SwiGLU."""
 
     def __init__(self):
         super().__init__()
@@ -186,7 +186,7 @@ class FusedSwiGLU(nn.Cell):
 
 
 class FusedGeGLU(nn.Cell):
-    """gelu_tanh(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.llama.GeGLU."""
+    """gelu_tanh(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.layers.GeGLU."""
 
     def __init__(self):
         super().__init__()
@@ -216,6 +216,43 @@ class FusedRMSNormCore(nn.Cell):
 
     def construct(self, x, weight):
         return self.rms_norm(x, weight, self.eps)
+
+
+class SoftmaxAttention(layers.SoftmaxAttention):
+    """The attention core with a hand-written backward (portable MindSpore ops; FusedSoftmaxAttention
+    does its two passes in C++).
+
+    Autodiff differentiates the softmax on the [.., s, t] probabilities (a multiply, a row sum, a
+    subtract and a multiply over the whole score matrix). This backward uses
+    rowsum(dP * P) = rowsum(dO * O), a row sum over head_dim instead of over t (as FlashAttention
+    does), and folds the subtraction into the dP matmul.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        super().__init__(num_heads, num_kv_heads)
+        self.pt_x = ops.BatchMatMul(transpose_a=True)  # dv = P^T dO, dk = dS^T q
+
+    def scores_grad(self, p, do, o, v):
+        """dS = P * (dP - delta), delta = rowsum(dO * O); p [b, nkv, rows, t], do/o [b, nkv, rows, d]."""
+        delta = ops.sum(cast(do, ms.float32) * cast(o, ms.float32), -1, keepdim=True)
+        # dP - delta as one matmul, [dO, delta] @ [v, -1]^T: a broadcast subtract over the
+        # [.., rows, t] matrix costs more than a same-shape element-wise op on CPU.
+        minus_one = ops.full(v.shape[:-1] + (1,), -1.0, dtype=v.dtype)
+        dp = self.qk(ops.concat((do, cast(delta, do.dtype)), -1), ops.concat((v, minus_one), -1))
+        return p * cast(dp, ms.float32)
+
+    def bprop(self, q, k, v, mask, out, dout):
+        o, probs = out
+        b, _, s, d = q.shape
+        t, dv = k.shape[2], v.shape[-1]  # value heads may differ from q/k heads (MLA)
+        rows = self.rep * s
+        do = dout[0].reshape(b, self.num_kv_heads, rows, dv)
+        p = probs.reshape(b, self.num_kv_heads, rows, t)
+        dv = self.pt_x(cast(p, v.dtype), do)
+        ds = cast(self.scores_grad(p, do, o.reshape(b, self.num_kv_heads, rows, -1), v), q.dtype)
+        dq = self.pv(ds, k).reshape(q.shape)
+        dk = self.pt_x(ds, q.reshape(b, self.num_kv_heads, rows, d))
+        return dq, dk, dv, ops.zeros_like(mask)
 
 
 class FusedSoftmaxAttention(SoftmaxAttention):
@@ -258,7 +295,7 @@ class LinearFewRows(nn.Cell):
 
 
 class FusedCacheWrite(nn.Cell):
-    """msllm.models.llama.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference)."""
+    """msllm.models.layers.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference)."""
 
     def __init__(self):
         super().__init__()
@@ -290,7 +327,7 @@ class FlashAttention(nn.Cell):
     """(out, lse) = softmax(q k^T over the visible keys) v, by blocks of keys with an online softmax:
     no [s, t] tensor forward or backward (flash_attention.cc says how). q [b, nh, s, d] already
     scaled, k / v [b, nkv, t, d]; `visibility` = (query slots [s], query segments [s] or [b, s],
-    key segments [t] or [b, t], window [1]), int32 (msllm.models.llama.visibility). The same call as
+    key segments [t] or [b, t], window [1]), int32 (msllm.models.layers.visibility). The same call as
     SoftmaxAttention, whose additive mask it replaces. Runs in fp32 whatever the compute dtype."""
 
     def __init__(self, num_heads: int, num_kv_heads: int):

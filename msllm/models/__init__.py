@@ -1,12 +1,7 @@
-"""Model families as MindSpore Cells (llama.py) and their parallel layouts (layouts.py).
+"""The model as MindSpore Cells, plain maths described by the family spec (ModelConfig):
 
-The Cells load lazily, so layouts.py (and `msllm plan`) is read without importing MindSpore.
+layers.py   the shared Cells: linear, embedding, norms, RoPE kinds, attention core, MLP kinds, losses
+mixers/     one module per token mixer (attention, MLA), chosen per layer by the spec
+moe.py      routers, stacked experts, dispatchers, shared experts, routing statistics
+decoder.py  Block and Decoder, composed per layer from the spec: the only decoder
 """
-__all__ = ["Llama", "CausalLMLoss", "build_model"]
-
-
-def __getattr__(name):
-    if name in __all__:
-        from msllm.models import llama
-        return getattr(llama, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

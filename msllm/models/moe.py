@@ -18,8 +18,8 @@ from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import initializer
 
 from msllm.config import ModelConfig
-from msllm.models.layouts import BLOCK_ROWS
-from msllm.models.llama import ACTIVATIONS, FeedForward, cast
+from msllm.rules import BLOCK_ROWS
+from msllm.models.layers import ACTIVATIONS, FeedForward, cast
 
 
 def z_loss(logits):
@@ -244,7 +244,7 @@ class GroupedCapacityDispatch(Dispatch):
     move from the ranks holding the tokens to the ranks holding the experts (the AlltoAll semi-auto
     parallel inserts). With groups = 1 it is CapacityDispatch (same choices, same drops). The one-hot
     masks are [groups, n, E * C], n x factor x k x n per group: what GShard pays for static shapes,
-    bounded by keeping groups small (msllm.models.layouts.dispatch_groups)."""
+    bounded by keeping groups small (msllm.layout.table.dispatch_groups)."""
 
     def __init__(self, num_experts: int, factor: float, groups: int):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Laying a run out over devices: the layout checker (check.py) and the planner (plan.py).
-
-Pure Python + numpy: nothing here imports MindSpore, so `msllm plan` is instant.
+"""The MindSpore runtime of the CPU layouts: data parallel (dp.py), ZeRO-1 (zero.py), context and
+expert parallel (cp.py, ep.py), launching over msrun (launch.py) and its watchdog. What a layout is,
+whether it fits and what it costs is msllm.layout (pure Python).
 """

@@ -36,9 +36,10 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from msllm.config import Config
-from msllm.models import llama
-from msllm.parallel.check import data_replicas
-from msllm.parallel.plan import BUCKET_BYTES
+from msllm.models import decoder, layers
+from msllm.models.mixers import attention
+from msllm.layout.check import data_replicas
+from msllm.layout.plan import BUCKET_BYTES
 
 
 def chunks_of(cp: int, index: int) -> tuple[int, int]:
@@ -81,7 +82,7 @@ def all_reduce(group: str | None):
 
 
 class ZigZagTokens(nn.Cell):
-    """Token-aligned inputs [.., s] -> this rank's tokens [.., s / cp] (llama.WholeSequence's place)."""
+    """Token-aligned inputs [.., s] -> this rank's tokens [.., s / cp] (layers.WholeSequence's place)."""
 
     def __init__(self, seq: int, cp: int, index: int):
         super().__init__()
@@ -140,7 +141,7 @@ class BucketedAllReduce(nn.Cell):
 
 class ExchangeKV(nn.Cell):
     """k, v [b, kv_heads, q, d] of this rank's tokens -> those of the whole sequence [b, kv_heads, s, d]
-    on every rank of the cp group (llama.OwnKeys's place): placed in zeros and summed by `reduce`."""
+    on every rank of the cp group (layers.OwnKeys's place): placed in zeros and summed by `reduce`."""
 
     def __init__(self, seq: int, cp: int, index: int, reduce: nn.Cell):
         super().__init__()
@@ -153,7 +154,7 @@ class ExchangeKV(nn.Cell):
 
 
 class GroupMean(nn.Cell):
-    """A scalar -> its mean over the cp group (llama.OneRankMean's place)."""
+    """A scalar -> its mean over the cp group (layers.OneRankMean's place)."""
 
     def __init__(self, cp: int, group: str | None):
         super().__init__()
@@ -164,27 +165,27 @@ class GroupMean(nn.Cell):
         return self.all_reduce(x.reshape(1)).reshape(()) * self.inv
 
 
-def split_sequence(model: llama.Llama, seq: int, cp: int, index: int, group: str | None) -> None:
+def split_sequence(model: decoder.Decoder, seq: int, cp: int, index: int, group: str | None) -> None:
     """Make `model` compute rank `index`'s zig-zag chunks of `seq`-token sequences, exchanging keys and
     values and averaging losses over `group` (its cp group)."""
     model.local_tokens = ZigZagTokens(seq, cp, index)
     model.sequence_mean = GroupMean(cp, group)
     reduce = BucketedAllReduce(group)
     for cell in [cell for _, cell in model.cells_and_names()]:
-        if isinstance(cell, llama.Attention):
+        if isinstance(cell, attention.Attention):
             cell.whole_kv = ExchangeKV(seq, cp, index, reduce)
 
 
-def whole_sequence(model: llama.Llama) -> None:
+def whole_sequence(model: decoder.Decoder) -> None:
     """Undo split_sequence: the process computes whole sequences (generation after training)."""
-    model.local_tokens = llama.WholeSequence()
-    model.sequence_mean = llama.OneRankMean()
+    model.local_tokens = layers.WholeSequence()
+    model.sequence_mean = layers.OneRankMean()
     for cell in [cell for _, cell in model.cells_and_names()]:
-        if isinstance(cell, llama.Attention):
-            cell.whole_kv = llama.OwnKeys()
+        if isinstance(cell, attention.Attention):
+            cell.whole_kv = layers.OwnKeys()
 
 
-def specialise(model: llama.Llama, cfg: Config, training: bool) -> int:
+def specialise(model: decoder.Decoder, cfg: Config, training: bool) -> int:
     """The seam's context-parallel step (msllm.backends): split sequences over the cp group this
     process belongs to when training with parallel.cp > 1, whole sequences otherwise. Returns cp."""
     cp = cfg.parallel.cp if training else 1

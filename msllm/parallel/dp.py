@@ -18,7 +18,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from msllm.parallel.plan import BUCKET_BYTES  # the planner counts the buckets too
+from msllm.layout.plan import BUCKET_BYTES  # the planner counts the buckets too
 
 
 def launched() -> bool:

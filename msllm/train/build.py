@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from msllm import backends, device
 from msllm.backends import Specialisation
 from msllm.config import Config
-from msllm.models.llama import Llama, build_model
+from msllm.models.decoder import Llama, build_model
 from msllm.parallel import ep
 from msllm.parallel.dp import GradAllReduce
 from msllm.parallel.zero import ShardedAdamW

@@ -16,7 +16,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ParameterTuple, amp, nn, ops
 
-from msllm.models.llama import CausalLMLoss, MaskedCausalLMLoss
+from msllm.models.layers import CausalLMLoss, MaskedCausalLMLoss
 from msllm.models.moe import balance_loss, router_z_loss
 
 

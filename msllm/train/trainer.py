@@ -16,7 +16,8 @@ import mindspore as ms
 import numpy as np
 
 from msllm import backends, checkpoint, device
-from msllm.config import Config, ConfigError, config_from_dict, save_config
+from msllm.config import Config, ConfigError
+from msllm.config_file import config_from_dict, save_config
 from msllm.data import shards
 from msllm.data.loader import DocumentWindows, make_dataset, windows_of
 from msllm.parallel.watchdog import Heartbeat
@@ -25,10 +26,10 @@ from msllm.errors import UserError
 from msllm.metrics import MetricsLogger, info
 from msllm.models.moe import routing_metrics
 from msllm.parallel import dp, ep
-from msllm.parallel.check import data_replicas
+from msllm.layout.check import data_replicas
 from msllm.preflight import make_dir
 from msllm.train import nonfinite
-from msllm.models.llama import build_model
+from msllm.models.decoder import build_model
 from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
 from msllm.train.optim import warmup_warning

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from msllm.config import Config, ConfigError
-from msllm.models.layouts import sharding, strategy_problems
+from msllm.layout.table import sharding, strategy_problems
+from msllm.rules import ascend_flash_problem, packed_samples
 
 
 def global_batch_of(cfg: Config) -> int:
@@ -94,7 +95,7 @@ def expert_parallel_problem(cfg: Config) -> tuple[str, str] | None:
 def context_parallel_problem(cfg: Config, seq: int) -> tuple[str, str] | None:
     """(key, message) when parallel.cp cannot split this config's sequences, else None. Executed on
     CPU (msllm.parallel.cp) with data parallel only, in zig-zag chunks (2 cp of them); on Ascend it is
-    FlashAttentionScore's ring attention (msllm.models.layouts), generated and checked here, not run."""
+    FlashAttentionScore's ring attention (msllm.layout.table), generated and checked here, not run."""
     p, t = cfg.parallel, cfg.train
     if p.cp == 1:
         return None
@@ -121,8 +122,6 @@ def ring_attention_problem(cfg: Config, seq: int) -> tuple[str, str] | None:
     """Context parallel on Ascend is FlashAttentionScore's ring attention: causal attention on cp
     chunks in natural order, so it needs the flash core, no sliding window and a sequence that cp
     divides. MoE layers' dispatch groups are per replica, not per chunk (not built)."""
-    from msllm.backends import ascend_flash_problem, packed_samples
-
     p, m = cfg.parallel, cfg.model
     if seq % p.cp:
         return "parallel.cp", f"must divide data.seq_len ({seq} % {p.cp} != 0): each rank takes one chunk"

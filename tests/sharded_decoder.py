@@ -1,5 +1,5 @@
 """The sharded-maths oracle: a numpy Llama run the way dp x tp ranks (and pipeline stages) would run
-it, with every weight and activation slice taken from msllm.models.layouts and the collectives
+it, with every weight and activation slice taken from msllm.layout.table and the collectives
 written out, forward and backward.
 
 All ranks run in lockstep; an activation is a list with one array per rank. With dp = tp = 1 this
@@ -35,9 +35,10 @@ from functools import reduce
 import numpy as np
 
 from msllm.config import ModelConfig
-from msllm.models import layouts as L
+from msllm.layout import table as L
 from msllm.backends.cpu import rotate_half_matrix
-from msllm.models.llama import attention_kinds, rope_tables
+from msllm.models.decoder import attention_kinds
+from msllm.models.layers import rope_tables
 
 TP = ("tp_kv", "tp_rep")
 

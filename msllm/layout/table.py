@@ -1,4 +1,4 @@
-"""How the Llama family is laid out over devices: one declarative table, beside the model.
+"""How the decoder of every family is laid out over devices: one declarative table, beside the model.
 
 Every parameter and every primitive the model's Cells hold gets a layout: one entry per tensor
 dim, None (whole on every rank) or the name of a split. The names are resolved for one run by
@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from msllm.config import ModelConfig, ParallelConfig
+from msllm.rules import COMPRESSED_MASK
 
 CORES = ("softmax", "flash", "ring", "packed")
 
@@ -387,7 +388,7 @@ def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def mla_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """An MLA layer's parameters (msllm/models/mla.py), in its order."""
+    """An MLA layer's parameters (msllm/models/mixers/mla.py), in its order."""
     h, n, q = m.hidden_size, m.num_heads, m.num_heads * m.head_size
     r, c = m.q_lora_rank, m.kv_lora_rank
     shapes = ({"wq_a.weight": (r, h), "q_norm.weight": (r,), "wq_b.weight": (q, r)} if r else {"wq.weight": (q, h)})
@@ -401,7 +402,7 @@ def param_entry(name: str) -> tuple[tuple, str]:
     for pattern, layout, placement in PARAMS:
         if fnmatch.fnmatchcase(name, pattern):
             return layout, placement
-    raise KeyError(f"{name}: no layout in msllm.models.layouts.PARAMS")
+    raise KeyError(f"{name}: no layout in msllm.layout.table.PARAMS")
 
 
 def shard_shape(shape: tuple[int, ...], layout: tuple, sh: Sharding) -> tuple[int, ...]:
@@ -436,10 +437,6 @@ def shard_slices(shape: tuple[int, ...], layout: tuple, sh: Sharding, rank: dict
 
 
 # ---- ops ----------------------------------------------------------------------------------------
-
-# FlashAttentionScore's optimised causal mask for its sparse modes 2, 3 and 4: always [2048, 2048]
-COMPRESSED_MASK = 2048
-
 
 def _applies(op: Op, m: ModelConfig) -> bool:
     """A row holds for model m: its condition."""
@@ -594,11 +591,6 @@ def _varlen_problems(op: Op, sh: Sharding, shapes: list[tuple[int, ...]]) -> lis
 
 # Tokens per MoE dispatch group (about): GroupedCapacityDispatch's one-hot masks grow with their square
 DISPATCH_GROUP_TOKENS = 1024
-# Rows per block of BlockDispatch (dropless training). With each block's weights gathered (the portable
-# GatheredMatmul) 64 was no faster on CPU than 128: more gathers. The CPU kernel (GroupedMatmul) reads
-# each expert's weights once however many blocks it has, so its blocks are small: less padding.
-BLOCK_ROWS = 128
-GROUPED_BLOCK_ROWS = 32
 
 
 def dispatch_groups(dp: int, tokens_per_rank: int) -> int:
@@ -687,7 +679,7 @@ def stage_of(name: str, num_layers: int, pp: int) -> int:
         layer = int(name.split(".")[1])
         offsets = stage_offsets(num_layers, pp)
         return max(i for i, first in enumerate(offsets) if first <= layer)
-    raise KeyError(f"{name}: no pipeline stage in msllm.models.layouts")
+    raise KeyError(f"{name}: no pipeline stage in msllm.layout.table")
 
 
 def stage_cells(m: ModelConfig, pp: int) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """The ONNX graphs of an msllm model, written op by op from its config and weights.
 
 A static trace would bake batch and sequence lengths into Reshape nodes, so the graphs are
-built directly (onnx_ir) and mirror msllm/models/llama.py line for line, reading the same family
+built directly (onnx_ir) and mirror msllm/models/decoder.py line for line, reading the same family
 spec (ModelConfig):
   * the residual stream is kept as rows [batch*seq, hidden], so every linear is one
     Gemm(x, W, b, transB=1) on the checkpoint's own [out, in] weight, under its msllm name;
@@ -10,7 +10,7 @@ spec (ModelConfig):
     and RoPE base): no [max_seq_len, d] table, so a 128K context costs nothing until used;
   * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax;
     q/k norms, (offset + w) norms, sandwich norms, GeGLU and the embedding scale as the spec says;
-  * MLA (msllm/models/mla.py) with its latent cache, DeepSeek-V3's grouped sigmoid router and
+  * MLA (msllm/models/mixers/mla.py) with its latent cache, DeepSeek-V3's grouped sigmoid router and
     shared experts (msllm/models/moe.py).
 Two graphs, both with dynamic batch, sequence and cache length:
   model    input_ids [b, s] -> logits [b, s, vocab]
@@ -31,8 +31,9 @@ import numpy as np
 import onnx_ir as ir
 
 from msllm.config import ModelConfig
-from msllm.models.llama import attention_kinds, rope_attention_factor, rope_inv_freq
-from msllm.models.mla import LATENT_NORM_EPS
+from msllm.models.decoder import attention_kinds
+from msllm.models.layers import rope_attention_factor, rope_inv_freq
+from msllm.models.mixers.mla import LATENT_NORM_EPS
 
 OPSET = 17
 IR_VERSION = 8
@@ -162,7 +163,7 @@ class LlamaGraph:
         return self.op("Reshape", x, self.shape(-1, n * r))
 
     def mla(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
-        """As msllm.models.mla.MLA: -> (out, latents [b, 1, t, kv_lora_rank], rope keys [b, 1, t, rope])."""
+        """As msllm.models.mixers.mla.MLA: -> (out, latents [b, 1, t, kv_lora_rank], rope keys [b, 1, t, rope])."""
         cfg = self.cfg
         n, nope, r, dv, rank, qk = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                     cfg.kv_lora_rank, cfg.head_size)

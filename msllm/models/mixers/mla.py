@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3), beside llama.Attention; a block takes it when the
-spec says `attention: mla`.
+"""Multi-head latent attention (DeepSeek-V2/V3), the mixer a layer takes when the spec says
+`attention: mla`.
 
 Each token's keys and values come from one latent of kv_lora_rank features (wkv_a, normed), which
 wkv_b expands per head into the key's "nope" part and the value; the key's RoPE part
@@ -15,7 +15,7 @@ from __future__ import annotations
 from mindspore import nn, ops
 
 from msllm.config import ModelConfig
-from msllm.models.llama import AttentionCore, CacheWrite, Linear, OwnKeys, RMSNorm, Rope, split_heads
+from msllm.models.layers import AttentionCore, CacheWrite, Linear, OwnKeys, RMSNorm, Rope, split_heads
 
 # transformers builds DeepSeek's q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
 # the model's rms_norm_eps.

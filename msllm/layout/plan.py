@@ -54,8 +54,9 @@ from dataclasses import dataclass
 
 from msllm.config import Config, ParallelConfig
 from msllm.errors import UserError
-from msllm.models import layouts as L
-from msllm.parallel.check import global_batch_of, layout_problem
+from msllm.layout import table as L
+from msllm.rules import GROUPED_BLOCK_ROWS, packed_samples, resolves_to_flash
+from msllm.layout.check import check_execution, check_parallel, global_batch_of, layout_problem
 
 BUCKET_BYTES = 32 << 20  # data parallel sends gradients in buckets of at most this (msllm.parallel.dp)
 
@@ -180,7 +181,7 @@ class MoECost:
         if factor > 0:
             rows = factor * m.experts_per_token
         elif t.moe_dropless == "blocks":  # BlockDispatch: at most ceil(N k / block) + E blocks of rows (CPU kernel's)
-            block = L.GROUPED_BLOCK_ROWS
+            block = GROUPED_BLOCK_ROWS
             rows = (-(-tokens_per_rank * m.experts_per_token // block) + m.num_experts) * block / tokens_per_rank
         else:
             rows = float(m.num_experts)
@@ -263,14 +264,11 @@ def with_layout(cfg: Config, p: ParallelConfig, recompute: str | None = None, gl
 
 def uses_flash(cfg: Config, dev: Device, seq: int | None = None) -> bool:
     """Whether the planned step runs a flash attention core: train.attention as the device's backend
-    resolves it (msllm.backends.resolves_to_flash) at `seq` tokens (default data.seq_len). Ascend
+    resolves it (msllm.rules.resolves_to_flash) at `seq` tokens (default data.seq_len). Ascend
     (910b): auto and flash alike, when FlashAttentionScore takes the config (fp16 / bf16, head
     sizes multiples of 16, no packed samples); softmax never. CPU: as train.attention: auto picks there."""
-    from msllm import backends
-
     seq = cfg.data.seq_len if seq is None else seq
-    return backends.resolves_to_flash(cfg, dev.backend, cfg.train.fused_kernels != "off", seq,
-                                      backends.packed_samples(cfg))
+    return resolves_to_flash(cfg, dev.backend, cfg.train.fused_kernels != "off", seq, packed_samples(cfg))
 
 
 def ring_attention(cp: int, dev: Device) -> bool:
@@ -568,8 +566,6 @@ def run(cfg: Config, source: str, devices: int, device: str, memory: float | Non
     """msllm plan: 0 = printed a plan (or --check passed), 1 = nothing fits; bad input raises (exit 2).
     `given`: the --set overrides cfg was loaded with (repeated in the printed overrides). The
     attention core counted is the one train.attention resolves to on the device (uses_flash)."""
-    from msllm.parallel.check import check_execution, check_parallel
-
     if device not in DEVICES:
         raise PlanError(f"--device: one of {', '.join(DEVICES)}, got {device!r}")
     dev = DEVICES[device]

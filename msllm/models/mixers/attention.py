@@ -1,0 +1,48 @@
+"""Grouped-query attention (MHA, GQA, MQA): the mixer of every family but DeepSeek's.
+
+q/k/v projections (optional biases), optional per-head q/k norms, RoPE, the shared attention core
+and the cache write; its cache holds each KV head's keys and values.
+"""
+from __future__ import annotations
+
+from mindspore import nn
+
+from msllm.config import ModelConfig
+from msllm.models.layers import AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, Rope, split_heads
+
+
+class Attention(nn.Cell):
+    """x [b*s, h] -> (out [b*s, h], keys, values [b, nkv, t, d]).
+
+    cache_k / cache_v [b, nkv, t, d]: a preallocated cache, into which `cache_write` puts the new
+    keys and values (`write`: see CacheWrite). Without a cache t = s, the whole sequence (`whole_kv`
+    joins the other ranks' keys under context parallel). The length of x's sequence comes from the rope table.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_size
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.wq = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.wk = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.wv = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.num_heads * d, h)
+        self.q_norm = HeadNorm(d, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else nn.Identity()
+        self.k_norm = HeadNorm(d, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else nn.Identity()
+        self.rope = Rope(d)
+        self.whole_kv = OwnKeys()  # context parallel: the other ranks' keys and values joined in
+        self.cache_write = CacheWrite()
+        self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d, cfg.attn_scale)
+
+    def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
+        q = self.rope(self.q_norm(self.wq(x)), cos, sin)
+        if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: take the KV heads' rows
+            cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
+        k = self.rope(self.k_norm(self.wk(x)), cos, sin)
+        v = split_heads(self.wv(x), self.head_dim, cos.shape[-2])
+        k, v = self.whole_kv(k, v)
+        if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
+            k, v = self.cache_write(k, v, cache_k, cache_v, write)
+        out = self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(-1, self.num_heads * self.head_dim)
+        return self.wo(out), k, v
+
