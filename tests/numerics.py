@@ -76,3 +76,41 @@ def assert_adamw_first_step(w_a: dict, w_b: dict, g_a: dict, g_b: dict, lr: floa
         worst = np.unravel_index(np.argmax(diff - bound), diff.shape)
         assert np.all(diff <= bound), (f"{name}{list(worst)}: weights differ by {diff[worst]:.3g} > {bound[worst]:.3g} "
                                        f"(gradients {g_a[name][worst]:.6g} vs {g_b[name][worst]:.6g}, lr {lr:.3g})")
+
+
+def decoder_path_terms(m, tokens: int, seq: int) -> tuple[int, int]:
+    """(forward, backward) term counts along the longest path through a dense GQA decoder (the
+    sharded oracle's and msllm's models in tests/test_layouts.py): the sum of K over every K-term
+    reduction a value passes through. Forward, from the embedding to the loss; backward, from the
+    loss to a layer-0 weight's gradient, which also carries the whole forward (its cached
+    activations and the softmax it starts from) and ends in the weight gradient's own sum.
+
+    To first order each K-term sum adds <= K u of its output's scale (the module docstring), and
+    the norms, softmaxes and residual adds on the path pass relative errors on unamplified at these
+    scales, so along the path they add: two evaluations that differ only in summation order (tp
+    partial sums then an all-reduce, split token rows, another CPU's GEMM blocking) agree to
+    2 * terms * u of the compared tensor's scale (decoder_rtol)."""
+    h, f, d, v = m.hidden_size, m.ffn_size, m.head_size, m.vocab_size
+    nq, nkv = m.num_heads * d, m.num_kv_heads * d
+    group = m.num_heads // m.num_kv_heads
+    sandwich, qk = int(m.sandwich_norm), int(m.qk_norm)
+    # forward per block: input norm, q/k/v projections, q/k norms, scores, softmax sum, p @ v, wo,
+    # sandwich norm; MLP norm, gate/up, down, sandwich norm
+    block = h + h + qk * d + d + seq + seq + nq + sandwich * h + h + h + f + sandwich * h
+    forward = m.num_layers * block + h + h + v + tokens          # final norm, logits, logsumexp, mean
+    # backward per block: sandwich norm, down^T, gate^T + up^T, MLP norm, sandwich norm, wo^T,
+    # dP = dO V^T, the softmax's row dot, dQ = dS K, dK = dS^T Q over the group's query heads,
+    # q/k norms, q^T + k^T + v^T, input norm
+    block_back = (sandwich * h + h + 2 * f + h + sandwich * h + h + d + d + seq + group * seq + qk * d
+                  + nq + 2 * nkv + h)
+    weight = tokens * (m.num_heads if m.qk_norm else 1)         # a weight's sum over tokens (q_norm: x heads)
+    backward = forward + v + h + m.num_layers * block_back + weight  # + logits^T, final norm
+    return forward, backward
+
+
+def decoder_rtol(m, tokens: int, seq: int) -> tuple[float, float]:
+    """(loss, gradient) relative tolerances for two fp32 evaluations of a decoder's step that differ
+    only in summation order: 2 * path terms * u (decoder_path_terms), each against the compared
+    tensor's own scale (max|g|, as assert_close_to_scale)."""
+    forward, backward = decoder_path_terms(m, tokens, seq)
+    return 2 * forward * U32, 2 * backward * U32
