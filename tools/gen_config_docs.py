@@ -10,7 +10,7 @@ MindSpore nor msllm's dependencies. For every field of every section class it ta
 name, the annotation, the default as written in the source, and the comments:
 a trailing `# ...` on the field's line, comment-only lines that continue it (their `#`
 in the same column), and comment-only lines directly above the field. Allowed values
-come from the `_CHOICES` table in the same file.
+come from the `CHOICES` table in the same file.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def _fields(cls: ast.ClassDef, text: str, comments: dict[int, Comment]) -> list[
 def _choices(tree: ast.Module) -> dict[str, tuple]:
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-        if any(isinstance(t, ast.Name) and t.id == "_CHOICES" for t in targets):
+        if any(isinstance(t, ast.Name) and t.id == "CHOICES" for t in targets):
             return ast.literal_eval(node.value)
     return {}
 
@@ -141,7 +141,7 @@ def render(source: Path = SOURCE) -> str:
         "",
         "Defaults are shown as written in the source. *Allowed* lists the values accepted for keys "
         "that take one of a fixed set. Further checks (e.g. `model.num_heads` must divide "
-        f"`model.hidden_size`) are in `_check()` in `{rel}`.",
+        "`model.hidden_size`) are in `_check()` in `msllm/config_file.py`.",
         "",
     ]
     for name, cls in sections:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import mindspore as ms
-from mindspore import Parameter, nn, ops
+from mindspore import Parameter, ParameterTuple, nn, ops
 from mindspore.common.initializer import initializer
 
 from msllm.config import ModelConfig
@@ -358,6 +358,64 @@ def balance_loss(loads):
 def router_z_loss(loads):
     """The MoE layers' z-losses (MoE's load row 3), averaged over the layers."""
     return ops.mean(ops.stack(loads)[:, 3, 0])
+
+
+class RoutingLosses(nn.Cell):
+    """What a MoE model's routers add to its training loss, from its MoE layers' loads (one [4, E] each):
+    router_aux_loss_coef x the load-balancing loss, as transformers adds it, and router_z_loss_coef x
+    the router z-loss. `stats(loads)` is what the step reports of them (no gradient)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
+
+    def add_to(self, loss, loads):
+        if self.aux_coef > 0:
+            loss = loss + self.aux_coef * balance_loss(loads)
+        if self.z_coef > 0:
+            loss = loss + self.z_coef * router_z_loss(loads)
+        return loss
+
+    def stats(self, loads):
+        return ops.stop_gradient(ops.stack(loads))
+
+
+def routing_losses(cfg: ModelConfig) -> RoutingLosses | None:
+    """The routing losses of a model with MoE layers; None for a dense one (its step has no loads)."""
+    return RoutingLosses(cfg) if "moe" in cfg.mlp_kinds() else None
+
+
+class BiasBalance(nn.Cell):
+    """DeepSeek-V3's aux-loss-free balance, after each optimizer update: every expert's routing bias
+    moves by `rate` toward even load, up for an expert that took fewer than the mean share of this
+    step's choices (over all ranks), down for one that took more (no gradient). A skipped step moves
+    nothing."""
+
+    def __init__(self, biases: list, rate: float, world: int):
+        super().__init__(auto_prefix=False)  # the biases keep the names the model gave them
+        self.expert_biases = ParameterTuple(biases)
+        self.rate, self.world = rate, world
+        self.all_reduce = ops.AllReduce() if world > 1 else None  # every rank moves the biases alike
+
+    def construct(self, loads, finite, after):
+        """loads [moe layers, 4, E] (the step's, averaged over micro-batches); `after`: a value of the
+        update, so the biases move once the optimizer has read them."""
+        shares = loads[:, 0]
+        if self.all_reduce is not None:
+            shares = self.all_reduce(shares) / self.world
+        move = ops.sign(ops.mean(shares, -1, keep_dims=True) - shares) * (self.rate * finite.astype(ms.float32))
+        move = ops.depend(move, after)
+        for i in range(len(self.expert_biases)):
+            ops.assign_add(self.expert_biases[i], move[i])
+        return move
+
+
+def bias_balance(model, rate: float, world: int) -> BiasBalance | None:
+    """The bias balance of a model whose routers have a routing bias (GroupedSigmoidRouter), when
+    train.moe_bias_update_rate > 0; else None."""
+    routers = [block.feed_forward.router for block in model.layers if block.routed]
+    biases = [router.expert_bias for router in routers if isinstance(router, GroupedSigmoidRouter)]
+    return BiasBalance(biases, rate, world) if rate > 0 and biases else None
 
 
 def routing_metrics(loads) -> dict:

@@ -24,9 +24,9 @@ import numpy as np
 from mindspore import nn, ops
 
 from msllm.config import Config, ConfigError
+from msllm.grad_norm import sum_squares
 from msllm.models.moe import Dispatch, EveryExpert, capacity, choices, gather_rows, rank_at_expert, sum_choices
 from msllm.parallel.dp import BUCKET_BYTES, GradAllReduce, all_gather
-from msllm.train.step import sum_squares
 
 EXPERT_LEAVES = (".experts.w1", ".experts.w2", ".experts.w3")
 GATHER_PIECE = 4 << 20  # floats per rank in one checkpoint gather (16 MiB; mccl fails on ~64 MiB collectives)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from msllm import backends, device
 from msllm.backends import Specialisation
 from msllm.config import Config
-from msllm.models.decoder import Llama, build_model
+from msllm.models.decoder import Decoder, build_model
+from msllm.models.moe import bias_balance
 from msllm.parallel import ep
 from msllm.parallel.dp import GradAllReduce
 from msllm.parallel.zero import ShardedAdamW
@@ -20,7 +21,7 @@ from msllm.train.step import EvalStep, TrainStep, make_loss_scaler
 
 @dataclass
 class Built:
-    model: Llama
+    model: Decoder
     optimizer: AdamW
     train_step: TrainStep
     eval_step: EvalStep
@@ -32,7 +33,7 @@ class Built:
         return self.optimizer.state_parameters() + self.train_step.state_parameters()
 
 
-def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=None, world: int = 1,
+def build_train_step(cfg: Config, model: Decoder | None = None, wrap_optimizer=None, world: int = 1,
                      rank: int = 0, load_weights=None) -> Built:
     """The configured train step on a new model (seeded by train.seed), or on `model` as given.
     wrap_optimizer(optimizer) -> a Cell with the optimizer's call, `params` and `fused` (tests use it
@@ -58,5 +59,5 @@ def build_train_step(cfg: Config, model: Llama | None = None, wrap_optimizer=Non
     if spec.ep > 1:
         reducer = ep.ExpertGradReduce(optimizer.params, ep_group, edp_group)
     train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world,
-                           t.moe_bias_update_rate)
+                           bias_balance(model, t.moe_bias_update_rate, world))
     return Built(model, optimizer, train_step, EvalStep(model), spec)

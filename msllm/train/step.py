@@ -14,10 +14,11 @@ weights and optimizer untouched; with a loss scaler the scale is lowered instead
 from __future__ import annotations
 
 import mindspore as ms
-from mindspore import ParameterTuple, amp, nn, ops
+from mindspore import amp, nn, ops
 
+from msllm.grad_norm import global_norm, hyper_map
 from msllm.models.layers import CausalLMLoss, MaskedCausalLMLoss
-from msllm.models.moe import balance_loss, router_z_loss
+from msllm.models.moe import routing_losses
 
 
 class LossCell(nn.Cell):
@@ -28,61 +29,31 @@ class LossCell(nn.Cell):
 
     Under context parallel the model computes only this rank's tokens (model.local_tokens): the
     labels and mask are cut alike, and a masked mean divides by the cp group's mean count, so that
-    the ranks' losses average to the loss of the whole sequence (msllm.parallel.cp)."""
+    the ranks' losses average to the loss of the whole sequence (msllm.parallel.cp).
+
+    A model whose layers report statistics (MoE layers' routing loads) has a component that adds
+    their losses (msllm.models.moe.routing_losses); the cell then also returns the statistics."""
 
     def __init__(self, model):
         super().__init__(auto_prefix=False)
         self.model = model
         self.loss = CausalLMLoss()
         self.masked_loss = MaskedCausalLMLoss()
-        self.routed = "moe" in model.cfg.mlp_kinds()
-        self.aux_coef = model.cfg.router_aux_loss_coef
-        self.z_coef = model.cfg.router_z_loss_coef
+        self.extra = routing_losses(model.cfg)
+        self.has_stats = self.extra is not None
 
     def construct(self, tokens, scale, mask=None, segments=None, positions=None):
-        """-> scale * loss; a MoE model also returns its MoE layers' routing loads [moe layers, 4, E]
-        (msllm.models.moe.MoE), and adds router_aux_loss_coef times the load-balancing loss to its
-        loss, as transformers does, and router_z_loss_coef times the router z-loss."""
         labels = self.model.local_tokens(tokens[:, 1:])
-        logits, loads = self.model.with_loads(tokens[:, :-1], segments, positions)
+        logits, stats = self.model.with_loads(tokens[:, :-1], segments, positions)
         if mask is None:
             loss = self.loss(logits, labels)
         else:
             mask = self.model.local_tokens(mask)
             count = self.model.sequence_mean(ops.stop_gradient(ops.sum(mask)))
             loss = self.masked_loss(logits, labels, mask, count)
-        if not self.routed:
+        if self.extra is None:
             return loss * scale
-        if self.aux_coef > 0:
-            loss = loss + self.aux_coef * balance_loss(loads)
-        if self.z_coef > 0:
-            loss = loss + self.z_coef * router_z_loss(loads)
-        return loss * scale, ops.stop_gradient(ops.stack(loads))
-
-
-def sum_of_squares(g):
-    squares = ops.square(g.astype(ms.float32))
-    if g.ndim > 1:
-        # MindSpore's CPU reduce-to-scalar kernel is slower than a last-axis reduce followed by
-        # a reduce of the much smaller rest.
-        squares = ops.sum(squares, -1)
-    return ops.sum(squares)
-
-
-# Per-parameter work goes through HyperMap, not Python loops / generators over the gradient
-# tuple, which unroll into many more graph nodes and compile far slower.
-hyper_map = ops.HyperMap()
-
-
-def sum_squares(grads, sum_of_squares_op=None):
-    """The sum of squares of all gradients; the fused kernel takes them all in one call."""
-    if sum_of_squares_op is None:
-        return ops.addn(hyper_map(sum_of_squares, grads))
-    return sum_of_squares_op(*grads).reshape(())
-
-
-def global_norm(grads, sum_of_squares_op=None):
-    return ops.sqrt(sum_squares(grads, sum_of_squares_op))
+        return self.extra.add_to(loss, stats) * scale, self.extra.stats(stats)
 
 
 def make_loss_scaler(initial_scale: float, window: int):
@@ -93,11 +64,13 @@ def make_loss_scaler(initial_scale: float, window: int):
 
 class TrainStep(nn.Cell):
     """tokens [accum_steps * b, s+1] (and for SFT mask, segments, positions [accum_steps * b, s])
-    -> (loss, grad_norm before clipping, lr, finite, loss_scale), and for a MoE model the routing loads
-    of its MoE layers [moe layers, 4, E] (this rank's tokens, averaged over micro-batches)."""
+    -> (loss, grad_norm before clipping, lr, finite, loss_scale), and for a model with layer statistics
+    (LossCell.has_stats: a MoE model's routing loads [moe layers, 4, E]) those of this rank's tokens,
+    averaged over micro-batches. `after_update(stats, finite, lr)`: a Cell the model's components run
+    once the optimizer has updated (msllm.models.moe.bias_balance), or None."""
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
-                 grad_reducer=None, world: int = 1, bias_update_rate: float = 0.0):
+                 grad_reducer=None, world: int = 1, after_update=None):
         super().__init__(auto_prefix=False)
         if optimizer.fused:  # msllm.kernels are on (CPU): the gradient norm uses them too
             from msllm import kernels
@@ -113,13 +86,9 @@ class TrainStep(nn.Cell):
         # expert parallel: the reducer knows which gradients are this rank's alone (msllm.parallel.ep)
         self.sharded = hasattr(grad_reducer, "norm")
         self.world = world
-        # DeepSeek-V3's aux-loss-free balance: the routing bias of every MoE layer whose router has one
-        self.expert_biases = ParameterTuple([block.feed_forward.router.expert_bias for block in model.layers
-                                             if block.routed and hasattr(block.feed_forward.router, "expert_bias")])
-        self.bias_update_rate = bias_update_rate if len(self.expert_biases) else 0.0
-        self.all_reduce = ops.AllReduce() if world > 1 else None  # every rank moves the biases alike
-        # A MoE model's loss cell also returns its routing loads: they take no gradient (has_aux).
-        self.value_and_grad = ops.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=self.loss_cell.routed)
+        self.after_update = after_update
+        # The statistics a loss cell also returns take no gradient (has_aux).
+        self.value_and_grad = ops.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=self.loss_cell.has_stats)
 
     def state_parameters(self):
         """Step state beyond the optimizer's: the loss scaler, when there is one."""
@@ -134,9 +103,9 @@ class TrainStep(nn.Cell):
         for i in range(1, self.accum_steps):
             chunk = ops.depend(tokens[i * micro:(i + 1) * micro], grads)
             more_loss, more_grads = self.value_and_grad(chunk, scale, *[x[i * micro:(i + 1) * micro] for x in sft])
-            loss = hyper_map(ops.add, loss, more_loss) if self.loss_cell.routed else loss + more_loss
+            loss = hyper_map(ops.add, loss, more_loss) if self.loss_cell.has_stats else loss + more_loss
             grads = hyper_map(ops.add, grads, more_grads)
-        loss, loads = loss if self.loss_cell.routed else (loss, None)  # MoE: the routing loads, summed like the loss
+        loss, stats = loss if self.loss_cell.has_stats else (loss, None)  # summed like the loss
         if self.grad_reducer is not None:
             grads, loss = self.grad_reducer(grads, loss)
         # Gradients are summed over micro-batches and ranks and loss-scaled until here.
@@ -161,25 +130,12 @@ class TrainStep(nn.Cell):
             lr = self.optimizer(grads, coef)
         else:
             lr = ops.zeros((), ms.float32)
-        if loads is not None:
-            loads = loads / self.accum_steps
-            if self.bias_update_rate > 0:
-                self.balance(loads, finite, lr)
-            return loss * inv, norm, lr, finite, scale, loads
+        if stats is not None:
+            stats = stats / self.accum_steps
+            if self.after_update is not None:
+                self.after_update(stats, finite, lr)
+            return loss * inv, norm, lr, finite, scale, stats
         return loss * inv, norm, lr, finite, scale
-
-
-    def balance(self, loads, finite, after):
-        """Move each expert's routing bias by bias_update_rate toward even load: up for an expert that
-        took fewer than the mean share of this step's choices (over all ranks), down for one that took
-        more (DeepSeek-V3's aux-loss-free balancing; no gradient). A skipped step moves nothing."""
-        shares = loads[:, 0]
-        if self.all_reduce is not None:
-            shares = self.all_reduce(shares) / self.world
-        move = ops.sign(ops.mean(shares, -1, keep_dims=True) - shares) * (self.bias_update_rate * finite.astype(ms.float32))
-        move = ops.depend(move, after)  # after the optimizer has read the biases
-        for i in range(len(self.expert_biases)):
-            ops.assign_add(self.expert_biases[i], move[i])
 
 
 class EvalStep(nn.Cell):
@@ -192,4 +148,4 @@ class EvalStep(nn.Cell):
 
     def construct(self, tokens, *sft):
         loss = self.loss_cell(tokens, 1.0, *sft)
-        return self.loss_cell.model.sequence_mean(loss[0] if self.loss_cell.routed else loss)
+        return self.loss_cell.model.sequence_mean(loss[0] if self.loss_cell.has_stats else loss)
