@@ -275,7 +275,7 @@ class LlamaGraph:
         return self.op("And", visible, near)
 
     def rope_at(self, kind: int, positions) -> tuple[ir.Value, ir.Value]:
-        """cos, sin [.., d] of attention kind `kind` at int64 positions [..], as Llama.rope_at: the
+        """cos, sin [.., d] of attention kind `kind` at int64 positions [..], as Decoder.rope_at: the
         angle position * inv_freq rounded to fp32, then its cosine and sine."""
         _, theta, scaling = self.kinds[kind]
         name = "rope_inv_freq" + (f"_{kind}" if kind else "")
@@ -303,7 +303,7 @@ class LlamaGraph:
         return self.op("Tile", mask, self.const([self.cfg.num_heads // self.cfg.num_kv_heads, 1]))
 
     def cache_tables(self, seq, keys, start, pad, kind: int):
-        """As Llama.cache_tables: rope rows at each row's positions [b, 1, s, d], the mask over the
+        """As Decoder.cache_tables: rope rows at each row's positions [b, 1, s, d], the mask over the
         cache slots [b, 1, rep*s, t] (key slot j visible from new slot i when pad <= j <= i), and
         where the new tokens go (source slot [t], fresh [t, 1])."""
         first = self.op("Squeeze", start)

@@ -436,10 +436,10 @@ def _lora_run(run: str | Path, base: str | Path | None):
 def merge(run: str | Path, out: str | Path, base: str | Path | None = None, force: bool = False) -> Path:
     """A full msllm checkpoint dir: base + scale * B A folded into each adapted weight."""
     from msllm.lora import adapter_params, apply_lora, merge_lora
-    from msllm.models.decoder import Llama
+    from msllm.models.decoder import Decoder
 
     ckpt, state, cfg, weights, adapters = _lora_run(run, base)
-    model = Llama(cfg.model)
+    model = Decoder(cfg.model)
     weights.load(model.trainable_params())
     apply_lora(model, cfg.lora, cfg.train.seed)
     checkpoint.load_into(adapter_params(model), adapters, str(ckpt))

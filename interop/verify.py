@@ -73,16 +73,16 @@ def stored_precision(source: Source) -> str:
 
 
 def msllm_model(source: Source):
-    """An msllm Llama holding the source's weights, whatever layout they are stored in."""
+    """An msllm Decoder holding the source's weights, whatever layout they are stored in."""
     from msllm import checkpoint
-    from msllm.models.decoder import Llama
+    from msllm.models.decoder import Decoder
 
     rows = plan(source)
     # copy=True: own the memory rather than keep the file mappings (interop/formats) alive in the model
     arrays = {name: t.to(torch.float32, copy=True).numpy()
               for name, t in msllm_parameters(rows, source.layout, source.reader)}
     source.reader.close()
-    model = Llama(source.config.model)
+    model = Decoder(source.config.model)
     checkpoint.load_into(model.trainable_params(), arrays, str(source.path))
     model.set_train(False)
     return model

@@ -252,10 +252,10 @@ def read_checkpoint(ckpt: str | Path):
 
 def load_model(ckpt: str | Path):
     """(config, eval-mode model, checkpoint dir, train state) from a run dir or a checkpoint dir."""
-    from msllm.models.decoder import Llama
+    from msllm.models.decoder import Decoder
 
     cfg, path, state = read_checkpoint(ckpt)
-    model = Llama(cfg.model)
+    model = Decoder(cfg.model)
     with load_arrays(path / MODEL_FILE) as arrays:
         load_into(model.trainable_params(), arrays, str(path))
     model.set_train(False)

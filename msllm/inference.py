@@ -12,14 +12,14 @@ import numpy as np
 from mindspore import nn
 
 from msllm.engine import Engine
-from msllm.models.decoder import Llama
+from msllm.models.decoder import Decoder
 
 
 class CachedForward(nn.Cell):
     """(input_ids [b, s], keys, values [layers, b, kv_heads, max_len, head_dim], start [1], pad [b])
     -> (logits [b, vocab] of the last token, keys, values with slots start .. start+s-1 written)."""
 
-    def __init__(self, model: Llama):
+    def __init__(self, model: Decoder):
         super().__init__(auto_prefix=False)  # keep the trained parameter names
         self.model = model
 
@@ -40,7 +40,7 @@ class MindSporeEngine(Engine):
         return (out[0].asnumpy(), *out[1:])
 
 
-def cell_engine(model: Llama) -> MindSporeEngine:
+def cell_engine(model: Decoder) -> MindSporeEngine:
     """The `msllm` engine: the model's own Cells, in whatever mode the process runs. Prefill and
     decode are one CachedForward; in GRAPH_MODE it compiles once per (batch, prompt bucket,
     cache bucket) shape."""

@@ -18,7 +18,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from msllm.config import LoraConfig
-from msllm.models.decoder import Llama
+from msllm.models.decoder import Decoder
 from msllm.models.layers import Linear, cast
 from msllm.models.moe import Experts
 
@@ -94,7 +94,7 @@ class LoRAExperts(nn.Cell):
         return w + self.scale * np.matmul(self.lora_b[i].asnumpy(), self.lora_a[i].asnumpy())
 
 
-def targets(model: Llama, names: list[str]):
+def targets(model: Decoder, names: list[str]):
     """(module path, parent Cell, attribute) of each targeted Linear, layer by layer: a dense MLP's
     targets skip MoE layers (whose experts take experts_* targets)."""
     for i, block in enumerate(model.layers):
@@ -117,7 +117,7 @@ def _replace(parent, attr: str, cell, names: dict) -> None:
         p.name = names[id(p)]
 
 
-def apply_lora(model: Llama, cfg: LoraConfig, seed: int) -> None:
+def apply_lora(model: Decoder, cfg: LoraConfig, seed: int) -> None:
     """Freeze every weight of `model` and put adapters on the configured projections (in place)."""
     if any(isinstance(c, (LoRALinear, LoRAExperts)) for _, c in model.cells_and_names()):
         return  # already adapted (the seam runs again when a trained model is specialised for inference)
@@ -140,11 +140,11 @@ def apply_lora(model: Llama, cfg: LoraConfig, seed: int) -> None:
             _replace(block.feed_forward, "experts", cell, names)
 
 
-def adapter_params(model: Llama) -> list:
+def adapter_params(model: Decoder) -> list:
     return [p for p in model.get_parameters() if p.name.endswith((".lora_a", ".lora_b"))]
 
 
-def merge_lora(model: Llama) -> None:
+def merge_lora(model: Decoder) -> None:
     """W += scale * B A in every adapted Linear, then drop the adapters: a plain model again."""
     for path, cell in list(model.cells_and_names()):
         if isinstance(cell, LoRAExperts):

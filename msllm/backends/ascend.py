@@ -1,4 +1,4 @@
-"""Ascend: the Llama layout table (msllm/layout/table.py) applied through MindSpore 2.10's
+"""Ascend: the layout table (msllm/layout/table.py) applied through MindSpore 2.10's
 semi-auto parallel, and the Ascend execution profile checked against the config.
 
     specialise(model, cfg, flash)                # FlashAttentionScore per layer, shardable norm cores,
@@ -106,7 +106,7 @@ def compressed_causal_mask() -> np.ndarray:
 
 
 class CompressedCausalMask(nn.Cell):
-    """Llama.attention_mask for FlashAttentionScore: every attention kind gets the one compressed
+    """Decoder.attention_mask for FlashAttentionScore: every attention kind gets the one compressed
     causal mask; no [s, t] mask is built. Causal order and the window are each layer's sparse mode
     (flash_form, fixed when specialising). Packed samples take SampleEnds instead."""
 
@@ -119,7 +119,7 @@ class CompressedCausalMask(nn.Cell):
 
 
 class SampleEnds(CompressedCausalMask):
-    """Llama.attention_mask for packed samples on FlashAttentionScore's TND layout: (the compressed
+    """Decoder.attention_mask for packed samples on FlashAttentionScore's TND layout: (the compressed
     causal mask, ends [b * t] int64), where the row's samples end. A row's samples are its runs of
     equal key segment; ends lists, for each row, the slot after each sample's last token, then t
     for the rest of the row's t entries (empty samples: a row holds at most t samples), offset by
@@ -308,7 +308,7 @@ def use_expert_dispatch(model, cfg: Config) -> int:
 
 
 def specialise(model, cfg: Config, flash: bool = False, packed: bool = False) -> dict[str, int]:
-    """Everything Ascend changes on a built Llama for a layout (the seam in msllm.backends calls it,
+    """Everything Ascend changes on a built Decoder for a layout (the seam in msllm.backends calls it,
     with flash = msllm.backends.uses_flash: train.attention as Ascend resolves it, and packed: the
     samples are packed, msllm.backends.packed_samples)."""
     execution_profile(cfg)

@@ -1,4 +1,4 @@
-"""CPU specialisation of a built Llama: formulations MindSpore's CPU backend runs fast, the fused
+"""CPU specialisation of a built Decoder: formulations MindSpore's CPU backend runs fast, the fused
 C++ kernels (msllm.kernels), pre-broadcast tables and block-graph sharing. Same maths as the
 plain model (msllm/models/); docs/cpu-backend.md says why each one is faster.
 
@@ -62,7 +62,7 @@ class Rope(layers.Rope):
 
 
 class VisibilityIndices(nn.Cell):
-    """Llama.attention_mask for a flash core: the visibility indices as they are, no [s, t] mask."""
+    """Decoder.attention_mask for a flash core: the visibility indices as they are, no [s, t] mask."""
 
     def construct(self, visibility, b: int):
         return visibility

@@ -307,7 +307,7 @@ class FusedCacheWrite(nn.Cell):
 
 class FusedRope(nn.Cell):
     """msllm.backends.cpu.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
-    Takes the [s, d] tables (Llama passes them unbroadcast when this is in use), or forward only,
+    Takes the [s, d] tables (the decoder passes them unbroadcast when this is in use), or forward only,
     a cached forward's [b, 1, s, d] tables of each row's positions."""
 
     def __init__(self):

@@ -282,7 +282,7 @@ class AttentionCore(nn.Cell):
     """softmax(q k^T / sqrt(d) + causal) v with grouped KV heads, no KV copy.
 
     q [b, nh, s, d], k/v [b, nkv, t, d], mask additive: [s, t], or already broadcast to the
-    scores ([b, nh, s, t]; [b, nkv, rep, s, t] with GQA), as Llama does once per step. With GQA
+    scores ([b, nh, s, t]; [b, nkv, rep, s, t] with GQA), as the decoder does once per step. With GQA
     the `rep` query heads that share a KV head are folded into the row axis, so one BatchMatMul
     serves the group.
     Softmax runs in fp32. The scale is applied to q ([.., s, d]) rather than the scores ([.., s, t]).
