@@ -3,6 +3,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 import torch
+from mindspore import ops
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from interop.convert import msllm_parameters
@@ -11,7 +12,8 @@ from interop.maps import FAMILIES
 from interop.table import entries
 from msllm import checkpoint, device
 from msllm.config import ModelConfig
-from msllm.models.decoder import Llama
+from msllm.models.decoder import Llama, build_model
+from msllm.models.mixers.attention import Attention
 from msllm.models.layers import rope_inv_freq
 from tests.numerics import REORDER_RTOL
 
@@ -110,3 +112,53 @@ def test_attention_core_backward_matches_torch_autograd(heads, kv_heads):
     for name, got, want in zip("qkv", grads[:3], (tq.grad, tk.grad, tv.grad)):
         np.testing.assert_allclose(got.asnumpy(), want.numpy(), rtol=0, atol=REORDER_RTOL * want.abs().max().item(),
                                    err_msg=name)
+
+
+# ---- the per-layer mixer seam (docs/architecture.md, "Adding a mixer") ------------------------------
+
+class PositionFreeAttention(Attention):
+    """A mixer the library does not have: attention without RoPE (as SmolLM3's no-RoPE layers), written
+    as a test would add one: a module of its own, one entry in MIXERS, one kind per layer."""
+
+    def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
+        ones, zeros = ops.ones_like(cos), ops.zeros_like(sin)
+        return super().construct(x, ones, zeros, mask, cache_k, cache_v, write)
+
+
+def test_a_new_mixer_plugs_in_per_layer_with_its_cache_and_no_other_change(monkeypatch):
+    from msllm.inference import CachedForward
+    from msllm.models import mixers
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, ffn_size=48,
+                      max_seq_len=16)
+    kinds = ["gqa", "no_rope", "gqa"]
+    monkeypatch.setitem(mixers.MIXERS, "no_rope", PositionFreeAttention)
+    monkeypatch.setattr(ModelConfig, "mixer_kinds", lambda self: list(kinds))
+    device.setup("cpu", "pynative")
+    model = build_model(cfg, seed=3)
+    model.set_train(False)
+    assert [type(block.attention).__name__ for block in model.layers] == ["Attention", "PositionFreeAttention", "Attention"]
+    monkeypatch.setattr(ModelConfig, "mixer_kinds", lambda self: ["gqa"] * 3)
+    plain = build_model(cfg, seed=3)  # the same weights, every layer with RoPE
+    plain.set_train(False)
+    assert [p.name for p in plain.trainable_params()] == [p.name for p in model.trainable_params()]
+    rng = np.random.default_rng(5)  # weights large enough for sharp attention, so positions matter
+    for mine, theirs in zip(model.trainable_params(), plain.trainable_params()):
+        value = ms.Tensor((rng.normal(0, 0.3, mine.shape) + ("norm" in mine.name)).astype(np.float32))
+        mine.set_data(value)
+        theirs.set_data(value)
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
+    full = model(ms.Tensor(ids)).asnumpy()
+    atol = REORDER_RTOL * np.abs(full).max()
+    assert np.abs(full - plain(ms.Tensor(ids)).asnumpy()).max() > 1000 * atol  # the middle layer mixes otherwise
+    # prefill 5 tokens, then decode one at a time: the new mixer's cache is written and read like attention's
+    forward = CachedForward(model)
+    keys, values = (np.zeros(shape, np.float32) for shape in cfg.cache_shapes(2, 16))
+    start, pad = np.array([0], np.int32), np.zeros(2, np.int32)
+    logits, keys, values = forward(ms.Tensor(ids[:, :5]), ms.Tensor(keys), ms.Tensor(values), ms.Tensor(start), ms.Tensor(pad))
+    np.testing.assert_allclose(logits.asnumpy(), full[:, 4], atol=atol)
+    for i in range(5, 9):
+        logits, keys, values = forward(ms.Tensor(ids[:, i:i + 1]), keys, values, ms.Tensor(np.array([i], np.int32)),
+                                       ms.Tensor(pad))
+        np.testing.assert_allclose(logits.asnumpy(), full[:, i], atol=atol)
+    ms.set_context(mode=ms.GRAPH_MODE)
