@@ -233,6 +233,58 @@ def test_a_packed_document_computes_what_it_computes_alone(flash):
     np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-5)
 
 
+# Compiled with MindSpore's graph dump on (MS_DEV_SAVE_GRAPHS; read as MindSpore starts, hence a
+# process of its own): a train step at 48 tokens, a length no other dimension of the model has.
+IR_STEP = """
+import sys
+import mindspore as ms
+import numpy as np
+from msllm import device
+from msllm.config import Config, ModelConfig, OptimConfig, TrainConfig
+from msllm.train.build import build_train_step
+
+device.setup("cpu", "graph", 1)
+cfg = Config(model=ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=96,
+                               max_seq_len=64, sliding_window=24, layer_types=["sliding", "full"]),
+             optim=OptimConfig(warmup_steps=1), train=TrainConfig(steps=10, seed=0, attention=sys.argv[1]))
+cfg.data.seq_len = 48
+tokens = ms.Tensor(np.random.default_rng(0).integers(0, 256, (2, 49)).astype(np.int32))
+print(float(build_train_step(cfg).train_step(tokens)[0].asnumpy()))
+"""
+
+
+def test_flash_train_step_graph_holds_no_s_by_s_tensor(tmp_path):
+    """docs/long-context.md's claim, checked where MindSpore records it: with the flash core, no tensor
+    of the compiled train step (forward, backward, optimizer; a sliding and a full layer) has [s, s]
+    as its last two dimensions, in any IR the compile writes; the attention's q and k of [b, heads, s,
+    d] are there, so the dump does show the attention's shapes. (The softmax core's graph holds [s, s]
+    masks and [b, kv, group, s, s] scores: that is what this looks for. The kernel's own scratch, per
+    64-key block, lives inside the custom op: msllm/kernels/flash_attention.cc.)"""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, msrun_env
+
+    dump = tmp_path / "ir"
+    env = {**msrun_env(), "MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_SAVE_GRAPHS_PATH": str(dump)}
+    done = subprocess.run([sys.executable, "-c", IR_STEP, "flash"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and np.isfinite(float(done.stdout.split()[-1])), done.stderr[-3000:]
+    files = sorted(dump.rglob("*.ir"))
+    assert len(files) > 10
+    square, attention_input = re.compile(r"\((?:\d+, )*48, 48\)"), re.compile(r"\(2, [24], 48, 16\)")
+    seen_input = False
+    for path in files:
+        text = path.read_text(errors="replace")
+        found = square.search(text)
+        assert found is None, f"{path.name}: a tensor of shape {found.group(0)} (s = 48)"
+        seen_input = seen_input or attention_input.search(text) is not None
+    assert seen_input
+    shutil.rmtree(dump)  # ~80 MB
+
+
 def test_train_with_flash_and_document_attention(tmp_path, corpus):
     """msllm train end to end on the flash core with document-aware windows: it trains and
     evaluates, and the run records both settings."""
