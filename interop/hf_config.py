@@ -2,7 +2,9 @@
 
 Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
 text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3). The sizes, RoPE, sliding window and layer types are read from the config keys every
-family shares; what an architecture implies beyond them is its family spec. A config asking for
+family shares (MLA's ranks when the family's spec attends with MLA); what an architecture implies
+beyond them is its family spec, and the keys only it has (experts, derived scales) its family's
+from_hf / to_hf hooks in interop/maps/<family>.py. A config asking for
 something msllm does not compute (another activation, o_proj or MLP biases, another rope type,
 partial rotary, logit soft-capping) is refused, naming the key, rather than converted into a
 model that computes something else.
@@ -151,21 +153,20 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         refuse("rms_norm_eps", f"must be a number > 0, got {eps!r}")
     context = count("max_position_embeddings", 2048)
     layers = count("num_hidden_layers")
-    window, layer_types = _windows(hf, arch, layers, refuse)
+    window, layer_types = _windows(hf, layers, refuse)
     spec = dict(family.spec)
     if mla:  # DeepSeek's scores scale by 1/sqrt(nope + rope), and by mscale_all_dim's YaRN scale squared
         spec.update(attn_scale=_mla_scale(hf, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]))
-    if arch == "Gemma3ForCausalLM":  # derived from its sizes, as Gemma3TextScaledWordEmbedding and its attention do
-        spec.update(embed_scale=hidden ** 0.5, attn_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5)
-    return ModelConfig(
+    fields = dict(
         vocab_size=count("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=count("num_key_value_heads", heads), ffn_size=count("intermediate_size"),
         head_dim=0 if head_dim == hidden // heads and not hidden % heads else head_dim,
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(eps),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=max_seq_len or context, sliding_window=window, layer_types=layer_types,
-        pad_token_id=_pad_token(hf, refuse), **_experts(hf, layers, refuse),
-        rope_local_theta=local_theta if window else 0.0, **mla, **spec)
+        pad_token_id=_pad_token(hf, refuse), rope_local_theta=local_theta if window else 0.0, **mla, **spec)
+    family.from_hf(hf, fields, refuse)  # what only this family's keys say: its experts, derived scales
+    return ModelConfig(**fields)
 
 
 def _mla(hf: dict, heads: int, count, refuse) -> dict:
@@ -191,61 +192,6 @@ def _mla_scale(hf: dict, qk_head_dim: int) -> float:
     return qk_head_dim ** -0.5 * yarn_mscale(float(params["factor"]), params["mscale_all_dim"]) ** 2
 
 
-def _experts(hf: dict, layers: int, refuse) -> dict:
-    """MoE fields: how many experts, top-k, their size, renormalisation, and which layers are MoE
-    (Qwen3-MoE: not in mlp_only_layers and every decoder_sparse_step-th; Mixtral: all; DeepSeek-V3:
-    from first_k_dense_replace on, with its groups, scaling and shared experts)."""
-    if "n_routed_experts" in hf:
-        return _deepseek_experts(hf, layers, refuse)
-    experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
-    if not experts:
-        return {}
-    if hf.get("router_jitter_noise"):
-        refuse("router_jitter_noise", "msllm routes without noise (0)")
-    top_k = hf.get("num_experts_per_tok", 2)
-    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
-        refuse("num_experts_per_tok", f"must be in [1, {experts}] (the experts), got {top_k!r}")
-    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
-    kinds = ["dense" if i in dense or (i + 1) % step else "moe" for i in range(layers)]
-    return {"num_experts": experts, "experts_per_token": top_k, "moe_ffn_size": hf.get("moe_intermediate_size") or 0,
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-            # transformers adds the load-balancing loss only with output_router_logits on
-            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0) if hf.get("output_router_logits") else 0.0,
-            "mlp_types": None if set(kinds) == {"moe"} else kinds}
-
-
-def _deepseek_experts(hf: dict, layers: int, refuse) -> dict:
-    """DeepSeek-V3's router and layers, read as DeepseekV3TopkRouter and DeepseekV3DecoderLayer use them."""
-    def count(key, default):
-        value = hf.get(key, default)
-        if value is None:
-            value = default
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            refuse(key, f"must be an integer >= 0, got {value!r}")
-        return value
-
-    experts, top_k = count("n_routed_experts", 0), count("num_experts_per_tok", 8)
-    groups, topk_groups = count("n_group", 1) or 1, count("topk_group", 1) or 1
-    if experts % groups or experts // groups < 2:
-        refuse("n_group", f"must divide n_routed_experts ({experts}) into groups of at least 2 (each group is "
-                          "scored by its best two)")
-    if not 1 <= topk_groups <= groups:
-        refuse("topk_group", f"must be in [1, n_group ({groups})], got {topk_groups!r}")
-    if not 1 <= top_k <= topk_groups * experts // groups:
-        refuse("num_experts_per_tok", f"must be in [1, {topk_groups * experts // groups}] (the experts of "
-                                      f"topk_group groups), got {top_k!r}")
-    scaling = hf.get("routed_scaling_factor", 1.0)
-    if not _is_number(scaling) or scaling <= 0:
-        refuse("routed_scaling_factor", f"must be a number > 0, got {scaling!r}")
-    dense = min(count("first_k_dense_replace", 0), layers)
-    kinds = ["dense"] * dense + ["moe"] * (layers - dense)
-    return {"num_experts": experts, "experts_per_token": top_k, "moe_ffn_size": count("moe_intermediate_size", 0),
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "expert_groups": groups,
-            "topk_groups": topk_groups, "routed_scaling": float(scaling), "shared_experts": count("n_shared_experts", 0),
-            # transformers' DeepSeek-V3 adds no load-balancing loss
-            "router_aux_loss_coef": 0.0, "mlp_types": None if dense == 0 else kinds}
-
-
 def _pad_token(hf: dict, refuse) -> int:
     """The embedding's padding_idx as transformers builds it (pad_token_id, inside the vocabulary); -1: none."""
     pad = hf.get("pad_token_id")
@@ -256,7 +202,7 @@ def _pad_token(hf: dict, refuse) -> int:
     return pad if 0 <= pad < hf.get("vocab_size", 0) else -1
 
 
-def _windows(hf: dict, arch: str, layers: int, refuse) -> tuple[int, list | None]:
+def _windows(hf: dict, layers: int, refuse) -> tuple[int, list | None]:
     """(sliding_window, layer_types) as transformers applies them: `layer_types` names each layer's
     attention; without it, every layer slides when a window is set (Mistral, Phi-3) and
     use_sliding_window (Qwen2/3) allows it."""
@@ -290,36 +236,16 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
           "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_size,
           "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
           "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": dtype,
-          "hidden_activation" if arch == "Gemma3ForCausalLM" else "hidden_act": family.activation,
+          family.activation_key: family.activation,
           "sliding_window": m.sliding_window or None, "pad_token_id": None if m.pad_token_id < 0 else m.pad_token_id}
     if m.rope_scaling:
         scaling = dict(m.rope_scaling)
         hf["rope_scaling"] = {"rope_type": scaling.pop("type", scaling.pop("rope_type", None)), **scaling}
-    if m.layer_types is not None or (m.sliding_window and arch not in ("MistralForCausalLM", "Phi3ForCausalLM")):
+    if m.layer_types is not None or (m.sliding_window and family.writes_layer_types):
         hf["layer_types"] = [f"{kind}_attention" for kind in m.layer_kinds()]
     if m.mla:
         hf.update(head_dim=m.qk_rope_head_dim, q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank,
                   qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                   rope_interleave=m.rope_interleave)
-    if m.num_experts and arch == "DeepseekV3ForCausalLM":
-        dense = m.mlp_kinds().index("moe") if "moe" in m.mlp_kinds() else m.num_layers
-        hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob, n_routed_experts=m.num_experts,
-                  moe_intermediate_size=m.moe_ffn_size or m.ffn_size, n_group=m.expert_groups, topk_group=m.topk_groups,
-                  routed_scaling_factor=m.routed_scaling, n_shared_experts=m.shared_experts, first_k_dense_replace=dense)
-    elif m.num_experts:
-        hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob,
-                  output_router_logits=m.router_aux_loss_coef > 0, router_aux_loss_coef=m.router_aux_loss_coef)
-        if arch == "MixtralForCausalLM":
-            hf.update(num_local_experts=m.num_experts, intermediate_size=m.moe_ffn_size or m.ffn_size)
-        else:
-            hf.update(num_experts=m.num_experts, moe_intermediate_size=m.moe_ffn_size or m.ffn_size,
-                      decoder_sparse_step=1, mlp_only_layers=[i for i, k in enumerate(m.mlp_kinds()) if k == "dense"])
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        hf["use_sliding_window"] = bool(m.sliding_window)
-    if arch == "Gemma3ForCausalLM":
-        full = {"rope_type": "default", "rope_theta": m.rope_theta, **(hf.pop("rope_scaling", None) or {})}
-        hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {
-            "rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}}
-        scalar = m.attn_scale ** -2 if m.attn_scale else m.head_size
-        hf["query_pre_attn_scalar"] = round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar  # an int in HF
+    family.to_hf(m, hf)  # the keys only this family has: its experts, Qwen's use_sliding_window, Gemma's RoPE
     return hf

@@ -73,3 +73,11 @@ def test_concat_parts_must_match_the_shape_terms():
     bad = LLAMA._replace(per_layer=[Row("x", "q+kv, hidden", Concat(0, "a", "b", "c"), "x")])
     with pytest.raises(ValueError, match="joins 3 parts but dim 0 of 'q\\+kv, hidden' has 2 terms"):
         entries(bad, GQA)
+
+
+def test_hf_config_names_no_architecture():
+    """A family's own config keys live in its map's from_hf / to_hf hooks, not in branches of hf_config.py."""
+    from tests.conftest import REPO
+
+    source = (REPO / "interop" / "hf_config.py").read_text()
+    assert [arch for arch in maps.FAMILIES if arch in source] == []

@@ -1,7 +1,9 @@
 """The model families msllm converts, by Hugging Face architecture name: each is a family spec
 (what its Cells compute, as ModelConfig fields) beside its tensor table (interop/maps/<family>.py).
+Each family's module also holds its config translation beyond the keys every family shares
+(interop/hf_config.py reads and writes those): `from_hf` / `to_hf` hooks for its own keys.
 Adding a family: a table, a SPEC, a line here, and a tiny random model in tests/hf_models.py."""
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from interop.maps import deepseek_v3, gemma3, moe, phi3, qwen3
 from interop.maps.llama import LLAMA, QWEN2
@@ -17,19 +19,30 @@ class Family(NamedTuple):
     # The table conversions to or from MindFormers use when MindFormers joins tensors `table` keeps
     # apart (its mcore layouts); `table` names each projection alone, as LoRA and PEFT need.
     mindformers: Table | None = None
+    activation_key: str = "hidden_act"  # the config.json key naming its activation (Gemma 3: hidden_activation)
+    # Its config.json lists layer_types when every layer slides (Mistral's and Phi-3's slide by sliding_window alone).
+    writes_layer_types: bool = True
+    # from_hf(hf, fields, refuse): sets the ModelConfig `fields` its own config.json keys give (experts, derived
+    # scales); to_hf(m, hf): adds those keys to the config.json `hf` of model `m`.
+    from_hf: Callable[[dict, dict, Callable], None] = lambda hf, fields, refuse: None
+    to_hf: Callable[[object, dict], None] = lambda m, hf: None
 
 
 FAMILIES = {
     "LlamaForCausalLM": Family(LLAMA, "llama", {}),
-    "MistralForCausalLM": Family(LLAMA, "mistral", {}),   # same tensors; its sliding window comes from config.json
-    "Qwen2ForCausalLM": Family(QWEN2, "qwen2", {"qkv_bias": True}),
-    "Qwen3ForCausalLM": Family(qwen3.QWEN3, "qwen3", qwen3.SPEC, mindformers=qwen3.QWEN3_MINDFORMERS),
-    "Gemma3ForCausalLM": Family(gemma3.GEMMA3, "gemma3_text", gemma3.SPEC, "gelu_pytorch_tanh"),
-    "Phi3ForCausalLM": Family(phi3.PHI3, "phi3", phi3.SPEC),
-    "Qwen3MoeForCausalLM": Family(moe.QWEN3_MOE, "qwen3_moe", qwen3.SPEC, moe=True, mindformers=moe.QWEN3_MOE_MINDFORMERS),
-    "MixtralForCausalLM": Family(moe.MIXTRAL, "mixtral", {}, moe=True),
+    # same tensors; its sliding window comes from config.json
+    "MistralForCausalLM": Family(LLAMA, "mistral", {}, writes_layer_types=False),
+    "Qwen2ForCausalLM": Family(QWEN2, "qwen2", {"qkv_bias": True}, to_hf=qwen3.to_hf),
+    "Qwen3ForCausalLM": Family(qwen3.QWEN3, "qwen3", qwen3.SPEC, mindformers=qwen3.QWEN3_MINDFORMERS, to_hf=qwen3.to_hf),
+    "Gemma3ForCausalLM": Family(gemma3.GEMMA3, "gemma3_text", gemma3.SPEC, "gelu_pytorch_tanh",
+                                activation_key="hidden_activation", from_hf=gemma3.from_hf, to_hf=gemma3.to_hf),
+    "Phi3ForCausalLM": Family(phi3.PHI3, "phi3", phi3.SPEC, writes_layer_types=False),
+    "Qwen3MoeForCausalLM": Family(moe.QWEN3_MOE, "qwen3_moe", qwen3.SPEC, moe=True, mindformers=moe.QWEN3_MOE_MINDFORMERS,
+                                  from_hf=moe.from_hf, to_hf=moe.qwen3_moe_to_hf),
+    "MixtralForCausalLM": Family(moe.MIXTRAL, "mixtral", {}, moe=True, from_hf=moe.from_hf, to_hf=moe.mixtral_to_hf),
     "DeepseekV3ForCausalLM": Family(deepseek_v3.DEEPSEEK_V3, "deepseek_v3", deepseek_v3.SPEC, moe=True,
-                                    mindformers=deepseek_v3.DEEPSEEK_V3_MINDFORMERS),
+                                    mindformers=deepseek_v3.DEEPSEEK_V3_MINDFORMERS,
+                                    from_hf=deepseek_v3.from_hf, to_hf=deepseek_v3.to_hf),
 }
 
 

@@ -11,6 +11,8 @@ dense and shared-expert linear_fc1 with gate and up rows alternated (as its Qwen
 mlp.router.weight with the expert bias mlp.router.expert_bias, and the routed experts as Qwen3-MoE's grouped
 weight1 / weight2. Its MLA always takes the RoPE dims de-interleaved (transformers' rope_interleave). Its
 multi-token-prediction layer (mtp.*, HF model.layers.61) is ignored on read, as transformers and msllm do."""
+import math
+
 from interop.maps.moe import QWEN3_MOE_MINDFORMERS, _moe_rows
 from interop.maps.qwen3 import QWEN3_MINDFORMERS
 from interop.table import Concat, Interleaved, Row, Table
@@ -54,7 +56,8 @@ DEEPSEEK_V3 = Table(
     ignore={"hf": ["lm_head.weight", "model.layers.61.*"]},
 )
 
-# What the family computes beyond its config.json (interop/hf_config.py reads the sizes, ranks, groups).
+# What the family computes beyond its config.json (interop/hf_config.py reads the sizes and MLA ranks,
+# from_hf the experts and groups).
 SPEC = {"attention": "mla", "router": "sigmoid_grouped"}
 
 _DENSE_FC1, _DENSE_FC2 = QWEN3_MINDFORMERS.per_layer[-2:]
@@ -89,3 +92,45 @@ DEEPSEEK_V3_MINDFORMERS = QWEN3_MINDFORMERS._replace(
             "mindformers": QWEN3_MOE_MINDFORMERS.ignore["mindformers"] + ["decoder.layers.*.mlp.router.expert_load",
                                                                           "mtp.*"]},
 )
+
+
+def from_hf(hf: dict, fields: dict, refuse) -> None:
+    """The router and MoE layers, read as DeepseekV3TopkRouter and DeepseekV3DecoderLayer use them:
+    from first_k_dense_replace on, with its groups, scaling and shared experts."""
+    def count(key, default):
+        value = hf.get(key, default)
+        if value is None:
+            value = default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            refuse(key, f"must be an integer >= 0, got {value!r}")
+        return value
+
+    experts, top_k = count("n_routed_experts", 0), count("num_experts_per_tok", 8)
+    groups, topk_groups = count("n_group", 1) or 1, count("topk_group", 1) or 1
+    if experts % groups or experts // groups < 2:
+        refuse("n_group", f"must divide n_routed_experts ({experts}) into groups of at least 2 (each group is "
+                          "scored by its best two)")
+    if not 1 <= topk_groups <= groups:
+        refuse("topk_group", f"must be in [1, n_group ({groups})], got {topk_groups!r}")
+    if not 1 <= top_k <= topk_groups * experts // groups:
+        refuse("num_experts_per_tok", f"must be in [1, {topk_groups * experts // groups}] (the experts of "
+                                      f"topk_group groups), got {top_k!r}")
+    scaling = hf.get("routed_scaling_factor", 1.0)
+    if not (isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and math.isfinite(scaling)) or scaling <= 0:
+        refuse("routed_scaling_factor", f"must be a number > 0, got {scaling!r}")
+    layers = fields["num_layers"]
+    dense = min(count("first_k_dense_replace", 0), layers)
+    kinds = ["dense"] * dense + ["moe"] * (layers - dense)
+    fields.update(num_experts=experts, experts_per_token=top_k, moe_ffn_size=count("moe_intermediate_size", 0),
+                  norm_topk_prob=bool(hf.get("norm_topk_prob", True)), expert_groups=groups,
+                  topk_groups=topk_groups, routed_scaling=float(scaling), shared_experts=count("n_shared_experts", 0),
+                  # transformers' DeepSeek-V3 adds no load-balancing loss
+                  router_aux_loss_coef=0.0, mlp_types=None if dense == 0 else kinds)
+
+
+def to_hf(m, hf: dict) -> None:
+    if m.num_experts:
+        dense = m.mlp_kinds().index("moe") if "moe" in m.mlp_kinds() else m.num_layers
+        hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob, n_routed_experts=m.num_experts,
+                  moe_intermediate_size=m.moe_ffn_size or m.ffn_size, n_group=m.expert_groups, topk_group=m.topk_groups,
+                  routed_scaling_factor=m.routed_scaling, n_shared_experts=m.shared_experts, first_k_dense_replace=dense)

@@ -10,7 +10,7 @@ mlp.router.weight [E, h], and each layer's experts as two grouped-GEMM matrices:
 linear_fc1) and mlp.experts.weight2 [E * f, h] (expert e's down transposed). It builds every layer as
 MoE (mlp_only_layers and decoder_sparse_step are ignored there) and no shared experts."""
 from interop.maps.llama import LLAMA
-from interop.maps.qwen3 import QWEN3, QWEN3_MINDFORMERS, QWEN3_MINDFORMERS_ATTENTION
+from interop.maps.qwen3 import QWEN3, QWEN3_MINDFORMERS, QWEN3_MINDFORMERS_ATTENTION, to_hf as qwen3_to_hf
 import torch
 
 from interop.table import Concat, GroupedTransposed, Row, Stacked
@@ -53,6 +53,48 @@ QWEN3_MOE_MINDFORMERS = QWEN3_MINDFORMERS._replace(
     ignore={**QWEN3_MINDFORMERS.ignore,
             "mindformers": QWEN3_MINDFORMERS.ignore["mindformers"] + ["decoder.layers.*.mlp.router.fi_accu"]},
 )
+
+
+def from_hf(hf: dict, fields: dict, refuse) -> None:
+    """The experts, top-k, their size, renormalisation, and which layers are MoE (Qwen3-MoE: not in
+    mlp_only_layers and every decoder_sparse_step-th; Mixtral: all), read from Qwen3-MoE's or
+    Mixtral's config.json (num_experts / num_local_experts)."""
+    experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+    if not experts:
+        return
+    if hf.get("router_jitter_noise"):
+        refuse("router_jitter_noise", "msllm routes without noise (0)")
+    top_k = hf.get("num_experts_per_tok", 2)
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        refuse("num_experts_per_tok", f"must be in [1, {experts}] (the experts), got {top_k!r}")
+    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
+    kinds = ["dense" if i in dense or (i + 1) % step else "moe" for i in range(fields["num_layers"])]
+    fields.update(num_experts=experts, experts_per_token=top_k, moe_ffn_size=hf.get("moe_intermediate_size") or 0,
+                  norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                  # transformers adds the load-balancing loss only with output_router_logits on
+                  router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0) if hf.get("output_router_logits") else 0.0,
+                  mlp_types=None if set(kinds) == {"moe"} else kinds)
+
+
+def _routing_to_hf(m, hf: dict) -> None:
+    hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob,
+              output_router_logits=m.router_aux_loss_coef > 0, router_aux_loss_coef=m.router_aux_loss_coef)
+
+
+def qwen3_moe_to_hf(m, hf: dict) -> None:
+    """Qwen3-MoE's experts (its dense layers as mlp_only_layers) and Qwen3's use_sliding_window."""
+    if m.num_experts:
+        _routing_to_hf(m, hf)
+        hf.update(num_experts=m.num_experts, moe_intermediate_size=m.moe_ffn_size or m.ffn_size,
+                  decoder_sparse_step=1, mlp_only_layers=[i for i, k in enumerate(m.mlp_kinds()) if k == "dense"])
+    qwen3_to_hf(m, hf)
+
+
+def mixtral_to_hf(m, hf: dict) -> None:
+    """Mixtral names its experts num_local_experts and their size intermediate_size (every layer is MoE)."""
+    if m.num_experts:
+        _routing_to_hf(m, hf)
+        hf.update(num_local_experts=m.num_experts, intermediate_size=m.moe_ffn_size or m.ffn_size)
 
 
 # transformers 5 holds a layer's experts in memory as two stacked tensors (mlp.experts.gate_up_proj

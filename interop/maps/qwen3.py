@@ -51,3 +51,8 @@ QWEN3_MINDFORMERS = Table(
 
 # What the family computes, beyond what its config.json says (interop/hf_config.py reads the rest).
 SPEC = {"qk_norm": True}
+
+
+def to_hf(m, hf: dict) -> None:
+    """Qwen2's and Qwen3's config.json switch the window on and off (use_sliding_window)."""
+    hf["use_sliding_window"] = bool(m.sliding_window)
