@@ -237,7 +237,7 @@ def read_checkpoint(ckpt: str | Path):
     """(config, checkpoint dir, train state) of a full model, from a run dir or a checkpoint dir,
     without loading the weights."""
     from msllm.config_file import config_from_dict
-    from msllm.layout.table import param_shapes
+    from msllm.params import param_shapes
     from msllm.train.compat import stored_shapes
 
     path = latest(Path(ckpt))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from msllm.errors import UserError
+from msllm.params import layer_shapes, param_shapes
 
 
 class ConfigError(UserError, ValueError):
@@ -125,19 +126,21 @@ class ModelConfig:
         return ["moe" if self.num_experts else "dense"] * self.num_layers
 
     def num_params(self, active: bool = False) -> int:
-        """All parameters; `active`: those one token computes with (a MoE layer's k experts, not all E)."""
-        h, f, v, d = self.hidden_size, self.ffn_size, self.vocab_size, self.head_size
-        q, kv = self.num_heads * d, self.num_kv_heads * d
-        attn = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.qkv_bias else 0) + (2 * d if self.qk_norm else 0)
-        if self.mla:
-            r, c, n = self.q_lora_rank, self.kv_lora_rank, self.num_heads
-            attn = ((h * r + r + r * q) if r else h * q) + h * (c + self.qk_rope_head_dim) + c \
-                + c * n * (self.qk_nope_head_dim + self.v_head_dim) + n * self.v_head_dim * h
-        experts = self.experts_per_token if active else self.num_experts
-        expert = 3 * h * (self.moe_ffn_size or f)
-        mlp = {"dense": 3 * h * f, "moe": (experts + self.shared_experts) * expert + self.num_experts * h}
-        layers = sum(attn + mlp[kind] + (4 if self.sandwich_norm else 2) * h for kind in self.mlp_kinds())
-        return v * h * (1 if self.tie_embeddings else 2) + layers + h
+        """The parameters of msllm.params but the routers' expert biases (buffers in transformers, moved by
+        the balance rule, not the optimizer); `active`: those one token computes with (of a MoE layer's
+        stacked [E, ...] experts, its k)."""
+        def count(shapes: dict) -> int:
+            total = 0
+            for name, shape in shapes.items():
+                size = 0 if name.endswith("router.expert_bias") else math.prod(shape)
+                total += size // shape[0] * self.experts_per_token if active and ".experts." in name else size
+            return total
+
+        # Each kind of layer counted once (the planner counts a model per layout it tries), then the
+        # embedding, final norm and head: the inventory of the model without its layers.
+        kinds = self.mlp_kinds()
+        layers = sum(kinds.count(kind) * count(layer_shapes(self, kind)) for kind in set(kinds))
+        return layers + count(param_shapes(dataclasses.replace(self, num_layers=0, mlp_types=[])))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params (of MoE layers, the k experts a token uses) + attention

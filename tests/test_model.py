@@ -162,3 +162,32 @@ def test_a_new_mixer_plugs_in_per_layer_with_its_cache_and_no_other_change(monke
                                        ms.Tensor(pad))
         np.testing.assert_allclose(logits.asnumpy(), full[:, i], atol=atol)
     ms.set_context(mode=ms.GRAPH_MODE)
+
+
+INVENTORY = {
+    "dense": ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
+                         qkv_bias=True, qk_norm=True, sandwich_norm=True, tie_embeddings=True),
+    "moe": ModelConfig(vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, ffn_size=48,
+                       num_experts=4, experts_per_token=2, moe_ffn_size=24, mlp_types=["dense", "moe", "moe"]),
+    # qk_norm is ignored by MLA (no per-head q / k norms), so it must add nothing to the inventory either
+    "mla": ModelConfig(vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=4, ffn_size=48,
+                       attention="mla", q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                       v_head_dim=5, num_experts=4, experts_per_token=3, moe_ffn_size=16, shared_experts=1,
+                       router="sigmoid_grouped", expert_groups=2, mlp_types=["dense", "moe", "moe"], qk_norm=True),
+}
+
+
+@pytest.mark.parametrize("kind", list(INVENTORY))
+def test_param_inventory_is_the_cells_and_num_params_counts_it(kind):
+    """msllm.params lists the Cells' parameters (names, shapes, order); num_params sums them but the expert
+    biases (transformers' buffers), active=True counts k of a MoE layer's E stacked experts."""
+    from msllm.params import param_shapes
+
+    m = INVENTORY[kind]
+    cells = {p.name: tuple(p.shape) for p in Llama(m).trainable_params()}
+    assert list(param_shapes(m).items()) == list(cells.items())
+    counted = {name: int(np.prod(shape)) for name, shape in cells.items() if not name.endswith("expert_bias")}
+    assert m.num_params() == sum(counted.values())
+    active = sum(n * m.experts_per_token // m.num_experts if ".experts." in name else n for name, n in counted.items())
+    assert m.num_params(active=True) == active
+    assert (m.num_params(active=True) < m.num_params()) == (kind != "dense")

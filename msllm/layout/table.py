@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from msllm.config import ModelConfig, ParallelConfig
+from msllm.params import param_shapes  # the parameters PARAMS places (L.param_shapes)
 from msllm.rules import COMPRESSED_MASK
 
 CORES = ("softmax", "flash", "ring", "packed")
@@ -341,61 +342,6 @@ def sharding(m: ModelConfig, p: ParallelConfig) -> Sharding:
 
 
 # ---- parameters ---------------------------------------------------------------------------------
-
-def param_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of Llama(m) with its shape, in the model's order (no MindSpore needed)."""
-    h, d = m.hidden_size, m.head_size
-    q, kv = m.num_heads * d, m.num_kv_heads * d
-    shapes = {"tok_embeddings.weight": (m.vocab_size, h)}
-    for i in range(m.num_layers):
-        p = f"layers.{i}."
-        shapes[p + "attention_norm.weight"] = (h,)
-        if m.mla:
-            shapes.update({p + f"attention.{k}": v for k, v in mla_shapes(m).items()})
-        else:
-            for name, out in (("wq", q), ("wk", kv), ("wv", kv)):
-                shapes[p + f"attention.{name}.weight"] = (out, h)
-                if m.qkv_bias:
-                    shapes[p + f"attention.{name}.bias"] = (out,)
-            shapes[p + "attention.wo.weight"] = (h, q)
-        if m.qk_norm:
-            shapes[p + "attention.q_norm.weight"] = shapes[p + "attention.k_norm.weight"] = (d,)
-        if m.sandwich_norm:
-            shapes[p + "attention_out_norm.weight"] = (h,)
-        shapes[p + "ffn_norm.weight"] = (h,)
-        if m.mlp_kinds()[i] == "moe":
-            e, f = m.num_experts, m.moe_ffn_size or m.ffn_size
-            shapes[p + "feed_forward.router.weight"] = (e, h)
-            if m.router == "sigmoid_grouped":
-                shapes[p + "feed_forward.router.expert_bias"] = (e,)
-            shapes[p + "feed_forward.experts.w1"] = (e, f, h)
-            shapes[p + "feed_forward.experts.w2"] = (e, h, f)
-            shapes[p + "feed_forward.experts.w3"] = (e, f, h)
-            if m.shared_experts:
-                g = m.shared_experts * f
-                shapes.update({p + "feed_forward.shared.w1.weight": (g, h), p + "feed_forward.shared.w2.weight": (h, g),
-                               p + "feed_forward.shared.w3.weight": (g, h)})
-        else:
-            shapes[p + "feed_forward.w1.weight"] = (m.ffn_size, h)
-            shapes[p + "feed_forward.w2.weight"] = (h, m.ffn_size)
-            shapes[p + "feed_forward.w3.weight"] = (m.ffn_size, h)
-        if m.sandwich_norm:
-            shapes[p + "ffn_out_norm.weight"] = (h,)
-    shapes["norm.weight"] = (h,)
-    if not m.tie_embeddings:
-        shapes["output.weight"] = (m.vocab_size, h)
-    return shapes
-
-
-def mla_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """An MLA layer's parameters (msllm/models/mixers/mla.py), in its order."""
-    h, n, q = m.hidden_size, m.num_heads, m.num_heads * m.head_size
-    r, c = m.q_lora_rank, m.kv_lora_rank
-    shapes = ({"wq_a.weight": (r, h), "q_norm.weight": (r,), "wq_b.weight": (q, r)} if r else {"wq.weight": (q, h)})
-    shapes.update({"wkv_a.weight": (c + m.qk_rope_head_dim, h), "kv_norm.weight": (c,),
-                   "wkv_b.weight": (n * (m.qk_nope_head_dim + m.v_head_dim), c), "wo.weight": (h, n * m.v_head_dim)})
-    return shapes
-
 
 def param_entry(name: str) -> tuple[tuple, str]:
     """(split per dim, placement) of a parameter name, from the table."""
