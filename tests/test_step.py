@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from msllm import backends, device
+from msllm import device, rules
 from msllm.config import ModelConfig, OptimConfig
 from msllm.models.decoder import build_model
 from msllm.train.build import build_train_step
@@ -91,7 +91,7 @@ def test_block_graph_computes_the_same_step(graph_run):
 def test_block_graph_is_shared_for_deep_models_on_cpu():
     def shares(mode, layers, recompute="none", device="cpu"):
         model = ModelConfig(num_layers=layers)
-        return backends.shares_block_graph(step_config(model, block_graph=mode, recompute=recompute, device=device))
+        return rules.shares_block_graph(step_config(model, block_graph=mode, recompute=recompute, device=device))
 
     assert [shares("auto", n) for n in (2, 8, 16, 32)] == [False, False, True, True]
     assert not shares("auto", 32, recompute="full")  # recompute needs the blocks inlined

@@ -310,7 +310,7 @@ def use_expert_dispatch(model, cfg: Config) -> int:
 def specialise(model, cfg: Config, flash: bool = False, packed: bool = False) -> dict[str, int]:
     """Everything Ascend changes on a built Decoder for a layout (the seam in msllm.backends calls it,
     with flash = msllm.backends.uses_flash: train.attention as Ascend resolves it, and packed: the
-    samples are packed, msllm.backends.packed_samples)."""
+    samples are packed, msllm.rules.packed_samples)."""
     execution_profile(cfg)
     if flash:
         use_flash_attention(model, cfg, packed)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from msllm.data.corpus import DataError
-from msllm.data.index import INDEX, SFT_KIND as KIND, read_index, token_dtype
+from msllm.data.index import INDEX, SFT_KIND, read_index, token_dtype
 from msllm.data.tokenizer import chat_template, eos_id, load_tokenizer, special_token, tokenizer_config
 from msllm.preflight import make_dir
 from msllm.staged import staged_dir
@@ -188,7 +188,7 @@ def write_shard(tmp: Path, renderer: Renderer, samples: int, packed, val_fractio
         if tokenizer_json.with_name(side).is_file():
             shutil.copyfile(tokenizer_json.with_name(side), tmp / side)
     seq_len = tokens.shape[1] - 1
-    index = {"kind": KIND, "dtype": np.dtype(dtype).name, "vocab_size": renderer.tok.get_vocab_size(),
+    index = {"kind": SFT_KIND, "dtype": np.dtype(dtype).name, "vocab_size": renderer.tok.get_vocab_size(),
              "eos_id": renderer.eos, "seq_len": seq_len, "train_windows": len(tokens) - n_val, "val_windows": n_val,
              "samples": samples, "response_tokens": int(mask.sum()), "source": str(source), "key": key}
     (tmp / INDEX).write_text(json.dumps(index, indent=1))
@@ -232,7 +232,7 @@ def prepare(path: Path, tokenizer: str | None, out_dir: Path, seq_len: int, val_
                         f"(or data.tokenizer)")
     tokenizer_json = Path(tokenizer).expanduser()
     stat = path.stat()
-    key = {"kind": KIND, "source": f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}",
+    key = {"kind": SFT_KIND, "source": f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}",
            "tokenizer": str(tokenizer_json.resolve()), "seq_len": seq_len, "val_fraction": val_fraction}
     if (out_dir / INDEX).exists() and read_index(out_dir).get("key") == key:
         return out_dir
