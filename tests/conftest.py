@@ -109,3 +109,37 @@ def needed_bytes(message: str) -> float:
 
     number, unit = re.search(r"\(([\d.]+) (MB|kB) needed", message).groups()
     return float(number) * (1e6 if unit == "MB" else 1e3)
+
+
+@pytest.fixture(scope="session")
+def llama_run(tmp_path_factory, corpus) -> Path:
+    """tests/test_export.py's LLAMA as a run dir (random weights and biases, a tokenizer), made once
+    for the modules that export or generate from it; they read it and never write into it."""
+    from tests.test_export import LLAMA, make_run
+
+    return make_run(tmp_path_factory.mktemp("llama"), LLAMA, corpus)
+
+
+EXPORT_BY_CLI = ("import sys; from msllm.cli import main; code = main(sys.argv[1:]); "
+                 "print(sorted(m for m in ('mindspore', 'torch') if m in sys.modules)); sys.exit(code)")
+
+
+@pytest.fixture(scope="session")
+def llama_exports(llama_run, tmp_path_factory):
+    """fmt -> (export dir, the CompletedProcess that wrote it): llama_run exported once per format and
+    session by `msllm export` (the CLI's main() in a process without GLOG_v, which prints last whether
+    it imported MindSpore or torch). Tests read these dirs (copy them to change anything)."""
+    made = {}
+
+    def get(fmt: str):
+        if fmt not in made:
+            out = tmp_path_factory.mktemp(f"llama-{fmt}") / "export"
+            env = {k: v for k, v in os.environ.items() if not k.startswith("GLOG")}
+            proc = subprocess.run([sys.executable, "-c", EXPORT_BY_CLI, "export", "--ckpt", str(llama_run), "--format",
+                                   fmt, "--out", str(out)], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                                  capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            made[fmt] = (out, proc)
+        return made[fmt]
+
+    return get

@@ -62,10 +62,9 @@ def test_ctrl_c_during_convert(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, corpus):
-    from tests.test_export import LLAMA, make_run
-
-    return make_run(tmp_path_factory.mktemp("signals"), LLAMA, corpus)
+def run_dir(llama_run):
+    """tests/test_export.py's LLAMA run, made once per session (tests/conftest.py)."""
+    return llama_run
 
 
 def test_ctrl_c_during_export(run_dir, tmp_path):

@@ -55,14 +55,29 @@ def make_run(root, model_cfg: ModelConfig, corpus):
     return root
 
 
-@pytest.fixture(scope="module")
-def llama_run(tmp_path_factory, corpus):
-    return make_run(tmp_path_factory.mktemp("llama"), LLAMA, corpus)
+# llama_run and llama_exports (its fp32 exports, written once by the CLI): tests/conftest.py, shared
+# with tests/test_bad_inputs.py and tests/test_cli_signals.py.
 
 
 @pytest.fixture(scope="module")
 def qwen_run(tmp_path_factory, corpus):
     return make_run(tmp_path_factory.mktemp("qwen"), QWEN, corpus)
+
+
+@pytest.fixture(scope="module")
+def qwen_exports(qwen_run, tmp_path_factory):
+    """fmt -> (export dir, manifest): qwen_run's fp32 export, written once per format for the tests
+    that only read it."""
+    made = {}
+
+    def get(fmt: str):
+        if fmt not in made:
+            out = tmp_path_factory.mktemp(f"qwen-{fmt}") / "export"
+            made[fmt] = (out, export(qwen_run, fmt, out, log=lambda line: None))
+        out, manifest = made[fmt]
+        return out, json.loads(json.dumps(manifest))  # a copy the test may change
+
+    return get
 
 
 def reference_logits(run, ids):
@@ -75,9 +90,8 @@ INPUTS = [np.random.default_rng(1).integers(0, 384, shape) for shape in ((1, 3),
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "mindir"])
-def test_export_reloads_and_matches_at_two_lengths(qwen_run, tmp_path, fmt):
-    out = tmp_path / "export"
-    manifest = export(qwen_run, fmt, out, log=lambda line: None)
+def test_export_reloads_and_matches_at_two_lengths(qwen_run, qwen_exports, fmt):
+    out, manifest = qwen_exports(fmt)
     cached = "cached.onnx" if fmt == "onnx" else "cached_graph.mindir"
     graphs = (["model.onnx", cached, "weights.onnx.data"] if fmt == "onnx" else
               ["model_graph.mindir", "model_variables", cached, "cached_variables"])
@@ -108,41 +122,51 @@ def test_fp16_export_within_tolerance(llama_run, tmp_path, fmt):
         assert {i.name: i.type.tensor_type.elem_type for i in model.graph.input}["past_keys"] == onnx.TensorProto.FLOAT16
 
 
-def test_export_process_never_loads_mindspore(llama_run, tmp_path):
-    """MindSpore keeps an exported or loaded graph's memory until its process ends: the export's
-    own process must not import it, workers write and verify, and their log lines reach the caller."""
-    script = ("import sys; from graph_opt.export import export; lines = []; "
-              f"export({str(llama_run)!r}, 'mindir', {str(tmp_path / 'out')!r}, log=lines.append); "
-              "print(sorted(m for m in ('mindspore', 'torch') if m in sys.modules)); print(lines[0]); print(lines[-2])")
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    imported, first, verified = out.stdout.splitlines()[-3:]
-    assert imported == "[]"
-    assert first == "wrote model_graph.mindir" and verified.startswith("verified: max|diff|")
-    assert json.loads((tmp_path / "out" / "export.json").read_text())["max_abs_diff"]
+@pytest.mark.parametrize("fmt", ["onnx", "mindir"])
+def test_cli_export_never_loads_mindspore_and_its_workers_are_quiet(llama_exports, fmt):
+    """`msllm export` as tests/conftest.py's llama_exports ran it (no GLOG_v, no --verbose).
+    MindSpore keeps an exported or loaded graph's memory until its process ends: the export's own
+    process must not import it (nor torch); workers write and verify, their progress lines reach
+    stdout in order, and their MindSpore log and Python warnings stay off the terminal."""
+    out, proc = llama_exports(fmt)
+    assert proc.stderr == "", proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "[]"  # the modules the exporting process imported, of mindspore and torch
+    if fmt == "mindir":
+        assert lines[:2] == ["wrote model_graph.mindir", "wrote cached_graph.mindir"]
+    else:
+        assert any(x.startswith("onnx clean-up cached:") for x in lines) and "onnx.checker ok" in proc.stdout
+    assert lines[-3].startswith("verified: max|diff|") and lines[-2].startswith(f"exported {fmt} (fp32)")
+    assert json.loads((out / "export.json").read_text())["max_abs_diff"]
 
 
-def test_export_workers_are_as_quiet_as_the_cli(llama_run, tmp_path):
-    """Without --verbose the workers' MindSpore log and Python warnings stay off the terminal too;
-    their progress lines reach stdout in order."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GLOG")}
-    out = subprocess.run([sys.executable, "-m", "msllm.cli", "export", "--ckpt", str(llama_run), "--format", "mindir",
-                          "--out", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    assert lines[:2] == ["wrote model_graph.mindir", "wrote cached_graph.mindir"]
-    assert lines[-2].startswith("verified: max|diff|") and lines[-1].startswith("exported mindir (fp32)")
+def test_cli_generate_on_the_mindir_engine(llama_run, llama_exports):
+    """`msllm generate --engine mindir` through the CLI, in its own process, on the CLI's export:
+    the greedy continuation of the default prompt the msllm model computes (full recompute), cut at
+    the run's EOS, and the one summary line on stderr."""
+    out, _ = llama_exports("mindir")
+    proc = run_cli("generate", "--engine", "mindir", "--ckpt", str(out), "--max-new-tokens", "12")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    device.setup("cpu", "pynative")
+    _, model, _, _ = load_model(llama_run)
+    tokenizer = load_tokenizer(llama_run / "data" / "tokenizer.json")
+    prompt = tokenizer.encode("def ").ids
+    new = generate_ids(model, prompt, 12)[len(prompt):]
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    new = new[:new.index(eos)] if eos in new else new
+    assert proc.stdout == "def " + tokenizer.decode(new, skip_special_tokens=False) + "\n"
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"msllm generate: {len(prompt)} prompt tokens, ")
 
 
-def test_prefill_and_decode_share_one_session_and_older_exports_still_load(llama_run, tmp_path):
+def test_prefill_and_decode_share_one_session_and_older_exports_still_load(llama_exports, tmp_path):
     """The cached graph is loaded once for prefill and decode; an export from before it (separate
     prefill.onnx and decode.onnx, as export.json names them) still generates the same tokens."""
     import shutil
 
     from graph_opt.runtime import export_engine
 
-    out = tmp_path / "onnx"
-    manifest = export(llama_run, "onnx", out, log=lambda line: None)
+    out, _ = llama_exports("onnx")
+    manifest = json.loads((out / "export.json").read_text())
     engine = export_engine(out, manifest)
     prompts = [[5, 6, 7], [8]]
     first = engine.start(prompts, 4)
@@ -164,9 +188,8 @@ def test_prefill_and_decode_share_one_session_and_older_exports_still_load(llama
         np.testing.assert_array_equal(old_engine.step([1, 2]), want)
 
 
-def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_run, tmp_path):
-    out = tmp_path / "mindir"
-    manifest = export(qwen_run, "mindir", out, log=lambda line: None)
+def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_exports):
+    out, manifest = qwen_exports("mindir")
     weights = [out / f"{name}_variables" / "data_0" for name in ("model", "cached")]
     assert weights[0].stat().st_size > 4 * QWEN.num_params()
     assert os.path.samefile(*weights)  # one file, linked under both graphs' names
@@ -175,9 +198,8 @@ def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_run, tmp_path):
     assert manifest["sizes"]["cached_variables/data_0"] == weights[0].stat().st_size
 
 
-def test_onnx_weights_are_written_once_or_embedded_on_request(qwen_run, tmp_path, monkeypatch):
-    out = tmp_path / "ext"
-    export(qwen_run, "onnx", out, log=lambda line: None)
+def test_onnx_weights_are_written_once_or_embedded_on_request(qwen_run, qwen_exports, tmp_path, monkeypatch):
+    out, _ = qwen_exports("onnx")
     weights = (out / "weights.onnx.data").stat().st_size
     assert weights > 4 * QWEN.num_params() * 0.99
     for kind in ("model", "cached"):  # the graphs point at the one data file
@@ -243,22 +265,18 @@ def test_cached_generation_equals_full_recompute(qwen_run):
         assert prompt + cached.ids[0] == full
 
 
-@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): ~40 s, beyond CI's budget")
-def test_cli_export_and_generate_on_every_engine(llama_run, tmp_path):
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): beyond CI's budget "
+                    "(CI runs the mindir engine's CLI: test_cli_generate_on_the_mindir_engine)")
+def test_cli_generate_on_every_engine(llama_run, llama_exports):
     device.setup("cpu", "pynative")
     _, model, _, _ = load_model(llama_run)
     outputs = {}
     for fmt, engine in (("onnx", "onnxruntime"), ("mindir", "mindir")):
-        out = tmp_path / fmt
-        proc = run_cli("export", "--ckpt", str(llama_run), "--format", fmt, "--out", str(out))
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "verified: max|diff|" in proc.stdout and "exported" in proc.stdout
-        if fmt == "onnx":
-            assert "onnx clean-up cached:" in proc.stdout and "onnx.checker ok" in proc.stdout
+        out, _ = llama_exports(fmt)  # written by the CLI (test_cli_export_never_loads_mindspore_and_...)
         outputs[engine] = run_cli("generate", "--engine", engine, "--ckpt", str(out), "--max-new-tokens", "12")
     # the onnxruntime engine's process never imports MindSpore (~0.4 GB and ~2 s of start-up)
     script = ("import sys; from msllm.cli import main; code = main(['generate', '--engine', 'onnxruntime', '--ckpt', "
-              f"{str(tmp_path / 'onnx')!r}, '--max-new-tokens', '12']); "
+              f"{str(llama_exports('onnx')[0])!r}, '--max-new-tokens', '12']); "
               "print(sorted(m for m in ('mindspore', 'torch') if m in sys.modules)); sys.exit(code)")
     alone = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert alone.returncode == 0 and alone.stdout.splitlines()[-1] == "[]", alone.stderr[-2000:]
