@@ -143,3 +143,15 @@ def llama_exports(llama_run, tmp_path_factory):
         return made[fmt]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, corpus) -> Path:
+    """120 uninterrupted steps on 2 workers at micro-batch 2 (global batch 4), checkpoints every 20
+    (tests/test_distributed.py's launch_cmd): the run tests/test_distributed.py and
+    tests/test_restarts.py compare against, made once per session. Tests copy it, never write into it."""
+    from tests.test_distributed import launch_cmd, run
+
+    run_dir = tmp_path_factory.mktemp("launch") / "ref"
+    run(launch_cmd(run_dir, corpus))
+    return run_dir

@@ -2,9 +2,12 @@
 
     msrun --worker_num 2 ... tests/cp_worker.py OUT_DIR     # writes OUT_DIR/{variant}_rank{r}.npz
 
+$MSLLM_CP_VARIANTS (comma-separated names of VARIANTS) runs only those; default all.
+
 Every rank gets the whole batch (a cp group reads the same samples) and computes its zig-zag chunks
 of each sequence; the test runs the same variants whole in one process and compares.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -65,5 +68,5 @@ if __name__ == "__main__":
     device.setup("cpu", "graph", 1)
     rank, world = dp.init_process_group()
     out = Path(sys.argv[1])
-    for name in VARIANTS:
+    for name in os.environ.get("MSLLM_CP_VARIANTS", ",".join(VARIANTS)).split(","):
         np.savez(out / f"{name}_rank{rank}.npz", **run(name, world, world, rank))

@@ -113,12 +113,8 @@ def losses(run_dir: Path) -> dict:
     return {r["step"]: r["loss"] for r in rows if r.get("kind") == "train"}
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, corpus):
-    """120 uninterrupted steps on 2 workers at micro-batch 2 (global batch 4), checkpoints every 20."""
-    run_dir = tmp_path_factory.mktemp("launch") / "ref"
-    run(launch_cmd(run_dir, corpus))
-    return run_dir
+# reference_run (120 uninterrupted steps on 2 workers, launch_cmd's settings): tests/conftest.py, made
+# once per session for this module and tests/test_restarts.py.
 
 
 def test_launch_names_a_killed_worker_within_seconds(tmp_path, corpus):

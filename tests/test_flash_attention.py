@@ -58,8 +58,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[-1]}-s{c[3]}-d{c[5]}-w{c[6]}-gqa{c[1] // c[2]}" for c in CASES])
-def test_flash_core_equals_softmax_core(case):
+def case_arrays(case):
+    """q, k, v, query slots, query segments, key segments, window, upstream gradient (numpy)."""
     b, heads, kv_heads, s, t, d, window, form = case
     rng = np.random.default_rng(s * d + window)
     q = rng.normal(size=(b, heads, s, d)).astype(np.float32) / np.sqrt(d)
@@ -74,13 +74,97 @@ def test_flash_core_equals_softmax_core(case):
         k_seg = np.stack([np.where(np.arange(t) >= pad, 0, -1) for pad in (0, 3)])
         k_seg[:, 7 + s:] = 0  # unfilled slots: hidden by causality alone
     up = rng.normal(size=q.shape).astype(np.float32)
-    inputs = [Tensor(x) for x in (q, k, v)] + [Tensor(np.asarray(x, np.int32)) for x in (slots, q_seg, k_seg, [window])]
-    inputs.append(Tensor(up))
+    return [q, k, v] + [np.ascontiguousarray(x, np.int32) for x in (slots, q_seg, k_seg, [window])] + [up]
+
+
+CASE_IDS = [f"{c[-1]}-s{c[3]}-d{c[5]}-w{c[6]}-gqa{c[1] // c[2]}" for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_flash_core_equals_softmax_core(case):
+    heads, kv_heads = case[1], case[2]
+    inputs = [Tensor(x) for x in case_arrays(case)]
     want = run(Core(layers.SoftmaxAttention(heads, kv_heads), layers.AdditiveMask(heads, kv_heads)), inputs)
     got = run(Core(kernels.FlashAttention(heads, kv_heads), cpu.VisibilityIndices()), inputs)
     for name, g, w in zip(("loss", "dq", "dk", "dv"), got, want):
         scale = np.abs(w).max()
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * scale, err_msg=name)
+
+
+def reference_attention(q, k, v, slots, q_seg, k_seg, window, up):
+    """out, lse (natural log; +inf where a row sees no key), dq, dk, dv in float64, straight from the
+    maths: the visibility rule of msllm.models.layers.visibility, softmax over the visible keys."""
+    q, k, v, up = (x.astype(np.float64) for x in (q, k, v, up))
+    b, heads, s, _ = q.shape
+    kv_heads, t = k.shape[1], k.shape[2]
+    out, lse = np.zeros_like(q), np.full((b, heads, s), np.inf)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    j = np.arange(t)[None]
+    for i in range(b):
+        slot, qs, ks = (x[i % x.shape[0]][:, None] if n < 2 else x[i % x.shape[0]][None]
+                        for n, x in enumerate((slots, q_seg, k_seg)))
+        seen = (j <= slot) & ((window[0] == 0) | (slot - j < window[0])) & (qs == ks)
+        any_key = seen.any(1)
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            scores = np.where(seen, q[i, h] @ k[i, g].T, -np.inf)
+            top = np.where(any_key, scores.max(1), 0)[:, None]
+            e = np.where(seen, np.exp(scores - top), 0)
+            total = e.sum(1, keepdims=True)
+            p = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+            out[i, h] = p @ v[i, g]
+            lse[i, h] = np.where(any_key, np.log(np.where(any_key, total[:, 0], 1)) + top[:, 0], np.inf)
+            dp = up[i, h] @ v[i, g].T
+            ds = p * (dp - (up[i, h] * out[i, h]).sum(1, keepdims=True))
+            dq[i, h] = ds @ k[i, g]
+            dk[i, g] += ds.T @ q[i, h]
+            dv[i, g] += p.T @ up[i, h]
+    return out, lse, dq, dk, dv
+
+
+def call_kernel(fn, arrays):
+    """An AOT custom-op entry point called directly: (nparam, params, ndims, shapes, dtypes, stream, extra)."""
+    import ctypes
+
+    n = len(arrays)
+    params = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
+    ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
+    dims = [(ctypes.c_int64 * max(1, a.ndim))(*a.shape) for a in arrays]
+    shapes = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(x, ctypes.POINTER(ctypes.c_int64)) for x in dims])
+    fn(n, params, ndims, shapes, None, None, None)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "flags :").split(":", 1)[1].split())
+    except OSError:
+        return set()
+
+
+X86_64_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}  # what -march=x86-64-v3 may use
+
+
+@pytest.mark.skipif(not X86_64_V3 <= cpu_flags(), reason="the CPU lacks AVX2 (x86-64-v3)")
+def test_avx2_build_of_the_kernel_equals_the_maths():
+    """The library built for -march=x86-64-v3 (MSLLM_KERNEL_MARCH's AVX2 build, which an AVX-512 CPU
+    never runs by default: its native build takes the AVX-512 register blocks), called through ctypes
+    on every case above: forward and backward against reference_attention in float64."""
+    import ctypes
+
+    lib = ctypes.CDLL(kernels.library("x86-64-v3"))
+    for case, name in zip(CASES, CASE_IDS):
+        q, k, v, slots, q_seg, k_seg, window, up = case_arrays(case)
+        out, lse = np.empty_like(q), np.empty(q.shape[:3], np.float32)
+        call_kernel(lib.FlashAttention, [q, k, v, slots, q_seg, k_seg, window, out, lse])
+        grads = [np.empty_like(q), np.empty_like(k), np.empty_like(v)]
+        call_kernel(lib.FlashAttentionGrad, [q, k, v, slots, q_seg, k_seg, window, out, lse, up, *grads])
+        want = reference_attention(q, k, v, slots, q_seg, k_seg, window, up)
+        finite = np.isfinite(want[1])
+        assert np.array_equal(np.isfinite(lse), finite), name
+        for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), [out, lse[finite], *grads], [want[0], want[1][finite],
+                                                                                            *want[2:]]):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * np.abs(w).max(), err_msg=f"{name}: {what}")
 
 
 def test_rows_that_see_no_key_are_zero_with_zero_gradients():

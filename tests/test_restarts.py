@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from msllm.parallel import launch as L
-from tests.test_distributed import ENV, REPO, final_weights, launch_cmd, reference_run  # noqa: F401 (fixture)
+from tests.test_distributed import ENV, REPO, final_weights, launch_cmd  # reference_run: tests/conftest.py
 
 
 def restart_rows(run_dir: Path) -> list[dict]:
