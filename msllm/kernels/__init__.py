@@ -1,4 +1,5 @@
-"""Fused CPU kernels (C++: cpu_kernels.cc, flash_attention.cc, grouped_matmul.cc) as MindSpore AOT Custom ops.
+"""Fused CPU kernels (C++: cpu_kernels.cc, flash_attention.cc, grouped_matmul.cc, linear_cross_entropy.cc) as
+MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -35,7 +36,8 @@ from msllm.staged import cache_root
 from msllm.models import layers
 from msllm.models.layers import cast
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cc", "flash_attention.cc", "grouped_matmul.cc")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_kernels.cc", "flash_attention.cc", "grouped_matmul.cc", "linear_cross_entropy.cc")]
 HEADERS = [Path(__file__).with_name("common.h")]
 # -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
 FLAGS = ["-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
@@ -366,3 +368,26 @@ class GroupedMatmul(nn.Cell):
 
     def construct(self, xs, w, ids):
         return cast(self.matmul(cast(xs, ms.float32), cast(w, ms.float32), ids.astype(ms.int32)), xs.dtype)
+
+
+class FusedHead(nn.Cell):
+    """msllm.models.layers.ChunkedHead in C++ (linear_cross_entropy.cc): hidden [N, H], weight [V, H],
+    labels [N] -> (lse [N], target [N]) of the logits hidden @ weight^T (soft-capped with `softcap`),
+    by blocks of ~1M logits per thread (4 MB), forward and backward: no [N, V] buffer, one graph node
+    each way. Runs in fp32 (dnnl_sgemm: needs has_sgemm())."""
+
+    def __init__(self, softcap: float = 0.0):
+        super().__init__()
+        self.softcap = softcap
+        self.cap = ms.Tensor([softcap], ms.float32)
+        grad = _aot("LinearCrossEntropyGrad", lambda h, w, *_: (h, w), lambda h, w, *_: (h, w))
+
+        def bprop(h, w, labels, cap, out, dout):  # dlogits = dlse * softmax + dtarget * onehot(label)
+            dh, dw = grad(h, w, labels, cap, out[0], dout[0], -dout[1])
+            return dh, dw, ops.zeros_like(labels), ops.zeros_like(cap)
+
+        self.head = _aot("LinearCrossEntropy", lambda h, *_: (h[:1], h[:1]), lambda h, *_: (h, h), bprop=bprop)
+
+    def construct(self, h, weight, labels):
+        lse, target = self.head(cast(h, ms.float32), weight, labels.astype(ms.int32), self.cap)
+        return lse, target

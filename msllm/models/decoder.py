@@ -206,12 +206,15 @@ class Decoder(nn.Cell):
         last = h.reshape(b, s, -1)[:, -1]  # logits only where the next token is read
         return self.logits(last), new_keys, new_values
 
-    def with_loads(self, input_ids, segments=None, positions=None):
-        """Training a MoE model: (logits as construct gives them, the routing loads of its MoE layers,
-        one [4, E] per layer: msllm.models.moe.MoE)."""
-        b = input_ids.shape[0]
+    def features(self, input_ids, segments=None, positions=None):
+        """Training through a fused head (msllm.models.layers.LinearCrossEntropy): (the final-normed
+        hidden states [b*q, hidden] that `logits` would project, the MoE layers' routing loads)."""
         h, _, _, loads = self.decode(input_ids, None, None, None, None, segments, positions)
-        return self.logits(h).reshape(b, -1, self.cfg.vocab_size), loads
+        return self.norm(h), loads
+
+    def head_weight(self):
+        """The output projection [vocab, hidden]: the embedding table when the embeddings are tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def decode(self, input_ids, keys, values, start, pad, segments, positions):
         """The decoder layers: -> (residual stream [b*q, hidden], each layer's keys and values when a

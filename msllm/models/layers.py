@@ -414,3 +414,110 @@ class MaskedCausalLMLoss(nn.Cell):
         # no label at all: 0 / tiny = 0 (a cp group's mean count may be a fraction, so not max(count, 1))
         return ops.sum(nll * mask) / ops.maximum(count, 1e-6)
 
+
+# Logits [N, vocab] up to this size are computed whole (as Decoder.logits does; W1's are 16 MB); larger
+# ones go through a fused head. Also the graph form's chunk: a few tens of MB, full-speed matmuls.
+HEAD_CHUNK_BYTES = 32 << 20
+
+
+@ms.constexpr  # runs in Python at compile time: the chunks are static
+def head_chunks(n: int, vocab: int, chunk_bytes: int = HEAD_CHUNK_BYTES) -> tuple:
+    """The [start, end) vocabulary ranges the graph form computes one at a time for n rows: columns
+    a multiple of 256, ~chunk_bytes of fp32 logits each (one range when the whole vocabulary fits)."""
+    cols = min(vocab, max(256, chunk_bytes // (4 * max(n, 1)) // 256 * 256))
+    return tuple((start, min(start + cols, vocab)) for start in range(0, vocab, cols))
+
+
+class ChunkedHead(nn.Cell):
+    """The output head reduced as a cross-entropy needs it, by chunks of the vocabulary:
+    hidden [N, H], weight [V, H], labels [N] int32 -> (lse [N], target [N]), the logsumexp of each
+    row's logits hidden @ weight^T and the label's logit, fp32. With `softcap` the logits are
+    softcap * tanh(logits / softcap) (Gemma 2's final soft-capping).
+
+    Backward recomputes each chunk's logits and turns them into that chunk's logit gradient,
+    dlse * softmax + dtarget * onehot(label), which feeds dhidden (summed over chunks) and the chunk's
+    rows of dweight. Each chunk waits for the previous one's result (ops.depend).
+
+    This is the portable graph form; msllm.kernels.FusedHead is the same in C++. On MindSpore's CPU
+    backend the graph form does NOT save memory: its chunks' buffers were measured to stay alive
+    (docs/big-vocab.md), so the CPU step takes the kernel, or the whole logits without it."""
+
+    def __init__(self, softcap: float = 0.0, chunk_bytes: int = HEAD_CHUNK_BYTES):
+        super().__init__()
+        self.softcap, self.chunk_bytes = softcap, chunk_bytes
+        self.logits_of = ops.MatMul(transpose_b=True)   # [N, H] x [C, H]^T
+        self.rows_grad = ops.MatMul()                   # dlogits [N, C] x [C, H]
+        self.weight_grad = ops.MatMul(transpose_a=True)  # dlogits^T [C, N] x [N, H]
+
+    def chunk_logits(self, h, w):
+        """fp32 logits of one chunk, and tanh(z / softcap) when soft-capping (for its slope)."""
+        z = cast(self.logits_of(h, cast(w, h.dtype)), ms.float32)
+        if self.softcap > 0:
+            t = ops.tanh(z / self.softcap)
+            return t * self.softcap, t
+        return z, z
+
+    def construct(self, h, weight, labels):
+        parts, done = [], None
+        for start, end in head_chunks(h.shape[0], weight.shape[0], self.chunk_bytes):
+            z, _ = self.chunk_logits(h if done is None else ops.depend(h, done), weight[start:end])
+            done = ops.logsumexp(z, -1)
+            parts.append(done)
+        lse = ops.logsumexp(ops.stack(parts, -1), -1) if len(parts) > 1 else parts[0]
+        target = ops.sum(cast(h, ms.float32) * ops.gather(weight, labels, 0), -1)
+        if self.softcap > 0:
+            target = ops.tanh(target / self.softcap) * self.softcap
+        return lse, target
+
+    def bprop(self, h, weight, labels, out, dout):
+        lse = out[0].reshape(-1, 1)
+        d_lse, d_target = dout[0].reshape(-1, 1), dout[1].reshape(-1, 1)
+        dh, dw, done = None, [], None
+        for start, end in head_chunks(h.shape[0], weight.shape[0], self.chunk_bytes):
+            w = weight[start:end]
+            z, t = self.chunk_logits(h if done is None else ops.depend(h, done), w)
+            onehot = ops.one_hot(labels - start, end - start, ops.ones((), ms.float32), ops.zeros((), ms.float32))
+            dz = ops.exp(z - lse) * d_lse + onehot * d_target
+            if self.softcap > 0:
+                dz = dz * (1.0 - t * t)
+            dz = cast(dz, h.dtype)
+            part = self.rows_grad(dz, cast(w, h.dtype))
+            dh = part if dh is None else dh + part
+            done = self.weight_grad(dz, h)
+            dw.append(cast(done, ms.float32))
+        dw = ops.concat(dw, 0) if len(dw) > 1 else dw[0]
+        return cast(dh, h.dtype), dw, ops.zeros_like(labels)
+
+
+class LinearCrossEntropy(nn.Cell):
+    """The training loss from the final-normed hidden states: mean next-token cross-entropy of
+    hidden [N, H] @ weight [V, H]^T against labels [N]; with mask [N] (and count) as
+    MaskedCausalLMLoss; with `z_loss`, z_loss * lse^2 added per counted position (PaLM's z-loss).
+
+    `head`: a Cell with ChunkedHead's call and outputs, (lse, target), that never holds [N, V]
+    (msllm.kernels.FusedHead on CPU), or None. Logits that fit HEAD_CHUNK_BYTES, or every size without
+    a head, are computed whole as Decoder.logits does (decided from the static shapes)."""
+
+    def __init__(self, head=None, z_loss: float = 0.0):
+        super().__init__()
+        if head is None and z_loss:
+            raise ValueError("z_loss needs a head (ChunkedHead, msllm.kernels.FusedHead) to read the logsumexp from")
+        self.head, self.z_loss = head, z_loss
+        self.plain = z_loss == 0 and (head is None or head.softcap == 0)  # the whole logits' loss is the same
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.loss = CausalLMLoss()
+        self.masked_loss = MaskedCausalLMLoss()
+
+    def construct(self, h, weight, labels, mask=None, count=None):
+        if self.head is None or (self.plain and h.shape[0] * weight.shape[0] * 4 <= HEAD_CHUNK_BYTES):
+            logits = cast(self.matmul(h, cast(weight, h.dtype)), ms.float32)
+            return self.loss(logits, labels) if mask is None else self.masked_loss(logits, labels, mask, count)
+        lse, target = self.head(h, weight, labels)
+        nll = lse - target
+        if self.z_loss > 0:
+            nll = nll + self.z_loss * lse * lse
+        if mask is None:
+            return ops.mean(nll)
+        if count is None:
+            count = ops.sum(mask)
+        return ops.sum(nll * mask) / ops.maximum(count, 1e-6)

@@ -60,4 +60,4 @@ def build_train_step(cfg: Config, model: Decoder | None = None, wrap_optimizer=N
         reducer = ep.ExpertGradReduce(optimizer.params, ep_group, edp_group)
     train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world,
                            bias_balance(model, t.moe_bias_update_rate, world))
-    return Built(model, optimizer, train_step, EvalStep(model), spec)
+    return Built(model, optimizer, train_step, EvalStep(model, spec.fused_kernels), spec)

@@ -17,12 +17,16 @@ import mindspore as ms
 from mindspore import amp, nn, ops
 
 from msllm.grad_norm import global_norm, hyper_map
-from msllm.models.layers import CausalLMLoss, MaskedCausalLMLoss
+from msllm.models.layers import LinearCrossEntropy
 from msllm.models.moe import routing_losses
 
 
 class LossCell(nn.Cell):
     """tokens [b, s+1] -> scale * mean next-token loss of model(tokens[:, :-1]) against tokens[:, 1:].
+
+    The head and the loss are one Cell (msllm.models.layers.LinearCrossEntropy) fed the final-normed
+    hidden states. `fused` (the CPU kernels are on): logits larger than HEAD_CHUNK_BYTES go through
+    msllm.kernels.FusedHead and are never held as [tokens, vocab]; otherwise they are computed whole.
 
     Packed SFT samples add mask [b, s] (1 where the label is a response token), segments and
     positions [b, s] (msllm.data.sft); the mean is then over the masked-in labels.
@@ -34,23 +38,26 @@ class LossCell(nn.Cell):
     A model whose layers report statistics (MoE layers' routing loads) has a component that adds
     their losses (msllm.models.moe.routing_losses); the cell then also returns the statistics."""
 
-    def __init__(self, model):
+    def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
         self.model = model
-        self.loss = CausalLMLoss()
-        self.masked_loss = MaskedCausalLMLoss()
+        head = None
+        if fused:  # msllm.kernels are on (CPU): the head's kernel holds no [tokens, vocab] logits
+            from msllm import kernels
+            head = kernels.FusedHead() if kernels.has_sgemm() else None
+        self.head_loss = LinearCrossEntropy(head)
         self.extra = routing_losses(model.cfg)
         self.has_stats = self.extra is not None
 
     def construct(self, tokens, scale, mask=None, segments=None, positions=None):
-        labels = self.model.local_tokens(tokens[:, 1:])
-        logits, stats = self.model.with_loads(tokens[:, :-1], segments, positions)
+        labels = self.model.local_tokens(tokens[:, 1:]).reshape(-1)
+        h, stats = self.model.features(tokens[:, :-1], segments, positions)
         if mask is None:
-            loss = self.loss(logits, labels)
+            loss = self.head_loss(h, self.model.head_weight(), labels)
         else:
-            mask = self.model.local_tokens(mask)
+            mask = self.model.local_tokens(mask).reshape(-1)
             count = self.model.sequence_mean(ops.stop_gradient(ops.sum(mask)))
-            loss = self.masked_loss(logits, labels, mask, count)
+            loss = self.head_loss(h, self.model.head_weight(), labels, mask, count)
         if self.extra is None:
             return loss * scale
         return self.extra.add_to(loss, stats) * scale, self.extra.stats(stats)
@@ -77,7 +84,7 @@ class TrainStep(nn.Cell):
             self.sum_of_squares = kernels.sum_of_squares_op()
         else:
             self.sum_of_squares = None
-        self.loss_cell = LossCell(model)
+        self.loss_cell = LossCell(model, optimizer.fused)
         self.optimizer = optimizer
         self.grad_clip = grad_clip
         self.accum_steps = accum_steps
@@ -142,9 +149,9 @@ class EvalStep(nn.Cell):
     """The loss of a batch (under context parallel: every rank of the cp group runs it, each gets the
     whole sequence's loss)."""
 
-    def __init__(self, model):
+    def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
-        self.loss_cell = LossCell(model)
+        self.loss_cell = LossCell(model, fused)
 
     def construct(self, tokens, *sft):
         loss = self.loss_cell(tokens, 1.0, *sft)

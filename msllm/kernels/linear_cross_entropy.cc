@@ -1,0 +1,166 @@
+// The output head reduced as its cross-entropy needs it, by blocks of the vocabulary (msllm.models.layers
+// ChunkedHead is the same maths in MindSpore ops):
+//   z = h @ w^T (optionally softcap * tanh(z / softcap)),  lse = logsumexp(z),  target = z[label]
+// Neither kernel holds [N, V]: each work unit computes one block's logits [N, block_cols] into its
+// thread's scratch, reduces it, and moves on. The GEMMs are dnnl_sgemm, as grouped_matmul.cc.
+// MindSpore's graph form of the same chunks was measured to keep every chunk's buffers alive on the
+// CPU backend (docs/big-vocab.md), which is why this kernel exists.
+#include <dlfcn.h>
+
+#include <limits>
+
+#include "common.h"
+
+using namespace msllm_kernels;
+
+namespace {
+
+typedef int (*Sgemm)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+                     int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+
+Sgemm sgemm() {
+  static const Sgemm fn = [] {
+    void *lib = dlopen("libdnnl.so.3", RTLD_NOW | RTLD_NOLOAD);
+    return lib ? reinterpret_cast<Sgemm>(dlsym(lib, "dnnl_sgemm")) : nullptr;
+  }();
+  return fn;
+}
+
+// Vocabulary columns per work unit: ~1M fp32 logits (4 MB of scratch per thread), a multiple of 64;
+// blocks of 256K and 1M logits ran alike, 4M slower (the block no longer stays in cache).
+int64_t block_cols(int64_t n, int64_t vocab) {
+  const int64_t cols = std::max<int64_t>(64, std::min<int64_t>(8192, (int64_t{1} << 20) / std::max<int64_t>(n, 1) / 64 * 64));
+  return std::min(cols, vocab);
+}
+
+struct Head {
+  int64_t n, hidden, vocab, cols, blocks;
+  const float *h, *w;
+  const int32_t *labels;
+  float softcap;
+
+  Head(void **params, int64_t **shapes)
+      : n(shapes[0][0]), hidden(shapes[0][1]), vocab(shapes[1][0]), cols(block_cols(n, vocab)),
+        blocks((vocab + cols - 1) / cols), h(static_cast<const float *>(params[0])),
+        w(static_cast<const float *>(params[1])), labels(static_cast<const int32_t *>(params[2])),
+        softcap(*static_cast<const float *>(params[3])) {}
+
+  int64_t start(int64_t b) const { return b * cols; }
+  int64_t width(int64_t b) const { return std::min(cols, vocab - b * cols); }
+
+  // The block's logits z [n, width] into scratch; with soft-capping, z = softcap * tanh(z / softcap).
+  void logits(Sgemm gemm, int64_t b, float *z) const {
+    const int64_t c = width(b);
+    gemm('N', 'T', n, c, hidden, 1.f, h, hidden, w + start(b) * hidden, hidden, 0.f, z, c);
+    if (softcap > 0)
+      for (int64_t i = 0; i < n * c; ++i) z[i] = softcap * std::tanh(z[i] / softcap);
+  }
+};
+
+}  // namespace
+
+// inputs: h [N, H], w [V, H] (fp32), labels [N] (int32), softcap [1]; outputs: lse [N], target [N]
+// (the label's logit). Each thread keeps a running (max, sum of exps) per row over the blocks it takes;
+// the threads' are merged at the end.
+extern "C" int LinearCrossEntropy(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                  void *stream, void *extra) {
+  const Sgemm gemm = sgemm();
+  if (!gemm) return 1;
+  const Head hd(params, shapes);
+  auto *lse = static_cast<float *>(params[4]), *target = static_cast<float *>(params[5]);
+  const int threads = pool().size();
+  const float kNegInf = -std::numeric_limits<float>::infinity();
+  std::vector<float> run_max(threads * hd.n, kNegInf), run_sum(threads * hd.n, 0.f);
+  std::vector<std::vector<float>> scratch(threads);
+  std::fill(target, target + hd.n, 0.f);
+  run_units(hd.blocks, [&](int64_t b, int t) {
+    std::vector<float> &z = scratch[t];
+    z.resize(hd.n * hd.cols);
+    hd.logits(gemm, b, z.data());
+    const int64_t c = hd.width(b), lo = hd.start(b);
+    for (int64_t r = 0; r < hd.n; ++r) {
+      const float *row = z.data() + r * c;
+      float m = row[0];
+      for (int64_t j = 1; j < c; ++j) m = row[j] > m ? row[j] : m;
+      float lane[16] = {0}, s = 0.f;  // 16 independent sums, so the loop vectorizes without -ffast-math
+      int64_t j = 0;
+      for (; j + 16 <= c; j += 16)
+        for (int k = 0; k < 16; ++k) lane[k] += exp_approx(row[j + k] - m);
+      for (; j < c; ++j) s += exp_approx(row[j] - m);
+      for (int k = 0; k < 16; ++k) s += lane[k];
+      float &M = run_max[t * hd.n + r], &S = run_sum[t * hd.n + r];
+      if (m > M) {
+        S = S * exp_approx(M - m) + s;  // exp(-inf) = 0 on the first block
+        M = m;
+      } else {
+        S += s * exp_approx(m - M);
+      }
+      const int64_t label = hd.labels[r] - lo;
+      if (label >= 0 && label < c) target[r] = row[label];
+    }
+  });
+  for (int64_t r = 0; r < hd.n; ++r) {
+    float M = kNegInf;
+    for (int t = 0; t < threads; ++t) M = std::max(M, run_max[t * hd.n + r]);
+    double S = 0.0;
+    for (int t = 0; t < threads; ++t)
+      if (run_sum[t * hd.n + r] > 0) S += run_sum[t * hd.n + r] * std::exp(run_max[t * hd.n + r] - M);
+    lse[r] = M + static_cast<float>(std::log(S));
+  }
+  return 0;
+}
+
+// inputs: h, w, labels, softcap (as LinearCrossEntropy), lse [N], g_softmax [N], g_label [N];
+// outputs: dh [N, H], dw [V, H]. The logits' gradient is
+//   dz = g_softmax * softmax(z) - g_label * onehot(label)   (times 1 - tanh^2 under soft-capping)
+// block by block: dw's block rows = dz^T h (each block's rows written by one unit), dh = sum of dz w_block,
+// accumulated per thread and summed at the end.
+extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                      void *stream, void *extra) {
+  const Sgemm gemm = sgemm();
+  if (!gemm) return 1;
+  const Head hd(params, shapes);
+  const auto *lse = static_cast<const float *>(params[4]), *g_softmax = static_cast<const float *>(params[5]),
+             *g_label = static_cast<const float *>(params[6]);
+  auto *dh = static_cast<float *>(params[7]), *dw = static_cast<float *>(params[8]);
+  const int threads = pool().size();
+  std::vector<std::vector<float>> scratch(threads), dh_part(threads);
+  std::vector<char> used(threads, 0);
+  run_units(hd.blocks, [&](int64_t b, int t) {
+    std::vector<float> &z = scratch[t];
+    z.resize(hd.n * hd.cols);
+    hd.logits(gemm, b, z.data());
+    const int64_t c = hd.width(b), lo = hd.start(b);
+    for (int64_t r = 0; r < hd.n; ++r) {
+      float *row = z.data() + r * c;
+      const float shift = lse[r], g = g_softmax[r];
+      const int64_t label = hd.labels[r] - lo;
+      const bool here = label >= 0 && label < c;
+      if (hd.softcap > 0) {  // row holds softcap * tanh: its slope is 1 - tanh^2
+        const float t_label = here ? row[label] / hd.softcap : 0.f;
+        for (int64_t j = 0; j < c; ++j) {
+          const float t = row[j] / hd.softcap;
+          row[j] = exp_approx(row[j] - shift) * g * (1.f - t * t);
+        }
+        if (here) row[label] -= g_label[r] * (1.f - t_label * t_label);
+      } else {
+        for (int64_t j = 0; j < c; ++j) row[j] = exp_approx(row[j] - shift) * g;
+        if (here) row[label] -= g_label[r];
+      }
+    }
+    gemm('T', 'N', c, hd.hidden, hd.n, 1.f, z.data(), c, hd.h, hd.hidden, 0.f, dw + lo * hd.hidden, hd.hidden);
+    if (!used[t]) dh_part[t].assign(hd.n * hd.hidden, 0.f);
+    used[t] = 1;
+    gemm('N', 'N', hd.n, hd.hidden, c, 1.f, z.data(), c, hd.w + lo * hd.hidden, hd.hidden, 1.f, dh_part[t].data(),
+         hd.hidden);
+  });
+  parallel_for(hd.n * hd.hidden, [&](int64_t a, int64_t b, int) {
+    for (int64_t i = a; i < b; ++i) {
+      float s = 0.f;
+      for (int t = 0; t < threads; ++t)
+        if (used[t]) s += dh_part[t][i];
+      dh[i] = s;
+    }
+  });
+  return 0;
+}
