@@ -205,6 +205,9 @@ class TrainConfig:
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)
+    head_rows: str = "loss"           # SFT rows: which positions go through the output head: loss (only labels
+                                      # with a loss, gathered into a capacity bucket per batch; one compiled step
+                                      # per bucket; not under context parallel) | all
     moe_capacity_factor: float = 0.0  # MoE: each expert computes at most factor x its even share of the
                                       # routed choices, the rest dropped and counted (0: dropless)
     moe_dropless: str = "blocks"      # how dropless MoE layers train: blocks (the choices grouped by expert in
@@ -294,6 +297,7 @@ CHOICES = {
     "train.attention": ("auto", "flash", "softmax"),
     "train.precision": ("fp32", "fp16", "bf16"),
     "train.recompute": ("none", "full", "selective"),
+    "train.head_rows": ("loss", "all"),
     "train.moe_dropless": ("blocks", "every"),
     "model.mlp": ("swiglu", "geglu_tanh"),
     "model.router": ("softmax", "sigmoid_grouped"),

@@ -16,6 +16,7 @@ from mindspore import Tensor, nn, ops
 from msllm import device, kernels
 from msllm.config import DataConfig, ModelConfig, OptimConfig
 from msllm.data import sft
+from msllm.data.loader import head_rows, make_dataset, row_capacity
 from msllm.models.decoder import build_model
 from msllm.models import layers
 from msllm.models.layers import CausalLMLoss, ChunkedHead, LinearCrossEntropy, MaskedCausalLMLoss, head_chunks
@@ -256,3 +257,82 @@ def test_compiled_train_step_trains_as_the_logits_path(monkeypatch):
     np.testing.assert_allclose([o[0] for o in got_outs], [o[0] for o in want_outs], rtol=loss_rtol)
     assert_close_to_scale(got_grads, want_grads, grad_rtol)
     assert got_outs[-1][0] < got_outs[0][0]  # the same batch each step: the loss falls
+
+
+# (b) Only the positions with a loss go through the head.
+
+def test_head_rows_hold_every_loss_position_in_a_few_buckets():
+    assert [row_capacity(c, 1024, 8) for c in (1, 64, 65, 97, 129, 200, 257, 700, 769)] == \
+        [64, 64, 96, 128, 192, 256, 384, 768, 1024]
+    assert row_capacity(70, 1024, 3) == 96 and row_capacity(100, 1024, 5) == 130  # a multiple of the rows
+    rng = np.random.default_rng(5)
+    mask = (rng.random((6, 64)) < 0.2).astype(np.float32)  # 2 micro-batches of 3 rows
+    rows = head_rows(mask, 2)
+    micro = mask.reshape(2, -1)
+    capacity = row_capacity(int(micro.sum(1).max()), 3 * 64, 3)
+    assert rows.shape == (6, capacity // 3) and capacity < 3 * 64
+    for i, picked in enumerate(rows.reshape(2, -1)):
+        hit = np.flatnonzero(micro[i])
+        assert np.array_equal(picked[:hit.size], hit)      # every loss position, in order
+        assert np.all(micro[i][picked[hit.size:]] == 0)     # padding: positions without a loss
+    full = np.ones((2, 64), np.float32)  # more than the largest bucket below every position: all of them
+    assert np.array_equal(head_rows(full, 1).reshape(-1), np.arange(128))
+
+
+class Windows:
+    """SFT windows as msllm.data.sft.SFTWindows yields them, from arrays."""
+    columns = ["tokens", "mask", "segments", "positions"]
+
+    def __init__(self, n, s, vocab, seed=6):
+        rng = np.random.default_rng(seed)
+        self.tokens = rng.integers(0, vocab, (n, s + 1)).astype(np.int32)
+        self.segments = np.ones((n, s), np.int32)
+        self.segments[:, s // 2:] = 2
+        self.mask = np.zeros((n, s), np.float32)
+        for i in range(n):  # a response of a few tokens at the end of each sample
+            k = 3 + i % 5
+            self.mask[i, s // 2 - k - 1:s // 2 - 1] = 1
+            self.mask[i, s - k - 1:s - 1] = 1
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return self.tokens[i], self.mask[i], self.segments[i], sft.positions(self.segments[i])
+
+
+@pytest.mark.parametrize("head", ["whole", "kernel"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_compiled_step_with_loss_rows_trains_as_all_positions(monkeypatch, accum, head):
+    """The same batches through the compiled step with all positions and with only the loss positions
+    (the dataset's rows column), the logits whole or through the head kernel: same losses, same
+    applied gradients."""
+    if head == "kernel":
+        if not kernels.has_sgemm():
+            pytest.skip("MindSpore's CPU backend without oneDNN's dnnl_sgemm")
+        monkeypatch.setattr(layers, "HEAD_CHUNK_BYTES", 0)
+    cfg_model = ModelConfig(vocab_size=2000, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
+                            max_seq_len=64, tie_embeddings=True)
+    windows = Windows(8, 64, cfg_model.vocab_size)
+    opt = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1, grad_clip=0.5)
+
+    def run(rows):
+        device.setup("cpu", "graph")
+        cfg = step_config(cfg_model, opt, steps=5, batch_size=2, accum_steps=accum)
+        cfg.data = DataConfig(path="rows.jsonl", seq_len=64)
+        built = build_train_step(cfg, build_model(cfg_model, seed=3), wrap_optimizer=Recorded)
+        data = make_dataset(windows, 64, 2 * accum, seed=0, shuffle=False, num_batches=2, loss_rows=accum if rows else 0)
+        outs, shapes, grads = [], [], None
+        for batch in data.create_tuple_iterator(num_epochs=1):
+            shapes.append(tuple(x.shape for x in batch))
+            outs.append(float(built.train_step(*batch)[0].asnumpy()))
+            grads = grads or built.train_step.optimizer.gradients()
+        return outs, grads, shapes
+
+    want_outs, want_grads, want_shapes = run(False)
+    got_outs, got_grads, shapes = run(True)
+    assert len(shapes[0]) == 5 and shapes[0][:4] == want_shapes[0]  # tokens, mask, segments, positions, rows
+    assert shapes[0][4] == (2 * accum, 32)                            # 64 of the 128 positions per micro-batch
+    loss_rtol, grad_rtol = decoder_rtol(cfg_model, 128, 64)
+    np.testing.assert_allclose(got_outs, want_outs, rtol=loss_rtol)
+    assert_close_to_scale(got_grads, want_grads, grad_rtol)

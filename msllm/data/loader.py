@@ -47,6 +47,38 @@ class DocumentWindows(PackedWindows):
         return window, np.ones(self.seq_len, np.float32), segments, positions(segments)
 
 
+def row_capacity(count: int, total: int, rows: int) -> int:
+    """How many positions of a micro-batch of `total` go through the output head when `count` have a
+    loss: the bucket above count among 64, 96, 128, 192, 256, 384, .. (so a run compiles a few step
+    graphs, each computing at most 1.5x the positions it needs), a multiple of the batch's `rows`;
+    `total` (every position) when that is no smaller."""
+    bucket = 64
+    while bucket < count:
+        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket // 3 * 4  # 64, 96, 128, 192, ..
+    bucket = -(-bucket // rows) * rows
+    return total if bucket >= total else bucket
+
+
+def head_rows(mask: np.ndarray, micro_batches: int) -> np.ndarray:
+    """An SFT batch's mask [m*b, s] (m micro-batches of b rows) -> the positions whose label has a loss,
+    per micro-batch: C flat indices into its [b*s] positions (C = row_capacity of the largest count
+    among the micro-batches), padded with a position without a loss, laid over the micro-batch's b rows
+    as [b, C/b] so the dataset batches them and the step slices them like the other columns. With C
+    = b*s (a batch with more loss positions than the largest bucket) they are all positions in order."""
+    micro = mask.reshape(micro_batches, -1)
+    b = mask.shape[0] // micro_batches
+    capacity = row_capacity(int((micro != 0).sum(1).max()), micro.shape[1], b)
+    out = np.empty((micro_batches, capacity), np.int32)
+    for i, m in enumerate(micro != 0):
+        if capacity == m.size:
+            out[i] = np.arange(m.size)
+            continue
+        hit = np.flatnonzero(m)
+        out[i, :hit.size] = hit
+        out[i, hit.size:] = np.argmin(m)  # a position without a loss: adds nothing
+    return out.reshape(mask.shape[0], -1)
+
+
 def global_order(num_samples: int, seed: int, shuffle: bool, epoch: int) -> np.ndarray:
     if not shuffle:
         return np.arange(num_samples)
@@ -89,13 +121,23 @@ def windows_of(data, seq_len: int):
 
 
 def make_dataset(tokens, seq_len: int, batch_size: int, *, seed: int, shuffle: bool = True,
-                 world: int = 1, rank: int = 0, start: int = 0, num_batches: int | None = None):
+                 world: int = 1, rank: int = 0, start: int = 0, num_batches: int | None = None,
+                 loss_rows: int = 0):
     """A mindspore.dataset pipeline yielding this rank's int32 [batch_size, seq_len + 1] batches, starting
     at global sample position `start` (batch_size is per rank; a step consumes batch_size * world).
-    SFT windows (msllm.data.sft) also yield mask, segments and positions [batch_size, seq_len]."""
+    SFT windows (msllm.data.sft) also yield mask, segments and positions [batch_size, seq_len], and with
+    loss_rows = m > 0 (the micro-batches of a batch) the positions with a loss (head_rows)."""
     windows = windows_of(tokens, seq_len)
     sampler = RankSampler(len(windows), batch_size, world=world, rank=rank, seed=seed, shuffle=shuffle,
                           start=start, steps=num_batches)
     dataset = ds.GeneratorDataset(windows, column_names=windows.columns, sampler=sampler,
                                   num_parallel_workers=1, python_multiprocessing=False)
-    return dataset.batch(batch_size, drop_remainder=True)
+    if not (loss_rows and "mask" in windows.columns):
+        return dataset.batch(batch_size, drop_remainder=True)
+
+    def add_rows(mask, _info):
+        return mask, list(head_rows(np.stack(mask), loss_rows))
+
+    dataset = dataset.batch(batch_size, drop_remainder=True, per_batch_map=add_rows, input_columns=["mask"],
+                            output_columns=["mask", "rows"])
+    return dataset.project(windows.columns + ["rows"])

@@ -29,7 +29,10 @@ class LossCell(nn.Cell):
     msllm.kernels.FusedHead and are never held as [tokens, vocab]; otherwise they are computed whole.
 
     Packed SFT samples add mask [b, s] (1 where the label is a response token), segments and
-    positions [b, s] (msllm.data.sft); the mean is then over the masked-in labels.
+    positions [b, s] (msllm.data.sft); the mean is then over the masked-in labels. With rows
+    (msllm.data.loader.head_rows: C flat positions, every one with a loss among them, the rest padded
+    with positions without), only those C positions' hidden states go through the head; a step
+    graph is compiled per capacity C.
 
     Under context parallel the model computes only this rank's tokens (model.local_tokens): the
     labels and mask are cut alike, and a masked mean divides by the cp group's mean count, so that
@@ -49,7 +52,7 @@ class LossCell(nn.Cell):
         self.extra = routing_losses(model.cfg)
         self.has_stats = self.extra is not None
 
-    def construct(self, tokens, scale, mask=None, segments=None, positions=None):
+    def construct(self, tokens, scale, mask=None, segments=None, positions=None, rows=None):
         labels = self.model.local_tokens(tokens[:, 1:]).reshape(-1)
         h, stats = self.model.features(tokens[:, :-1], segments, positions)
         if mask is None:
@@ -57,6 +60,9 @@ class LossCell(nn.Cell):
         else:
             mask = self.model.local_tokens(mask).reshape(-1)
             count = self.model.sequence_mean(ops.stop_gradient(ops.sum(mask)))
+            if rows is not None and rows.size < labels.size:  # only the positions with a loss reach the head
+                rows = rows.reshape(-1)
+                h, labels, mask = ops.gather(h, rows, 0), ops.gather(labels, rows, 0), ops.gather(mask, rows, 0)
             loss = self.head_loss(h, self.model.head_weight(), labels, mask, count)
         if self.extra is None:
             return loss * scale
@@ -70,7 +76,8 @@ def make_loss_scaler(initial_scale: float, window: int):
 
 
 class TrainStep(nn.Cell):
-    """tokens [accum_steps * b, s+1] (and for SFT mask, segments, positions [accum_steps * b, s])
+    """tokens [accum_steps * b, s+1] (and for SFT mask, segments, positions [accum_steps * b, s], and
+    optionally the loss rows [accum_steps * b, C / b]: msllm.data.loader.head_rows)
     -> (loss, grad_norm before clipping, lr, finite, loss_scale), and for a model with layer statistics
     (LossCell.has_stats: a MoE model's routing loads [moe layers, 4, E]) those of this rank's tokens,
     averaged over micro-batches. `after_update(stats, finite, lr)`: a Cell the model's components run

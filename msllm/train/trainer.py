@@ -234,9 +234,12 @@ class Trainer:
         if remaining <= 0:
             info(f"run already at step {self.start_step} >= train.steps {t.steps}; nothing to do")
             return {"step": self.start_step}
+        # SFT rows: only the positions with a loss go through the head (one worker only: each rank's
+        # buckets would differ, which data and context parallel have not been tried with)
+        rows = t.accum_steps if t.head_rows == "loss" and self.world == 1 else 0
         data = make_dataset(self.train_tokens, cfg.data.seq_len, self.samples_per_step, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle, world=self.replicas, rank=self.replica,
-                            start=self.data_position, num_batches=remaining)
+                            start=self.data_position, num_batches=remaining, loss_rows=rows)
         tokens_per_step = self.global_batch * cfg.data.seq_len
         flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
         info(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers; {t.mode} mode on "
