@@ -207,7 +207,7 @@ class TrainConfig:
     recompute: str = "none"           # none | full | selective (attention core + MLP)
     head_rows: str = "loss"           # SFT rows: which positions go through the output head: loss (only labels
                                       # with a loss, gathered into a capacity bucket per batch; one compiled step
-                                      # per bucket; not under context parallel) | all
+                                      # per bucket; one worker only: msllm launch keeps all) | all
     moe_capacity_factor: float = 0.0  # MoE: each expert computes at most factor x its even share of the
                                       # routed choices, the rest dropped and counted (0: dropless)
     moe_dropless: str = "blocks"      # how dropless MoE layers train: blocks (the choices grouped by expert in
