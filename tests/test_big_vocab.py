@@ -141,6 +141,21 @@ def test_heads_equal_the_logits_logsumexp_and_label_logit(mode, softcap):
         ms.set_context(mode=ms.GRAPH_MODE)
 
 
+@pytest.mark.skipif(not kernels.has_sgemm(), reason="MindSpore's CPU backend without oneDNN's dnnl_sgemm")
+def test_kernel_without_weight_gradient_gives_the_same_hidden_gradient(eager):
+    """A frozen head (LoRA): the kernel's backward skips the weight's GEMM; dhidden is unchanged."""
+    hidden, weight, labels, _ = head_inputs(N, H, V)
+
+    def dhidden(head):
+        def fn(h):
+            lse, target = head(h, weight, labels)
+            return ops.sum(lse) - ops.sum(target)
+        return ops.grad(fn)(hidden)
+
+    np.testing.assert_array_equal(dhidden(kernels.FusedHead(weight_grad=False)).asnumpy(),
+                                  dhidden(kernels.FusedHead()).asnumpy())
+
+
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
 def test_fused_loss_equals_the_logits_path(eager, monkeypatch, masked):
     monkeypatch.setattr(layers, "HEAD_CHUNK_BYTES", 0)  # these small logits would be computed whole

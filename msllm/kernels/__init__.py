@@ -374,17 +374,19 @@ class FusedHead(nn.Cell):
     """msllm.models.layers.ChunkedHead in C++ (linear_cross_entropy.cc): hidden [N, H], weight [V, H],
     labels [N] -> (lse [N], target [N]) of the logits hidden @ weight^T (soft-capped with `softcap`),
     by blocks of ~1M logits per thread (4 MB), forward and backward: no [N, V] buffer, one graph node
-    each way. Runs in fp32 (dnnl_sgemm: needs has_sgemm())."""
+    each way. Runs in fp32 (dnnl_sgemm: needs has_sgemm()). weight_grad False (a frozen head: LoRA):
+    backward computes no weight gradient (the weight's is returned as zeros, which nothing reads)."""
 
-    def __init__(self, softcap: float = 0.0):
+    def __init__(self, softcap: float = 0.0, weight_grad: bool = True):
         super().__init__()
-        self.softcap = softcap
+        self.softcap, self.weight_grad = softcap, weight_grad
         self.cap = ms.Tensor([softcap], ms.float32)
-        grad = _aot("LinearCrossEntropyGrad", lambda h, w, *_: (h, w), lambda h, w, *_: (h, w))
+        grad = _aot("LinearCrossEntropyGrad", lambda h, w, *_: (h, w if weight_grad else [1]),
+                    lambda h, w, *_: (h, w))
 
         def bprop(h, w, labels, cap, out, dout):  # dlogits = dlse * softmax + dtarget * onehot(label)
             dh, dw = grad(h, w, labels, cap, out[0], dout[0], -dout[1])
-            return dh, dw, ops.zeros_like(labels), ops.zeros_like(cap)
+            return dh, dw if weight_grad else ops.zeros_like(w), ops.zeros_like(labels), ops.zeros_like(cap)
 
         self.head = _aot("LinearCrossEntropy", lambda h, *_: (h[:1], h[:1]), lambda h, *_: (h, h), bprop=bprop)
 

@@ -111,7 +111,8 @@ extern "C" int LinearCrossEntropy(int nparam, void **params, int *ndims, int64_t
 }
 
 // inputs: h, w, labels, softcap (as LinearCrossEntropy), lse [N], g_softmax [N], g_label [N];
-// outputs: dh [N, H], dw [V, H]. The logits' gradient is
+// outputs: dh [N, H], dw [V, H] (or [1] when the weight takes no gradient: LoRA's frozen head, then
+// no dw GEMM at all). The logits' gradient is
 //   dz = g_softmax * softmax(z) - g_label * onehot(label)   (times 1 - tanh^2 under soft-capping)
 // block by block: dw's block rows = dz^T h (each block's rows written by one unit), dh = sum of dz w_block,
 // accumulated per thread and summed at the end.
@@ -123,6 +124,7 @@ extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int
   const auto *lse = static_cast<const float *>(params[4]), *g_softmax = static_cast<const float *>(params[5]),
              *g_label = static_cast<const float *>(params[6]);
   auto *dh = static_cast<float *>(params[7]), *dw = static_cast<float *>(params[8]);
+  const bool weight_grad = ndims[8] == 2;
   const int threads = pool().size();
   std::vector<std::vector<float>> scratch(threads), dh_part(threads);
   std::vector<char> used(threads, 0);
@@ -148,7 +150,8 @@ extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int
         if (here) row[label] -= g_label[r];
       }
     }
-    gemm('T', 'N', c, hd.hidden, hd.n, 1.f, z.data(), c, hd.h, hd.hidden, 0.f, dw + lo * hd.hidden, hd.hidden);
+    if (weight_grad)
+      gemm('T', 'N', c, hd.hidden, hd.n, 1.f, z.data(), c, hd.h, hd.hidden, 0.f, dw + lo * hd.hidden, hd.hidden);
     if (!used[t]) dh_part[t].assign(hd.n * hd.hidden, 0.f);
     used[t] = 1;
     gemm('N', 'N', hd.n, hd.hidden, c, 1.f, z.data(), c, hd.w + lo * hd.hidden, hd.hidden, 1.f, dh_part[t].data(),

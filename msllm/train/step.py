@@ -47,7 +47,7 @@ class LossCell(nn.Cell):
         head = None
         if fused:  # msllm.kernels are on (CPU): the head's kernel holds no [tokens, vocab] logits
             from msllm import kernels
-            head = kernels.FusedHead() if kernels.has_sgemm() else None
+            head = kernels.FusedHead(weight_grad=model.head_weight().requires_grad) if kernels.has_sgemm() else None
         self.head_loss = LinearCrossEntropy(head)
         self.extra = routing_losses(model.cfg)
         self.has_stats = self.extra is not None
