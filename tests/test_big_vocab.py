@@ -1,6 +1,6 @@
-"""Big vocabularies: the output head and its loss fused (msllm.models.layers LinearCrossEntropy over a
-head that never holds [tokens, vocab]: ChunkedHead, MindSpore ops by vocabulary chunks, or
-msllm.kernels.FusedHead, the C++ kernel) give the loss and gradients of the logits path.
+"""Big vocabularies: the output head and its loss fused (a head that never holds [tokens, vocab]:
+msllm.models.layers.ChunkedHead, MindSpore ops by vocabulary chunks, or msllm.kernels.FusedHead, the
+C++ kernel; then layers.HeadCrossEntropy) give the loss and gradients of the logits path.
 
 The reference is the path the train step took before: logits = hidden @ weight^T, then
 CausalLMLoss (SparseSoftmaxCrossEntropyWithLogits) or MaskedCausalLMLoss, differentiated by
@@ -19,7 +19,7 @@ from msllm.data import sft
 from msllm.data.loader import head_rows, make_dataset, row_capacity
 from msllm.models.decoder import build_model
 from msllm.models import layers
-from msllm.models.layers import CausalLMLoss, ChunkedHead, LinearCrossEntropy, MaskedCausalLMLoss, head_chunks
+from msllm.models.layers import CausalLMLoss, ChunkedHead, HeadCrossEntropy, MaskedCausalLMLoss, head_chunks
 from msllm.train import step as step_module
 from msllm.train.build import build_train_step
 from tests.conftest import step_config
@@ -95,6 +95,18 @@ def loss_and_grads(fn, *args):
     return float(loss.asnumpy()), {"hidden": dh.asnumpy(), "weight": dw.asnumpy()}
 
 
+class FusedLoss(nn.Cell):
+    """A head's (lse, target) into the loss, as the step's LossCell composes them."""
+
+    def __init__(self, head, z_loss=0.0):
+        super().__init__()
+        self.head, self.loss = head, HeadCrossEntropy(z_loss)
+
+    def construct(self, h, weight, labels, mask=None):
+        lse, target = self.head(h, weight, labels)
+        return self.loss(lse, target, mask)
+
+
 N, H, V = 48, 32, 3000
 GRAPH_CHUNK = N * 4 * 256  # the graph form's chunks: 256 columns, 12 of them, the last ragged (184)
 
@@ -157,14 +169,13 @@ def test_kernel_without_weight_gradient_gives_the_same_hidden_gradient(eager):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
-def test_fused_loss_equals_the_logits_path(eager, monkeypatch, masked):
-    monkeypatch.setattr(layers, "HEAD_CHUNK_BYTES", 0)  # these small logits would be computed whole
+def test_fused_loss_equals_the_logits_path(eager, masked):
     hidden, weight, labels, mask = head_inputs(N, H, V)
     args = (hidden, weight, labels) + ((mask,) if masked else ())
     want_loss, want = loss_and_grads(Reference(), *args)
     loss_rtol, grad_rtol = head_rtol(N, H, V)
     for name, head in heads().items():
-        got_loss, got = loss_and_grads(LinearCrossEntropy(head), *args)
+        got_loss, got = loss_and_grads(FusedLoss(head), *args)
         assert abs(got_loss - want_loss) <= loss_rtol * abs(want_loss), name
         assert_close_to_scale(got, want, grad_rtol)
         if masked:  # a masked-out row takes exactly no gradient
@@ -179,7 +190,7 @@ def test_soft_capping_and_z_loss(eager, softcap, z_loss):
     want_loss, want = loss_and_grads(Reference(softcap, z_loss), hidden, weight, labels, mask)
     loss_rtol, grad_rtol = head_rtol(n, h, v)
     for name, head in heads(softcap).items():
-        got_loss, got = loss_and_grads(LinearCrossEntropy(head, z_loss), hidden, weight, labels, mask)
+        got_loss, got = loss_and_grads(FusedLoss(head, z_loss), hidden, weight, labels, mask)
         assert abs(got_loss - want_loss) <= loss_rtol * abs(want_loss), name
         assert_close_to_scale(got, want, grad_rtol)
 
@@ -238,7 +249,7 @@ def test_loss_cell_gradients_equal_the_logits_path(eager, monkeypatch, tied, mas
     loss_rtol, grad_rtol = decoder_rtol(cfg, 48, 24)
     for name, head in heads().items():
         cell = LossCell(model)
-        cell.head_loss = LinearCrossEntropy(head)
+        cell.head = head
         got_loss, got = run(cell)
         assert abs(got_loss - want_loss) <= loss_rtol * abs(want_loss), name
         assert_close_to_scale(got, want, grad_rtol)
@@ -267,7 +278,7 @@ def test_compiled_train_step_trains_as_the_logits_path(monkeypatch):
 
     want_outs, want_grads, _ = run(LogitsLossCell, layers.HEAD_CHUNK_BYTES)
     got_outs, got_grads, cell = run(LossCell, 0)
-    assert isinstance(cell.head_loss.head, kernels.FusedHead)
+    assert isinstance(cell.head, kernels.FusedHead)
     loss_rtol, grad_rtol = decoder_rtol(cfg_model, 48, 24)
     np.testing.assert_allclose([o[0] for o in got_outs], [o[0] for o in want_outs], rtol=loss_rtol)
     assert_close_to_scale(got_grads, want_grads, grad_rtol)

@@ -124,7 +124,10 @@ class Decoder(nn.Cell):
 
     def logits(self, h):
         """Final norm + output projection; h [..., hidden] -> fp32 logits [..., vocab]."""
-        h = self.norm(h)
+        return self.project(self.norm(h))
+
+    def project(self, h):
+        """The output projection of final-normed h [..., hidden] -> fp32 logits [..., vocab]."""
         if self.output is None:  # tied: reuse the embedding table as the output projection
             out = self.lm_matmul(h.reshape(-1, h.shape[-1]), cast(self.tok_embeddings.weight, h.dtype))
             return cast(out.reshape(h.shape[:-1] + (-1,)), ms.float32)
@@ -207,8 +210,8 @@ class Decoder(nn.Cell):
         return self.logits(last), new_keys, new_values
 
     def features(self, input_ids, segments=None, positions=None):
-        """Training through a fused head (msllm.models.layers.LinearCrossEntropy): (the final-normed
-        hidden states [b*q, hidden] that `logits` would project, the MoE layers' routing loads)."""
+        """Training: (the final-normed hidden states [b*q, hidden], which `project` turns into logits or
+        a fused head reduces with head_weight, the MoE layers' routing loads)."""
         h, _, _, loads = self.decode(input_ids, None, None, None, None, segments, positions)
         return self.norm(h), loads
 

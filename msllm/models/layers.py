@@ -415,8 +415,8 @@ class MaskedCausalLMLoss(nn.Cell):
         return ops.sum(nll * mask) / ops.maximum(count, 1e-6)
 
 
-# Logits [N, vocab] up to this size are computed whole (as Decoder.logits does; W1's are 16 MB); larger
-# ones go through a fused head. Also the graph form's chunk: a few tens of MB, full-speed matmuls.
+# Logits [N, vocab] up to this size are computed whole (Decoder.project; W1's are 16 MB), larger ones by
+# a fused head when there is one. Also the graph form's chunk: a few tens of MB, full-speed matmuls.
 HEAD_CHUNK_BYTES = 32 << 20
 
 
@@ -489,30 +489,22 @@ class ChunkedHead(nn.Cell):
         return cast(dh, h.dtype), dw, ops.zeros_like(labels)
 
 
-class LinearCrossEntropy(nn.Cell):
-    """The training loss from the final-normed hidden states: mean next-token cross-entropy of
-    hidden [N, H] @ weight [V, H]^T against labels [N]; with mask [N] (and count) as
-    MaskedCausalLMLoss; with `z_loss`, z_loss * lse^2 added per counted position (PaLM's z-loss).
+def fits_whole(n: int, vocab: int) -> bool:
+    """Whether n rows' fp32 logits are small enough to compute whole (HEAD_CHUNK_BYTES)."""
+    return n * vocab * 4 <= HEAD_CHUNK_BYTES
 
-    `head`: a Cell with ChunkedHead's call and outputs, (lse, target), that never holds [N, V]
-    (msllm.kernels.FusedHead on CPU), or None. Logits that fit HEAD_CHUNK_BYTES, or every size without
-    a head, are computed whole as Decoder.logits does (decided from the static shapes)."""
 
-    def __init__(self, head=None, z_loss: float = 0.0):
+class HeadCrossEntropy(nn.Cell):
+    """The mean next-token cross-entropy from a fused head's (lse, target) [N] (ChunkedHead,
+    msllm.kernels.FusedHead): lse - target averaged, over the rows where mask is 1 when a mask is
+    given (divided by count, as MaskedCausalLMLoss); with `z_loss`, z_loss * lse^2 added per counted
+    row (PaLM's z-loss)."""
+
+    def __init__(self, z_loss: float = 0.0):
         super().__init__()
-        if head is None and z_loss:
-            raise ValueError("z_loss needs a head (ChunkedHead, msllm.kernels.FusedHead) to read the logsumexp from")
-        self.head, self.z_loss = head, z_loss
-        self.plain = z_loss == 0 and (head is None or head.softcap == 0)  # the whole logits' loss is the same
-        self.matmul = ops.MatMul(transpose_b=True)
-        self.loss = CausalLMLoss()
-        self.masked_loss = MaskedCausalLMLoss()
+        self.z_loss = z_loss
 
-    def construct(self, h, weight, labels, mask=None, count=None):
-        if self.head is None or (self.plain and h.shape[0] * weight.shape[0] * 4 <= HEAD_CHUNK_BYTES):
-            logits = cast(self.matmul(h, cast(weight, h.dtype)), ms.float32)
-            return self.loss(logits, labels) if mask is None else self.masked_loss(logits, labels, mask, count)
-        lse, target = self.head(h, weight, labels)
+    def construct(self, lse, target, mask=None, count=None):
         nll = lse - target
         if self.z_loss > 0:
             nll = nll + self.z_loss * lse * lse

@@ -17,16 +17,19 @@ import mindspore as ms
 from mindspore import amp, nn, ops
 
 from msllm.grad_norm import global_norm, hyper_map
-from msllm.models.layers import LinearCrossEntropy
+from msllm.models.layers import CausalLMLoss, HeadCrossEntropy, MaskedCausalLMLoss, fits_whole
 from msllm.models.moe import routing_losses
 
 
 class LossCell(nn.Cell):
     """tokens [b, s+1] -> scale * mean next-token loss of model(tokens[:, :-1]) against tokens[:, 1:].
 
-    The head and the loss are one Cell (msllm.models.layers.LinearCrossEntropy) fed the final-normed
-    hidden states. `fused` (the CPU kernels are on): logits larger than HEAD_CHUNK_BYTES go through
-    msllm.kernels.FusedHead and are never held as [tokens, vocab]; otherwise they are computed whole.
+    The model gives the final-normed hidden states (model.features). Logits that fit
+    layers.HEAD_CHUNK_BYTES, or any without a fused head, come from the model's own output projection
+    (model.project: its `output` Cell or tied lm_matmul, which layouts shard and hooks see) and the
+    cross-entropy. `fused` (the CPU kernels are on): larger ones go through msllm.kernels.FusedHead,
+    which reduces hidden states and model.head_weight() to each row's (logsumexp, label logit) without
+    holding [tokens, vocab] (docs/big-vocab.md).
 
     Packed SFT samples add mask [b, s] (1 where the label is a response token), segments and
     positions [b, s] (msllm.data.sft); the mean is then over the masked-in labels. With rows
@@ -44,26 +47,31 @@ class LossCell(nn.Cell):
     def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
         self.model = model
-        head = None
+        self.head = None
         if fused:  # msllm.kernels are on (CPU): the head's kernel holds no [tokens, vocab] logits
             from msllm import kernels
-            head = kernels.FusedHead(weight_grad=model.head_weight().requires_grad) if kernels.has_sgemm() else None
-        self.head_loss = LinearCrossEntropy(head)
+            if kernels.has_sgemm():
+                self.head = kernels.FusedHead(weight_grad=model.head_weight().requires_grad)
+        self.loss, self.masked_loss, self.head_loss = CausalLMLoss(), MaskedCausalLMLoss(), HeadCrossEntropy()
         self.extra = routing_losses(model.cfg)
         self.has_stats = self.extra is not None
 
     def construct(self, tokens, scale, mask=None, segments=None, positions=None, rows=None):
         labels = self.model.local_tokens(tokens[:, 1:]).reshape(-1)
         h, stats = self.model.features(tokens[:, :-1], segments, positions)
-        if mask is None:
-            loss = self.head_loss(h, self.model.head_weight(), labels)
-        else:
+        count = None
+        if mask is not None:
             mask = self.model.local_tokens(mask).reshape(-1)
             count = self.model.sequence_mean(ops.stop_gradient(ops.sum(mask)))
             if rows is not None and rows.size < labels.size:  # only the positions with a loss reach the head
                 rows = rows.reshape(-1)
                 h, labels, mask = ops.gather(h, rows, 0), ops.gather(labels, rows, 0), ops.gather(mask, rows, 0)
-            loss = self.head_loss(h, self.model.head_weight(), labels, mask, count)
+        if self.head is None or fits_whole(h.shape[0], self.model.cfg.vocab_size):
+            logits = self.model.project(h)
+            loss = self.loss(logits, labels) if mask is None else self.masked_loss(logits, labels, mask, count)
+        else:
+            lse, target = self.head(h, self.model.head_weight(), labels)
+            loss = self.head_loss(lse, target, mask, count)
         if self.extra is None:
             return loss * scale
         return self.extra.add_to(loss, stats) * scale, self.extra.stats(stats)
