@@ -1,8 +1,8 @@
 """Hugging Face config.json <-> msllm ModelConfig.
 
 Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
-text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3). The sizes, RoPE, sliding window and layer types are read from the config keys every
-family shares (MLA's ranks when the family's spec attends with MLA); what an architecture implies
+text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, SmolLM3). The sizes, RoPE, sliding window and layer
+types are read from the config keys every family shares (MLA's ranks when the family's spec attends with MLA); what an architecture implies
 beyond them is its family spec, and the keys only it has (experts, derived scales) its family's
 from_hf / to_hf hooks in interop/maps/<family>.py. A config asking for
 something msllm does not compute (another activation, o_proj or MLP biases, another rope type,
@@ -46,12 +46,13 @@ def default_architecture(m: ModelConfig) -> str:
     def matches(family) -> bool:
         spec = {**dict(qkv_bias=False, qk_norm=False, norm_offset=0.0, sandwich_norm=False, mlp="swiglu",
                        attention="gqa", router="softmax"), **family.spec}
-        return family.moe == (m.num_experts > 0) and all(getattr(m, key) == value for key, value in spec.items())
+        return (family.moe == (m.num_experts > 0) and (family.nope_layers or "none" not in m.position_kinds())
+                and all(getattr(m, key) == value for key, value in spec.items()))
 
     arch = next((arch for arch, family in FAMILIES.items() if matches(family)), None)
     if arch is None:
         raise InteropError("no Hugging Face architecture computes this model (its q/k norm, norm offset, sandwich "
-                           "norms, MLP and qkv bias match no family of interop/maps)")
+                           "norms, MLP, qkv bias and layers without RoPE match no family of interop/maps)")
     return arch
 
 

@@ -52,6 +52,8 @@ class ModelConfig:
     # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else full.
     layer_types: Optional[list] = None
     rope_local_theta: float = 0.0     # RoPE base of sliding layers, unscaled (Gemma 3); 0: as full layers
+    # Per layer "rope" or "none" (no position encoding: SmolLM3's NoPE layers); None: every layer rope.
+    position_types: Optional[list] = None
     pad_token_id: int = -1            # its embedding row takes no gradient from lookups (HF padding_idx); -1: none
     num_experts: int = 0              # routed experts of each MoE layer (0: every MLP dense)
     experts_per_token: int = 2        # top-k experts each token is routed to
@@ -114,6 +116,10 @@ class ModelConfig:
         if self.layer_types is not None:
             return list(self.layer_types)
         return ["sliding" if self.sliding_window else "full"] * self.num_layers
+
+    def position_kinds(self) -> list[str]:
+        """"rope" or "none" for each layer."""
+        return list(self.position_types) if self.position_types is not None else ["rope"] * self.num_layers
 
     def mixer_kinds(self) -> list[str]:
         """The token mixer of each layer (msllm.models.mixers.MIXERS): model.attention for every layer."""
@@ -304,6 +310,7 @@ CHOICES = {
     "model.attention": ("gqa", "mla"),
 }
 LAYER_TYPES = ("full", "sliding")
+POSITION_TYPES = ("rope", "none")
 MLP_TYPES = ("dense", "moe")
 
 

@@ -13,8 +13,9 @@ from typing import Any, Optional
 
 import yaml
 
-from msllm.config import (CHOICES, LAYER_TYPES, LORA_TARGETS, MAX_SEED, MAX_VOCAB, MLP_TYPES, ROPE_SCALING_KEYS,
-                          ROPE_SCALING_OPTIONAL, SECTIONS, Config, ConfigError, ModelConfig, OptimConfig)
+from msllm.config import (CHOICES, LAYER_TYPES, LORA_TARGETS, MAX_SEED, MAX_VOCAB, MLP_TYPES, POSITION_TYPES,
+                          ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, SECTIONS, Config, ConfigError, ModelConfig,
+                          OptimConfig)
 from msllm.layout.check import check_parallel
 from msllm.rules import SOFTMAX_INSTEAD, ascend_flash_problem, packed_samples
 
@@ -151,6 +152,12 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
              f"needs one entry per layer ({m.num_layers}), got {len(m.layer_types)}", "model.num_layers")
         odd = sorted(set(m.layer_types) - set(LAYER_TYPES))
         need(not odd, "model.layer_types", f"unknown {', '.join(map(repr, odd))}; each is one of {', '.join(LAYER_TYPES)}")
+    if m.position_types is not None:
+        need(len(m.position_types) == m.num_layers, "model.position_types",
+             f"needs one entry per layer ({m.num_layers}), got {len(m.position_types)}", "model.num_layers")
+        odd = sorted(set(m.position_types) - set(POSITION_TYPES))
+        need(not odd, "model.position_types",
+             f"unknown {', '.join(map(repr, odd))}; each is one of {', '.join(POSITION_TYPES)}")
     need(m.num_experts >= 0 and m.moe_ffn_size >= 0, "model.num_experts", "must be >= 0 (0: dense MLPs)")
     need(m.num_experts == 0 or 1 <= m.experts_per_token <= m.num_experts, "model.experts_per_token",
          f"must be in [1, model.num_experts ({m.num_experts})]", "model.num_experts")

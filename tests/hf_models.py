@@ -5,7 +5,8 @@ from pathlib import Path
 import torch
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 
 SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64)
 CASES = {
@@ -47,6 +48,11 @@ CASES = {
         num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=2,
         topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
         kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5)),
+    # NoPE every 2nd layer (no_rope_layers [1, 0, 1]), the NoPE layer sliding (window 8), tied; token ids in the vocabulary
+    "smollm3": (SmolLM3ForCausalLM, SmolLM3Config(
+        **{**SMALL, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
 }
 
 

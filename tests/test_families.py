@@ -22,7 +22,7 @@ from tests.conftest import run_cli
 from tests.hf_models import build, save_tokenizer
 
 NEW_TOKENS, PROMPT = 16, 12
-FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3"]
+FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3", "smollm3"]
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

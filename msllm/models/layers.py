@@ -114,7 +114,11 @@ class HeadNorm(RMSNorm):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
-    """Inverse frequencies in fp32, matching Hugging Face's default / linear / llama3 / yarn rope."""
+    """Inverse frequencies in fp32, matching Hugging Face's default / linear / llama3 / yarn rope.
+    Theta 0: no position encoding (NoPE layers), every frequency 0, so cos is 1 and sin 0 and RoPE
+    returns its input bit for bit."""
+    if theta == 0:
+        return np.zeros(head_dim // 2, np.float32)
     inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))))
     inv_freq = inv_freq.astype(np.float32)
     if not scaling:
