@@ -142,7 +142,7 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
 BY_HAND = pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): beyond CI's budget")
 
 
-@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", pytest.param("mistral_window", marks=BY_HAND),
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", "smollm3", pytest.param("mistral_window", marks=BY_HAND),
                                   pytest.param("mixtral", marks=BY_HAND)])
 def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case, monkeypatch):
     """train --init-from on packed SFT rows (windowed masks per sample) with LoRA on every projection,
@@ -269,7 +269,7 @@ def test_a_gemma_spec_trains_with_recompute_and_resumes_bit_identically(corpus, 
                                                            "model.safetensors"))
 
 
-@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b"])
+@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b", "smollm3_3b"])
 def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(name):
     """configs/<name>.yaml describes the real model: its parameter count equals transformers' for the
     same config (built on the meta device), and `msllm plan` lays it out on 64 devices."""
@@ -280,7 +280,8 @@ def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(
 
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     arch = default_architecture(cfg.model)
-    assert arch == {"qwen3_8b": "Qwen3ForCausalLM", "gemma3_1b": "Gemma3ForCausalLM"}[name]
+    assert arch == {"qwen3_8b": "Qwen3ForCausalLM", "gemma3_1b": "Gemma3ForCausalLM",
+                    "smollm3_3b": "SmolLM3ForCausalLM"}[name]
     hf = to_hf_config(cfg.model, arch, "float32")
     config_class = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     with torch.device("meta"):
@@ -387,3 +388,25 @@ def test_deepseek_v3_parts_without_a_formulation_are_refused_in_one_line(convert
     flash = Config(model=cfg.model, train=TrainConfig(attention="flash"))
     with pytest.raises(ConfigError, match="train.attention: flash is not built for MLA"):
         uses_flash(flash, fused=True, training=True)
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"no_rope_layers": [1, 2, 1]}, r"no_rope_layers: expected 3 flags, 1 \(RoPE\) or 0 \(none\), got \[1, 2, 1\]"),
+    ({"no_rope_layers": [1, 0]}, r"no_rope_layers: expected 3 flags"),
+    ({"no_rope_layers": None, "no_rope_layer_interval": 0}, r"no_rope_layer_interval: must be a positive integer, got 0"),
+])
+def test_smollm3_bad_no_rope_layers_are_refused_in_one_line(converted, tmp_path, edit, why):
+    """SmolLM3's per-layer NoPE flags that do not say one of RoPE / none per layer: one line naming the key,
+    nothing written."""
+    import json
+    import shutil
+
+    from interop import InteropError
+
+    bad = tmp_path / "hf"
+    shutil.copytree(converted["smollm3"][0] / "hf", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({k: v for k, v in {**config, **edit}.items() if v is not None}))
+    with pytest.raises(InteropError, match="config.json: " + why) as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
