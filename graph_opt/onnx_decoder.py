@@ -131,13 +131,18 @@ class LlamaGraph:
         rotated = self.op("Concat", self.op("Neg", second), first, axis=-1)
         return self.op("Add", self.op("Mul", x, cos), self.op("Mul", rotated, sin))
 
+    def normed_heads(self, projection, norm, n: int, seq) -> ir.Value:
+        """A q or k projection as heads [b, n, s, d], its norm (if any) over each head or over the whole
+        projection (qk_norm_scope)."""
+        if self.cfg.qk_norm_scope == "projection":
+            return self.heads(self.rms_norm(projection, norm), n, seq)
+        return self.rms_norm(self.heads(projection, n, seq), norm)
+
     def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-        q = self.rope(self.rms_norm(self.heads(self.linear(x, w["q"], w["q_bias"]), nh, seq), w["attention.q_norm"]),
-                      cos, sin)
-        k = self.rope(self.rms_norm(self.heads(self.linear(x, w["k"], w["k_bias"]), nkv, seq), w["attention.k_norm"]),
-                      cos, sin)
+        q = self.rope(self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq), cos, sin)
+        k = self.rope(self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq), cos, sin)
         v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
         if cache_k is not None:  # the new tokens' slots take the new keys and values
             source, fresh = write

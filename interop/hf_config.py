@@ -1,9 +1,10 @@
 """Hugging Face config.json <-> msllm ModelConfig.
 
 Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
-text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, SmolLM3). The sizes, RoPE, sliding window and layer
-types are read from the config keys every family shares (MLA's ranks when the family's spec attends with MLA); what an architecture implies
-beyond them is its family spec, and the keys only it has (experts, derived scales) its family's
+text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, SmolLM3, OLMo 2 and 3). The sizes, RoPE, sliding window
+and layer types are read from the config keys every family shares (MLA's ranks when the family's spec
+attends with MLA); what an architecture implies beyond them is its family spec, and the keys only it
+has (experts, derived scales, NoPE layers) its family's
 from_hf / to_hf hooks in interop/maps/<family>.py. A config asking for
 something msllm does not compute (another activation, o_proj or MLP biases, another rope type,
 partial rotary, logit soft-capping) is refused, naming the key, rather than converted into a
@@ -44,8 +45,8 @@ def default_architecture(m: ModelConfig) -> str:
     """For checkpoints that never came from HF: the family whose spec computes what `m` computes
     (Phi-3 computes Llama's maths, so a model is never given its fused layout by default)."""
     def matches(family) -> bool:
-        spec = {**dict(qkv_bias=False, qk_norm=False, norm_offset=0.0, sandwich_norm=False, mlp="swiglu",
-                       attention="gqa", router="softmax"), **family.spec}
+        spec = {**dict(qkv_bias=False, qk_norm=False, qk_norm_scope="head", norm_offset=0.0, sandwich_norm=False,
+                       pre_norm=True, mlp="swiglu", attention="gqa", router="softmax"), **family.spec}
         return (family.moe == (m.num_experts > 0) and (family.nope_layers or "none" not in m.position_kinds())
                 and all(getattr(m, key) == value for key, value in spec.items()))
 

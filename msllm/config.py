@@ -42,9 +42,13 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     max_seq_len: int = 256
-    qk_norm: bool = False             # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm: bool = False             # RMSNorm over q and k before RoPE (Qwen3, Gemma 3, OLMo 2/3)
+    qk_norm_scope: str = "head"       # qk_norm over each head (Qwen3, Gemma 3) | projection: over all of q's and
+                                      # all of k's features, one weight per feature (OLMo 2/3)
     norm_offset: float = 0.0          # every norm scales by (offset + weight): Gemma's (1 + w) is 1.0
     sandwich_norm: bool = False       # also a norm on the attention and MLP outputs before the residual add
+    pre_norm: bool = True             # a norm on the attention and MLP inputs; false with sandwich_norm: the
+                                      # outputs only are normed (OLMo 2/3's post-sublayer norms)
     mlp: str = "swiglu"               # swiglu: silu(gate) * up | geglu_tanh: gelu_tanh(gate) * up (Gemma)
     embed_scale: float = 1.0          # embeddings x this (Gemma: sqrt(hidden_size))
     attn_scale: float = 0.0           # scores x this; 0: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
@@ -308,6 +312,7 @@ CHOICES = {
     "model.mlp": ("swiglu", "geglu_tanh"),
     "model.router": ("softmax", "sigmoid_grouped"),
     "model.attention": ("gqa", "mla"),
+    "model.qk_norm_scope": ("head", "projection"),
 }
 LAYER_TYPES = ("full", "sliding")
 POSITION_TYPES = ("rope", "none")

@@ -139,6 +139,9 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         need(m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim", "must be even for RoPE")
         need(m.num_kv_heads == m.num_heads, "model.num_kv_heads",
              f"must equal model.num_heads ({m.num_heads}) with mla: every head expands its own keys", "model.attention")
+    need(m.pre_norm or m.sandwich_norm, "model.pre_norm",
+         "false needs model.sandwich_norm true: a block normalises its sublayers' inputs, outputs or both",
+         "model.sandwich_norm")
     need(m.rope_theta > 0, "model.rope_theta", "must be > 0")
     need(m.norm_eps > 0, "model.norm_eps", "must be > 0")
     if m.rope_scaling is not None:

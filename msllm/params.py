@@ -22,7 +22,7 @@ def layer_shapes(m: "ModelConfig", kind: str) -> dict[str, tuple[int, ...]]:
     (m.mlp_kinds()): every layer of a kind holds the same."""
     h, d = m.hidden_size, m.head_size
     q, kv = m.num_heads * d, m.num_kv_heads * d
-    shapes = {"attention_norm.weight": (h,)}
+    shapes = {"attention_norm.weight": (h,)} if m.pre_norm else {}
     if m.mla:
         shapes.update({f"attention.{k}": v for k, v in mla_shapes(m).items()})
     else:
@@ -31,11 +31,14 @@ def layer_shapes(m: "ModelConfig", kind: str) -> dict[str, tuple[int, ...]]:
             if m.qkv_bias:
                 shapes[f"attention.{name}.bias"] = (out,)
         shapes["attention.wo.weight"] = (h, q)
-        if m.qk_norm:  # MLA has no per-head q / k norms (its q_norm is the q latent's)
-            shapes["attention.q_norm.weight"] = shapes["attention.k_norm.weight"] = (d,)
+        if m.qk_norm:  # MLA has no q / k norms of this kind (its q_norm is the q latent's)
+            per_head = m.qk_norm_scope == "head"
+            shapes["attention.q_norm.weight"] = (d,) if per_head else (q,)
+            shapes["attention.k_norm.weight"] = (d,) if per_head else (kv,)
     if m.sandwich_norm:
         shapes["attention_out_norm.weight"] = (h,)
-    shapes["ffn_norm.weight"] = (h,)
+    if m.pre_norm:
+        shapes["ffn_norm.weight"] = (h,)
     if kind == "moe":
         e, f = m.num_experts, m.moe_ffn_size or m.ffn_size
         shapes["feed_forward.router.weight"] = (e, h)

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import torch
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           SmolLM3Config, SmolLM3ForCausalLM)
 
@@ -53,6 +54,13 @@ CASES = {
         **{**SMALL, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
         no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)),
+    # norms after attention and MLP only, q/k norms over the whole projection (OLMo 2); OLMo 3 also with its
+    # default layer_types (3 sliding layers, window 8, then a full one)
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config(**SMALL, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "olmo3": (Olmo3ForCausalLM, Olmo3Config(**{**SMALL, "num_hidden_layers": 4}, num_attention_heads=4,
+                                            num_key_value_heads=2, intermediate_size=96, sliding_window=8,
+                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 

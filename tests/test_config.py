@@ -27,6 +27,8 @@ def write(tmp_path, text):
     ("model:\n  num_experts: 8\n  router: sigmoid_grouped\n  expert_groups: 8\n", "model.expert_groups"),
     ("model:\n  num_layers: 2\n  position_types: [rope, nope]\n", "model.position_types"),
     ("model:\n  num_layers: 2\n  position_types: [none]\n", "model.position_types"),
+    ("model:\n  pre_norm: false\n", "model.pre_norm"),
+    ("model:\n  qk_norm: true\n  qk_norm_scope: heads\n", "model.qk_norm_scope"),
 ])
 def test_bad_config_names_file_and_key(tmp_path, text, key):
     path = write(tmp_path, text)

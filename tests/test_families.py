@@ -22,7 +22,7 @@ from tests.conftest import run_cli
 from tests.hf_models import build, save_tokenizer
 
 NEW_TOKENS, PROMPT = 16, 12
-FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3", "smollm3"]
+FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3"]
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -110,8 +110,9 @@ def test_chat_uses_the_familys_template_and_end_of_turn(corpus, tmp_path):
 # MindIR exports the model's own Cells (what the msllm engine test runs), so one model with dense
 # and MoE layers suffices there. The ONNX graphs are written op by op: Gemma 3 has every
 # dense-family op (q/k norms, offset and sandwich norms, GeGLU, two attention kinds, scales),
-# Mixtral the MoE ops; the plain Llama path is tests/test_export.py's.
-@pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir")])
+# Mixtral the MoE ops, OLMo 3 the norms after each sublayer only and q/k norms over the whole projection;
+# the plain Llama path is tests/test_export.py's.
+@pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir"), ("olmo3", "onnx")])
 def test_exported_generate_what_transformers_does(converted, tmp_path, case, fmt):
     folder, prompt, want = converted[case]
     manifest = export(folder / "msllm", fmt, tmp_path / fmt, log=lambda line: None)
@@ -269,7 +270,7 @@ def test_a_gemma_spec_trains_with_recompute_and_resumes_bit_identically(corpus, 
                                                            "model.safetensors"))
 
 
-@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b", "smollm3_3b"])
+@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b", "smollm3_3b", "olmo3_7b"])
 def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(name):
     """configs/<name>.yaml describes the real model: its parameter count equals transformers' for the
     same config (built on the meta device), and `msllm plan` lays it out on 64 devices."""
@@ -281,7 +282,7 @@ def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     arch = default_architecture(cfg.model)
     assert arch == {"qwen3_8b": "Qwen3ForCausalLM", "gemma3_1b": "Gemma3ForCausalLM",
-                    "smollm3_3b": "SmolLM3ForCausalLM"}[name]
+                    "smollm3_3b": "SmolLM3ForCausalLM", "olmo3_7b": "Olmo3ForCausalLM"}[name]
     hf = to_hf_config(cfg.model, arch, "float32")
     config_class = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     with torch.device("meta"):

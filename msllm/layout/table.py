@@ -123,8 +123,10 @@ CONDITIONS = {
     "gqa": lambda m: m.num_kv_heads != m.num_heads,
     "tied": lambda m: m.tie_embeddings,
     "untied": lambda m: not m.tie_embeddings,
+    "pre_norm": lambda m: m.pre_norm,
     "sandwich": lambda m: m.sandwich_norm,
-    "qk_norm": lambda m: m.qk_norm,
+    "qk_norm": lambda m: m.qk_norm and m.qk_norm_scope == "head",
+    "qk_norm_projection": lambda m: m.qk_norm and m.qk_norm_scope == "projection",
     "dense_mlp": lambda m: "dense" in m.mlp_kinds(),
     "moe": lambda m: "moe" in m.mlp_kinds(),
     "qkv": lambda m: not m.mla,                     # q, k and v projections of their own
@@ -152,7 +154,7 @@ def _norm_ops(cell: str, when: str | None, rows: str = "tokens") -> tuple[Op, ..
 
 
 _NORM_OPS = sum((_norm_ops(cell, when) for cell, when in (
-    ("layers.*.attention_norm.core", None), ("layers.*.ffn_norm.core", None), ("norm.core", None),
+    ("layers.*.attention_norm.core", "pre_norm"), ("layers.*.ffn_norm.core", "pre_norm"), ("norm.core", None),
     ("layers.*.attention_out_norm.core", "sandwich"), ("layers.*.ffn_out_norm.core", "sandwich"))), ())
 # MLA's latent norms, on rows every tp rank holds whole: their inputs come from the replicated
 # down-projections.
@@ -173,7 +175,11 @@ _HEAD_NORM_OPS = tuple(
         ("scale", (("batch", "H", None), ("batch", "H", None))),
         ("weigh", (("batch", "H", None), (None,))),
     ))
-OPS = _NORM_OPS + _HEAD_NORM_OPS + _LATENT_NORM_OPS + (
+# q / k norms over the whole projection (OLMo 2/3): the mean runs over every head, so each row's
+# features are gathered whole (columns not cut) for the norm, then cut by heads again for RoPE.
+_PROJECTION_NORM_OPS = (_norm_ops("layers.*.attention.q_norm.core", "qk_norm_projection", "batch")
+                        + _norm_ops("layers.*.attention.k_norm.core", "qk_norm_projection", "batch"))
+OPS = _NORM_OPS + _HEAD_NORM_OPS + _LATENT_NORM_OPS + _PROJECTION_NORM_OPS + (
     Op("tok_embeddings", "gather", (("vocab", None), ("batch",))),
     Op("layers.*.attention.wq", "matmul", (("batch", None), ("heads", None)), when="q_proj"),
     Op("layers.*.attention.wk", "matmul", (("batch", None), ("kv", None)), when="qkv"),
@@ -447,11 +453,12 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, gr
         })
     if m.mla:
         shapes.update(_mla_input_shapes(m, b, s))
-    for op in _NORM_OPS + _LATENT_NORM_OPS:
-        width = {"q_norm": m.q_lora_rank, "kv_norm": m.kv_lora_rank}.get(op.cell.split(".")[-2], h)
+    projection = {"q_norm": nh * d, "k_norm": kv * d} if m.qk_norm and m.qk_norm_scope == "projection" else {}
+    for op in _NORM_OPS + _LATENT_NORM_OPS + (_PROJECTION_NORM_OPS if projection else ()):
+        width = {"q_norm": m.q_lora_rank, "kv_norm": m.kv_lora_rank, **projection}.get(op.cell.split(".")[-2], h)
         shapes[op.path] = {"square": [(n, width)], "mean": [(n, width)], "add": [(n, 1), (1, 1)], "rsqrt": [(n, 1)],
                            "scale": [(n, width), (n, 1)], "weigh": [(n, width), (width,)]}[op.prim]
-    for op in _HEAD_NORM_OPS if m.qk_norm else ():
+    for op in _HEAD_NORM_OPS if m.qk_norm and not projection else ():
         heads = nh if ".q_norm." in op.cell else kv
         shapes[op.path] = {"square": [(n, heads, d)], "mean": [(n, heads, d)], "add": [(n, heads, 1), (1, 1, 1)],
                            "rsqrt": [(n, heads, 1)], "scale": [(n, heads, d), (n, heads, 1)],

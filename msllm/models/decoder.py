@@ -44,7 +44,8 @@ def attention_kinds(cfg: ModelConfig) -> tuple[list[tuple[int, float, dict | Non
 class Block(nn.Cell):
     """Pre-norm decoder block: the layer's token mixer (msllm.models.mixers: attention, MLA, ..) then
     its MLP (dense, or MoE: msllm.models.moe.MoE). With sandwich norms (Gemma) the mixer and MLP
-    outputs are normed too before they join the residual stream.
+    outputs are normed too before they join the residual stream; without pre norms (OLMo 2/3) they
+    alone are.
 
     Returns one structure whatever the layer: (x, cache_k, cache_v, load), the mixer's two cache
     tensors (a KV cache's keys and values, MLA's latents and rope keys) and, for a MoE layer, its
@@ -59,10 +60,10 @@ class Block(nn.Cell):
         super().__init__()
         self.no_inline = False
         h, eps, offset = cfg.hidden_size, cfg.norm_eps, cfg.norm_offset
-        self.attention_norm = RMSNorm(h, eps, offset)
+        self.attention_norm = RMSNorm(h, eps, offset) if cfg.pre_norm else nn.Identity()
         self.attention = build_mixer(cfg, mixer)  # named `attention` in every checkpoint, whatever it mixes with
         self.attention_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
-        self.ffn_norm = RMSNorm(h, eps, offset)
+        self.ffn_norm = RMSNorm(h, eps, offset) if cfg.pre_norm else nn.Identity()
         self.routed = mlp == "moe"
         self.feed_forward = MoE(cfg) if self.routed else FeedForward(cfg)
         self.ffn_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
