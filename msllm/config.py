@@ -47,6 +47,8 @@ class ModelConfig:
                                       # all of k's features, one weight per feature (OLMo 2/3)
     norm_offset: float = 0.0          # every norm scales by (offset + weight): Gemma's (1 + w) is 1.0
     sandwich_norm: bool = False       # also a norm on the attention and MLP outputs before the residual add
+    attention_sinks: bool = False     # a learned logit per head joins every softmax row, with no value: the
+                                      # head can attend to nothing (gpt-oss's sinks)
     pre_norm: bool = True             # a norm on the attention and MLP inputs; false with sandwich_norm: the
                                       # outputs only are normed (OLMo 2/3's post-sublayer norms)
     mlp: str = "swiglu"               # swiglu: silu(gate) * up | geglu_tanh: gelu_tanh(gate) * up (Gemma)

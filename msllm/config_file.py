@@ -242,6 +242,14 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(not (t.attention == "flash" and t.device == "cpu" and t.fused_kernels == "off"), "train.attention",
          "flash on CPU is a fused kernel; set train.fused_kernels: auto, or train.attention: softmax",
          "train.fused_kernels")
+    need(not (m.attention_sinks and t.attention == "flash"), "train.attention",
+         "flash is not built with model.attention_sinks: neither the CPU flash kernel nor FlashAttentionScore takes "
+         "a sink logit per head; set train.attention: softmax (or auto)", "model.attention_sinks")
+    need(not (m.attention_sinks and t.device == "ascend"), "model.attention_sinks",
+         "not laid out for Ascend yet (no FlashAttentionScore form, no shard strategy for the sink column); "
+         "train on cpu", "train.device")
+    need(not (m.attention_sinks and m.mla), "model.attention_sinks", "are built for model.attention gqa, not mla",
+         "model.attention")
     if t.attention == "flash" and t.device == "ascend":
         problem = ascend_flash_problem(cfg, packed_samples(cfg))
         if problem is not None:

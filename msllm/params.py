@@ -35,6 +35,8 @@ def layer_shapes(m: "ModelConfig", kind: str) -> dict[str, tuple[int, ...]]:
             per_head = m.qk_norm_scope == "head"
             shapes["attention.q_norm.weight"] = (d,) if per_head else (q,)
             shapes["attention.k_norm.weight"] = (d,) if per_head else (kv,)
+        if m.attention_sinks:
+            shapes["attention.core.sinks"] = (m.num_heads,)
     if m.sandwich_norm:
         shapes["attention_out_norm.weight"] = (h,)
     if m.pre_norm:

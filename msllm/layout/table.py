@@ -76,6 +76,7 @@ PARAMS = (
     ("layers.*.attention.wo.weight",     (None, "heads"), "row"),
     ("layers.*.attention.q_norm.weight", (None,),         "replicated"),
     ("layers.*.attention.k_norm.weight", (None,),         "replicated"),
+    ("layers.*.attention.core.sinks",    (None,),         "replicated"),  # not laid out on Ascend (config refuses)
     ("layers.*.attention_out_norm.weight", (None,),       "replicated"),
     ("layers.*.ffn_norm.weight",         (None,),         "replicated"),
     ("layers.*.ffn_out_norm.weight",     (None,),         "replicated"),

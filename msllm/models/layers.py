@@ -335,6 +335,35 @@ class SoftmaxAttention(nn.Cell):
         return self.softmax(scores + mask)
 
 
+class SinkSoftmaxAttention(SoftmaxAttention):
+    """SoftmaxAttention whose every row also holds its head's sink logit (`sinks` [num_heads]), which
+    takes a share of the softmax and contributes no value: softmax([scores + mask, sink]) without its
+    last column. No fused or flash kernel takes sinks; this portable core (autodiff) is used everywhere
+    (msllm.backends keeps it)."""
+
+    def construct(self, q, k, v, mask, sinks):
+        return super().construct(q, k, v, (mask, sinks))  # the sinks travel with the mask to masked_softmax
+
+    def masked_softmax(self, scores, mask_and_sinks):
+        mask, sinks = mask_and_sinks
+        scores = scores + mask
+        per_head = sinks.reshape(scores_shape(self.num_heads, self.num_kv_heads, 1, 1, 1))
+        sink = ops.broadcast_to(cast(per_head, ms.float32), scores.shape[:-1] + (1,))
+        return self.softmax(ops.concat((scores, sink), -1))[..., :-1]
+
+
+class SinkAttentionCore(AttentionCore):
+    """AttentionCore with a learned sink logit per head (gpt-oss), its parameter `sinks` [num_heads]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float = 0.0):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.softmax_attention = SinkSoftmaxAttention(num_heads, num_kv_heads)
+        self.sinks = Parameter(initializer("zeros", (num_heads,), ms.float32), name="sinks")
+
+    def construct(self, q, k, v, mask):
+        return self.softmax_attention(q * self.scale, k, v, mask, self.sinks)[0]
+
+
 class CacheWrite(nn.Cell):
     """New keys and values k, v [b, nkv, s, d] into the cache [b, nkv, t, d] at slots start ..
     start+s-1, the other slots kept. `write` = (source [t] int32, fresh [t, 1] bool, start [1]):

@@ -1,14 +1,15 @@
 """Grouped-query attention (MHA, GQA, MQA): the mixer of every family but DeepSeek's.
 
 q/k/v projections (optional biases), optional q/k norms (per head, or over the whole projection),
-RoPE, the shared attention core and the cache write; its cache holds each KV head's keys and values.
+RoPE, the shared attention core (with a sink logit per head, optionally) and the cache write; its cache holds each KV head's keys and values.
 """
 from __future__ import annotations
 
 from mindspore import nn
 
 from msllm.config import ModelConfig
-from msllm.models.layers import AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, RMSNorm, Rope, split_heads
+from msllm.models.layers import (AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, RMSNorm, Rope, SinkAttentionCore,
+                                 split_heads)
 
 
 def qk_norm(cfg: ModelConfig, width: int):
@@ -41,7 +42,8 @@ class Attention(nn.Cell):
         self.rope = Rope(d)
         self.whole_kv = OwnKeys()  # context parallel: the other ranks' keys and values joined in
         self.cache_write = CacheWrite()
-        self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d, cfg.attn_scale)
+        self.core = (SinkAttentionCore if cfg.attention_sinks else AttentionCore)(cfg.num_heads, cfg.num_kv_heads, d,
+                                                                                  cfg.attn_scale)
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         q = self.rope(self.q_norm(self.wq(x)), cos, sin)
