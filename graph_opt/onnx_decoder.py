@@ -9,7 +9,8 @@ spec (ModelConfig):
     linear / YaRN scaling included), one set per attention kind (full, or sliding with its window
     and RoPE base): no [max_seq_len, d] table, so a 128K context costs nothing until used;
   * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax;
-    q/k norms, (offset + w) norms, sandwich norms, GeGLU and the embedding scale as the spec says;
+    q/k norms, (offset + w) norms, sandwich norms, GeGLU, attention sinks and the embedding scale as the
+    spec says;
   * MLA (msllm/models/mixers/mla.py) with its latent cache, DeepSeek-V3's grouped sigmoid router and
     shared experts (msllm/models/moe.py).
 Two graphs, both with dynamic batch, sequence and cache length:
@@ -58,6 +59,7 @@ def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str
         return (name, weights[name]) if name in weights else None
 
     out = {norm: named(f"layers.{i}.{norm}.weight") for norm in NORMS}
+    out["sinks"] = named(f"layers.{i}.attention.core.sinks")
     out["router"] = named(f"layers.{i}.feed_forward.router.weight")
     out["router_bias"] = named(f"layers.{i}.feed_forward.router.expert_bias")
     out.update({f"experts.{w}": named(f"layers.{i}.feed_forward.experts.{w}") for w in ("w1", "w2", "w3")})
@@ -138,6 +140,19 @@ class LlamaGraph:
             return self.heads(self.rms_norm(projection, norm), n, seq)
         return self.rms_norm(self.heads(projection, n, seq), norm)
 
+    def softmax(self, scores, sinks) -> ir.Value:
+        """Softmax over the rows of scores [b, nkv, rep*s, t]; with sinks [nh], each head's sink logit joins
+        its rows as one more column (no value), dropped after the softmax."""
+        if sinks is None:
+            return self.op("Softmax", scores, axis=-1)
+        nkv = self.cfg.num_kv_heads
+        column = self.part(scores, 0, 1)                                   # [b, nkv, rep*s, 1]
+        by_head = self.op("Reshape", column, self.shape(0, nkv, self.cfg.num_heads // nkv, -1, 1))
+        per_head = self.op("Reshape", self.param(sinks, fp32=True), self.shape(1, nkv, -1, 1, 1))
+        sink = self.op("Reshape", self.op("Expand", per_head, self.op("Shape", by_head)), self.op("Shape", column))
+        probs = self.op("Softmax", self.op("Concat", scores, sink, axis=-1), axis=-1)
+        return self.part(probs, 0, -1)
+
     def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
@@ -153,7 +168,7 @@ class LlamaGraph:
         scores = self.op("MatMul", q, self.op("Transpose", k, perm=[0, 1, 3, 2]))
         scale = cfg.attn_scale or 1.0 / math.sqrt(d)
         scores = self.op("Mul", self.op("Cast", scores, to=ir.DataType.FLOAT), self.const(scale, np.float32))
-        probs = self.op("Softmax", self.op("Add", scores, mask), axis=-1)
+        probs = self.softmax(self.op("Add", scores, mask), w["sinks"])
         out = self.op("MatMul", self.op("Cast", probs, to=self.dtype), v)
         out = self.op("Transpose", self.op("Reshape", out, self.shape(0, nh, -1, d)), perm=[0, 2, 1, 3])
         out = self.op("Reshape", out, self.shape(-1, nh * d))
