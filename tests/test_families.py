@@ -107,12 +107,18 @@ def test_chat_uses_the_familys_template_and_end_of_turn(corpus, tmp_path):
     assert reply.ids[0] == out[:end] and reply.stopped[0] == ("eos" if end < len(out) else "length")
 
 
+BY_HAND = pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): beyond CI's budget")
+
+
 # MindIR exports the model's own Cells (what the msllm engine test runs), so one model with dense
 # and MoE layers suffices there. The ONNX graphs are written op by op: Gemma 3 has every
 # dense-family op (q/k norms, offset and sandwich norms, GeGLU, two attention kinds, scales),
 # Mixtral the MoE ops, OLMo 3 the norms after each sublayer only and q/k norms over the whole projection;
 # the plain Llama path is tests/test_export.py's.
-@pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir"), ("olmo3", "onnx")])
+@pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir"), ("olmo3", "onnx"),
+                                       pytest.param("smollm3", "onnx", marks=BY_HAND),
+                                       pytest.param("smollm3", "mindir", marks=BY_HAND),
+                                       pytest.param("olmo3", "mindir", marks=BY_HAND)])
 def test_exported_generate_what_transformers_does(converted, tmp_path, case, fmt):
     folder, prompt, want = converted[case]
     manifest = export(folder / "msllm", fmt, tmp_path / fmt, log=lambda line: None)
@@ -140,11 +146,10 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
     assert np.abs(ours[0, 8:] - theirs[0, 8:]).max() > 1e-3
 
 
-BY_HAND = pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): beyond CI's budget")
 
 
 @pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", "smollm3", pytest.param("mistral_window", marks=BY_HAND),
-                                  pytest.param("mixtral", marks=BY_HAND)])
+                                  pytest.param("mixtral", marks=BY_HAND), pytest.param("olmo3", marks=BY_HAND)])
 def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case, monkeypatch):
     """train --init-from on packed SFT rows (windowed masks per sample) with LoRA on every projection,
     merged, converted back to HF: transformers computes the merged model. Gemma 3's adapter also
