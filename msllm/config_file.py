@@ -248,6 +248,9 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(not (m.attention_sinks and t.device == "ascend"), "model.attention_sinks",
          "not laid out for Ascend yet (no FlashAttentionScore form, no shard strategy for the sink column); "
          "train on cpu", "train.device")
+    need(not (t.device == "ascend" and (m.o_bias or m.router_bias or m.experts_bias)), "model.o_bias",
+         "model.o_bias / router_bias / experts_bias are not laid out for Ascend yet; train on cpu", "train.device")
+    need(m.swiglu_alpha > 0 and m.swiglu_limit > 0, "model.swiglu_limit", "model.swiglu_alpha and swiglu_limit must be > 0")
     need(not (m.attention_sinks and m.mla), "model.attention_sinks", "are built for model.attention gqa, not mla",
          "model.attention")
     if t.attention == "flash" and t.device == "ascend":

@@ -31,6 +31,8 @@ def layer_shapes(m: "ModelConfig", kind: str) -> dict[str, tuple[int, ...]]:
             if m.qkv_bias:
                 shapes[f"attention.{name}.bias"] = (out,)
         shapes["attention.wo.weight"] = (h, q)
+        if m.o_bias:
+            shapes["attention.wo.bias"] = (h,)
         if m.qk_norm:  # MLA has no q / k norms of this kind (its q_norm is the q latent's)
             per_head = m.qk_norm_scope == "head"
             shapes["attention.q_norm.weight"] = (d,) if per_head else (q,)
@@ -44,11 +46,16 @@ def layer_shapes(m: "ModelConfig", kind: str) -> dict[str, tuple[int, ...]]:
     if kind == "moe":
         e, f = m.num_experts, m.moe_ffn_size or m.ffn_size
         shapes["feed_forward.router.weight"] = (e, h)
+        if m.router_bias:
+            shapes["feed_forward.router.bias"] = (e,)
         if m.router == "sigmoid_grouped":
             shapes["feed_forward.router.expert_bias"] = (e,)
         shapes["feed_forward.experts.w1"] = (e, f, h)
         shapes["feed_forward.experts.w2"] = (e, h, f)
         shapes["feed_forward.experts.w3"] = (e, f, h)
+        if m.experts_bias:
+            shapes.update({"feed_forward.experts.b1.bias": (e, f), "feed_forward.experts.b2.bias": (e, h),
+                           "feed_forward.experts.b3.bias": (e, f)})
         if m.shared_experts:
             g = m.shared_experts * f
             shapes.update({"feed_forward.shared.w1.weight": (g, h), "feed_forward.shared.w2.weight": (h, g),

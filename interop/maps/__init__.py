@@ -5,7 +5,7 @@ Each family's module also holds its config translation beyond the keys every fam
 Adding a family: a table, a SPEC, a line here, and a tiny random model in tests/hf_models.py."""
 from typing import Callable, NamedTuple
 
-from interop.maps import deepseek_v3, gemma3, moe, olmo, phi3, qwen3, smollm3
+from interop.maps import deepseek_v3, gemma3, gpt_oss, moe, olmo, phi3, qwen3, smollm3
 from interop.maps.llama import LLAMA, QWEN2
 from interop.table import Table
 
@@ -50,6 +50,8 @@ FAMILIES = {
     # OLMo 3 first: msllm models that norm like OLMo are written as OLMo 3, which also holds sliding layers
     "Olmo3ForCausalLM": Family(olmo.OLMO, "olmo3", olmo.SPEC, to_hf=gemma3.rope_per_layer_type),
     "Olmo2ForCausalLM": Family(olmo.OLMO, "olmo2", olmo.SPEC, writes_layer_types=False),
+    "GptOssForCausalLM": Family(gpt_oss.GPT_OSS, "gpt_oss", gpt_oss.SPEC, moe=True, from_hf=gpt_oss.from_hf,
+                                to_hf=gpt_oss.to_hf),
 }
 
 

@@ -111,7 +111,9 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
                                           else kernels.SoftmaxAttention(n, kv))
         elif isinstance(cell, (layers.FeedForward, moe.Experts)):
             geglu = cell.activation == "geglu_tanh"
-            if fused_fp32 or decode_kernels:
+            if cell.activation == "swiglu_clamped":
+                pass  # no fused kernel clamps: the portable activation
+            elif fused_fp32 or decode_kernels:
                 cell.act = kernels.FusedGeGLU() if geglu else kernels.FusedSwiGLU()
             else:
                 cell.act = layers.GeGLU() if geglu else layers.SwiGLU()

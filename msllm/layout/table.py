@@ -74,6 +74,7 @@ PARAMS = (
     ("layers.*.attention.wv.weight",     ("kv", None),    "column"),
     ("layers.*.attention.wv.bias",       ("kv",),         "column"),
     ("layers.*.attention.wo.weight",     (None, "heads"), "row"),
+    ("layers.*.attention.wo.bias",       (None,),         "replicated"),  # added once, after the row reduction
     ("layers.*.attention.q_norm.weight", (None,),         "replicated"),
     ("layers.*.attention.k_norm.weight", (None,),         "replicated"),
     ("layers.*.attention.core.sinks",    (None,),         "replicated"),  # not laid out on Ascend (config refuses)
@@ -84,6 +85,8 @@ PARAMS = (
     ("layers.*.feed_forward.router.weight", (None, None),   "replicated"),
     ("layers.*.feed_forward.experts.w*",   ("experts", None, None), "expert parallel"),
     ("layers.*.feed_forward.router.expert_bias", (None,),   "replicated"),
+    ("layers.*.feed_forward.router.bias",  (None,),         "replicated"),
+    ("layers.*.feed_forward.experts.b*.bias", ("experts", None), "expert parallel"),
     ("layers.*.feed_forward.shared.w*.weight", (None, None), "replicated"),
     # MLA (DeepSeek): the down-projections to the q and kv latents (and their norms) whole on every
     # rank, the up-projections to heads cut by heads as wq is (their rows are head after head)

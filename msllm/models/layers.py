@@ -400,7 +400,26 @@ class GeGLU(nn.Cell):
         return gate * self.sigmoid(inner) * up
 
 
-ACTIVATIONS = {"swiglu": SwiGLU, "geglu_tanh": GeGLU}
+class ClampedSwiGLU(nn.Cell):
+    """gpt-oss's gated activation: gate clipped to <= limit, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    def __init__(self, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.sigmoid = ops.Sigmoid()
+
+    def construct(self, gate, up):
+        gate = ops.clamp(gate, max=self.limit)
+        up = ops.clamp(up, -self.limit, self.limit)
+        return gate * self.sigmoid(gate * self.alpha) * (up + 1)
+
+
+def activation(cfg: ModelConfig) -> nn.Cell:
+    """The gated activation model.mlp names: swiglu, geglu_tanh or swiglu_clamped."""
+    if cfg.mlp == "swiglu_clamped":
+        return ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
+    return GeGLU() if cfg.mlp == "geglu_tanh" else SwiGLU()
 
 
 class FeedForward(nn.Cell):
@@ -413,7 +432,7 @@ class FeedForward(nn.Cell):
         self.w2 = Linear(f, cfg.hidden_size)
         self.w3 = Linear(cfg.hidden_size, f)
         self.activation = cfg.mlp  # which one, for the backends that swap in a fused kernel
-        self.act = ACTIVATIONS[cfg.mlp]()
+        self.act = activation(cfg)
 
     def construct(self, x):
         return self.w2(self.act(self.w1(x), self.w3(x)))

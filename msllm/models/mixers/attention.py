@@ -36,7 +36,7 @@ class Attention(nn.Cell):
         self.wq = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
         self.wk = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.wv = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.wo = Linear(cfg.num_heads * d, h)
+        self.wo = Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         self.q_norm = qk_norm(cfg, cfg.num_heads * d)
         self.k_norm = qk_norm(cfg, cfg.num_kv_heads * d)
         self.rope = Rope(d)
