@@ -22,7 +22,7 @@ from tests.conftest import run_cli
 from tests.hf_models import build, save_tokenizer
 
 NEW_TOKENS, PROMPT = 16, 12
-FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3"]
+FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss"]
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -113,9 +113,10 @@ BY_HAND = pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by han
 # MindIR exports the model's own Cells (what the msllm engine test runs), so one model with dense
 # and MoE layers suffices there. The ONNX graphs are written op by op: Gemma 3 has every
 # dense-family op (q/k norms, offset and sandwich norms, GeGLU, two attention kinds, scales),
-# Mixtral the MoE ops, OLMo 3 the norms after each sublayer only and q/k norms over the whole projection;
-# the plain Llama path is tests/test_export.py's.
-@pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir"), ("olmo3", "onnx"),
+# Mixtral the MoE ops; the plain Llama path is tests/test_export.py's. By hand: SmolLM3 (NoPE layers) and
+# OLMo 3 (norms after each sublayer only, q/k norms over the whole projection) on both.
+@pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir"),
+                                       pytest.param("olmo3", "onnx", marks=BY_HAND),
                                        pytest.param("smollm3", "onnx", marks=BY_HAND),
                                        pytest.param("smollm3", "mindir", marks=BY_HAND),
                                        pytest.param("olmo3", "mindir", marks=BY_HAND)])
@@ -148,8 +149,9 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
 
 
 
-@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", "smollm3", pytest.param("mistral_window", marks=BY_HAND),
-                                  pytest.param("mixtral", marks=BY_HAND), pytest.param("olmo3", marks=BY_HAND)])
+@pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", pytest.param("mistral_window", marks=BY_HAND),
+                                  pytest.param("mixtral", marks=BY_HAND), pytest.param("smollm3", marks=BY_HAND),
+                                  pytest.param("olmo3", marks=BY_HAND)])
 def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case, monkeypatch):
     """train --init-from on packed SFT rows (windowed masks per sample) with LoRA on every projection,
     merged, converted back to HF: transformers computes the merged model. Gemma 3's adapter also

@@ -20,7 +20,7 @@ def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_train")
     out = {}
     for case in ("llama2_mha", "llama3_gqa_rope_scaling", "qwen2_bias_tied", "mistral_window", "qwen3", "gemma3", "phi3",
-                 "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3"):
+                 "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss"):
         build(case).save_pretrained(root / case)
         out[case] = root / case
     return out
@@ -29,7 +29,7 @@ def hf_dirs(tmp_path_factory):
 # The new families: q/k norms (Qwen3, Gemma 3), sandwich (1 + w) norms, GeGLU and sliding layers
 # (Gemma 3, window 8 < SEQ), fused qkv / gate_up storage (Phi-3).
 @pytest.mark.parametrize("case", ["llama3_gqa_rope_scaling", "qwen2_bias_tied", "mistral_window", "qwen3", "gemma3", "phi3",
-                                  "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3"])
+                                  "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss"])
 def test_train_steps_match_torch(hf_dirs, case):
     report = vt.verify_train(hf_dirs[case], steps=STEPS, seq_len=SEQ)
     assert report.ok, "\n".join(report.lines())
@@ -38,7 +38,7 @@ def test_train_steps_match_torch(hf_dirs, case):
     assert ("output.weight" in names) == (not tied)  # tied: the embedding is the head
     if case in ("qwen3", "gemma3", "olmo3"):
         assert "layers.1.attention.k_norm.weight" in names
-    assert ("layers.1.attention.wk.bias" in names) == (case == "qwen2_bias_tied")
+    assert ("layers.1.attention.wk.bias" in names) == (case in ("qwen2_bias_tied", "gpt_oss"))
     # Real training happened: the weights moved by ~lr and the schedule ran.
     lrs = [c.ours for c in report.checks if c.kind == "lr"]
     assert lrs == pytest.approx([optim.lr_at(s, vt.VERIFY_OPTIM, STEPS) for s in (1, 2)], rel=1e-6)
