@@ -277,7 +277,7 @@ def test_a_gemma_spec_trains_with_recompute_and_resumes_bit_identically(corpus, 
                                                            "model.safetensors"))
 
 
-@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b", "smollm3_3b", "olmo3_7b"])
+@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b", "smollm3_3b", "olmo3_7b", "gpt_oss_20b"])
 def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(name):
     """configs/<name>.yaml describes the real model: its parameter count equals transformers' for the
     same config (built on the meta device), and `msllm plan` lays it out on 64 devices."""
@@ -289,7 +289,8 @@ def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     arch = default_architecture(cfg.model)
     assert arch == {"qwen3_8b": "Qwen3ForCausalLM", "gemma3_1b": "Gemma3ForCausalLM",
-                    "smollm3_3b": "SmolLM3ForCausalLM", "olmo3_7b": "Olmo3ForCausalLM"}[name]
+                    "smollm3_3b": "SmolLM3ForCausalLM", "olmo3_7b": "Olmo3ForCausalLM",
+                    "gpt_oss_20b": "GptOssForCausalLM"}[name]
     hf = to_hf_config(cfg.model, arch, "float32")
     config_class = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     with torch.device("meta"):
@@ -415,6 +416,29 @@ def test_smollm3_bad_no_rope_layers_are_refused_in_one_line(converted, tmp_path,
     shutil.copytree(converted["smollm3"][0] / "hf", bad)
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({k: v for k, v in {**config, **edit}.items() if v is not None}))
+    with pytest.raises(InteropError, match="config.json: " + why) as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, r"quantization_config: 'mxfp4': msllm reads full-precision "
+                                                         r"experts only, not MXFP4"),
+    ({"attention_bias": False}, r"attention_bias: false: msllm builds gpt-oss with q/k/v/o biases"),
+    ({"swiglu_limit": 0}, r"swiglu_limit: must be a number > 0, got 0"),
+])
+def test_gpt_oss_parts_not_built_are_refused_in_one_line(converted, tmp_path, edit, why):
+    """A gpt-oss checkpoint with MXFP4 experts, without attention biases or with a bad SwiGLU limit: one line
+    naming the config.json key, nothing written."""
+    import json
+    import shutil
+
+    from interop import InteropError
+
+    bad = tmp_path / "hf"
+    shutil.copytree(converted["gpt_oss"][0] / "hf", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(InteropError, match="config.json: " + why) as e:
         convert(bad, tmp_path / "out", progress=False)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

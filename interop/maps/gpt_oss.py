@@ -50,6 +50,11 @@ SPEC = {"qkv_bias": True, "o_bias": True, "attention_sinks": True, "router_bias"
 def from_hf(hf: dict, fields: dict, refuse) -> None:
     """Its experts (their size is intermediate_size), top k (softmax over the top k logits: renormalised), and
     the clamped SwiGLU's alpha and limit."""
+    quantization = hf.get("quantization_config") or {}
+    if quantization:
+        refuse("quantization_config", f"{quantization.get('quant_method', quantization)!r}: msllm reads full-precision "
+               "experts only, not MXFP4 (*_blocks / *_scales); dequantize the checkpoint first (transformers: "
+               "Mxfp4Config(dequantize=True), then save_pretrained)")
     if not hf.get("attention_bias", True):
         refuse("attention_bias", "false: msllm builds gpt-oss with q/k/v/o biases (true)")
     if hf.get("num_local_experts") is None:
