@@ -62,7 +62,9 @@ def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str
     out["sinks"] = named(f"layers.{i}.attention.core.sinks")
     out["router"] = named(f"layers.{i}.feed_forward.router.weight")
     out["router_bias"] = named(f"layers.{i}.feed_forward.router.expert_bias")
+    out["router_logit_bias"] = named(f"layers.{i}.feed_forward.router.bias")
     out.update({f"experts.{w}": named(f"layers.{i}.feed_forward.experts.{w}") for w in ("w1", "w2", "w3")})
+    out.update({f"experts.{b}": named(f"layers.{i}.feed_forward.experts.{b}.bias") for b in ("b1", "b2", "b3")})
     for role, name in LINEARS.items():
         out[role], out[role + "_bias"] = named(f"layers.{i}.{name}.weight"), named(f"layers.{i}.{name}.bias")
     return out
@@ -221,6 +223,13 @@ class LlamaGraph:
                             self.op("Add", gate, self.op("Mul", self.const(0.044715, self.np_dtype), cube)))
             half = self.op("Mul", self.const(0.5, self.np_dtype), gate)
             act = self.op("Mul", half, self.op("Add", self.const(1.0, self.np_dtype), self.op("Tanh", inner)))
+        elif self.cfg.mlp == "swiglu_clamped":  # gpt-oss: gate <= limit, |up| <= limit, g sigmoid(alpha g) (up + 1)
+            limit = self.cfg.swiglu_limit
+            gate = self.op("Min", gate, self.const(limit, self.np_dtype))
+            up = self.op("Clip", up, self.const(-limit, self.np_dtype), self.const(limit, self.np_dtype))
+            alpha = self.const(self.cfg.swiglu_alpha, self.np_dtype)
+            act = self.op("Mul", gate, self.op("Sigmoid", self.op("Mul", gate, alpha)))
+            return self.op("Mul", act, self.op("Add", up, self.const(1.0, self.np_dtype)))
         else:
             act = self.op("Mul", gate, self.op("Sigmoid", gate))
         return self.op("Mul", act, up)
@@ -265,7 +274,10 @@ class LlamaGraph:
         if cfg.router == "sigmoid_grouped":
             weights, chosen = self.grouped_sigmoid_route(x, w)
         else:
-            probs = self.op("Softmax", self.op("Cast", self.linear(x, w["router"]), to=ir.DataType.FLOAT), axis=-1)
+            logits = self.op("Cast", self.linear(x, w["router"]), to=ir.DataType.FLOAT)
+            if w["router_logit_bias"] is not None:  # gpt-oss
+                logits = self.op("Add", logits, self.param(w["router_logit_bias"], fp32=True))
+            probs = self.op("Softmax", logits, axis=-1)
             weights, chosen = self.top_k(probs, cfg.experts_per_token)
             if cfg.norm_topk_prob:
                 weights = self.op("Div", weights, self.op("ReduceSum", weights, self.const([-1]), keepdims=1))
@@ -274,11 +286,13 @@ class LlamaGraph:
                           self.const([1]), keepdims=0)                                         # [N, E]
         xs = self.op("Unsqueeze", x, self.const([0]))                                          # [1, N, h]
 
-        def batched(value, weight):  # [E or 1, N, in] @ W[E, out, in]^T
-            return self.op("MatMul", value, self.op("Transpose", self.param(weight), perm=[0, 2, 1]))
+        def batched(value, weight, bias):  # [E or 1, N, in] @ W[E, out, in]^T (+ bias [E, out]: gpt-oss)
+            out = self.op("MatMul", value, self.op("Transpose", self.param(weight), perm=[0, 2, 1]))
+            return out if bias is None else self.op("Add", out, self.op("Unsqueeze", self.param(bias), self.const([1])))
 
-        hidden = self.activation(batched(xs, w["experts.w1"]), batched(xs, w["experts.w3"]))
-        out = batched(hidden, w["experts.w2"])                                                 # [E, N, h]
+        hidden = self.activation(batched(xs, w["experts.w1"], w["experts.b1"]),
+                                 batched(xs, w["experts.w3"], w["experts.b3"]))
+        out = batched(hidden, w["experts.w2"], w["experts.b2"])                                # [E, N, h]
         scale = self.op("Unsqueeze", self.op("Cast", self.op("Transpose", combine, perm=[1, 0]), to=self.dtype),
                         self.const([-1]))                                                      # [E, N, 1]
         routed = self.op("ReduceSum", self.op("Mul", out, scale), self.const([0]), keepdims=0)

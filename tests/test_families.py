@@ -113,13 +113,16 @@ BY_HAND = pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by han
 # MindIR exports the model's own Cells (what the msllm engine test runs), so one model with dense
 # and MoE layers suffices there. The ONNX graphs are written op by op: Gemma 3 has every
 # dense-family op (q/k norms, offset and sandwich norms, GeGLU, two attention kinds, scales),
-# Mixtral the MoE ops; the plain Llama path is tests/test_export.py's. By hand: SmolLM3 (NoPE layers) and
-# OLMo 3 (norms after each sublayer only, q/k norms over the whole projection) on both.
+# Mixtral the MoE ops; the plain Llama path is tests/test_export.py's. By hand: SmolLM3 (NoPE layers),
+# OLMo 3 (norms after each sublayer only, q/k norms over the whole projection) and gpt-oss (sinks, biased
+# experts, clamped SwiGLU) on both.
 @pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir"),
                                        pytest.param("olmo3", "onnx", marks=BY_HAND),
                                        pytest.param("smollm3", "onnx", marks=BY_HAND),
                                        pytest.param("smollm3", "mindir", marks=BY_HAND),
-                                       pytest.param("olmo3", "mindir", marks=BY_HAND)])
+                                       pytest.param("olmo3", "mindir", marks=BY_HAND),
+                                       pytest.param("gpt_oss", "onnx", marks=BY_HAND),
+                                       pytest.param("gpt_oss", "mindir", marks=BY_HAND)])
 def test_exported_generate_what_transformers_does(converted, tmp_path, case, fmt):
     folder, prompt, want = converted[case]
     manifest = export(folder / "msllm", fmt, tmp_path / fmt, log=lambda line: None)
