@@ -179,9 +179,9 @@ def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, extern
             ir.save(model, path, external_data=ONNX_DATA)
             shared = {name: value.const_value for name, value in ir.load(path).graph.initializers.items()
                       if isinstance(value.const_value, ir.ExternalTensor)}
-        else:  # the others point at the same bytes
-            for name, value in model.graph.initializers.items():
-                if name in shared:
+        else:  # the others point at the same bytes: the checkpoint's parameters (a constant the optimizer
+            for name, value in model.graph.initializers.items():  # folded is named per graph, not shared)
+                if name in shared and name in arrays:
                     value.const_value = shared[name]
             ir.save(model, path)
         onnx.checker.check_model(str(path), full_check=True)

@@ -9,7 +9,8 @@ spec (ModelConfig):
     linear / YaRN scaling included), one set per attention kind (full, or sliding with its window
     and RoPE base): no [max_seq_len, d] table, so a 128K context costs nothing until used;
   * grouped KV heads folded into the row axis as in AttentionCore; fp32 RMSNorm and softmax;
-    q/k norms, (offset + w) norms, sandwich norms, GeGLU and the embedding scale as the spec says;
+    q/k norms, (offset + w) norms, sandwich norms, GeGLU, attention sinks and the embedding scale as the
+    spec says;
   * MLA (msllm/models/mixers/mla.py) with its latent cache, DeepSeek-V3's grouped sigmoid router and
     shared experts (msllm/models/moe.py).
 Two graphs, both with dynamic batch, sequence and cache length:
@@ -58,9 +59,12 @@ def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str
         return (name, weights[name]) if name in weights else None
 
     out = {norm: named(f"layers.{i}.{norm}.weight") for norm in NORMS}
+    out["sinks"] = named(f"layers.{i}.attention.core.sinks")
     out["router"] = named(f"layers.{i}.feed_forward.router.weight")
     out["router_bias"] = named(f"layers.{i}.feed_forward.router.expert_bias")
+    out["router_logit_bias"] = named(f"layers.{i}.feed_forward.router.bias")
     out.update({f"experts.{w}": named(f"layers.{i}.feed_forward.experts.{w}") for w in ("w1", "w2", "w3")})
+    out.update({f"experts.{b}": named(f"layers.{i}.feed_forward.experts.{b}.bias") for b in ("b1", "b2", "b3")})
     for role, name in LINEARS.items():
         out[role], out[role + "_bias"] = named(f"layers.{i}.{name}.weight"), named(f"layers.{i}.{name}.bias")
     return out
@@ -131,13 +135,31 @@ class LlamaGraph:
         rotated = self.op("Concat", self.op("Neg", second), first, axis=-1)
         return self.op("Add", self.op("Mul", x, cos), self.op("Mul", rotated, sin))
 
+    def normed_heads(self, projection, norm, n: int, seq) -> ir.Value:
+        """A q or k projection as heads [b, n, s, d], its norm (if any) over each head or over the whole
+        projection (qk_norm_scope)."""
+        if self.cfg.qk_norm_scope == "projection":
+            return self.heads(self.rms_norm(projection, norm), n, seq)
+        return self.rms_norm(self.heads(projection, n, seq), norm)
+
+    def softmax(self, scores, sinks) -> ir.Value:
+        """Softmax over the rows of scores [b, nkv, rep*s, t]; with sinks [nh], each head's sink logit joins
+        its rows as one more column (no value), dropped after the softmax."""
+        if sinks is None:
+            return self.op("Softmax", scores, axis=-1)
+        nkv = self.cfg.num_kv_heads
+        column = self.part(scores, 0, 1)                                   # [b, nkv, rep*s, 1]
+        by_head = self.op("Reshape", column, self.shape(0, nkv, self.cfg.num_heads // nkv, -1, 1))
+        per_head = self.op("Reshape", self.param(sinks, fp32=True), self.shape(1, nkv, -1, 1, 1))
+        sink = self.op("Reshape", self.op("Expand", per_head, self.op("Shape", by_head)), self.op("Shape", column))
+        probs = self.op("Softmax", self.op("Concat", scores, sink, axis=-1), axis=-1)
+        return self.part(probs, 0, -1)
+
     def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-        q = self.rope(self.rms_norm(self.heads(self.linear(x, w["q"], w["q_bias"]), nh, seq), w["attention.q_norm"]),
-                      cos, sin)
-        k = self.rope(self.rms_norm(self.heads(self.linear(x, w["k"], w["k_bias"]), nkv, seq), w["attention.k_norm"]),
-                      cos, sin)
+        q = self.rope(self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq), cos, sin)
+        k = self.rope(self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq), cos, sin)
         v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
         if cache_k is not None:  # the new tokens' slots take the new keys and values
             source, fresh = write
@@ -148,7 +170,7 @@ class LlamaGraph:
         scores = self.op("MatMul", q, self.op("Transpose", k, perm=[0, 1, 3, 2]))
         scale = cfg.attn_scale or 1.0 / math.sqrt(d)
         scores = self.op("Mul", self.op("Cast", scores, to=ir.DataType.FLOAT), self.const(scale, np.float32))
-        probs = self.op("Softmax", self.op("Add", scores, mask), axis=-1)
+        probs = self.softmax(self.op("Add", scores, mask), w["sinks"])
         out = self.op("MatMul", self.op("Cast", probs, to=self.dtype), v)
         out = self.op("Transpose", self.op("Reshape", out, self.shape(0, nh, -1, d)), perm=[0, 2, 1, 3])
         out = self.op("Reshape", out, self.shape(-1, nh * d))
@@ -201,6 +223,13 @@ class LlamaGraph:
                             self.op("Add", gate, self.op("Mul", self.const(0.044715, self.np_dtype), cube)))
             half = self.op("Mul", self.const(0.5, self.np_dtype), gate)
             act = self.op("Mul", half, self.op("Add", self.const(1.0, self.np_dtype), self.op("Tanh", inner)))
+        elif self.cfg.mlp == "swiglu_clamped":  # gpt-oss: gate <= limit, |up| <= limit, g sigmoid(alpha g) (up + 1)
+            limit = self.cfg.swiglu_limit
+            gate = self.op("Min", gate, self.const(limit, self.np_dtype))
+            up = self.op("Clip", up, self.const(-limit, self.np_dtype), self.const(limit, self.np_dtype))
+            alpha = self.const(self.cfg.swiglu_alpha, self.np_dtype)
+            act = self.op("Mul", gate, self.op("Sigmoid", self.op("Mul", gate, alpha)))
+            return self.op("Mul", act, self.op("Add", up, self.const(1.0, self.np_dtype)))
         else:
             act = self.op("Mul", gate, self.op("Sigmoid", gate))
         return self.op("Mul", act, up)
@@ -245,7 +274,10 @@ class LlamaGraph:
         if cfg.router == "sigmoid_grouped":
             weights, chosen = self.grouped_sigmoid_route(x, w)
         else:
-            probs = self.op("Softmax", self.op("Cast", self.linear(x, w["router"]), to=ir.DataType.FLOAT), axis=-1)
+            logits = self.op("Cast", self.linear(x, w["router"]), to=ir.DataType.FLOAT)
+            if w["router_logit_bias"] is not None:  # gpt-oss
+                logits = self.op("Add", logits, self.param(w["router_logit_bias"], fp32=True))
+            probs = self.op("Softmax", logits, axis=-1)
             weights, chosen = self.top_k(probs, cfg.experts_per_token)
             if cfg.norm_topk_prob:
                 weights = self.op("Div", weights, self.op("ReduceSum", weights, self.const([-1]), keepdims=1))
@@ -254,11 +286,13 @@ class LlamaGraph:
                           self.const([1]), keepdims=0)                                         # [N, E]
         xs = self.op("Unsqueeze", x, self.const([0]))                                          # [1, N, h]
 
-        def batched(value, weight):  # [E or 1, N, in] @ W[E, out, in]^T
-            return self.op("MatMul", value, self.op("Transpose", self.param(weight), perm=[0, 2, 1]))
+        def batched(value, weight, bias):  # [E or 1, N, in] @ W[E, out, in]^T (+ bias [E, out]: gpt-oss)
+            out = self.op("MatMul", value, self.op("Transpose", self.param(weight), perm=[0, 2, 1]))
+            return out if bias is None else self.op("Add", out, self.op("Unsqueeze", self.param(bias), self.const([1])))
 
-        hidden = self.activation(batched(xs, w["experts.w1"]), batched(xs, w["experts.w3"]))
-        out = batched(hidden, w["experts.w2"])                                                 # [E, N, h]
+        hidden = self.activation(batched(xs, w["experts.w1"], w["experts.b1"]),
+                                 batched(xs, w["experts.w3"], w["experts.b3"]))
+        out = batched(hidden, w["experts.w2"], w["experts.b2"])                                # [E, N, h]
         scale = self.op("Unsqueeze", self.op("Cast", self.op("Transpose", combine, perm=[1, 0]), to=self.dtype),
                         self.const([-1]))                                                      # [E, N, 1]
         routed = self.op("ReduceSum", self.op("Mul", out, scale), self.const([0]), keepdims=0)

@@ -1,9 +1,10 @@
 """Hugging Face config.json <-> msllm ModelConfig.
 
 Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
-text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3). The sizes, RoPE, sliding window and layer types are read from the config keys every
-family shares (MLA's ranks when the family's spec attends with MLA); what an architecture implies
-beyond them is its family spec, and the keys only it has (experts, derived scales) its family's
+text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, SmolLM3, OLMo 2 and 3, gpt-oss). The sizes, RoPE, sliding window
+and layer types are read from the config keys every family shares (MLA's ranks when the family's spec
+attends with MLA); what an architecture implies beyond them is its family spec, and the keys only it
+has (experts, derived scales, NoPE layers) its family's
 from_hf / to_hf hooks in interop/maps/<family>.py. A config asking for
 something msllm does not compute (another activation, o_proj or MLP biases, another rope type,
 partial rotary, logit soft-capping) is refused, naming the key, rather than converted into a
@@ -44,14 +45,16 @@ def default_architecture(m: ModelConfig) -> str:
     """For checkpoints that never came from HF: the family whose spec computes what `m` computes
     (Phi-3 computes Llama's maths, so a model is never given its fused layout by default)."""
     def matches(family) -> bool:
-        spec = {**dict(qkv_bias=False, qk_norm=False, norm_offset=0.0, sandwich_norm=False, mlp="swiglu",
-                       attention="gqa", router="softmax"), **family.spec}
-        return family.moe == (m.num_experts > 0) and all(getattr(m, key) == value for key, value in spec.items())
+        spec = {**dict(qkv_bias=False, qk_norm=False, qk_norm_scope="head", norm_offset=0.0, sandwich_norm=False,
+                       pre_norm=True, mlp="swiglu", attention="gqa", router="softmax", o_bias=False,
+                       attention_sinks=False, router_bias=False, experts_bias=False), **family.spec}
+        return (family.moe == (m.num_experts > 0) and (family.nope_layers or "none" not in m.position_kinds())
+                and all(getattr(m, key) == value for key, value in spec.items()))
 
     arch = next((arch for arch, family in FAMILIES.items() if matches(family)), None)
     if arch is None:
         raise InteropError("no Hugging Face architecture computes this model (its q/k norm, norm offset, sandwich "
-                           "norms, MLP and qkv bias match no family of interop/maps)")
+                           "norms, MLP, qkv bias and layers without RoPE match no family of interop/maps)")
     return arch
 
 
@@ -135,7 +138,7 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
     if hf.get(act_key, family.activation) != family.activation:
         refuse(act_key, f"{hf[act_key]!r} is not supported for {arch} ({family.activation})")
     for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
-        if hf.get(key):
+        if hf.get(key) and not (key == "attention_bias" and family.spec.get("o_bias")):
             refuse(key, "msllm has no o_proj or MLP biases" if key != "use_bidirectional_attention"
                    else "msllm computes causal attention")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):

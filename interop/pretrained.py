@@ -34,6 +34,9 @@ PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # Architectures whose gate_proj / up_proj / down_proj PEFT (0.21) re-targets to the fused experts
 # (its transformers v4 -> v5 MoE conversion), dense MLP layers included
 PEFT_RENAMES_MLP = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+# Architectures whose experts peft_experts does not lay out: gpt-oss stores each layer's as one gate_up_proj
+# [E, h, 2f] with gate and up columns alternating (and down_proj [E, f, h]), not Qwen3-MoE's [E, 2f, h]
+PEFT_UNWRITTEN_EXPERTS = ("GptOssForCausalLM",)
 PEFT_PREFIX = "base_model.model."  # PeftModel wraps the HF model: its names sit under this prefix
 BASE_SHA = "msllm_base_sha256"     # adapter_model.safetensors metadata: the base the adapter was trained on
 
@@ -476,6 +479,10 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
         raise InteropError(f"{ckpt}: lora.targets {dense}: PEFT reads gate_proj / up_proj / down_proj of a "
                            f"{weights.architecture} as its experts' (transformers v4 names), so it cannot hold "
                            f"adapters on the dense MLP layers; train without them or `msllm lora merge`")
+    if experts and weights.architecture in PEFT_UNWRITTEN_EXPERTS:
+        raise InteropError(f"{ckpt}: lora.targets {experts}: {weights.architecture} stores its experts as one "
+                           f"gate_up_proj [E, h, 2f] with gate and up columns alternating, which msllm does not "
+                           f"write as a PEFT adapter yet; `msllm lora merge` makes a full model")
     if fused:
         raise InteropError(f"{ckpt}: lora.targets {fused}: {weights.architecture} stores them inside a fused "
                            f"projection, which a PEFT adapter cannot hold; `msllm lora merge` makes a full model")

@@ -14,6 +14,10 @@ layout (Hugging Face, MindFormers) stores it:
                                   slice in turn (MindFormers' mcore linear_qkv: [q, k, v] per KV head)
     GroupedTransposed("name")     stored as one matrix: each expert's 2-D transpose, one expert after
                                   another along dim 0 ([E * in, out]: MindFormers' grouped-GEMM weight1 / weight2)
+    ExpertsTransposed("name")     an expert stack [E, out, in] stored as each expert's transpose [E, in, out]
+    Alternated("name")            an msllm Concat(1, gate, up) of experts stored with gate's and up's
+                                  features alternating along the last dim, each expert's matrix transposed
+                                  ([E, in, 2f]; biases [E, 2f]): gpt-oss's gate_up_proj
     None                          this layout has no such tensor (the family is not in that layout)
 
 The msllm column may be a Concat too: Phi-3 stores q, k and v as one qkv_proj, so its row is
@@ -43,6 +47,7 @@ CONDITIONS = {"untied": lambda m, i: not m.tie_embeddings,
 
 def named_dims(m: ModelConfig) -> dict[str, int]:
     return {"vocab": m.vocab_size, "hidden": m.hidden_size, "ffn": m.ffn_size, "head": m.head_size,
+            "heads": m.num_heads,
             "q": m.num_heads * m.head_size, "kv": m.num_kv_heads * m.head_size, "kv_heads": m.num_kv_heads,
             "experts": m.num_experts, "expert_ffn": m.moe_ffn_size or m.ffn_size,
             "shared_ffn": m.shared_experts * (m.moe_ffn_size or m.ffn_size),
@@ -164,6 +169,39 @@ class GroupedTransposed(Same):
 
     def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return [(self.name, t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous())]
+
+
+class ExpertsTransposed(Same):
+    """An msllm [E, out, in] expert stack stored as [E, in, out], each expert's matrix transposed (gpt-oss)."""
+
+    def shapes(self, entry: "Entry") -> dict[str, tuple]:
+        experts, out, inp = entry.shape
+        return {self.name: (experts, inp, out)}
+
+    def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
+        return read(self.name).transpose(1, 2).contiguous()
+
+    def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(self.name, t.transpose(1, 2).contiguous())]
+
+
+class Alternated(Same):
+    """An msllm Concat(1, gate, up) of experts [E, f+f, in] (or of their biases, [E, f+f]) stored with gate's
+    and up's features alternating along the last dim (gate 0, up 0, gate 1, ..), each expert's matrix
+    transposed: [E, in, 2f] (gpt-oss's gate_up_proj and gate_up_proj_bias)."""
+
+    def shapes(self, entry: "Entry") -> dict[str, tuple]:
+        return {self.name: entry.shape[:1] + entry.shape[2:] + entry.shape[1:2]}
+
+    def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
+        t = torch.movedim(read(self.name), -1, 1)                      # [E, 2f, (in)]
+        pairs = t.reshape(t.shape[0], -1, 2, *t.shape[2:])             # feature j: gate j, up j
+        return torch.cat((pairs[:, :, 0], pairs[:, :, 1]), 1).contiguous()
+
+    def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        gate, up = torch.split(t, list(entry.terms[1]), 1)
+        alternated = torch.stack((gate, up), 2).reshape(t.shape)
+        return [(self.name, torch.movedim(alternated, 1, -1).contiguous())]
 
 
 class Row(NamedTuple):

@@ -40,18 +40,31 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None
     norm_eps: float = 1e-5
     qkv_bias: bool = False
+    o_bias: bool = False              # the attention output projection has a bias (gpt-oss)
     tie_embeddings: bool = False
     max_seq_len: int = 256
-    qk_norm: bool = False             # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm: bool = False             # RMSNorm over q and k before RoPE (Qwen3, Gemma 3, OLMo 2/3)
+    qk_norm_scope: str = "head"       # qk_norm over each head (Qwen3, Gemma 3) | projection: over all of q's and
+                                      # all of k's features, one weight per feature (OLMo 2/3)
     norm_offset: float = 0.0          # every norm scales by (offset + weight): Gemma's (1 + w) is 1.0
     sandwich_norm: bool = False       # also a norm on the attention and MLP outputs before the residual add
-    mlp: str = "swiglu"               # swiglu: silu(gate) * up | geglu_tanh: gelu_tanh(gate) * up (Gemma)
+    attention_sinks: bool = False     # a learned logit per head joins every softmax row, with no value: the
+                                      # head can attend to nothing (gpt-oss's sinks)
+    pre_norm: bool = True             # a norm on the attention and MLP inputs; false with sandwich_norm: the
+                                      # outputs only are normed (OLMo 2/3's post-sublayer norms)
+    mlp: str = "swiglu"               # swiglu: silu(gate) * up | geglu_tanh: gelu_tanh(gate) * up (Gemma) |
+                                      # swiglu_clamped: gpt-oss's, gate <= limit, |up| <= limit,
+                                      # gate * sigmoid(alpha * gate) * (up + 1)
+    swiglu_alpha: float = 1.702       # swiglu_clamped's alpha
+    swiglu_limit: float = 7.0         # swiglu_clamped's limit
     embed_scale: float = 1.0          # embeddings x this (Gemma: sqrt(hidden_size))
     attn_scale: float = 0.0           # scores x this; 0: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
     sliding_window: int = 0           # sliding layers attend to the last N positions (0: no sliding layers)
     # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else full.
     layer_types: Optional[list] = None
     rope_local_theta: float = 0.0     # RoPE base of sliding layers, unscaled (Gemma 3); 0: as full layers
+    # Per layer "rope" or "none" (no position encoding: SmolLM3's NoPE layers); None: every layer rope.
+    position_types: Optional[list] = None
     pad_token_id: int = -1            # its embedding row takes no gradient from lookups (HF padding_idx); -1: none
     num_experts: int = 0              # routed experts of each MoE layer (0: every MLP dense)
     experts_per_token: int = 2        # top-k experts each token is routed to
@@ -68,6 +81,8 @@ class ModelConfig:
     expert_groups: int = 1            # sigmoid_grouped: experts in this many groups (DeepSeek-V3's n_group)
     topk_groups: int = 1              # sigmoid_grouped: a token's experts come from its best groups (topk_group)
     routed_scaling: float = 1.0       # the routing weights x this (DeepSeek-V3's routed_scaling_factor)
+    router_bias: bool = False         # the router's logits have a learned bias per expert (gpt-oss)
+    experts_bias: bool = False        # each expert's gate, up and down projections have biases (gpt-oss)
     shared_experts: int = 0           # every token also runs a gated MLP of shared_experts x moe_ffn_size
     attention: str = "gqa"            # gqa: q/k/v heads (MHA, GQA, MQA) | mla: multi-head latent attention (DeepSeek)
     q_lora_rank: int = 0              # mla: q through a normed rank-r bottleneck (0: one q projection)
@@ -114,6 +129,10 @@ class ModelConfig:
         if self.layer_types is not None:
             return list(self.layer_types)
         return ["sliding" if self.sliding_window else "full"] * self.num_layers
+
+    def position_kinds(self) -> list[str]:
+        """"rope" or "none" for each layer."""
+        return list(self.position_types) if self.position_types is not None else ["rope"] * self.num_layers
 
     def mixer_kinds(self) -> list[str]:
         """The token mixer of each layer (msllm.models.mixers.MIXERS): model.attention for every layer."""
@@ -299,11 +318,13 @@ CHOICES = {
     "train.recompute": ("none", "full", "selective"),
     "train.head_rows": ("loss", "all"),
     "train.moe_dropless": ("blocks", "every"),
-    "model.mlp": ("swiglu", "geglu_tanh"),
+    "model.mlp": ("swiglu", "geglu_tanh", "swiglu_clamped"),
     "model.router": ("softmax", "sigmoid_grouped"),
     "model.attention": ("gqa", "mla"),
+    "model.qk_norm_scope": ("head", "projection"),
 }
 LAYER_TYPES = ("full", "sliding")
+POSITION_TYPES = ("rope", "none")
 MLP_TYPES = ("dense", "moe")
 
 

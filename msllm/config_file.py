@@ -13,8 +13,9 @@ from typing import Any, Optional
 
 import yaml
 
-from msllm.config import (CHOICES, LAYER_TYPES, LORA_TARGETS, MAX_SEED, MAX_VOCAB, MLP_TYPES, ROPE_SCALING_KEYS,
-                          ROPE_SCALING_OPTIONAL, SECTIONS, Config, ConfigError, ModelConfig, OptimConfig)
+from msllm.config import (CHOICES, LAYER_TYPES, LORA_TARGETS, MAX_SEED, MAX_VOCAB, MLP_TYPES, POSITION_TYPES,
+                          ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, SECTIONS, Config, ConfigError, ModelConfig,
+                          OptimConfig)
 from msllm.layout.check import check_parallel
 from msllm.rules import SOFTMAX_INSTEAD, ascend_flash_problem, packed_samples
 
@@ -138,6 +139,9 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         need(m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim", "must be even for RoPE")
         need(m.num_kv_heads == m.num_heads, "model.num_kv_heads",
              f"must equal model.num_heads ({m.num_heads}) with mla: every head expands its own keys", "model.attention")
+    need(m.pre_norm or m.sandwich_norm, "model.pre_norm",
+         "false needs model.sandwich_norm true: a block normalises its sublayers' inputs, outputs or both",
+         "model.sandwich_norm")
     need(m.rope_theta > 0, "model.rope_theta", "must be > 0")
     need(m.norm_eps > 0, "model.norm_eps", "must be > 0")
     if m.rope_scaling is not None:
@@ -151,6 +155,12 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
              f"needs one entry per layer ({m.num_layers}), got {len(m.layer_types)}", "model.num_layers")
         odd = sorted(set(m.layer_types) - set(LAYER_TYPES))
         need(not odd, "model.layer_types", f"unknown {', '.join(map(repr, odd))}; each is one of {', '.join(LAYER_TYPES)}")
+    if m.position_types is not None:
+        need(len(m.position_types) == m.num_layers, "model.position_types",
+             f"needs one entry per layer ({m.num_layers}), got {len(m.position_types)}", "model.num_layers")
+        odd = sorted(set(m.position_types) - set(POSITION_TYPES))
+        need(not odd, "model.position_types",
+             f"unknown {', '.join(map(repr, odd))}; each is one of {', '.join(POSITION_TYPES)}")
     need(m.num_experts >= 0 and m.moe_ffn_size >= 0, "model.num_experts", "must be >= 0 (0: dense MLPs)")
     need(m.num_experts == 0 or 1 <= m.experts_per_token <= m.num_experts, "model.experts_per_token",
          f"must be in [1, model.num_experts ({m.num_experts})]", "model.num_experts")
@@ -232,6 +242,17 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(not (t.attention == "flash" and t.device == "cpu" and t.fused_kernels == "off"), "train.attention",
          "flash on CPU is a fused kernel; set train.fused_kernels: auto, or train.attention: softmax",
          "train.fused_kernels")
+    need(not (m.attention_sinks and t.attention == "flash"), "train.attention",
+         "flash is not built with model.attention_sinks: neither the CPU flash kernel nor FlashAttentionScore takes "
+         "a sink logit per head; set train.attention: softmax (or auto)", "model.attention_sinks")
+    need(not (m.attention_sinks and t.device == "ascend"), "model.attention_sinks",
+         "not laid out for Ascend yet (no FlashAttentionScore form, no shard strategy for the sink column); "
+         "train on cpu", "train.device")
+    need(not (t.device == "ascend" and (m.o_bias or m.router_bias or m.experts_bias)), "model.o_bias",
+         "model.o_bias / router_bias / experts_bias are not laid out for Ascend yet; train on cpu", "train.device")
+    need(m.swiglu_alpha > 0 and m.swiglu_limit > 0, "model.swiglu_limit", "model.swiglu_alpha and swiglu_limit must be > 0")
+    need(not (m.attention_sinks and m.mla), "model.attention_sinks", "are built for model.attention gqa, not mla",
+         "model.attention")
     if t.attention == "flash" and t.device == "ascend":
         problem = ascend_flash_problem(cfg, packed_samples(cfg))
         if problem is not None:

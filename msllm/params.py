@@ -22,7 +22,7 @@ def layer_shapes(m: "ModelConfig", kind: str) -> dict[str, tuple[int, ...]]:
     (m.mlp_kinds()): every layer of a kind holds the same."""
     h, d = m.hidden_size, m.head_size
     q, kv = m.num_heads * d, m.num_kv_heads * d
-    shapes = {"attention_norm.weight": (h,)}
+    shapes = {"attention_norm.weight": (h,)} if m.pre_norm else {}
     if m.mla:
         shapes.update({f"attention.{k}": v for k, v in mla_shapes(m).items()})
     else:
@@ -31,19 +31,31 @@ def layer_shapes(m: "ModelConfig", kind: str) -> dict[str, tuple[int, ...]]:
             if m.qkv_bias:
                 shapes[f"attention.{name}.bias"] = (out,)
         shapes["attention.wo.weight"] = (h, q)
-        if m.qk_norm:  # MLA has no per-head q / k norms (its q_norm is the q latent's)
-            shapes["attention.q_norm.weight"] = shapes["attention.k_norm.weight"] = (d,)
+        if m.o_bias:
+            shapes["attention.wo.bias"] = (h,)
+        if m.qk_norm:  # MLA has no q / k norms of this kind (its q_norm is the q latent's)
+            per_head = m.qk_norm_scope == "head"
+            shapes["attention.q_norm.weight"] = (d,) if per_head else (q,)
+            shapes["attention.k_norm.weight"] = (d,) if per_head else (kv,)
+        if m.attention_sinks:
+            shapes["attention.core.sinks"] = (m.num_heads,)
     if m.sandwich_norm:
         shapes["attention_out_norm.weight"] = (h,)
-    shapes["ffn_norm.weight"] = (h,)
+    if m.pre_norm:
+        shapes["ffn_norm.weight"] = (h,)
     if kind == "moe":
         e, f = m.num_experts, m.moe_ffn_size or m.ffn_size
         shapes["feed_forward.router.weight"] = (e, h)
+        if m.router_bias:
+            shapes["feed_forward.router.bias"] = (e,)
         if m.router == "sigmoid_grouped":
             shapes["feed_forward.router.expert_bias"] = (e,)
         shapes["feed_forward.experts.w1"] = (e, f, h)
         shapes["feed_forward.experts.w2"] = (e, h, f)
         shapes["feed_forward.experts.w3"] = (e, f, h)
+        if m.experts_bias:
+            shapes.update({"feed_forward.experts.b1.bias": (e, f), "feed_forward.experts.b2.bias": (e, h),
+                           "feed_forward.experts.b3.bias": (e, f)})
         if m.shared_experts:
             g = m.shared_experts * f
             shapes.update({"feed_forward.shared.w1.weight": (g, h), "feed_forward.shared.w2.weight": (h, g),

@@ -75,8 +75,8 @@ def resolves_to_flash(cfg: Config, device: str, fused: bool, seq: int, packed: b
     take FlashAttentionScore when it can (ascend_flash_problem), as Ascend LLM training does. Other
     devices have no flash core."""
     t = cfg.train
-    if t.attention == "softmax" or cfg.model.mla:  # no flash core takes MLA's value heads (uses_flash)
-        return False
+    if t.attention == "softmax" or cfg.model.mla or cfg.model.attention_sinks:
+        return False  # no flash core takes MLA's value heads or sinks (uses_flash)
     if device == "ascend":
         return ascend_flash_problem(cfg, packed) is None
     if device != "cpu":

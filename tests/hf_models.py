@@ -4,8 +4,10 @@ from pathlib import Path
 
 import torch
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, GptOssConfig, GptOssForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+                          Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 
 SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64)
 CASES = {
@@ -47,6 +49,25 @@ CASES = {
         num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=2,
         topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
         kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5)),
+    # NoPE every 2nd layer (no_rope_layers [1, 0, 1]), the NoPE layer sliding (window 8), tied; token ids in the vocabulary
+    "smollm3": (SmolLM3ForCausalLM, SmolLM3Config(
+        **{**SMALL, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
+    # norms after attention and MLP only, q/k norms over the whole projection (OLMo 2); OLMo 3 also with its
+    # default layer_types (3 sliding layers, window 8, then a full one)
+    "olmo2": (Olmo2ForCausalLM, Olmo2Config(**SMALL, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "olmo3": (Olmo3ForCausalLM, Olmo3Config(**{**SMALL, "num_hidden_layers": 4}, num_attention_heads=4,
+                                            num_key_value_heads=2, intermediate_size=96, sliding_window=8,
+                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # sinks, q/k/v/o biases, sliding (window 8) / full, YaRN; 4 experts top 2 with a router bias, biased
+    # experts stored as one gate_up_proj with alternating columns, clamped SwiGLU (limit 0.1: clamps often)
+    "gpt_oss": (GptOssForCausalLM, GptOssConfig(
+        **SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.1,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
 }
 
 
@@ -60,7 +81,7 @@ def build(case: str, seed: int = 0, **changes):
     model = cls(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith(("bias", "sinks")) or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's expert bias: it changes which experts route

@@ -572,6 +572,48 @@ def test_qk_norms_are_cut_on_heads_as_their_projections_and_compute_the_same():
     np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)
 
 
+def test_olmo_norms_after_sublayers_and_over_whole_projections_are_laid_out_and_compute_the_same():
+    """OLMo 2/3 under dp 2 x tp 4 with sequence parallel: no pre norms (no rows for them, none built),
+    the post norms on tokens as the other residual-stream norms, the q / k norms over whole rows of
+    their projection (columns uncut: the mean runs over every head), the checker clean, the backend
+    setting those strategies, and the model with Ascend's norm formulation computing the same logits."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm.backends import ascend
+    from msllm.models.decoder import Llama
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    model = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, ffn_size=64,
+                 max_seq_len=16, qk_norm=True, qk_norm_scope="projection", sandwich_norm=True, pre_norm=False,
+                 sliding_window=4, layer_types=["sliding", "full"])
+    layout = {"dp": 2, "tp": 4, "sequence_parallel": True}
+    cfg = config_from_dict({"model": model, "data": {"seq_len": 16}, "train": {"batch_size": 4}, "parallel": layout})
+    check_parallel(cfg, 8)
+    got = L.op_strategies(cfg.model, L.sharding(cfg.model, cfg.parallel))
+    assert not [path for path in got if ".attention_norm." in path or ".ffn_norm." in path]
+    for which in "qk":
+        x, r = (2, 1), (2, 1)
+        want = {"square": (x,), "mean": (x,), "add": (r, (1, 1)), "rsqrt": (r,), "scale": (x, r), "weigh": (x, (1,))}
+        for prim, strategy in want.items():
+            assert got[f"{A}{which}_norm.core.{prim}"] == {"in": strategy, "out": None}, (which, prim)
+    assert got["layers.*.attention_out_norm.core.square"] == {"in": ((8, 1),), "out": None}
+
+    net = Llama(cfg.model)
+    assert {n: tuple(p.shape) for n, p in net.parameters_and_names()} == L.param_shapes(cfg.model)
+    assert L.param_shapes(cfg.model)["layers.0.attention.k_norm.weight"] == (16,)  # 2 KV heads x 8
+    ids = Tensor(np.random.default_rng(0).integers(0, 64, (2, 12)).astype(np.int32))
+    plain = net(ids).asnumpy()
+    applied = ascend.specialise(net, cfg)
+    cells = dict(net.cells_and_names())
+    for op in L.ops_for(cfg.model):
+        assert applied[op.path] in ((0, 2) if op.optional else (2 if op.cell.startswith("layers.") else 1,)), op.path
+        if "_norm." in op.path and op.cell.startswith("layers."):
+            attrs = getattr(cells[op.cell.replace("*", "1")], op.prim).attrs
+            assert tuple(applied_strategy(a) for a in attrs["in_layout"]) == got[op.path]["in"], op.path
+    np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)
+
+
 # ---- expert parallel ------------------------------------------------------------------------------
 
 MOE = dict(vocab_size=64, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=32, max_seq_len=16,

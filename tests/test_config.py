@@ -25,6 +25,10 @@ def write(tmp_path, text):
     ("model:\n  rope_scaling: {type: yarn, factor: 4.0}\n", "model.rope_scaling.original_max_position_embeddings"),
     ("model:\n  attention: mla\n  num_kv_heads: 4\n", "model.kv_lora_rank"),
     ("model:\n  num_experts: 8\n  router: sigmoid_grouped\n  expert_groups: 8\n", "model.expert_groups"),
+    ("model:\n  num_layers: 2\n  position_types: [rope, nope]\n", "model.position_types"),
+    ("model:\n  num_layers: 2\n  position_types: [none]\n", "model.position_types"),
+    ("model:\n  pre_norm: false\n", "model.pre_norm"),
+    ("model:\n  qk_norm: true\n  qk_norm_scope: heads\n", "model.qk_norm_scope"),
 ])
 def test_bad_config_names_file_and_key(tmp_path, text, key):
     path = write(tmp_path, text)

@@ -22,7 +22,7 @@ from tests.conftest import run_cli
 from tests.hf_models import build, save_tokenizer
 
 NEW_TOKENS, PROMPT = 16, 12
-FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3"]
+FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss"]
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -107,11 +107,22 @@ def test_chat_uses_the_familys_template_and_end_of_turn(corpus, tmp_path):
     assert reply.ids[0] == out[:end] and reply.stopped[0] == ("eos" if end < len(out) else "length")
 
 
+BY_HAND = pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): beyond CI's budget")
+
+
 # MindIR exports the model's own Cells (what the msllm engine test runs), so one model with dense
 # and MoE layers suffices there. The ONNX graphs are written op by op: Gemma 3 has every
 # dense-family op (q/k norms, offset and sandwich norms, GeGLU, two attention kinds, scales),
-# Mixtral the MoE ops; the plain Llama path is tests/test_export.py's.
-@pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir")])
+# Mixtral the MoE ops; the plain Llama path is tests/test_export.py's. By hand: SmolLM3 (NoPE layers),
+# OLMo 3 (norms after each sublayer only, q/k norms over the whole projection) and gpt-oss (sinks, biased
+# experts, clamped SwiGLU) on both.
+@pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir"),
+                                       pytest.param("olmo3", "onnx", marks=BY_HAND),
+                                       pytest.param("smollm3", "onnx", marks=BY_HAND),
+                                       pytest.param("smollm3", "mindir", marks=BY_HAND),
+                                       pytest.param("olmo3", "mindir", marks=BY_HAND),
+                                       pytest.param("gpt_oss", "onnx", marks=BY_HAND),
+                                       pytest.param("gpt_oss", "mindir", marks=BY_HAND)])
 def test_exported_generate_what_transformers_does(converted, tmp_path, case, fmt):
     folder, prompt, want = converted[case]
     manifest = export(folder / "msllm", fmt, tmp_path / fmt, log=lambda line: None)
@@ -139,11 +150,11 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
     assert np.abs(ours[0, 8:] - theirs[0, 8:]).max() > 1e-3
 
 
-BY_HAND = pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): beyond CI's budget")
 
 
 @pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", pytest.param("mistral_window", marks=BY_HAND),
-                                  pytest.param("mixtral", marks=BY_HAND)])
+                                  pytest.param("mixtral", marks=BY_HAND), pytest.param("smollm3", marks=BY_HAND),
+                                  pytest.param("olmo3", marks=BY_HAND), pytest.param("gpt_oss", marks=BY_HAND)])
 def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case, monkeypatch):
     """train --init-from on packed SFT rows (windowed masks per sample) with LoRA on every projection,
     merged, converted back to HF: transformers computes the merged model. Gemma 3's adapter also
@@ -165,7 +176,7 @@ def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corp
               "train.steps": 4, "train.batch_size": 2, "train.eval_every": 4, "train.ckpt_every": 4,
               "train.sample_tokens": 0, "optim.lr": 1e-2, "optim.warmup_steps": 0, "lora.rank": 4,
               "lora.targets": "[q, k, v, o, gate, up, down]"}
-    if case in ("qwen3_moe", "mixtral"):  # the experts; PEFT takes gate / up / down as the experts' (below)
+    if case in ("qwen3_moe", "mixtral", "gpt_oss"):  # the experts; PEFT takes gate / up / down as the experts' (below)
         values["lora.targets"] = "[q, k, v, o, experts_gate, experts_up, experts_down]"
     args = ["train", "--init-from", str(folder / "hf")] + [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     assert main([str(a) for a in args]) == 0
@@ -182,8 +193,10 @@ def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corp
             torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-5 * np.abs(theirs).max())
     assert np.abs(before - ours).max() > 1e-2  # training moved the model: the comparison can fail
-    if case == "phi3":
-        with pytest.raises(InteropError, match=r"lora.targets \['q', 'k', 'v', 'gate', 'up'\]: Phi3ForCausalLM"):
+    if case in ("phi3", "gpt_oss"):
+        why = {"phi3": r"lora.targets \['q', 'k', 'v', 'gate', 'up'\]: Phi3ForCausalLM",
+               "gpt_oss": r"lora.targets \['experts_gate', 'experts_up', 'experts_down'\]: GptOssForCausalLM stores"}
+        with pytest.raises(InteropError, match=why[case]):
             export_peft(tmp_path / "run", tmp_path / "peft")
         assert not (tmp_path / "peft").exists()
         return
@@ -269,7 +282,7 @@ def test_a_gemma_spec_trains_with_recompute_and_resumes_bit_identically(corpus, 
                                                            "model.safetensors"))
 
 
-@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b"])
+@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b", "smollm3_3b", "olmo3_7b", "gpt_oss_20b"])
 def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(name):
     """configs/<name>.yaml describes the real model: its parameter count equals transformers' for the
     same config (built on the meta device), and `msllm plan` lays it out on 64 devices."""
@@ -280,7 +293,9 @@ def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(
 
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     arch = default_architecture(cfg.model)
-    assert arch == {"qwen3_8b": "Qwen3ForCausalLM", "gemma3_1b": "Gemma3ForCausalLM"}[name]
+    assert arch == {"qwen3_8b": "Qwen3ForCausalLM", "gemma3_1b": "Gemma3ForCausalLM",
+                    "smollm3_3b": "SmolLM3ForCausalLM", "olmo3_7b": "Olmo3ForCausalLM",
+                    "gpt_oss_20b": "GptOssForCausalLM"}[name]
     hf = to_hf_config(cfg.model, arch, "float32")
     config_class = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     with torch.device("meta"):
@@ -387,3 +402,48 @@ def test_deepseek_v3_parts_without_a_formulation_are_refused_in_one_line(convert
     flash = Config(model=cfg.model, train=TrainConfig(attention="flash"))
     with pytest.raises(ConfigError, match="train.attention: flash is not built for MLA"):
         uses_flash(flash, fused=True, training=True)
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"no_rope_layers": [1, 2, 1]}, r"no_rope_layers: expected 3 flags, 1 \(RoPE\) or 0 \(none\), got \[1, 2, 1\]"),
+    ({"no_rope_layers": [1, 0]}, r"no_rope_layers: expected 3 flags"),
+    ({"no_rope_layers": None, "no_rope_layer_interval": 0}, r"no_rope_layer_interval: must be a positive integer, got 0"),
+])
+def test_smollm3_bad_no_rope_layers_are_refused_in_one_line(converted, tmp_path, edit, why):
+    """SmolLM3's per-layer NoPE flags that do not say one of RoPE / none per layer: one line naming the key,
+    nothing written."""
+    import json
+    import shutil
+
+    from interop import InteropError
+
+    bad = tmp_path / "hf"
+    shutil.copytree(converted["smollm3"][0] / "hf", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({k: v for k, v in {**config, **edit}.items() if v is not None}))
+    with pytest.raises(InteropError, match="config.json: " + why) as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, r"quantization_config: 'mxfp4': msllm reads full-precision "
+                                                         r"experts only, not MXFP4"),
+    ({"attention_bias": False}, r"attention_bias: false: msllm builds gpt-oss with q/k/v/o biases"),
+    ({"swiglu_limit": 0}, r"swiglu_limit: must be a number > 0, got 0"),
+])
+def test_gpt_oss_parts_not_built_are_refused_in_one_line(converted, tmp_path, edit, why):
+    """A gpt-oss checkpoint with MXFP4 experts, without attention biases or with a bad SwiGLU limit: one line
+    naming the config.json key, nothing written."""
+    import json
+    import shutil
+
+    from interop import InteropError
+
+    bad = tmp_path / "hf"
+    shutil.copytree(converted["gpt_oss"][0] / "hf", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(InteropError, match="config.json: " + why) as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -22,6 +22,8 @@ GQA = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_
 def test_table_lists_every_model_parameter_with_its_shape(arch, tied):
     family = maps.FAMILIES[arch]
     experts = dict(num_experts=4, moe_ffn_size=24, mlp_types=["dense", "moe"]) if family.moe else {}
+    if family.spec.get("experts_bias"):  # gpt-oss: every layer MoE (its checkpoints hold no dense MLP)
+        experts["mlp_types"] = None
     if family.spec.get("attention") == "mla":  # DeepSeek-V3: MLA sizes (the tied case with one q projection)
         experts.update(num_kv_heads=4, q_lora_rank=0 if tied else 8, kv_lora_rank=8, qk_nope_head_dim=6,
                        qk_rope_head_dim=4, v_head_dim=5, expert_groups=2, shared_experts=1)

@@ -5,7 +5,7 @@ Each family's module also holds its config translation beyond the keys every fam
 Adding a family: a table, a SPEC, a line here, and a tiny random model in tests/hf_models.py."""
 from typing import Callable, NamedTuple
 
-from interop.maps import deepseek_v3, gemma3, moe, phi3, qwen3
+from interop.maps import deepseek_v3, gemma3, gpt_oss, moe, olmo, phi3, qwen3, smollm3
 from interop.maps.llama import LLAMA, QWEN2
 from interop.table import Table
 
@@ -26,6 +26,8 @@ class Family(NamedTuple):
     # scales); to_hf(m, hf): adds those keys to the config.json `hf` of model `m`.
     from_hf: Callable[[dict, dict, Callable], None] = lambda hf, fields, refuse: None
     to_hf: Callable[[object, dict], None] = lambda m, hf: None
+    # Its config.json can mark layers that attend without RoPE (model.position_types).
+    nope_layers: bool = False
 
 
 FAMILIES = {
@@ -43,6 +45,13 @@ FAMILIES = {
     "DeepseekV3ForCausalLM": Family(deepseek_v3.DEEPSEEK_V3, "deepseek_v3", deepseek_v3.SPEC, moe=True,
                                     mindformers=deepseek_v3.DEEPSEEK_V3_MINDFORMERS,
                                     from_hf=deepseek_v3.from_hf, to_hf=deepseek_v3.to_hf),
+    "SmolLM3ForCausalLM": Family(smollm3.SMOLLM3, "smollm3", {}, from_hf=smollm3.from_hf, to_hf=smollm3.to_hf,
+                                 nope_layers=True),
+    # OLMo 3 first: msllm models that norm like OLMo are written as OLMo 3, which also holds sliding layers
+    "Olmo3ForCausalLM": Family(olmo.OLMO, "olmo3", olmo.SPEC, to_hf=gemma3.rope_per_layer_type),
+    "Olmo2ForCausalLM": Family(olmo.OLMO, "olmo2", olmo.SPEC, writes_layer_types=False),
+    "GptOssForCausalLM": Family(gpt_oss.GPT_OSS, "gpt_oss", gpt_oss.SPEC, moe=True, from_hf=gpt_oss.from_hf,
+                                to_hf=gpt_oss.to_hf),
 }
 
 

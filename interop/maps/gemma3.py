@@ -41,10 +41,15 @@ def from_hf(hf: dict, fields: dict, refuse) -> None:
                   attn_scale=float(hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 0) ** -0.5)
 
 
-def to_hf(m, hf: dict) -> None:
-    """RoPE per layer type (sliding layers unscaled, with their own base) and query_pre_attn_scalar."""
+def rope_per_layer_type(m, hf: dict) -> None:
+    """rope_parameters per layer type: sliding layers unscaled, with their own base (OLMo 3 too)."""
     full = {"rope_type": "default", "rope_theta": m.rope_theta, **(hf.pop("rope_scaling", None) or {})}
     hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {
         "rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}}
+
+
+def to_hf(m, hf: dict) -> None:
+    """RoPE per layer type and query_pre_attn_scalar."""
+    rope_per_layer_type(m, hf)
     scalar = m.attn_scale ** -2 if m.attn_scale else m.head_size
     hf["query_pre_attn_scalar"] = round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar  # an int in HF

@@ -100,6 +100,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.rope.head_dim)
             if decode_kernels and isinstance(cell, attention.Attention):  # the kernel's keys and values are one size,
                 cell.cache_write = kernels.FusedCacheWrite()                  # MLA's latents and rope keys are not
+        elif isinstance(cell, layers.SinkAttentionCore):
+            continue  # no fused or flash kernel takes sinks: the portable core (uses_flash refuses flash)
         elif isinstance(cell, layers.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
             if flash:
@@ -109,7 +111,9 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
                                           else kernels.SoftmaxAttention(n, kv))
         elif isinstance(cell, (layers.FeedForward, moe.Experts)):
             geglu = cell.activation == "geglu_tanh"
-            if fused_fp32 or decode_kernels:
+            if cell.activation == "swiglu_clamped":
+                pass  # no fused kernel clamps: the portable activation
+            elif fused_fp32 or decode_kernels:
                 cell.act = kernels.FusedGeGLU() if geglu else kernels.FusedSwiGLU()
             else:
                 cell.act = layers.GeGLU() if geglu else layers.SwiGLU()

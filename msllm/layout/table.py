@@ -74,8 +74,10 @@ PARAMS = (
     ("layers.*.attention.wv.weight",     ("kv", None),    "column"),
     ("layers.*.attention.wv.bias",       ("kv",),         "column"),
     ("layers.*.attention.wo.weight",     (None, "heads"), "row"),
+    ("layers.*.attention.wo.bias",       (None,),         "replicated"),  # added once, after the row reduction
     ("layers.*.attention.q_norm.weight", (None,),         "replicated"),
     ("layers.*.attention.k_norm.weight", (None,),         "replicated"),
+    ("layers.*.attention.core.sinks",    (None,),         "replicated"),  # not laid out on Ascend (config refuses)
     ("layers.*.attention_out_norm.weight", (None,),       "replicated"),
     ("layers.*.ffn_norm.weight",         (None,),         "replicated"),
     ("layers.*.ffn_out_norm.weight",     (None,),         "replicated"),
@@ -83,6 +85,8 @@ PARAMS = (
     ("layers.*.feed_forward.router.weight", (None, None),   "replicated"),
     ("layers.*.feed_forward.experts.w*",   ("experts", None, None), "expert parallel"),
     ("layers.*.feed_forward.router.expert_bias", (None,),   "replicated"),
+    ("layers.*.feed_forward.router.bias",  (None,),         "replicated"),
+    ("layers.*.feed_forward.experts.b*.bias", ("experts", None), "expert parallel"),
     ("layers.*.feed_forward.shared.w*.weight", (None, None), "replicated"),
     # MLA (DeepSeek): the down-projections to the q and kv latents (and their norms) whole on every
     # rank, the up-projections to heads cut by heads as wq is (their rows are head after head)
@@ -123,8 +127,10 @@ CONDITIONS = {
     "gqa": lambda m: m.num_kv_heads != m.num_heads,
     "tied": lambda m: m.tie_embeddings,
     "untied": lambda m: not m.tie_embeddings,
+    "pre_norm": lambda m: m.pre_norm,
     "sandwich": lambda m: m.sandwich_norm,
-    "qk_norm": lambda m: m.qk_norm,
+    "qk_norm": lambda m: m.qk_norm and m.qk_norm_scope == "head",
+    "qk_norm_projection": lambda m: m.qk_norm and m.qk_norm_scope == "projection",
     "dense_mlp": lambda m: "dense" in m.mlp_kinds(),
     "moe": lambda m: "moe" in m.mlp_kinds(),
     "qkv": lambda m: not m.mla,                     # q, k and v projections of their own
@@ -152,7 +158,7 @@ def _norm_ops(cell: str, when: str | None, rows: str = "tokens") -> tuple[Op, ..
 
 
 _NORM_OPS = sum((_norm_ops(cell, when) for cell, when in (
-    ("layers.*.attention_norm.core", None), ("layers.*.ffn_norm.core", None), ("norm.core", None),
+    ("layers.*.attention_norm.core", "pre_norm"), ("layers.*.ffn_norm.core", "pre_norm"), ("norm.core", None),
     ("layers.*.attention_out_norm.core", "sandwich"), ("layers.*.ffn_out_norm.core", "sandwich"))), ())
 # MLA's latent norms, on rows every tp rank holds whole: their inputs come from the replicated
 # down-projections.
@@ -173,7 +179,11 @@ _HEAD_NORM_OPS = tuple(
         ("scale", (("batch", "H", None), ("batch", "H", None))),
         ("weigh", (("batch", "H", None), (None,))),
     ))
-OPS = _NORM_OPS + _HEAD_NORM_OPS + _LATENT_NORM_OPS + (
+# q / k norms over the whole projection (OLMo 2/3): the mean runs over every head, so each row's
+# features are gathered whole (columns not cut) for the norm, then cut by heads again for RoPE.
+_PROJECTION_NORM_OPS = (_norm_ops("layers.*.attention.q_norm.core", "qk_norm_projection", "batch")
+                        + _norm_ops("layers.*.attention.k_norm.core", "qk_norm_projection", "batch"))
+OPS = _NORM_OPS + _HEAD_NORM_OPS + _LATENT_NORM_OPS + _PROJECTION_NORM_OPS + (
     Op("tok_embeddings", "gather", (("vocab", None), ("batch",))),
     Op("layers.*.attention.wq", "matmul", (("batch", None), ("heads", None)), when="q_proj"),
     Op("layers.*.attention.wk", "matmul", (("batch", None), ("kv", None)), when="qkv"),
@@ -447,11 +457,12 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, gr
         })
     if m.mla:
         shapes.update(_mla_input_shapes(m, b, s))
-    for op in _NORM_OPS + _LATENT_NORM_OPS:
-        width = {"q_norm": m.q_lora_rank, "kv_norm": m.kv_lora_rank}.get(op.cell.split(".")[-2], h)
+    projection = {"q_norm": nh * d, "k_norm": kv * d} if m.qk_norm and m.qk_norm_scope == "projection" else {}
+    for op in _NORM_OPS + _LATENT_NORM_OPS + (_PROJECTION_NORM_OPS if projection else ()):
+        width = {"q_norm": m.q_lora_rank, "kv_norm": m.kv_lora_rank, **projection}.get(op.cell.split(".")[-2], h)
         shapes[op.path] = {"square": [(n, width)], "mean": [(n, width)], "add": [(n, 1), (1, 1)], "rsqrt": [(n, 1)],
                            "scale": [(n, width), (n, 1)], "weigh": [(n, width), (width,)]}[op.prim]
-    for op in _HEAD_NORM_OPS if m.qk_norm else ():
+    for op in _HEAD_NORM_OPS if m.qk_norm and not projection else ():
         heads = nh if ".q_norm." in op.cell else kv
         shapes[op.path] = {"square": [(n, heads, d)], "mean": [(n, heads, d)], "add": [(n, heads, 1), (1, 1, 1)],
                            "rsqrt": [(n, heads, 1)], "scale": [(n, heads, d), (n, heads, 1)],

@@ -1,6 +1,7 @@
 """The decoder of every family as MindSpore Cells: blocks composed per layer from the family spec
 in ModelConfig (the mixer each layer takes, q/k norm, norm offset, sandwich norms, MLP kind, dense or
-MoE, embedding scale, sliding-window layers and their RoPE base) over the shared Cells of layers.py.
+MoE, embedding scale, sliding-window layers and their RoPE base, layers without RoPE) over the shared
+Cells of layers.py.
 
 Parameter names follow torchtitan: tok_embeddings, layers.N.attention.wq, ...,
 layers.N.feed_forward.w1 (gate) / w2 (down) / w3 (up), norm, output. The KV cache is an optional,
@@ -26,12 +27,15 @@ from msllm.models.moe import MoE
 
 def attention_kinds(cfg: ModelConfig) -> tuple[list[tuple[int, float, dict | None]], list[int]]:
     """The distinct kinds of attention layer, (window, rope theta, rope scaling) with window 0 for
-    full attention, and the kind of each layer. Sliding layers take rope_local_theta unscaled when
-    it is set (Gemma 3), the model's RoPE otherwise (Mistral)."""
+    full attention and theta 0 for no position encoding (NoPE: its tables are cos 1, sin 0), and the
+    kind of each layer. Sliding layers take rope_local_theta unscaled when it is set (Gemma 3), the
+    model's RoPE otherwise (Mistral)."""
     full = (0, cfg.rope_theta, cfg.rope_scaling)
     sliding = ((cfg.sliding_window, cfg.rope_local_theta, None) if cfg.rope_local_theta
                else (cfg.sliding_window, cfg.rope_theta, cfg.rope_scaling))
-    per_layer = [sliding if kind == "sliding" else full for kind in cfg.layer_kinds()]
+    per_layer = [(sliding if kind == "sliding" else full) if position == "rope"
+                 else ((cfg.sliding_window if kind == "sliding" else 0), 0.0, None)
+                 for kind, position in zip(cfg.layer_kinds(), cfg.position_kinds())]
     kinds = list(dict.fromkeys((w, t, repr(sc)) for w, t, sc in per_layer))
     by_key = {(w, t, repr(sc)): (w, t, sc) for w, t, sc in per_layer}
     return [by_key[k] for k in kinds], [kinds.index((w, t, repr(sc))) for w, t, sc in per_layer]
@@ -40,7 +44,8 @@ def attention_kinds(cfg: ModelConfig) -> tuple[list[tuple[int, float, dict | Non
 class Block(nn.Cell):
     """Pre-norm decoder block: the layer's token mixer (msllm.models.mixers: attention, MLA, ..) then
     its MLP (dense, or MoE: msllm.models.moe.MoE). With sandwich norms (Gemma) the mixer and MLP
-    outputs are normed too before they join the residual stream.
+    outputs are normed too before they join the residual stream; without pre norms (OLMo 2/3) they
+    alone are.
 
     Returns one structure whatever the layer: (x, cache_k, cache_v, load), the mixer's two cache
     tensors (a KV cache's keys and values, MLA's latents and rope keys) and, for a MoE layer, its
@@ -55,10 +60,10 @@ class Block(nn.Cell):
         super().__init__()
         self.no_inline = False
         h, eps, offset = cfg.hidden_size, cfg.norm_eps, cfg.norm_offset
-        self.attention_norm = RMSNorm(h, eps, offset)
+        self.attention_norm = RMSNorm(h, eps, offset) if cfg.pre_norm else nn.Identity()
         self.attention = build_mixer(cfg, mixer)  # named `attention` in every checkpoint, whatever it mixes with
         self.attention_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
-        self.ffn_norm = RMSNorm(h, eps, offset)
+        self.ffn_norm = RMSNorm(h, eps, offset) if cfg.pre_norm else nn.Identity()
         self.routed = mlp == "moe"
         self.feed_forward = MoE(cfg) if self.routed else FeedForward(cfg)
         self.ffn_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()

@@ -114,7 +114,11 @@ class HeadNorm(RMSNorm):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
-    """Inverse frequencies in fp32, matching Hugging Face's default / linear / llama3 / yarn rope."""
+    """Inverse frequencies in fp32, matching Hugging Face's default / linear / llama3 / yarn rope.
+    Theta 0: no position encoding (NoPE layers), every frequency 0, so cos is 1 and sin 0 and RoPE
+    returns its input bit for bit."""
+    if theta == 0:
+        return np.zeros(head_dim // 2, np.float32)
     inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))))
     inv_freq = inv_freq.astype(np.float32)
     if not scaling:
@@ -331,6 +335,35 @@ class SoftmaxAttention(nn.Cell):
         return self.softmax(scores + mask)
 
 
+class SinkSoftmaxAttention(SoftmaxAttention):
+    """SoftmaxAttention whose every row also holds its head's sink logit (`sinks` [num_heads]), which
+    takes a share of the softmax and contributes no value: softmax([scores + mask, sink]) without its
+    last column. No fused or flash kernel takes sinks; this portable core (autodiff) is used everywhere
+    (msllm.backends keeps it)."""
+
+    def construct(self, q, k, v, mask, sinks):
+        return super().construct(q, k, v, (mask, sinks))  # the sinks travel with the mask to masked_softmax
+
+    def masked_softmax(self, scores, mask_and_sinks):
+        mask, sinks = mask_and_sinks
+        scores = scores + mask
+        per_head = sinks.reshape(scores_shape(self.num_heads, self.num_kv_heads, 1, 1, 1))
+        sink = ops.broadcast_to(cast(per_head, ms.float32), scores.shape[:-1] + (1,))
+        return self.softmax(ops.concat((scores, sink), -1))[..., :-1]
+
+
+class SinkAttentionCore(AttentionCore):
+    """AttentionCore with a learned sink logit per head (gpt-oss), its parameter `sinks` [num_heads]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float = 0.0):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.softmax_attention = SinkSoftmaxAttention(num_heads, num_kv_heads)
+        self.sinks = Parameter(initializer("zeros", (num_heads,), ms.float32), name="sinks")
+
+    def construct(self, q, k, v, mask):
+        return self.softmax_attention(q * self.scale, k, v, mask, self.sinks)[0]
+
+
 class CacheWrite(nn.Cell):
     """New keys and values k, v [b, nkv, s, d] into the cache [b, nkv, t, d] at slots start ..
     start+s-1, the other slots kept. `write` = (source [t] int32, fresh [t, 1] bool, start [1]):
@@ -367,7 +400,26 @@ class GeGLU(nn.Cell):
         return gate * self.sigmoid(inner) * up
 
 
-ACTIVATIONS = {"swiglu": SwiGLU, "geglu_tanh": GeGLU}
+class ClampedSwiGLU(nn.Cell):
+    """gpt-oss's gated activation: gate clipped to <= limit, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    def __init__(self, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.sigmoid = ops.Sigmoid()
+
+    def construct(self, gate, up):
+        gate = ops.clamp(gate, max=self.limit)
+        up = ops.clamp(up, -self.limit, self.limit)
+        return gate * self.sigmoid(gate * self.alpha) * (up + 1)
+
+
+def activation(cfg: ModelConfig) -> nn.Cell:
+    """The gated activation model.mlp names: swiglu, geglu_tanh or swiglu_clamped."""
+    if cfg.mlp == "swiglu_clamped":
+        return ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
+    return GeGLU() if cfg.mlp == "geglu_tanh" else SwiGLU()
 
 
 class FeedForward(nn.Cell):
@@ -380,7 +432,7 @@ class FeedForward(nn.Cell):
         self.w2 = Linear(f, cfg.hidden_size)
         self.w3 = Linear(cfg.hidden_size, f)
         self.activation = cfg.mlp  # which one, for the backends that swap in a fused kernel
-        self.act = ACTIVATIONS[cfg.mlp]()
+        self.act = activation(cfg)
 
     def construct(self, x):
         return self.w2(self.act(self.w1(x), self.w3(x)))

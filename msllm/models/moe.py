@@ -19,7 +19,7 @@ from mindspore.common.initializer import initializer
 
 from msllm.config import ModelConfig
 from msllm.rules import BLOCK_ROWS
-from msllm.models.layers import ACTIVATIONS, FeedForward, cast
+from msllm.models.layers import FeedForward, activation, cast
 
 
 def z_loss(logits):
@@ -37,12 +37,15 @@ class Router(nn.Cell):
         super().__init__()
         self.k, self.renormalise = cfg.experts_per_token, cfg.norm_topk_prob
         self.weight = Parameter(initializer("zeros", (cfg.num_experts, cfg.hidden_size), ms.float32), name="weight")
+        # gpt-oss: a learned bias on the logits (without: a constant 0, no parameter)
+        self.bias = (Parameter(initializer("zeros", (cfg.num_experts,), ms.float32), name="bias") if cfg.router_bias
+                     else ms.Tensor(0.0, ms.float32))
         self.matmul = ops.MatMul(transpose_b=True)
         self.softmax = ops.Softmax(-1)
         self.topk = ops.TopK(sorted=True)
 
     def construct(self, x):
-        logits = cast(self.matmul(x, cast(self.weight, x.dtype)), ms.float32)
+        logits = cast(self.matmul(x, cast(self.weight, x.dtype)), ms.float32) + self.bias
         probs = self.softmax(logits)
         weights, experts = self.topk(probs, self.k)
         if self.renormalise:
@@ -108,7 +111,10 @@ class Experts(nn.Cell):
         self.matmul = ops.BatchMatMul(transpose_b=True)
         self.grouped = GatheredMatmul()
         self.activation = cfg.mlp
-        self.act = ACTIVATIONS[cfg.mlp]()
+        self.act = activation(cfg)
+        # gpt-oss: biases per expert on gate, down and up (none: the projections alone)
+        self.b1, self.b2, self.b3 = ((StackedBias(e, f), StackedBias(e, h), StackedBias(e, f)) if cfg.experts_bias
+                                     else (NoBias(), NoBias(), NoBias()))
 
     def construct(self, xs, ids=None):
         return self.compute(xs, self.w1, self.w2, self.w3, ids)
@@ -117,10 +123,27 @@ class Experts(nn.Cell):
         """The experts' maths with weights w1, w2, w3 (their own, or LoRA-adapted: msllm.lora.LoRAExperts),
         each batch of xs with the expert ids names (None: batch e is expert e)."""
         if ids is not None:
-            hidden = self.act(self.grouped(xs, w1, ids), self.grouped(xs, w3, ids))
-            return self.grouped(hidden, w2, ids)
-        hidden = self.act(self.matmul(xs, cast(w1, xs.dtype)), self.matmul(xs, cast(w3, xs.dtype)))
-        return self.matmul(hidden, cast(w2, xs.dtype))
+            hidden = self.act(self.b1(self.grouped(xs, w1, ids), ids), self.b3(self.grouped(xs, w3, ids), ids))
+            return self.b2(self.grouped(hidden, w2, ids), ids)
+        hidden = self.act(self.b1(self.matmul(xs, cast(w1, xs.dtype))), self.b3(self.matmul(xs, cast(w3, xs.dtype))))
+        return self.b2(self.matmul(hidden, cast(w2, xs.dtype)))
+
+
+class StackedBias(nn.Cell):
+    """Each expert's bias [E, width] added to its rows ys [E or B, n, width] (ids [B]: batch b is expert ids[b])."""
+
+    def __init__(self, experts: int, width: int):
+        super().__init__()
+        self.bias = Parameter(initializer("zeros", (experts, width), ms.float32), name="bias")
+
+    def construct(self, ys, ids=None):
+        bias = self.bias if ids is None else ops.gather(self.bias, ids, 0)
+        return ys + cast(bias, ys.dtype).reshape(bias.shape[0], 1, -1)
+
+
+class NoBias(nn.Cell):
+    def construct(self, ys, ids=None):
+        return ys
 
 
 class GatheredMatmul(nn.Cell):

@@ -21,7 +21,8 @@ def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int, h
     num_kv_heads is, given the configured head_dim, when the hidden size agrees."""
     implied = {"qkv_bias": "layers.0.attention.wq.bias" in shapes, "tie_embeddings": "output.weight" not in shapes,
                "qk_norm": "layers.0.attention.q_norm.weight" in shapes,
-               "sandwich_norm": "layers.0.ffn_out_norm.weight" in shapes}
+               "sandwich_norm": "layers.0.ffn_out_norm.weight" in shapes,
+               "pre_norm": "layers.0.ffn_norm.weight" in shapes or "layers.0.ffn_out_norm.weight" not in shapes}
     if "tok_embeddings.weight" in shapes:
         implied["vocab_size"], implied["hidden_size"] = shapes["tok_embeddings.weight"]
     layers = {int(name.split(".")[1]) for name in shapes if name.startswith("layers.")}

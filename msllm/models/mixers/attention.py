@@ -1,14 +1,24 @@
 """Grouped-query attention (MHA, GQA, MQA): the mixer of every family but DeepSeek's.
 
-q/k/v projections (optional biases), optional per-head q/k norms, RoPE, the shared attention core
-and the cache write; its cache holds each KV head's keys and values.
+q/k/v projections (optional biases), optional q/k norms (per head, or over the whole projection),
+RoPE, the shared attention core (with a sink logit per head, optionally) and the cache write; its cache holds each KV head's keys and values.
 """
 from __future__ import annotations
 
 from mindspore import nn
 
 from msllm.config import ModelConfig
-from msllm.models.layers import AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, Rope, split_heads
+from msllm.models.layers import (AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, RMSNorm, Rope, SinkAttentionCore,
+                                 split_heads)
+
+
+def qk_norm(cfg: ModelConfig, width: int):
+    """The norm of a q or k projection of `width` features: per head (HeadNorm), over all of them, or none."""
+    if not cfg.qk_norm:
+        return nn.Identity()
+    if cfg.qk_norm_scope == "projection":
+        return RMSNorm(width, cfg.norm_eps, cfg.norm_offset)
+    return HeadNorm(cfg.head_size, cfg.norm_eps, cfg.norm_offset)
 
 
 class Attention(nn.Cell):
@@ -26,13 +36,14 @@ class Attention(nn.Cell):
         self.wq = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
         self.wk = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.wv = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.wo = Linear(cfg.num_heads * d, h)
-        self.q_norm = HeadNorm(d, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else nn.Identity()
-        self.k_norm = HeadNorm(d, cfg.norm_eps, cfg.norm_offset) if cfg.qk_norm else nn.Identity()
+        self.wo = Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.q_norm = qk_norm(cfg, cfg.num_heads * d)
+        self.k_norm = qk_norm(cfg, cfg.num_kv_heads * d)
         self.rope = Rope(d)
         self.whole_kv = OwnKeys()  # context parallel: the other ranks' keys and values joined in
         self.cache_write = CacheWrite()
-        self.core = AttentionCore(cfg.num_heads, cfg.num_kv_heads, d, cfg.attn_scale)
+        self.core = (SinkAttentionCore if cfg.attention_sinks else AttentionCore)(cfg.num_heads, cfg.num_kv_heads, d,
+                                                                                  cfg.attn_scale)
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         q = self.rope(self.q_norm(self.wq(x)), cos, sin)
