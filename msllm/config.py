@@ -205,6 +205,8 @@ class TrainConfig:
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)
+    objective: str = "auto"           # auto: next-token (lm) or SFT, as data.path holds | dpo: preference pairs
+                                      # (the dpo section; docs/post-training.md)
     head_rows: str = "loss"           # SFT rows: which positions go through the output head: loss (only labels
                                       # with a loss, gathered into a capacity bucket per batch; one compiled step
                                       # per bucket; one worker only: msllm launch keeps all) | all
@@ -274,6 +276,17 @@ class LoraConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct preference optimisation (train.objective: dpo), TRL's DPOTrainer losses (msllm/train/dpo.py)."""
+    loss: str = "sigmoid"             # sigmoid (DPO) | ipo (per-token-averaged log-ratios, as TRL)
+    beta: float = 0.1                 # strength of the pull toward the reference model
+    label_smoothing: float = 0.0      # sigmoid: the chance a pair's preference is flipped (conservative DPO)
+    precompute_ref: bool = False      # the reference model's log-probs computed once before training and stored
+                                      # beside the data shard (no reference forward per step); a full fine-tune
+                                      # needs it, LoRA takes the base with the adapters off in the step otherwise
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -281,6 +294,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -298,6 +312,8 @@ CHOICES = {
     "train.precision": ("fp32", "fp16", "bf16"),
     "train.recompute": ("none", "full", "selective"),
     "train.head_rows": ("loss", "all"),
+    "train.objective": ("auto", "dpo"),
+    "dpo.loss": ("sigmoid", "ipo"),
     "train.moe_dropless": ("blocks", "every"),
     "model.mlp": ("swiglu", "geglu_tanh"),
     "model.router": ("softmax", "sigmoid_grouped"),

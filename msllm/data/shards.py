@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from msllm.config import Config
-from msllm.data import corpus, sft
+from msllm.data import corpus, preference, sft
 from msllm.data.corpus import DataError
 from msllm.data.index import INDEX, SFT_KIND, open_tokens, read_index, token_dtype
 from msllm.data.tokenizer import eos_id, load_tokenizer, tokenizer_config, train_tokenizer
@@ -36,6 +36,14 @@ def open_split(shard_dir: Path, split: str):
 def build_shard(cfg: Config, out_dir: Path) -> Path:
     """Tokenize the configured corpus into out_dir (reused when already built from the same inputs)."""
     d, vocab = cfg.data, cfg.model.vocab_size
+    if cfg.train.objective == "dpo":
+        if d.path and Path(d.path).expanduser().suffix == ".jsonl":
+            return preference.prepare(Path(d.path).expanduser(), d.tokenizer, out_dir, d.seq_len, d.val_fraction,
+                                      vocab, _log)
+        if not (d.path and preference.is_preference(Path(d.path).expanduser())):
+            raise DataError(f"data.path: {d.path}: train.objective dpo reads preference pairs: a .jsonl file of "
+                            f"prompt / chosen / rejected rows, or the shard built from one")
+        return Path(d.path).expanduser()
     if d.path and Path(d.path).expanduser().suffix == ".jsonl":
         return sft.prepare(Path(d.path).expanduser(), d.tokenizer, out_dir, d.seq_len, d.val_fraction, vocab, _log)
     if d.path and (Path(d.path) / INDEX).exists():  # already a pretokenized shard

@@ -1,0 +1,154 @@
+"""DPO (train.objective: dpo): preference rows tokenized as TRL does, the compiled step's loss and gradients
+equal TRL's DPOTrainer on the same tiny model and pairs, LoRA's in-step reference is the base, a short
+`msllm train` run learns the preferences, and bad rows are refused in one line."""
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+
+from interop.convert import plan
+from interop.verify import max_rel, msllm_model, open_hf
+from interop.verify_train import TENSOR_GATE, RecordGradients, to_msllm
+from msllm.config import Config, DPOConfig, LoraConfig, OptimConfig, TrainConfig
+from msllm.data import preference
+from msllm.data.corpus import DataError
+from msllm.lora import switch_of
+from msllm.models import layers
+from msllm.train.build import build_train_step
+from msllm.train.dpo import METRICS, precompute_reference
+from tests.hf_models import build, save_tokenizer
+
+SEQ = 31  # rows of 32 tokens
+TEXT_ROWS = [{"prompt": "def add(x, y):", "chosen": " return x + y", "rejected": " print(1)"},
+             {"prompt": "hello", "chosen": " world", "rejected": " the quick brown fox"},
+             {"prompt": "print(", "chosen": "1 + 2)", "rejected": "x)"},
+             {"prompt": "the quick", "chosen": " brown fox", "rejected": " hello"}]
+CHAT_ROWS = [{"prompt": [{"role": "user", "content": "add 1 2"}], "chosen": [{"role": "assistant", "content": "3"}],
+              "rejected": [{"role": "assistant", "content": "12"}]},
+             {"prompt": [{"role": "user", "content": "hello"}], "chosen": [{"role": "assistant", "content": "world"}],
+              "rejected": [{"role": "assistant", "content": "fox"}]}]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Llama policy and a different reference (HF dirs), a tokenizer with a chat template, the rows."""
+    root = tmp_path_factory.mktemp("dpo")
+    texts = ["def add(x, y): return x + y", "hello world, the quick brown fox", "print(1 + 2)"] * 5
+    for name, seed in (("policy", 0), ("ref", 1)):
+        build("llama2_mha", seed=seed).save_pretrained(root / name)
+        save_tokenizer(root / name, texts)
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TEXT_ROWS + CHAT_ROWS))
+    return root
+
+
+def trl_trainer(root, rows, loss_type, out):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from trl import DPOConfig as TRLConfig, DPOTrainer
+
+    config = json.loads((root / "policy" / "tokenizer_config.json").read_text())
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(root / "policy" / "tokenizer.json"), eos_token=config["eos_token"])
+    tok.chat_template = config["chat_template"]
+    policy, ref = (AutoModelForCausalLM.from_pretrained(root / n).float() for n in ("policy", "ref"))
+    args = TRLConfig(output_dir=str(out), beta=0.1, loss_type=[loss_type], report_to=[], use_cpu=True,
+                     per_device_train_batch_size=len(rows))
+    return DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                      processing_class=tok)
+
+
+def test_pairs_are_tokenized_as_trl_does(models, tmp_path):
+    _, tokens, mask = preference.encode(models / "pairs.jsonl", models / "policy" / "tokenizer.json", SEQ)
+    ours = [tokens[k] for k in range(len(tokens))]
+    at = 0
+    for rows in (TEXT_ROWS, CHAT_ROWS):
+        theirs = trl_trainer(models, rows, "sigmoid", tmp_path).train_dataset
+        for ex in theirs:
+            for side in ("chosen_ids", "rejected_ids"):
+                want = ex["prompt_ids"] + ex[side]
+                np.testing.assert_array_equal(ours[at][:len(want)], want)
+                # the mask marks exactly the completion's labels (its EOS / end of turn included)
+                assert mask[at].sum() == len(ex[side]) and mask[at][len(ex["prompt_ids"]) - 1] == 1
+                at += 1
+    assert at == len(tokens)
+
+
+@pytest.mark.parametrize("loss_type,head", [("sigmoid", "logits"), ("ipo", "kernel")])
+def test_step_loss_and_gradients_equal_trl(models, tmp_path, monkeypatch, loss_type, head):
+    """Full fine-tune with precomputed reference log-probs (another model's) against DPOTrainer with
+    that model as ref_model: the compiled step's loss and every gradient within TENSOR_GATE (1e-4
+    relative; interop/verify_train.py derives it). head=kernel: the log-probs come from the fused
+    head kernel's (lse, target), as for a vocabulary too large for whole logits."""
+    if head == "kernel":
+        monkeypatch.setattr(layers, "HEAD_CHUNK_BYTES", 0)  # no logits are "small": the kernel's branch
+    rows = TEXT_ROWS[:2] + TEXT_ROWS[2:]
+    trl = trl_trainer(models, rows, loss_type, tmp_path)
+    batch = trl.data_collator([trl.train_dataset[i] for i in range(len(rows))])
+    their_loss = trl._compute_loss(trl.model, batch, False)
+    their_loss.backward()
+    hf_rows = plan(open_hf(models / "policy"))
+    their_grads = to_msllm(hf_rows, {n: p.grad for n, p in trl.model.named_parameters()})
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, tokens, mask = preference.encode(path, models / "policy" / "tokenizer.json", SEQ)
+    tokens, mask = tokens.reshape(-1, 2, SEQ + 1), mask.reshape(-1, 2, SEQ).astype(np.float32)
+    ref = precompute_reference(msllm_model(open_hf(models / "ref")), True, list(zip(tokens, mask)), len(rows))
+    model = msllm_model(open_hf(models / "policy"))
+    cfg = Config(model=model.cfg, optim=OptimConfig(grad_clip=0.0),
+                 train=TrainConfig(objective="dpo", batch_size=len(rows), steps=1),
+                 dpo=DPOConfig(loss=loss_type, beta=0.1, precompute_ref=True))
+    built = build_train_step(cfg, model, wrap_optimizer=RecordGradients)
+    assert (built.train_step.loss_cell.logps.head is not None) == (head == "kernel")
+    loss, *_, stats = built.train_step(*(ms.Tensor(x) for x in (tokens, mask, ref)))
+    assert float(loss.asnumpy()) == pytest.approx(their_loss.item(), rel=1e-4)
+    ours = built.train_step.optimizer.raw_gradients()
+    worst = max(max_rel(ours[n], g)[1] for n, g in their_grads.items())
+    assert worst <= TENSOR_GATE, worst
+    logged = dict(zip(METRICS, stats.asnumpy()))
+    theirs = {k: v[-1] for k, v in trl._metrics["train"].items()}
+    for key in METRICS:
+        assert logged[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+def test_lora_reference_is_the_base_with_adapters_off_in_the_step(models):
+    """With LoRA and no precomputed log-probs the step's reference is the base model: the logged
+    rewards give back the reference's log-probs, equal to the plain converted model's, while the
+    policy's (adapters on again, nonzero B) are the adapted model's."""
+    _, tokens, mask = preference.encode(models / "pairs.jsonl", models / "policy" / "tokenizer.json", SEQ)
+    tokens, mask = tokens.reshape(-1, 2, SEQ + 1)[:4], mask.reshape(-1, 2, SEQ)[:4].astype(np.float32)
+    base = precompute_reference(msllm_model(open_hf(models / "policy")), True, list(zip(tokens, mask)), 4)
+    model = msllm_model(open_hf(models / "policy"))
+    cfg = Config(model=model.cfg, optim=OptimConfig(lr=0.0, grad_clip=0.0),
+                 train=TrainConfig(objective="dpo", batch_size=4, steps=1),
+                 lora=LoraConfig(rank=4, targets=["q", "v", "down"]), dpo=DPOConfig(beta=0.5))
+    built = build_train_step(cfg, model)
+    rng = np.random.default_rng(0)
+    for p in model.trainable_params():  # adapters that change the model
+        if p.name.endswith("lora_b"):
+            p.set_data(ms.Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    adapted = precompute_reference(model, True, list(zip(tokens, mask)), 4)
+    assert np.abs(adapted - base).max() > 0.1
+    _, _, _, _, _, stats = built.train_step(ms.Tensor(tokens), ms.Tensor(mask))
+    got = dict(zip(METRICS, stats.asnumpy()))
+    assert got["logps/chosen"] == pytest.approx(adapted[:, 0].mean(), rel=1e-5)
+    assert got["logps/rejected"] == pytest.approx(adapted[:, 1].mean(), rel=1e-5)
+    assert got["logps/chosen"] - got["rewards/chosen"] / 0.5 == pytest.approx(base[:, 0].mean(), rel=1e-5)
+    assert got["logps/rejected"] - got["rewards/rejected"] / 0.5 == pytest.approx(base[:, 1].mean(), rel=1e-5)
+    assert float(switch_of(model).on.asnumpy()) == 1.0
+
+
+@pytest.mark.parametrize("row,complaint", [
+    ({"prompt": "hi", "chosen": " there"}, "missing rejected"),
+    ({"prompt": "hi", "chosen": " there", "rejected": 3}, "expected strings"),
+    ({"prompt": "hi " * 40, "chosen": " there", "rejected": " you"}, "does not fit data.seq_len"),
+])
+def test_bad_pairs_are_one_line_naming_file_and_line(models, tmp_path, row, complaint):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(TEXT_ROWS[0]) + "\n\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError) as e:
+        preference.prepare(path, str(models / "policy" / "tokenizer.json"), tmp_path / "shard", SEQ, 0.1, 300,
+                           print)
+    assert f"{path}:3:" in str(e.value) and complaint in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "shard").exists()
