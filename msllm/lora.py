@@ -40,10 +40,6 @@ class AdapterSwitch:
     def __init__(self):
         self.on = Parameter(Tensor(np.ones((), np.float32)), name=SWITCH, requires_grad=False)
 
-    def set(self, value):
-        """Graph op: the switch set to value (0.0 or 1.0); returns the assign for ops.depend."""
-        return ops.assign(self.on, ops.ones((), self.on.dtype) * value)
-
 
 def switch_of(model: Decoder) -> AdapterSwitch | None:
     """The adapters' switch of a LoRA model, or None without adapters."""

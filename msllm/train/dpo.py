@@ -63,17 +63,19 @@ class SequenceLogProbs(nn.Cell):
 
 
 class AdapterOffLogProbs(nn.Cell):
-    """The reference log-probs with LoRA: the same model with its adapters switched off, no gradient."""
+    """The reference log-probs with LoRA: the same model with its adapters switched off (the
+    AdapterSwitch's Parameter set to 0, then back to 1 once they are computed), no gradient."""
 
     def __init__(self, logps: SequenceLogProbs, switch):
         super().__init__(auto_prefix=False)
-        self.logps, self.switch = logps, switch
+        self.logps, self.on = logps, switch.on
 
     def construct(self, tokens, mask):
-        off = self.switch.set(0.0)
-        ref = self.logps(ops.depend(tokens.reshape(-1, tokens.shape[-1]), off), mask.reshape(-1, mask.shape[-1]))
-        ref = ops.stop_gradient(ref.reshape(mask.shape[0], 2))
-        return ops.depend(ref, self.switch.set(ops.depend(ops.ones((), ms.float32), ref)))
+        b = tokens.shape[0]
+        off = ops.assign(self.on, ops.zeros((), ms.float32))
+        ref = self.logps(ops.depend(tokens.reshape(2 * b, -1), off), mask.reshape(2 * b, -1))
+        ref = ops.stop_gradient(ref.reshape(b, 2))
+        return ops.depend(ref, ops.assign(self.on, ops.depend(ops.ones((), ms.float32), ref)))
 
 
 class DPOLoss(nn.Cell):
@@ -86,7 +88,8 @@ class DPOLoss(nn.Cell):
         self.logps = SequenceLogProbs(model, fused)
         self.loss_type, self.beta, self.smoothing = cfg.loss, cfg.beta, cfg.label_smoothing
         # LoRA without precomputed reference log-probs: the step computes them with the adapters off
-        self.reference = None if cfg.precompute_ref or switch is None else AdapterOffLogProbs(self.logps, switch)
+        self.reference = (None if cfg.precompute_ref or switch is None
+                          else AdapterOffLogProbs(SequenceLogProbs(model, fused), switch))
         self.has_stats = True
 
     def construct(self, tokens, scale, mask, ref):
@@ -98,7 +101,8 @@ class DPOLoss(nn.Cell):
             losses = ops.square(scores[:, 0] - scores[:, 1] - 0.5 / self.beta)
         else:
             margin = self.beta * (ratios[:, 0] - ratios[:, 1])
-            losses = -(1.0 - self.smoothing) * ops.log_sigmoid(margin) - self.smoothing * ops.log_sigmoid(-margin)
+            # -log sigmoid(x) = softplus(-x)
+            losses = (1.0 - self.smoothing) * ops.softplus(-margin) + self.smoothing * ops.softplus(margin)
         rewards = ops.stop_gradient(self.beta * ratios)
         chosen, rejected = rewards[:, 0], rewards[:, 1]
         logps = ops.stop_gradient(logps)
