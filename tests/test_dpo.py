@@ -152,3 +152,70 @@ def test_bad_pairs_are_one_line_naming_file_and_line(models, tmp_path, row, comp
                            print)
     assert f"{path}:3:" in str(e.value) and complaint in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "shard").exists()
+
+
+def sets(values: dict) -> list[str]:
+    return [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+
+
+def train_here(*args):
+    """msllm train in this process (the test session's MindSpore runtime): no second start-up."""
+    from msllm.cli import main
+
+    assert main([str(a) for a in args]) == 0
+
+
+def records(run, kind):
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def preference_rows(models):
+    """Pairs whose chosen completion follows one rule (the sum) and rejected another."""
+    rows = []
+    for i in range(40):
+        a, b = i % 7, i % 5
+        rows.append({"prompt": f"add {a} {b} =", "chosen": f" {a + b}", "rejected": f" {a * b + 10}"})
+    path = models / "train_pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_args(models, rows, run, **extra):
+    values = {"data.path": rows, "data.seq_len": 16, "train.run_dir": run, "train.objective": "dpo",
+              "train.steps": 8, "train.batch_size": 4, "train.log_every": 1, "train.eval_every": 8,
+              "train.ckpt_every": 8, "train.sample_tokens": 0, "optim.lr": 5e-2, "optim.warmup_steps": 0,
+              "optim.decay": "constant", **extra}
+    return ["train", "--init-from", str(models / "policy"), *sets(values)]
+
+
+def test_msllm_train_dpo_with_lora_learns_the_preferences(models, preference_rows, tmp_path):
+    """`msllm train` with train.objective dpo and LoRA (reference: the base, adapters off in the step):
+    starts at ln 2 (the adapters start at B = 0, so policy = reference), the loss falls and the reward
+    accuracy rises, every row carries TRL's metric names, and the adapters export as PEFT."""
+    run = tmp_path / "lora"
+    train_here(*run_args(models, preference_rows, run, **{"lora.rank": 8, "lora.targets": "[q, v, down]",
+                                                         "dpo.beta": 0.5}))
+    rows = records(run, "train")
+    first = records(run, "compile")[0]["loss"]
+    assert first == pytest.approx(np.log(2), abs=1e-6)
+    assert all(set(METRICS) <= set(r) for r in rows) and [r["step"] for r in rows] == list(range(2, 9))
+    assert np.mean([r["loss"] for r in rows[-3:]]) < first - 0.1
+    assert np.mean([r["rewards/margins"] for r in rows[-3:]]) > 0.2
+    assert records(run, "eval")[-1]["val_loss"] < first
+    assert (run / "checkpoints" / "step_0000008" / "model.safetensors").exists()
+
+
+def test_full_fine_tune_reads_precomputed_reference_logps(models, preference_rows, tmp_path):
+    """dpo.precompute_ref: the starting model's log-probs are stored beside the shard once, so the
+    first step (policy = reference) has margin 0 and loss ln 2, and a full fine-tune then learns."""
+    run = tmp_path / "full"
+    train_here(*run_args(models, preference_rows, run, **{"dpo.precompute_ref": "true", "train.steps": 3,
+                                                         "optim.lr": 3e-3, "train.eval_every": 3,
+                                                         "train.ckpt_every": 3}))
+    shard = run / "data"
+    index = json.loads((shard / "index.json").read_text())
+    ref = np.fromfile(shard / "train.ref.bin", np.float32).reshape(index["train_pairs"], 2)
+    assert (ref < 0).all() and json.loads((shard / preference.REF_INDEX).read_text())["init_from"]
+    assert records(run, "compile")[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)
+    assert records(run, "train")[-1]["loss"] < np.log(2)
