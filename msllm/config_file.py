@@ -224,9 +224,6 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         dpo = cfg.dpo
         need(dpo.beta > 0, "dpo.beta", "must be > 0")
         need(0 <= dpo.label_smoothing < 0.5, "dpo.label_smoothing", "must be in [0, 0.5)")
-        need(cfg.lora.rank > 0 or dpo.precompute_ref, "dpo.precompute_ref",
-             "a full fine-tune keeps no reference model in the step: set dpo.precompute_ref: true (or train with "
-             "lora.rank > 0, whose reference is the base with the adapters off)", "lora.rank")
         need(cfg.parallel.cp == 1, "train.objective", "dpo does not run under context parallel (parallel.cp)",
              "parallel.cp")
     if cfg.lora.rank > 0:

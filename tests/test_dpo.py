@@ -203,7 +203,22 @@ def test_msllm_train_dpo_with_lora_learns_the_preferences(models, preference_row
     assert np.mean([r["loss"] for r in rows[-3:]]) < first - 0.1
     assert np.mean([r["rewards/margins"] for r in rows[-3:]]) > 0.2
     assert records(run, "eval")[-1]["val_loss"] < first
-    assert (run / "checkpoints" / "step_0000008" / "model.safetensors").exists()
+    # the DPO adapters merge and export like SFT ones: PEFT on the HF base computes the merged model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from interop.convert import convert
+    from interop.pretrained import export_peft, merge
+
+    convert(merge(run, tmp_path / "merged"), tmp_path / "merged_hf", to="hf", progress=False)
+    export_peft(run, tmp_path / "peft")
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 300, (2, 12)))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf").float().eval()(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(models / "policy").float().eval()
+        before = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()(ids).logits
+    assert (adapted - merged).abs().max() <= 1e-5 * merged.abs().max() < (before - merged).abs().max()
 
 
 def test_full_fine_tune_reads_precomputed_reference_logps(models, preference_rows, tmp_path):

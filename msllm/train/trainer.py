@@ -99,6 +99,10 @@ class Trainer:
         self.replicas, self.replica = data_replicas(cfg, self.world), self.rank // cfg.parallel.cp
         ep.check(cfg, self.replicas)  # experts split over ep of the replicas
         ms.set_seed(t.seed)
+        if t.objective == "dpo" and cfg.lora.rank == 0 and not cfg.dpo.precompute_ref:  # (a merged run's config
+            raise ConfigError("the run config", "dpo.precompute_ref",  # holds both: checked when training only)
+                              "a full fine-tune keeps no reference model in the step: set dpo.precompute_ref: true "
+                              "(or train with lora.rank > 0, whose reference is the base with the adapters off)")
         resume_from = checkpoint.latest(self.run_dir) if resume else None
         lora = cfg.lora.rank > 0  # checkpoints hold the adapters; the base is read from init_from every time
         if resume_from:
