@@ -27,7 +27,7 @@ import numpy as np
 
 from msllm.data.corpus import DataError
 from msllm.data.index import INDEX, read_index, token_dtype
-from msllm.data.sft import Renderer, read_rows
+from msllm.data.sft import Renderer, read_rows, shard_key
 from msllm.preflight import make_dir
 from msllm.staged import staged_dir
 
@@ -187,14 +187,9 @@ def is_preference(shard_dir: Path) -> bool:
 def prepare(path: Path, tokenizer: str | None, out_dir: Path, seq_len: int, val_fraction: float, vocab: int,
             log) -> Path:
     """The shard of a preference JSONL file in out_dir, (re)built when its inputs changed."""
-    if tokenizer is None:
-        raise DataError(f"data.path: {path} holds preference pairs, which need the model's tokenizer: set "
-                        f"train.init_from (or data.tokenizer)")
-    tokenizer_json = Path(tokenizer).expanduser()
-    stat = path.stat()
-    key = {"kind": DPO_KIND, "source": f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}",
-           "tokenizer": str(tokenizer_json.resolve()), "seq_len": seq_len, "val_fraction": val_fraction}
-    if (out_dir / INDEX).exists() and read_index(out_dir).get("key") == key:
+    tokenizer_json, key, built = shard_key(DPO_KIND, "preference pairs", path, tokenizer, out_dir, seq_len,
+                                           val_fraction)
+    if built:
         return out_dir
     encoder, tokens, mask = encode(path, tokenizer_json, seq_len)
     make_dir(out_dir.parent, "train.run_dir")  # the shard is cached in the run dir

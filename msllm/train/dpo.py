@@ -32,6 +32,7 @@ from msllm.data.corpus import DataError
 from msllm.data.index import read_index
 from msllm.data.preference import REF_INDEX, PairRows
 from msllm.models.layers import fits_whole
+from msllm.train.step import fused_head
 
 # The metrics row's names (TRL's), in the order DPOLoss returns them.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -44,11 +45,7 @@ class SequenceLogProbs(nn.Cell):
     def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
         self.model = model
-        self.head = None
-        if fused:  # msllm.kernels are on (CPU): the head's kernel holds no [tokens, vocab] logits
-            from msllm import kernels
-            if kernels.has_sgemm():
-                self.head = kernels.FusedHead(weight_grad=model.head_weight().requires_grad)
+        self.head = fused_head(model, fused)
 
     def construct(self, tokens, mask):
         labels = tokens[:, 1:].reshape(-1)

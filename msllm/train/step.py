@@ -21,6 +21,15 @@ from msllm.models.layers import CausalLMLoss, HeadCrossEntropy, MaskedCausalLMLo
 from msllm.models.moe import routing_losses
 
 
+def fused_head(model, fused: bool):
+    """msllm.kernels.FusedHead for the model's output head when the CPU kernels are on (`fused`), else
+    None: the kernel reduces hidden states to (logsumexp, label logit) without [tokens, vocab] logits."""
+    if not fused:
+        return None
+    from msllm import kernels
+    return kernels.FusedHead(weight_grad=model.head_weight().requires_grad) if kernels.has_sgemm() else None
+
+
 class LossCell(nn.Cell):
     """tokens [b, s+1] -> scale * mean next-token loss of model(tokens[:, :-1]) against tokens[:, 1:].
 
@@ -47,11 +56,7 @@ class LossCell(nn.Cell):
     def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
         self.model = model
-        self.head = None
-        if fused:  # msllm.kernels are on (CPU): the head's kernel holds no [tokens, vocab] logits
-            from msllm import kernels
-            if kernels.has_sgemm():
-                self.head = kernels.FusedHead(weight_grad=model.head_weight().requires_grad)
+        self.head = fused_head(model, fused)
         self.loss, self.masked_loss, self.head_loss = CausalLMLoss(), MaskedCausalLMLoss(), HeadCrossEntropy()
         self.extra = routing_losses(model.cfg)
         self.has_stats = self.extra is not None
