@@ -31,8 +31,7 @@ from msllm.config import DPOConfig
 from msllm.data.corpus import DataError
 from msllm.data.index import read_index
 from msllm.data.preference import REF_INDEX, PairRows
-from msllm.models.layers import fits_whole
-from msllm.train.step import fused_head
+from msllm.train.logprobs import TokenLogProbs
 
 # The metrics row's names (TRL's), in the order DPOLoss returns them.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -44,19 +43,10 @@ class SequenceLogProbs(nn.Cell):
 
     def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
-        self.model = model
-        self.head = fused_head(model, fused)
+        self.tokens = TokenLogProbs(model, fused)
 
     def construct(self, tokens, mask):
-        labels = tokens[:, 1:].reshape(-1)
-        h, _ = self.model.features(tokens[:, :-1])
-        if self.head is None or fits_whole(h.shape[0], self.model.cfg.vocab_size):
-            logits = self.model.project(h).reshape(labels.shape[0], -1)
-            lse = ops.logsumexp(logits, -1)
-            target = ops.gather_elements(logits, 1, labels.reshape(-1, 1)).reshape(-1)
-        else:
-            lse, target = self.head(h, self.model.head_weight(), labels)
-        return ops.sum(((target - lse) * mask.reshape(-1)).reshape(mask.shape[0], -1), -1)
+        return ops.sum(self.tokens(tokens) * mask, -1)
 
 
 class AdapterOffLogProbs(nn.Cell):

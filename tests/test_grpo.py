@@ -1,0 +1,112 @@
+"""GRPO's policy loss (msllm/train/grpo.py) in the compiled step against TRL's GRPOTrainer on the same tiny
+model and fixed completions: loss, every gradient and the KL / clip metrics; group advantages as TRL's."""
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+
+from interop.convert import plan
+from interop.verify import max_rel, msllm_model, open_hf
+from interop.verify_train import TENSOR_GATE, RecordGradients, to_msllm
+from msllm import backends
+from msllm.config import Config, OptimConfig, TrainConfig
+from msllm.models import layers
+from msllm.train.grpo import METRICS, GRPOLoss, group_advantages
+from msllm.train.optim import AdamW
+from msllm.train.step import TrainStep
+from tests.hf_models import build, save_tokenizer
+
+PROMPT, COMPLETION, N = 6, 8, 8  # 2 prompts x 4 completions
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    build("llama2_mha").save_pretrained(root / "policy")
+    save_tokenizer(root / "policy", ["def add(x, y): return x + y", "hello world"] * 5)
+    return root / "policy"
+
+
+def trl_trainer(policy, out, **args):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = json.loads((policy / "tokenizer_config.json").read_text())
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(policy / "tokenizer.json"), eos_token=config["eos_token"])
+    model = AutoModelForCausalLM.from_pretrained(policy).float()
+    cfg = GRPOConfig(output_dir=str(out), report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=N,
+                     num_generations=4, max_completion_length=COMPLETION, **args)
+    return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=cfg,
+                       train_dataset=Dataset.from_list([{"prompt": "hello"}] * N), processing_class=tok)
+
+
+def test_group_advantages_are_trls():
+    rewards = np.array([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0, 3.0, -1.0, 0.0, 1.0])
+    groups = torch.tensor(rewards).view(-1, 4)
+    want = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).reshape(-1).numpy()
+    np.testing.assert_allclose(group_advantages(rewards, 4), want, rtol=1e-6, atol=1e-7)
+    assert (group_advantages(rewards, 4)[4:8] == 0).all()  # one reward for the whole group: no signal
+    np.testing.assert_allclose(group_advantages(rewards, 4, "batch"), (groups - groups.mean(1, keepdim=True)).reshape(-1)
+                               .numpy() / (rewards.std(ddof=1) + 1e-4), rtol=1e-6)
+    np.testing.assert_allclose(group_advantages(rewards, 4, "none"),
+                               (groups - groups.mean(1, keepdim=True)).reshape(-1).numpy(), atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_type,beta,head", [("dapo", 0.0, "logits"), ("grpo", 0.04, "kernel")])
+def test_policy_loss_and_gradients_equal_trl_on_fixed_completions(policy, tmp_path, monkeypatch, loss_type, beta,
+                                                                  head):
+    """Fixed prompts and completions (some ending early: completion masks), old log-probs = the
+    policy's own plus noise so ratios are clipped on both sides, and for the KL term a reference's;
+    TRL's _compute_loss on them and msllm's compiled step: loss and every gradient within TENSOR_GATE
+    (1e-4 relative), the KL and clip ratios within 1e-4."""
+    if head == "kernel":
+        monkeypatch.setattr(layers, "HEAD_CHUNK_BYTES", 0)  # the fused head kernel's (lse, target)
+    rng = np.random.default_rng(0)
+    prompt = torch.from_numpy(rng.integers(3, 300, (N, PROMPT)))
+    completion = torch.from_numpy(rng.integers(3, 300, (N, COMPLETION)))
+    completion_mask = torch.ones(N, COMPLETION, dtype=torch.long)
+    for row, length in enumerate([8, 5, 8, 3, 6, 8, 1, 7]):
+        completion_mask[row, length:] = 0
+    advantages = torch.from_numpy(group_advantages(rng.normal(size=N), 4))
+
+    trl = trl_trainer(policy, tmp_path, loss_type=loss_type, beta=beta, epsilon=0.2)
+    trl.model.eval()  # eval: the loss normalised over this batch alone (no accumulation counters)
+    with torch.no_grad():
+        logits = trl.model(torch.cat([prompt, completion], 1)).logits[:, PROMPT - 1:-1]
+        own = torch.log_softmax(logits, -1).gather(-1, completion[..., None])[..., 0]
+    old = own + torch.from_numpy(rng.normal(0, 0.3, own.shape).astype(np.float32))
+    ref = own + torch.from_numpy(rng.normal(0, 0.3, own.shape).astype(np.float32))
+    inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+              "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
+              "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum()}
+    their_loss = trl._compute_loss(trl.model, inputs)
+    their_loss.backward()
+    their_grads = to_msllm(plan(open_hf(policy)), {n: p.grad for n, p in trl.model.named_parameters()})
+    theirs = {k: v[-1] for k, v in trl._metrics["eval"].items()}
+
+    # msllm: one row per sequence, labels aligned: the completion's tokens are labels PROMPT-1 ..
+    pad = np.zeros((N, PROMPT - 1), np.float32)
+    tokens = torch.cat([prompt, completion], 1).numpy().astype(np.int32)
+    mask = np.concatenate([pad, completion_mask.numpy().astype(np.float32)], 1)
+    old_ms, ref_ms = (np.concatenate([pad, x.numpy()], 1) for x in (old, ref))
+    model = msllm_model(open_hf(policy))
+    cfg = Config(model=model.cfg, optim=OptimConfig(grad_clip=0.0), train=TrainConfig(batch_size=N, steps=1))
+    spec = backends.specialise(model, cfg, training=True)
+    optimizer = RecordGradients(AdamW(model.trainable_params(), cfg.optim, 1, fused=spec.fused_kernels))
+    cell = GRPOLoss(model, loss_type, epsilon=0.2, beta=beta, max_completion=COMPLETION, fused=spec.fused_kernels)
+    step = TrainStep(model, optimizer, 0.0, loss_cell=cell)
+    inputs = [tokens, mask, advantages.numpy(), old_ms] + ([ref_ms] if beta else [])
+    loss, *_, stats = step(*(ms.Tensor(x) for x in inputs))
+    assert float(loss.asnumpy()) == pytest.approx(their_loss.item(), rel=1e-4)
+    ours = optimizer.raw_gradients()
+    worst = max(max_rel(ours[n], g)[1] for n, g in their_grads.items())
+    assert worst <= TENSOR_GATE, worst
+    got = dict(zip(METRICS, stats.asnumpy()))
+    assert 0 < got["clip_ratio/region_mean"] < 1  # the noise clips some tokens: the clipped branch is exercised
+    for key in METRICS:
+        if key in theirs:
+            assert got[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert got["completions/mean_length"] == pytest.approx(completion_mask.float().sum(1).mean().item())
