@@ -110,3 +110,111 @@ def test_policy_loss_and_gradients_equal_trl_on_fixed_completions(policy, tmp_pa
         if key in theirs:
             assert got[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
     assert got["completions/mean_length"] == pytest.approx(completion_mask.float().sum(1).mean().item())
+
+
+class TransformersEngine:
+    """generate()'s engine interface over transformers' model, every step recomputing the whole prefix:
+    the reference the compiled static-cache decoder's rollouts must reproduce."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def logits(self):
+        with torch.no_grad():
+            return torch.stack([self.model(torch.tensor([r])).logits[0, -1] for r in self.rows]).numpy()
+
+    def start(self, prompts, max_new):
+        self.rows = [list(p) for p in prompts]
+        return self.logits()
+
+    def step(self, tokens):
+        for row, token in zip(self.rows, tokens):
+            row.append(int(token))
+        return self.logits()
+
+
+REWARDS = '''
+def length(completions, prompts=None, **columns):
+    return [float(len(c)) for c in completions]
+
+def target(completions, prompts=None, answer=None, **columns):
+    return [1.0 if str(a) in c else 0.0 for c, a in zip(completions, answer)]
+
+def raises(completions, **columns):
+    raise KeyError("answer")
+
+def short(completions, **columns):
+    return [1.0]
+
+def nan(completions, **columns):
+    return [float("nan")] * len(completions)
+'''
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def test_rollouts_rewards_and_one_grpo_step(policy, reward_file, tmp_path):
+    """2 prompts x 4 completions sampled by msllm's compiled static-cache decoder are the ones sampled
+    from transformers' logits with the same sampler and seed; rewards from path.py:function callables
+    (a dataset column passed through) give TRL's group advantages; the rollouts are logged; and the
+    first GRPO step on them (one update per batch: old log-probs = the policy's, ratio 1) has the loss -sum(A * length) /
+    sum(length) of the dapo normalisation."""
+    from transformers import AutoModelForCausalLM
+
+    from msllm.generate import Sampling
+    from msllm.inference import cell_engine
+    from msllm.train.rewards import load_reward, score
+    from msllm.train.rollout import log_rollouts, rollout_rows, sample_groups
+
+    prompts, group, max_new, eos = [[5, 17, 42, 9], [80, 81, 82]], 4, 6, 0
+    sampling = Sampling(temperature=1.0, seed=3)
+    gen = msllm_model(open_hf(policy))
+    cfg = Config(model=gen.cfg, train=TrainConfig(batch_size=N, steps=1))
+    backends.specialise(gen, cfg, training=False)
+    completions, tok_s = sample_groups(cell_engine(gen), prompts, group, max_new, sampling, eos_ids=(eos,))
+    reference = AutoModelForCausalLM.from_pretrained(policy).float().eval()
+    assert completions == sample_groups(TransformersEngine(reference), prompts, group, max_new, sampling, (eos,))[0]
+    assert tok_s > 0 and all(len(c) <= max_new + 1 for c in completions)
+    assert len({tuple(c) for c in completions[:group]}) > 1  # sampled, not greedy
+
+    texts = [" ".join(map(str, c)) for c in completions]
+    rewards = {f"{reward_file}:length": load_reward(f"{reward_file}:length"),
+               f"{reward_file}:target": load_reward(f"{reward_file}:target")}
+    answers = [str(completions[i][0]) if i % 2 else "nothing" for i in range(N)]
+    total, each = score(rewards, [1.0, 2.0], ["p0"] * group + ["p1"] * group, texts, {"answer": answers})
+    np.testing.assert_array_equal(each[:, 0], [len(t) for t in texts])
+    np.testing.assert_array_equal(each[:, 1], [1.0 if i % 2 else 0.0 for i in range(N)])
+    advantages = group_advantages(total, group)
+    log_rollouts(tmp_path / "rollouts.jsonl", 1, ["p0", "p1"], texts, total, each, list(rewards), advantages)
+    logged = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["advantage"] for r in logged] == pytest.approx(advantages.tolist())
+    assert logged[5]["prompt"] == "p1" and logged[5]["rewards"][f"{reward_file}:target"] == 1.0
+
+    tokens, mask = rollout_rows(prompts, completions, group, 16, eos)
+    assert mask.sum(1).tolist() == [len(c) for c in completions]
+    model = msllm_model(open_hf(policy))
+    spec = backends.specialise(model, cfg, training=True)
+    optimizer = RecordGradients(AdamW(model.trainable_params(), OptimConfig(grad_clip=0.0), 1, fused=spec.fused_kernels))
+    step = TrainStep(model, optimizer, 0.0, loss_cell=GRPOLoss(model, "dapo", fused=spec.fused_kernels))
+    loss, *_, stats = step(*(ms.Tensor(x) for x in (tokens, mask, advantages)))  # old log-probs: the policy's
+    lengths = mask.sum(1)
+    assert float(loss.asnumpy()) == pytest.approx(-(advantages * lengths).sum() / lengths.sum(), rel=1e-5, abs=1e-6)
+    assert dict(zip(METRICS, stats.asnumpy()))["clip_ratio/region_mean"] == 0.0  # ratio 1: nothing clipped
+
+
+@pytest.mark.parametrize("name,complaint", [("raises", "raised KeyError: 'answer'"),
+                                            ("short", "returned 1 rewards for 2 completions"),
+                                            ("nan", "returned nan for completion 0"),
+                                            ("missing", "defines no function missing")])
+def test_bad_reward_functions_are_one_line_naming_the_function(reward_file, name, complaint):
+    from msllm.train.rewards import RewardError, load_reward, score
+
+    with pytest.raises(RewardError) as e:
+        spec = f"{reward_file}:{name}"
+        score({spec: load_reward(spec)}, [1.0], ["p", "p"], ["a", "b"], {})
+    assert complaint in str(e.value) and f"{reward_file}:{name}" in str(e.value) and "\n" not in str(e.value)

@@ -30,8 +30,8 @@ METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regi
 
 
 class GRPOLoss(nn.Cell):
-    """tokens [n, s+1], scale, mask [n, s], advantages [n], old_logps [n, s](, ref_logps [n, s] when
-    beta > 0) -> (scale * loss, METRICS [5])."""
+    """tokens [n, s+1], scale, mask [n, s], advantages [n], old_logps [n, s] (None: the policy's own, one
+    update per batch)(, ref_logps [n, s] when beta > 0) -> (scale * loss, METRICS [5])."""
 
     def __init__(self, model, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
                  beta: float = 0.0, max_completion: int = 0, temperature: float = 1.0, fused: bool = False):
@@ -43,8 +43,10 @@ class GRPOLoss(nn.Cell):
         self.low, self.high = 1.0 - epsilon, 1.0 + (epsilon if epsilon_high is None else epsilon_high)
         self.has_stats = True
 
-    def construct(self, tokens, scale, mask, advantages, old_logps, ref_logps=None):
+    def construct(self, tokens, scale, mask, advantages, old_logps=None, ref_logps=None):
         logps = self.logps(tokens)
+        if old_logps is None:  # one update per batch (TRL's num_iterations 1): the policy sampled them
+            old_logps = ops.stop_gradient(logps)
         ratio = ops.exp(logps - old_logps)
         adv = advantages.reshape(-1, 1)
         per_token = -ops.minimum(ratio * adv, ops.clamp(ratio, self.low, self.high) * adv)
