@@ -206,7 +206,8 @@ class TrainConfig:
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)
     objective: str = "auto"           # auto: next-token (lm) or SFT, as data.path holds | dpo: preference pairs
-                                      # (the dpo section; docs/post-training.md)
+                                      # (the dpo section) | grpo: prompts, sampled and rewarded (the grpo
+                                      # section); docs/post-training.md
     head_rows: str = "loss"           # SFT rows: which positions go through the output head: loss (only labels
                                       # with a loss, gathered into a capacity bucket per batch; one compiled step
                                       # per bucket; one worker only: msllm launch keeps all) | all
@@ -287,6 +288,21 @@ class DPOConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """Group-relative policy optimisation (train.objective: grpo): rollouts from msllm's compiled decoder,
+    rewarded by the grpo.reward functions, TRL's clipped-ratio loss (msllm/train/grpo.py)."""
+    reward: list = field(default_factory=list)         # path.py:function callables, TRL's signature
+    reward_weights: list = field(default_factory=list)  # one per reward function (empty: all 1)
+    group_size: int = 4               # completions sampled per prompt
+    max_new_tokens: int = 32          # a completion's tokens at most (then it is cut, without EOS)
+    temperature: float = 1.0          # sampling temperature (the loss scores logits / temperature, as TRL)
+    top_p: float = 1.0                # nucleus sampling
+    epsilon: float = 0.2              # the ratio is clipped to [1 - epsilon, 1 + epsilon]
+    loss_type: str = "dapo"           # dapo | grpo | bnpo | dr_grpo, TRL's aggregations
+    scale_rewards: str = "group"      # advantages divided by the group's reward std | batch | none
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -295,6 +311,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -312,7 +329,9 @@ CHOICES = {
     "train.precision": ("fp32", "fp16", "bf16"),
     "train.recompute": ("none", "full", "selective"),
     "train.head_rows": ("loss", "all"),
-    "train.objective": ("auto", "dpo"),
+    "train.objective": ("auto", "dpo", "grpo"),
+    "grpo.loss_type": ("dapo", "grpo", "bnpo", "dr_grpo"),
+    "grpo.scale_rewards": ("group", "batch", "none"),
     "dpo.loss": ("sigmoid", "ipo"),
     "train.moe_dropless": ("blocks", "every"),
     "model.mlp": ("swiglu", "geglu_tanh"),

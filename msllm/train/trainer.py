@@ -21,6 +21,7 @@ from msllm.config_file import config_from_dict, save_config
 from msllm.data import shards
 from msllm.data.loader import DocumentWindows, make_dataset, windows_of
 from msllm.data.preference import PairRows
+from msllm.data.prompts import read_prompts
 from msllm.parallel.watchdog import Heartbeat
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
@@ -34,6 +35,7 @@ from msllm.models.decoder import build_model
 from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
 from msllm.train.dpo import METRICS as DPO_METRICS, store_reference
+from msllm.train.grpo_loop import fit_grpo
 from msllm.train.optim import warmup_warning
 
 # Sections that must not change when resuming: they define the weights and the data stream.
@@ -122,7 +124,11 @@ class Trainer:
             self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")
         make_dir(self.run_dir, "train.run_dir")
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
-        if t.objective == "dpo":  # preference pairs; with dpo.precompute_ref their reference log-probs, once built
+        if t.objective == "grpo":  # prompts, read whole (msllm.data.prompts); no held-out split
+            self.prompts = read_prompts(Path(cfg.data.path).expanduser(), self.shard_dir / "tokenizer.json",
+                                        cfg.data.seq_len, cfg.grpo.max_new_tokens)[1]
+            self.train_tokens = self.val_tokens = None
+        elif t.objective == "dpo":  # preference pairs; with dpo.precompute_ref their reference log-probs, once built
             index = shards.read_index(self.shard_dir)
             self.train_tokens, self.val_tokens = (PairRows(self.shard_dir, split, index) for split in ("train", "val"))
         else:
@@ -260,6 +266,8 @@ class Trainer:
         if remaining <= 0:
             info(f"run already at step {self.start_step} >= train.steps {t.steps}; nothing to do")
             return {"step": self.start_step}
+        if t.objective == "grpo":
+            return fit_grpo(self)
         # SFT rows: only the positions with a loss go through the head (one worker only: each rank's
         # buckets would differ, which data and context parallel have not been tried with)
         rows = t.accum_steps if t.head_rows == "loss" and self.world == 1 and t.objective != "dpo" else 0
