@@ -251,3 +251,17 @@ def test_msllm_train_grpo_end_to_end(policy, reward_file, tmp_path):
         assert m["completions/mean_length"] == pytest.approx(n.mean()) and m["rollout_tokens_per_s"] > 0
         assert m["clip_ratio/region_mean"] == 0.0 and m["kl"] == 0.0
     assert (run / "checkpoints" / "step_0000003" / "model.safetensors").exists()
+
+
+def test_a_prompt_longer_than_the_context_is_one_line_and_nothing_written(policy, reward_file, tmp_path, capsys):
+    from msllm.cli import main
+
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps({"prompt": "hello world " * 20}) + "\n")
+    values = {"data.path": rows, "data.seq_len": 24, "train.run_dir": tmp_path / "run", "train.objective": "grpo",
+              "grpo.reward": f"[{reward_file}:length]", "grpo.max_new_tokens": 8}
+    args = ["train", "--init-from", str(policy), *[a for k, v in values.items() for a in ("--set", f"{k}={v}")]]
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{rows}:2:" in err and "does not fit data.seq_len 24" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
