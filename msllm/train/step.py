@@ -104,7 +104,7 @@ class TrainStep(nn.Cell):
             self.sum_of_squares = kernels.sum_of_squares_op()
         else:
             self.sum_of_squares = None
-        # another objective's loss cell (msllm.train.dpo.DPOLoss): same signature, has_stats, and an
+        # another objective's loss cell (msllm.train.dpo.DPOLoss, grpo.GRPOLoss): same signature, has_stats, an
         # optional `reference` Cell whose output, computed first without a gradient, is its last input
         self.loss_cell = LossCell(model, optimizer.fused) if loss_cell is None else loss_cell
         self.reference = getattr(self.loss_cell, "reference", None)
