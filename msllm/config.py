@@ -224,6 +224,9 @@ class TrainConfig:
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)
+    objective: str = "auto"           # auto: next-token (lm) or SFT, as data.path holds | dpo: preference pairs
+                                      # (the dpo section) | grpo: prompts, sampled and rewarded (the grpo
+                                      # section); docs/post-training.md
     head_rows: str = "loss"           # SFT rows: which positions go through the output head: loss (only labels
                                       # with a loss, gathered into a capacity bucket per batch; one compiled step
                                       # per bucket; one worker only: msllm launch keeps all) | all
@@ -293,6 +296,32 @@ class LoraConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct preference optimisation (train.objective: dpo), TRL's DPOTrainer losses (msllm/train/dpo.py)."""
+    loss: str = "sigmoid"             # sigmoid (DPO) | ipo (per-token-averaged log-ratios, as TRL)
+    beta: float = 0.1                 # strength of the pull toward the reference model
+    label_smoothing: float = 0.0      # sigmoid: the chance a pair's preference is flipped (conservative DPO)
+    precompute_ref: bool = False      # the reference model's log-probs computed once before training and stored
+                                      # beside the data shard (no reference forward per step); a full fine-tune
+                                      # needs it, LoRA takes the base with the adapters off in the step otherwise
+
+
+@dataclass
+class GRPOConfig:
+    """Group-relative policy optimisation (train.objective: grpo): rollouts from msllm's compiled decoder,
+    rewarded by the grpo.reward functions, TRL's clipped-ratio loss (msllm/train/grpo.py)."""
+    reward: list = field(default_factory=list)         # path.py:function callables, TRL's signature
+    reward_weights: list = field(default_factory=list)  # one per reward function (empty: all 1)
+    group_size: int = 4               # completions sampled per prompt
+    max_new_tokens: int = 32          # a completion's tokens at most (then it is cut, without EOS)
+    temperature: float = 1.0          # sampling temperature (the loss scores logits / temperature, as TRL)
+    top_p: float = 1.0                # nucleus sampling
+    epsilon: float = 0.2              # the ratio is clipped to [1 - epsilon, 1 + epsilon]
+    loss_type: str = "dapo"           # dapo | grpo | bnpo | dr_grpo, TRL's aggregations
+    scale_rewards: str = "group"      # advantages divided by the group's reward std | batch | none
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -300,6 +329,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -317,6 +348,10 @@ CHOICES = {
     "train.precision": ("fp32", "fp16", "bf16"),
     "train.recompute": ("none", "full", "selective"),
     "train.head_rows": ("loss", "all"),
+    "train.objective": ("auto", "dpo", "grpo"),
+    "grpo.loss_type": ("dapo", "grpo", "bnpo", "dr_grpo"),
+    "grpo.scale_rewards": ("group", "batch", "none"),
+    "dpo.loss": ("sigmoid", "ipo"),
     "train.moe_dropless": ("blocks", "every"),
     "model.mlp": ("swiglu", "geglu_tanh", "swiglu_clamped"),
     "model.router": ("softmax", "sigmoid_grouped"),

@@ -57,7 +57,8 @@ def _coerce(value: Any, annotation: str, source: str, key: str) -> Any:
         if isinstance(value, dict):
             return value
     elif base == "list":
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        if isinstance(value, list) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                                           for v in value):  # names (lora.targets) or numbers (grpo.reward_weights)
             return value
     got = type(value).__name__
     raise ConfigError(source, key, f"expected {base}, got {got} {value!r}")
@@ -230,6 +231,24 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(t.peak_flops > 0, "train.peak_flops", "must be > 0")
     need(t.loss_scale >= 1, "train.loss_scale", "must be >= 1")
     _check_lora(cfg, need)
+    if t.objective == "dpo":
+        dpo = cfg.dpo
+        need(dpo.beta > 0, "dpo.beta", "must be > 0")
+        need(0 <= dpo.label_smoothing < 0.5, "dpo.label_smoothing", "must be in [0, 0.5)")
+        need(cfg.parallel.cp == 1, "train.objective", "dpo does not run under context parallel (parallel.cp)",
+             "parallel.cp")
+    if t.objective == "grpo":
+        g = cfg.grpo
+        need(bool(g.reward), "grpo.reward", "needs one or more path.py:function reward functions")
+        need(not g.reward_weights or len(g.reward_weights) == len(g.reward), "grpo.reward_weights",
+             f"needs one weight per grpo.reward function ({len(g.reward)})", "grpo.reward")
+        need(g.group_size >= 2, "grpo.group_size", "must be >= 2 (advantages compare a prompt's completions)")
+        need(g.max_new_tokens > 0, "grpo.max_new_tokens", "must be > 0")
+        need(g.temperature > 0, "grpo.temperature", "must be > 0")
+        need(0 < g.top_p <= 1, "grpo.top_p", "must be in (0, 1]")
+        need(g.epsilon > 0, "grpo.epsilon", "must be > 0")
+        need(t.accum_steps == 1, "train.accum_steps", "grpo runs one micro-batch per step (accumulation is not "
+             "built for it yet)", "train.objective")
     if cfg.lora.rank > 0:
         kinds = set(m.mlp_kinds())
         idle = [x for x in cfg.lora.targets if x.startswith("experts_") and "moe" not in kinds

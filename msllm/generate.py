@@ -16,16 +16,18 @@ import numpy as np
 
 @dataclasses.dataclass
 class Sampling:
-    """Greedy when top_k == 0 and top_p == 1; otherwise a temperature sample from the top_k most
-    likely tokens (all if 0) whose probabilities add up to top_p (at least one)."""
+    """Greedy when top_k == 0 and top_p == 1 (unless `sample`); otherwise a temperature sample from the
+    top_k most likely tokens (all if 0) whose probabilities add up to top_p (at least one). `sample`:
+    sample from the whole distribution at top_k 0, top_p 1 too (RL rollouts, msllm.train.rollout)."""
     top_k: int = 0
     top_p: float = 1.0
     temperature: float = 1.0
     seed: int = 0
+    sample: bool = False
 
     @property
     def greedy(self) -> bool:
-        return self.top_k <= 0 and self.top_p >= 1.0
+        return not self.sample and self.top_k <= 0 and self.top_p >= 1.0
 
 
 def pick_next(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:

@@ -29,10 +29,32 @@ TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "
 EXPERT_TARGETS = {"experts_gate": "w1", "experts_up": "w3", "experts_down": "w2"}
 
 
-class LoRALinear(nn.Cell):
-    """base(x) + scale * (dropout(x) @ A^T) @ B^T."""
+SWITCH = "lora.on"  # the name of the adapters' shared on/off Parameter
 
-    def __init__(self, base: Linear, rank: int, alpha: float, dropout: float, rng: np.random.Generator):
+
+class AdapterSwitch:
+    """One frozen scalar Parameter every adapter of a model multiplies its output by: 1 (on) as trained
+    and exported; a step sets it to 0 to run the base model on the same weights (DPO's reference,
+    msllm.train.dpo). Not a trainable Parameter, so checkpoints and exports never hold it."""
+
+    def __init__(self):
+        self.on = Parameter(Tensor(np.ones((), np.float32)), name=SWITCH, requires_grad=False)
+
+
+def switch_of(model: Decoder) -> AdapterSwitch | None:
+    """The adapters' switch of a LoRA model, or None without adapters."""
+    for _, cell in model.cells_and_names():
+        if isinstance(cell, (LoRALinear, LoRAExperts)):
+            return cell.switch
+    return None
+
+
+class LoRALinear(nn.Cell):
+    """base(x) + on * scale * (dropout(x) @ A^T) @ B^T (on: the model's AdapterSwitch, 1 but in a
+    reference pass)."""
+
+    def __init__(self, base: Linear, rank: int, alpha: float, dropout: float, rng: np.random.Generator,
+                 switch: AdapterSwitch):
         super().__init__()
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -43,6 +65,7 @@ class LoRALinear(nn.Cell):
         self.scale = alpha / rank
         self.dropout = dropout
         self.matmul = ops.MatMul(transpose_b=True)
+        self.switch, self.on = switch, switch.on
 
     def construct(self, x):
         y = self.base(x)
@@ -50,7 +73,7 @@ class LoRALinear(nn.Cell):
         if self.dropout > 0 and self.training:
             h = ops.dropout(h, p=self.dropout)
         low = self.matmul(h, cast(self.lora_a, h.dtype))
-        return y + (self.matmul(low, cast(self.lora_b, h.dtype)) * self.scale).reshape(y.shape)
+        return y + (self.matmul(low, cast(self.lora_b, h.dtype)) * cast(self.scale * self.on, h.dtype)).reshape(y.shape)
 
 
 class LoRAExperts(nn.Cell):
@@ -59,10 +82,12 @@ class LoRAExperts(nn.Cell):
 
     PROJECTIONS = ("w1", "w2", "w3")
 
-    def __init__(self, base: Experts, which: list[str], rank: int, alpha: float, rng: np.random.Generator):
+    def __init__(self, base: Experts, which: list[str], rank: int, alpha: float, rng: np.random.Generator,
+                 switch: AdapterSwitch):
         super().__init__()
         self.base = base
         self.scale = alpha / rank
+        self.switch, self.on = switch, switch.on
         # for w1, w2, w3: the index of its adapter, or -1 when it keeps its weight
         self.slots = tuple(which.index(w) if w in which else -1 for w in self.PROJECTIONS)
         self.matmul = ops.BatchMatMul()
@@ -82,7 +107,7 @@ class LoRAExperts(nn.Cell):
             if i < 0:
                 adapted += (weights[j],)
             else:
-                adapted += (weights[j] + self.matmul(self.lora_b[i], self.lora_a[i]) * self.scale,)
+                adapted += (weights[j] + self.matmul(self.lora_b[i], self.lora_a[i]) * (self.scale * self.on),)
         return self.base.compute(xs, adapted[0], adapted[1], adapted[2], ids)
 
     def merged(self, name: str) -> np.ndarray:
@@ -124,19 +149,21 @@ def apply_lora(model: Decoder, cfg: LoraConfig, seed: int) -> None:
     for p in model.get_parameters():
         p.requires_grad = False
     rng = np.random.default_rng([seed, 0x10A])
+    switch = AdapterSwitch()
     for path, parent, attr in targets(model, cfg.targets):
         base = getattr(parent, attr)
         names = {id(p): p.name for p in base.get_parameters()}
-        cell = LoRALinear(base, cfg.rank, cfg.alpha, cfg.dropout, rng)
-        names.update({id(cell.lora_a): f"{path}.lora_a", id(cell.lora_b): f"{path}.lora_b"})
+        cell = LoRALinear(base, cfg.rank, cfg.alpha, cfg.dropout, rng, switch)
+        names.update({id(cell.lora_a): f"{path}.lora_a", id(cell.lora_b): f"{path}.lora_b", id(switch.on): SWITCH})
         _replace(parent, attr, cell, names)
     which = [EXPERT_TARGETS[t] for t in cfg.targets if t in EXPERT_TARGETS]
     for i, block in enumerate(model.layers):
         if which and block.routed:
             base, path = block.feed_forward.experts, f"layers.{i}.feed_forward.experts"
             names = {id(p): p.name for p in base.get_parameters()}
-            cell = LoRAExperts(base, which, cfg.rank, cfg.alpha, rng)
+            cell = LoRAExperts(base, which, cfg.rank, cfg.alpha, rng, switch)
             names.update({id(p): f"{path}.{p.name}" for p in (*cell.lora_a, *cell.lora_b)})
+            names[id(switch.on)] = SWITCH
             _replace(block.feed_forward, "experts", cell, names)
 
 

@@ -224,17 +224,24 @@ class SFTWindows:
                 segments, positions(segments))
 
 
-def prepare(path: Path, tokenizer: str | None, out_dir: Path, seq_len: int, val_fraction: float, vocab: int,
-            log) -> Path:
-    """The shard of an SFT JSONL file in out_dir, (re)built when its inputs changed."""
+def shard_key(kind: str, what: str, path: Path, tokenizer: str | None, out_dir: Path, seq_len: int,
+              val_fraction: float) -> tuple[Path, dict, bool]:
+    """(tokenizer.json, the key of the shard of a JSONL file of `what`, whether out_dir holds it already)."""
     if tokenizer is None:
-        raise DataError(f"data.path: {path} holds SFT rows, which need the model's tokenizer: set train.init_from "
+        raise DataError(f"data.path: {path} holds {what}, which need the model's tokenizer: set train.init_from "
                         f"(or data.tokenizer)")
     tokenizer_json = Path(tokenizer).expanduser()
     stat = path.stat()
-    key = {"kind": SFT_KIND, "source": f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}",
+    key = {"kind": kind, "source": f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}",
            "tokenizer": str(tokenizer_json.resolve()), "seq_len": seq_len, "val_fraction": val_fraction}
-    if (out_dir / INDEX).exists() and read_index(out_dir).get("key") == key:
+    return tokenizer_json, key, (out_dir / INDEX).exists() and read_index(out_dir).get("key") == key
+
+
+def prepare(path: Path, tokenizer: str | None, out_dir: Path, seq_len: int, val_fraction: float, vocab: int,
+            log) -> Path:
+    """The shard of an SFT JSONL file in out_dir, (re)built when its inputs changed."""
+    tokenizer_json, key, built = shard_key(SFT_KIND, "SFT rows", path, tokenizer, out_dir, seq_len, val_fraction)
+    if built:
         return out_dir
     renderer, samples, packed = encode(path, tokenizer_json, seq_len)
     make_dir(out_dir.parent, "train.run_dir")  # the shard is cached in the run dir

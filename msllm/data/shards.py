@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from msllm.config import Config
-from msllm.data import corpus, sft
+from msllm.data import corpus, preference, prompts, sft
 from msllm.data.corpus import DataError
 from msllm.data.index import INDEX, SFT_KIND, open_tokens, read_index, token_dtype
 from msllm.data.tokenizer import eos_id, load_tokenizer, tokenizer_config, train_tokenizer
@@ -36,6 +36,27 @@ def open_split(shard_dir: Path, split: str):
 def build_shard(cfg: Config, out_dir: Path) -> Path:
     """Tokenize the configured corpus into out_dir (reused when already built from the same inputs)."""
     d, vocab = cfg.data, cfg.model.vocab_size
+    if cfg.train.objective == "grpo":  # prompts are read whole each run; the dir holds the tokenizer
+        if not (d.path and Path(d.path).expanduser().suffix == ".jsonl" and d.tokenizer):
+            raise DataError(f"data.path: {d.path}: train.objective grpo reads a .jsonl file of prompt rows and the "
+                            f"model's tokenizer (train.init_from)")
+        tokenizer_json = Path(d.tokenizer).expanduser()
+        prompts.read_prompts(Path(d.path).expanduser(), tokenizer_json, d.seq_len, cfg.grpo.max_new_tokens)
+        make_dir(out_dir.parent, "train.run_dir")
+        with staged_dir(out_dir, need=2 * tokenizer_json.stat().st_size, then="free space, then run again") as tmp:
+            for side in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                if tokenizer_json.with_name(side).is_file():
+                    (tmp / side).write_bytes(tokenizer_json.with_name(side).read_bytes())
+            (tmp / INDEX).write_text(json.dumps({"kind": "prompts", "source": str(d.path)}))
+        return out_dir
+    if cfg.train.objective == "dpo":
+        if d.path and Path(d.path).expanduser().suffix == ".jsonl":
+            return preference.prepare(Path(d.path).expanduser(), d.tokenizer, out_dir, d.seq_len, d.val_fraction,
+                                      vocab, _log)
+        if not (d.path and preference.is_preference(Path(d.path).expanduser())):
+            raise DataError(f"data.path: {d.path}: train.objective dpo reads preference pairs: a .jsonl file of "
+                            f"prompt / chosen / rejected rows, or the shard built from one")
+        return Path(d.path).expanduser()
     if d.path and Path(d.path).expanduser().suffix == ".jsonl":
         return sft.prepare(Path(d.path).expanduser(), d.tokenizer, out_dir, d.seq_len, d.val_fraction, vocab, _log)
     if d.path and (Path(d.path) / INDEX).exists():  # already a pretokenized shard

@@ -15,6 +15,9 @@ from msllm.models.moe import bias_balance
 from msllm.parallel import ep
 from msllm.parallel.dp import GradAllReduce
 from msllm.parallel.zero import ShardedAdamW
+from msllm.lora import switch_of
+from msllm.train.dpo import DPOLoss
+from msllm.train.grpo import GRPOLoss
 from msllm.train.optim import AdamW
 from msllm.train.step import EvalStep, TrainStep, make_loss_scaler
 
@@ -58,6 +61,14 @@ def build_train_step(cfg: Config, model: Decoder | None = None, wrap_optimizer=N
     reducer = GradAllReduce(optimizer.params) if world > 1 else None
     if spec.ep > 1:
         reducer = ep.ExpertGradReduce(optimizer.params, ep_group, edp_group)
+    loss_cell = eval_cell = None
+    if t.objective == "dpo":  # the objective's loss cell; the model knows nothing of it
+        loss_cell = DPOLoss(model, cfg.dpo, spec.fused_kernels, switch_of(model))
+        eval_cell = loss_cell
+    elif t.objective == "grpo":
+        g = cfg.grpo
+        loss_cell = eval_cell = GRPOLoss(model, g.loss_type, g.epsilon, max_completion=g.max_new_tokens,
+                                         temperature=g.temperature, fused=spec.fused_kernels)
     train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world,
-                           bias_balance(model, t.moe_bias_update_rate, world))
-    return Built(model, optimizer, train_step, EvalStep(model, spec.fused_kernels), spec)
+                           bias_balance(model, t.moe_bias_update_rate, world), loss_cell)
+    return Built(model, optimizer, train_step, EvalStep(model, spec.fused_kernels, eval_cell), spec)

@@ -21,6 +21,15 @@ from msllm.models.layers import CausalLMLoss, HeadCrossEntropy, MaskedCausalLMLo
 from msllm.models.moe import routing_losses
 
 
+def fused_head(model, fused: bool):
+    """msllm.kernels.FusedHead for the model's output head when the CPU kernels are on (`fused`), else
+    None: the kernel reduces hidden states to (logsumexp, label logit) without [tokens, vocab] logits."""
+    if not fused:
+        return None
+    from msllm import kernels
+    return kernels.FusedHead(weight_grad=model.head_weight().requires_grad) if kernels.has_sgemm() else None
+
+
 class LossCell(nn.Cell):
     """tokens [b, s+1] -> scale * mean next-token loss of model(tokens[:, :-1]) against tokens[:, 1:].
 
@@ -47,11 +56,7 @@ class LossCell(nn.Cell):
     def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
         self.model = model
-        self.head = None
-        if fused:  # msllm.kernels are on (CPU): the head's kernel holds no [tokens, vocab] logits
-            from msllm import kernels
-            if kernels.has_sgemm():
-                self.head = kernels.FusedHead(weight_grad=model.head_weight().requires_grad)
+        self.head = fused_head(model, fused)
         self.loss, self.masked_loss, self.head_loss = CausalLMLoss(), MaskedCausalLMLoss(), HeadCrossEntropy()
         self.extra = routing_losses(model.cfg)
         self.has_stats = self.extra is not None
@@ -92,14 +97,17 @@ class TrainStep(nn.Cell):
     once the optimizer has updated (msllm.models.moe.bias_balance), or None."""
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
-                 grad_reducer=None, world: int = 1, after_update=None):
+                 grad_reducer=None, world: int = 1, after_update=None, loss_cell=None):
         super().__init__(auto_prefix=False)
         if optimizer.fused:  # msllm.kernels are on (CPU): the gradient norm uses them too
             from msllm import kernels
             self.sum_of_squares = kernels.sum_of_squares_op()
         else:
             self.sum_of_squares = None
-        self.loss_cell = LossCell(model, optimizer.fused)
+        # another objective's loss cell (msllm.train.dpo.DPOLoss, grpo.GRPOLoss): same signature, has_stats, an
+        # optional `reference` Cell whose output, computed first without a gradient, is its last input
+        self.loss_cell = LossCell(model, optimizer.fused) if loss_cell is None else loss_cell
+        self.reference = getattr(self.loss_cell, "reference", None)
         self.optimizer = optimizer
         self.grad_clip = grad_clip
         self.accum_steps = accum_steps
@@ -118,13 +126,21 @@ class TrainStep(nn.Cell):
             return []
         return [self.loss_scaler.scale_value, self.loss_scaler.counter]
 
+    def inputs(self, tokens, sft, start, micro):
+        """The loss cell's inputs after (tokens, scale) for one micro-batch: its rows of the other
+        columns, and the reference's output on them when the loss cell has one."""
+        rest = [x[start:start + micro] for x in sft]
+        if self.reference is None:
+            return rest
+        return rest + [self.reference(tokens, *rest)]
+
     def construct(self, tokens, *sft):
         scale = ops.ones((), ms.float32) if self.loss_scaler is None else self.loss_scaler.scale_value * 1.0
         micro = tokens.shape[0] // self.accum_steps
-        loss, grads = self.value_and_grad(tokens[:micro], scale, *[x[:micro] for x in sft])
+        loss, grads = self.value_and_grad(tokens[:micro], scale, *self.inputs(tokens[:micro], sft, 0, micro))
         for i in range(1, self.accum_steps):
             chunk = ops.depend(tokens[i * micro:(i + 1) * micro], grads)
-            more_loss, more_grads = self.value_and_grad(chunk, scale, *[x[i * micro:(i + 1) * micro] for x in sft])
+            more_loss, more_grads = self.value_and_grad(chunk, scale, *self.inputs(chunk, sft, i * micro, micro))
             loss = hyper_map(ops.add, loss, more_loss) if self.loss_cell.has_stats else loss + more_loss
             grads = hyper_map(ops.add, grads, more_grads)
         loss, stats = loss if self.loss_cell.has_stats else (loss, None)  # summed like the loss
@@ -164,10 +180,13 @@ class EvalStep(nn.Cell):
     """The loss of a batch (under context parallel: every rank of the cp group runs it, each gets the
     whole sequence's loss)."""
 
-    def __init__(self, model, fused: bool = False):
+    def __init__(self, model, fused: bool = False, loss_cell=None):
         super().__init__(auto_prefix=False)
-        self.loss_cell = LossCell(model, fused)
+        self.loss_cell = LossCell(model, fused) if loss_cell is None else loss_cell
+        self.reference = getattr(self.loss_cell, "reference", None)
 
     def construct(self, tokens, *sft):
+        if self.reference is not None:
+            sft = sft + (self.reference(tokens, *sft),)
         loss = self.loss_cell(tokens, 1.0, *sft)
         return self.loss_cell.model.sequence_mean(loss[0] if self.loss_cell.has_stats else loss)

@@ -20,6 +20,8 @@ from msllm.config import Config, ConfigError
 from msllm.config_file import config_from_dict, save_config
 from msllm.data import shards
 from msllm.data.loader import DocumentWindows, make_dataset, windows_of
+from msllm.data.preference import PairRows
+from msllm.data.prompts import read_prompts
 from msllm.parallel.watchdog import Heartbeat
 from msllm.data.tokenizer import load_tokenizer
 from msllm.errors import UserError
@@ -32,6 +34,8 @@ from msllm.train import nonfinite
 from msllm.models.decoder import build_model
 from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
+from msllm.train.dpo import METRICS as DPO_METRICS, store_reference
+from msllm.train.grpo_loop import fit_grpo
 from msllm.train.optim import warmup_warning
 
 # Sections that must not change when resuming: they define the weights and the data stream.
@@ -97,6 +101,10 @@ class Trainer:
         self.replicas, self.replica = data_replicas(cfg, self.world), self.rank // cfg.parallel.cp
         ep.check(cfg, self.replicas)  # experts split over ep of the replicas
         ms.set_seed(t.seed)
+        if t.objective == "dpo" and cfg.lora.rank == 0 and not cfg.dpo.precompute_ref:  # (a merged run's config
+            raise ConfigError("the run config", "dpo.precompute_ref",  # holds both: checked when training only)
+                              "a full fine-tune keeps no reference model in the step: set dpo.precompute_ref: true "
+                              "(or train with lora.rank > 0, whose reference is the base with the adapters off)")
         resume_from = checkpoint.latest(self.run_dir) if resume else None
         lora = cfg.lora.rank > 0  # checkpoints hold the adapters; the base is read from init_from every time
         if resume_from:
@@ -116,8 +124,16 @@ class Trainer:
             self.shard_dir = shards.build_shard(cfg, self.run_dir / "data")
         make_dir(self.run_dir, "train.run_dir")
         self.tokenizer = load_tokenizer(self.shard_dir / "tokenizer.json")
-        self.train_tokens = shards.open_split(self.shard_dir, "train")
-        self.val_tokens = shards.open_split(self.shard_dir, "val")
+        if t.objective == "grpo":  # prompts, read whole (msllm.data.prompts); no held-out split
+            self.prompts = read_prompts(Path(cfg.data.path).expanduser(), self.shard_dir / "tokenizer.json",
+                                        cfg.data.seq_len, cfg.grpo.max_new_tokens)[1]
+            self.train_tokens = self.val_tokens = None
+        elif t.objective == "dpo":  # preference pairs; with dpo.precompute_ref their reference log-probs, once built
+            index = shards.read_index(self.shard_dir)
+            self.train_tokens, self.val_tokens = (PairRows(self.shard_dir, split, index) for split in ("train", "val"))
+        else:
+            self.train_tokens = shards.open_split(self.shard_dir, "train")
+            self.val_tokens = shards.open_split(self.shard_dir, "val")
         if cfg.data.document_attention and not hasattr(self.train_tokens, "columns"):
             eos = shards.read_index(self.shard_dir)["eos_id"]
             self.train_tokens, self.val_tokens = (DocumentWindows(split, cfg.data.seq_len, eos)
@@ -129,6 +145,8 @@ class Trainer:
         if lora and not resume_from:
             pretrained.load_adapter(self.model.trainable_params())
         self.optimizer = built.optimizer
+        if t.objective == "dpo" and cfg.dpo.precompute_ref:
+            self._reference_logps(built.spec.fused_kernels, bool(resume_from))
         self.start_step, self.skipped, self.data_position = 0, 0, 0
         self.nonfinite_report = None  # the first non-finite step, located (train/nonfinite.py)
         if resume_from:
@@ -143,6 +161,20 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, enabled=self.rank == 0)
         self.writer = checkpoint.BackgroundWriter() if t.background_checkpoint and self.rank == 0 else None
         self.stalls = {}  # step -> seconds training paused for its checkpoint
+
+    def _reference_logps(self, fused: bool, resumed: bool) -> None:
+        """dpo.precompute_ref: the starting model's log-probs of every pair, stored beside the shard by
+        rank 0 (the others wait), then read with the pairs."""
+        t = self.cfg.train
+        key = {"init_from": self.pretrained.identity() if self.pretrained else None, "lora_from": t.lora_from,
+               "seed": t.seed, "precision": t.precision, "lora": self.cfg.to_dict()["lora"]}
+        if self.rank == 0:
+            store_reference(self.shard_dir, self.model, fused, t.batch_size, key, resumed, info)
+        if self.world > 1:
+            dp.barrier()
+        index = shards.read_index(self.shard_dir)
+        self.train_tokens, self.val_tokens = (PairRows(self.shard_dir, split, index, with_ref=True)
+                                              for split in ("train", "val"))
 
     def _restore(self, path: Path) -> None:
         ep_size, index = self.cfg.parallel.ep, self.rank % self.cfg.parallel.ep  # checkpoints hold whole experts
@@ -234,13 +266,15 @@ class Trainer:
         if remaining <= 0:
             info(f"run already at step {self.start_step} >= train.steps {t.steps}; nothing to do")
             return {"step": self.start_step}
+        if t.objective == "grpo":
+            return fit_grpo(self)
         # SFT rows: only the positions with a loss go through the head (one worker only: each rank's
         # buckets would differ, which data and context parallel have not been tried with)
-        rows = t.accum_steps if t.head_rows == "loss" and self.world == 1 else 0
+        rows = t.accum_steps if t.head_rows == "loss" and self.world == 1 and t.objective != "dpo" else 0
         data = make_dataset(self.train_tokens, cfg.data.seq_len, self.samples_per_step, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle, world=self.replicas, rank=self.replica,
                             start=self.data_position, num_batches=remaining, loss_rows=rows)
-        tokens_per_step = self.global_batch * cfg.data.seq_len
+        tokens_per_step = self.global_batch * cfg.data.seq_len * (2 if t.objective == "dpo" else 1)  # dpo: pairs
         flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
         info(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers; {t.mode} mode on "
              f"{t.device}, {t.precision}; {remaining} steps of {tokens_per_step} tokens")
@@ -277,7 +311,7 @@ class Trainer:
                         if self.train_step.loss_scaler is not None else ""))
                 stopping = bad_run >= t.max_bad_steps
                 if self.rank == 0 and self.nonfinite_report is None and (t.debug_nonfinite or stopping) \
-                        and cfg.parallel.cp == 1:  # the eager re-run is one process: no cp group
+                        and cfg.parallel.cp == 1 and t.objective != "dpo":  # the re-run is LossCell's  # the eager re-run is one process: no cp group
                     self.nonfinite_report = nonfinite.report(self.run_dir, step, self.model, batch[0].asnumpy(),
                                                              float(scale.asnumpy()), cfg, t.accum_steps)
                 if stopping:
@@ -295,13 +329,18 @@ class Trainer:
                         "grad_norm": float(norm.asnumpy()), "tokens_per_s": tps,
                         "mfu": tps * flops_per_token / t.peak_flops, "loss_scale": float(scale.asnumpy()),
                         "skipped_steps": self.skipped}
-                if loads:
+                if loads and t.objective == "dpo":
+                    last.update(zip(DPO_METRICS, map(float, loads[0].asnumpy())))
+                elif loads:
                     last.update(routing_metrics(loads[0].asnumpy()))
                 self.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  lr {last['lr']:.2e}  "
                                        f"gnorm {last['grad_norm']:.3f}  {tps:,.0f} tok/s  mfu {last['mfu']:.2%}"
                                        + (f"  scale {last['loss_scale']:g}  skipped {self.skipped}"
                                           if t.precision == "fp16" else "")
-                                       + (f"  expert load max/mean {last['expert_load_max']:.2f}" if loads else "")
+                                       + (f"  reward acc {last['rewards/accuracies']:.2f} margin "
+                                          f"{last['rewards/margins']:.3f}" if "rewards/margins" in last else "")
+                                       + (f"  expert load max/mean {last['expert_load_max']:.2f}"
+                                          if "expert_load_max" in last else "")
                                        + (f" dropped {last['dropped']:.1%}" if t.moe_capacity_factor else ""))
                 window_t, window_steps = time.perf_counter(), 0
             # rank 0's cp or ep group (its ranks compute one sequence or one layer's experts together)

@@ -1,0 +1,199 @@
+"""Preference pairs for DPO: JSONL rows -> (chosen, rejected) token rows with completion masks, pretokenized once.
+
+TRL's preference formats, tokenized as TRL's DPOTrainer does:
+
+    {"prompt": str, "chosen": str, "rejected": str}
+        prompt, then prompt + completion tokenized whole; the completion starts where the two
+        token lists part (a merge across the boundary moves it back), then EOS.
+    {"prompt": [messages], "chosen": [messages], "rejected": [messages]}, or chosen / rejected as
+    whole conversations sharing their first messages (the implicit prompt)
+        rendered with the tokenizer's chat template: the prompt with its generation prompt, then
+        prompt + completion; the completion is what the second adds (its end-of-turn included).
+
+A pair is two rows of data.seq_len + 1 tokens (chosen first), padded at the end and never packed
+with another sample, so the step's micro-batch always holds both rows of a pair. Shard files:
+train.bin [2 * pairs, seq_len + 1] tokens, train.mask.bin [2 * pairs, seq_len] uint8 (1 where the
+label is a completion token), val.* alike, index.json with "kind": "dpo". With dpo.precompute_ref
+the reference model's log-probs are added as train.ref.bin / val.ref.bin [pairs, 2] float32
+(msllm.train.dpo.precompute_reference), named in ref.json by the model they came from.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from msllm.data.corpus import DataError
+from msllm.data.index import INDEX, read_index, token_dtype
+from msllm.data.sft import Renderer, read_rows, shard_key
+from msllm.preflight import make_dir
+from msllm.staged import staged_dir
+
+DPO_KIND = "dpo"
+REF_INDEX = "ref.json"
+
+
+def _messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def _shared(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class PairEncoder:
+    """Row -> (prompt ids, chosen completion ids, rejected completion ids)."""
+
+    def __init__(self, tokenizer_json: Path):
+        self.renderer = Renderer(tokenizer_json)
+
+    def pair(self, row: dict, where: str) -> tuple[list[int], list[int], list[int]]:
+        missing = [k for k in ("chosen", "rejected") if k not in row]
+        if missing:
+            raise DataError(f"data.path: {where}: a preference pair needs \"chosen\" and \"rejected\"; "
+                            f"missing {', '.join(missing)} (got keys {sorted(row)})")
+        chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+        if isinstance(chosen, str) and isinstance(rejected, str) and isinstance(prompt, str):
+            return self.text(prompt, chosen, rejected, where)
+        if _messages(chosen) and _messages(rejected) and (prompt is None or _messages(prompt)):
+            if prompt is None:  # whole conversations: the prompt is the messages they share
+                n = _shared(chosen, rejected)
+                prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+            if not (prompt and chosen and rejected):
+                raise DataError(f"data.path: {where}: chosen and rejected must each add messages to a non-empty prompt")
+            return self.chat(prompt, chosen, rejected, where)
+        raise DataError(f"data.path: {where}: expected strings \"prompt\", \"chosen\", \"rejected\", or message lists "
+                        f"[{{\"role\": str, \"content\": str}}, ...] for them (\"prompt\" optional)")
+
+    def _split(self, prompt: list[int], with_chosen: list[int], with_rejected: list[int], where: str):
+        cut = min(_shared(prompt, with_chosen), _shared(prompt, with_rejected))
+        chosen, rejected = with_chosen[cut:], with_rejected[cut:]
+        if not (cut and chosen and rejected):
+            raise DataError(f"data.path: {where}: empty prompt or completion after tokenizing")
+        return prompt[:cut], chosen, rejected
+
+    def text(self, prompt: str, chosen: str, rejected: str, where: str):
+        r = self.renderer
+        if r.eos is None:
+            raise DataError(f"data.tokenizer: {r.tokenizer_json} names no EOS token (tokenizer_config.json "
+                            f"eos_token) to end a completion")
+        ids = [r.encode(t, special=True) for t in (prompt, prompt + chosen, prompt + rejected)]
+        prompt_ids, chosen_ids, rejected_ids = self._split(*ids, where)
+        return prompt_ids, chosen_ids + [r.eos], rejected_ids + [r.eos]
+
+    def chat(self, prompt: list, chosen: list, rejected: list, where: str):
+        r = self.renderer
+        if r.template_text is None:
+            raise DataError(f"data.path: {where}: conversational pairs need a chat template, and {r.tokenizer_json} "
+                            f"has none (tokenizer_config.json chat_template or chat_template.jinja beside it)")
+        try:
+            texts = (r.render(prompt, True), r.render(prompt + chosen, False), r.render(prompt + rejected, False))
+        except Exception as e:  # a template's own raise_exception, or a Jinja error
+            raise DataError(f"data.path: {where}: chat template failed: {e}") from None
+        return self._split(*(r.encode(t) for t in texts), where)
+
+
+def rows_of(prompt: list[int], completion: list[int], seq_len: int, pad: int):
+    """One sample -> (tokens [seq_len + 1], mask [seq_len]: 1 where the label is a completion token)."""
+    ids = prompt + completion
+    tokens = np.full(seq_len + 1, pad, np.int32)
+    tokens[:len(ids)] = ids
+    mask = np.zeros(seq_len, np.uint8)
+    mask[len(prompt) - 1:len(ids) - 1] = 1
+    return tokens, mask
+
+
+def encode(path: Path, tokenizer_json: Path, seq_len: int):
+    """(encoder, tokens [2 * pairs, seq_len + 1], mask [2 * pairs, seq_len]); every bad row is refused
+    before anything is written."""
+    encoder = PairEncoder(tokenizer_json)
+    pad = encoder.renderer.eos if encoder.renderer.eos is not None else 0
+    tokens, mask = [], []
+    for number, row in read_rows(path):
+        where = f"{path}:{number}"
+        prompt, chosen, rejected = encoder.pair(row, where)
+        longest = len(prompt) + max(len(chosen), len(rejected))
+        if longest > seq_len + 1:
+            raise DataError(f"data.path: {where}: prompt + completion of {longest} tokens does not fit data.seq_len "
+                            f"{seq_len} (+1 label); raise data.seq_len or shorten the row (pairs are not cut)")
+        for completion in (chosen, rejected):
+            t, m = rows_of(prompt, completion, seq_len, pad)
+            tokens.append(t)
+            mask.append(m)
+    if len(tokens) < 4:
+        raise DataError(f"data.path: {path}: {len(tokens) // 2} pair; need at least 2 (one is held out)")
+    return encoder, np.stack(tokens), np.stack(mask)
+
+
+def write_shard(tmp: Path, encoder: PairEncoder, tokens, mask, val_fraction: float, vocab: int, key: dict,
+                source: Path, log) -> None:
+    pairs = len(tokens) // 2
+    n_val = max(1, int(pairs * val_fraction))
+    dtype = token_dtype(vocab)
+    for name, rows in {"train": slice(0, 2 * (pairs - n_val)), "val": slice(2 * (pairs - n_val), 2 * pairs)}.items():
+        tokens[rows].astype(dtype).tofile(tmp / f"{name}.bin")
+        mask[rows].tofile(tmp / f"{name}.mask.bin")
+    renderer = encoder.renderer
+    for side in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if renderer.tokenizer_json.with_name(side).is_file():
+            shutil.copyfile(renderer.tokenizer_json.with_name(side), tmp / side)
+    index = {"kind": DPO_KIND, "dtype": np.dtype(dtype).name, "vocab_size": renderer.tok.get_vocab_size(),
+             "eos_id": renderer.eos, "seq_len": tokens.shape[1] - 1, "train_pairs": pairs - n_val, "val_pairs": n_val,
+             "completion_tokens": int(mask.sum()), "source": str(source), "key": key}
+    (tmp / INDEX).write_text(json.dumps(index, indent=1))
+    log(f"{pairs} preference pairs ({pairs - n_val} train / {n_val} val) in rows of {tokens.shape[1] - 1}, "
+        f"{int(mask.sum()):,} completion tokens")
+
+
+class PairRows:
+    """Pairs of a shard split: (tokens [2, L+1] int32, mask [2, L] float32[, ref [2] float32]), chosen first."""
+
+    def __init__(self, shard_dir: Path, split: str, index: dict, with_ref: bool = False):
+        n, seq_len = index[f"{split}_pairs"], index["seq_len"]
+        self.seq_len, self.split, self.shard_dir = seq_len, split, shard_dir
+        files = {"tokens": (f"{split}.bin", np.dtype(index["dtype"]), seq_len + 1),
+                 "mask": (f"{split}.mask.bin", np.dtype(np.uint8), seq_len)}
+        if with_ref:
+            files["ref"] = (f"{split}.ref.bin", np.dtype(np.float32), 1)
+        self.arrays = {}
+        for name, (file, dtype, width) in files.items():
+            path = shard_dir / file
+            if not path.exists() or path.stat().st_size != 2 * n * width * dtype.itemsize:
+                raise DataError(f"{path}: missing or wrong size (index says {n} pairs); rebuild the shard")
+            self.arrays[name] = np.memmap(path, dtype=dtype, mode="r", shape=(n, 2, width))
+        self.columns = list(files)
+
+    def __len__(self):
+        return len(self.arrays["tokens"])
+
+    def __getitem__(self, i):
+        i = int(i)
+        row = (np.asarray(self.arrays["tokens"][i], np.int32), np.asarray(self.arrays["mask"][i], np.float32))
+        if "ref" in self.arrays:
+            row += (np.asarray(self.arrays["ref"][i, :, 0], np.float32),)
+        return row
+
+
+def is_preference(shard_dir: Path) -> bool:
+    return (shard_dir / INDEX).exists() and read_index(shard_dir).get("kind") == DPO_KIND
+
+
+def prepare(path: Path, tokenizer: str | None, out_dir: Path, seq_len: int, val_fraction: float, vocab: int,
+            log) -> Path:
+    """The shard of a preference JSONL file in out_dir, (re)built when its inputs changed."""
+    tokenizer_json, key, built = shard_key(DPO_KIND, "preference pairs", path, tokenizer, out_dir, seq_len,
+                                           val_fraction)
+    if built:
+        return out_dir
+    encoder, tokens, mask = encode(path, tokenizer_json, seq_len)
+    make_dir(out_dir.parent, "train.run_dir")  # the shard is cached in the run dir
+    need = tokens.size * 4 + mask.size + 2 * tokenizer_json.stat().st_size
+    with staged_dir(out_dir, need=need, then="free space or put train.run_dir on another disk, then run again") as tmp:
+        write_shard(tmp, encoder, tokens, mask, val_fraction, vocab, key, path, log)
+    return out_dir

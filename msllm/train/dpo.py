@@ -1,0 +1,148 @@
+"""Direct preference optimisation as a loss cell of the compiled step (train.objective: dpo).
+
+A micro-batch holds b pairs: tokens [b, 2, s+1] and completion masks [b, 2, s] (chosen first,
+msllm.data.preference). Each row's log-probability is summed over its completion and EOS, as TRL's
+DPOTrainer does, through the same head path as the cross-entropy (msllm.train.step.LossCell): the
+model's projection while the logits are small, the fused head kernel's (lse, target) otherwise, so
+no [tokens, vocab] log-softmax exists when the kernel is on.
+
+The reference model's log-probs come either from the data (dpo.precompute_ref: computed once by
+precompute_reference with the model as loaded, stored beside the shard), or, with LoRA, from the
+same weights with the adapters off (msllm.lora.AdapterSwitch), computed in the step before the
+policy's forward and without a gradient: no second copy of the weights.
+
+Losses (TRL 1.16's names): sigmoid, -log sigmoid(beta * margin), with dpo.label_smoothing eps the
+conservative form -(1 - eps) log sigmoid(beta m) - eps log sigmoid(-beta m) (TRL's sigmoid before 1.0;
+1.16's ignores eps); ipo, (margin per completion token - 1 / (2 beta))^2, the log-ratios divided by
+each completion's token count. margin = (chosen - ref chosen) - (rejected - ref rejected).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from msllm.config import DPOConfig
+from msllm.data.corpus import DataError
+from msllm.data.index import read_index
+from msllm.data.preference import REF_INDEX, PairRows
+from msllm.train.logprobs import TokenLogProbs
+
+# The metrics row's names (TRL's), in the order DPOLoss returns them.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+class SequenceLogProbs(nn.Cell):
+    """tokens [n, s+1], mask [n, s] -> [n] fp32: sum over the masked positions of log p(next token)."""
+
+    def __init__(self, model, fused: bool = False):
+        super().__init__(auto_prefix=False)
+        self.tokens = TokenLogProbs(model, fused)
+
+    def construct(self, tokens, mask):
+        return ops.sum(self.tokens(tokens) * mask, -1)
+
+
+class AdapterOffLogProbs(nn.Cell):
+    """The reference log-probs with LoRA: the same model with its adapters switched off (the
+    AdapterSwitch's Parameter set to 0, then back to 1 once they are computed), no gradient."""
+
+    def __init__(self, logps: SequenceLogProbs, switch):
+        super().__init__(auto_prefix=False)
+        self.logps, self.on = logps, switch.on
+
+    def construct(self, tokens, mask):
+        b = tokens.shape[0]
+        off = ops.assign(self.on, ops.zeros((), ms.float32))
+        ref = self.logps(ops.depend(tokens.reshape(2 * b, -1), off), mask.reshape(2 * b, -1))
+        ref = ops.stop_gradient(ref.reshape(b, 2))
+        return ops.depend(ref, ops.assign(self.on, ops.depend(ops.ones((), ms.float32), ref)))
+
+
+class DPOLoss(nn.Cell):
+    """tokens [b, 2, s+1], scale, mask [b, 2, s], ref [b, 2] -> (scale * mean DPO loss over the pairs,
+    the metrics [6] of METRICS, means over the pairs)."""
+
+    def __init__(self, model, cfg: DPOConfig, fused: bool = False, switch=None):
+        super().__init__(auto_prefix=False)
+        self.model = model
+        self.logps = SequenceLogProbs(model, fused)
+        self.loss_type, self.beta, self.smoothing = cfg.loss, cfg.beta, cfg.label_smoothing
+        # LoRA without precomputed reference log-probs: the step computes them with the adapters off
+        self.reference = (None if cfg.precompute_ref or switch is None
+                          else AdapterOffLogProbs(SequenceLogProbs(model, fused), switch))
+        self.has_stats = True
+
+    def construct(self, tokens, scale, mask, ref):
+        b = tokens.shape[0]
+        logps = self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1)).reshape(b, 2)
+        ratios = logps - ref
+        if self.loss_type == "ipo":
+            scores = ratios / ops.maximum(ops.sum(mask, -1), 1.0)
+            losses = ops.square(scores[:, 0] - scores[:, 1] - 0.5 / self.beta)
+        else:
+            margin = self.beta * (ratios[:, 0] - ratios[:, 1])
+            # -log sigmoid(x) = softplus(-x)
+            losses = (1.0 - self.smoothing) * ops.softplus(-margin) + self.smoothing * ops.softplus(margin)
+        rewards = ops.stop_gradient(self.beta * ratios)
+        chosen, rejected = rewards[:, 0], rewards[:, 1]
+        logps = ops.stop_gradient(logps)
+        stats = ops.stack([ops.mean(chosen), ops.mean(rejected), ops.mean((chosen > rejected).astype(ms.float32)),
+                           ops.mean(chosen - rejected), ops.mean(logps[:, 0]), ops.mean(logps[:, 1])])
+        return ops.mean(losses) * scale, stats
+
+
+class ReferencePass(nn.Cell):
+    """tokens [b, 2, s+1], mask [b, 2, s] -> the model's summed completion log-probs [b, 2]."""
+
+    def __init__(self, model, fused: bool = False):
+        super().__init__(auto_prefix=False)
+        self.logps = SequenceLogProbs(model, fused)
+
+    def construct(self, tokens, mask):
+        b = tokens.shape[0]
+        return self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1)).reshape(b, 2)
+
+
+def precompute_reference(model, fused: bool, pairs, batch_size: int) -> np.ndarray:
+    """[len(pairs), 2] float32: the reference log-probs of every pair (msllm.data.preference.PairRows),
+    batch_size pairs per compiled call (the last batch padded with the first pairs)."""
+    cell = ReferencePass(model, fused)
+    cell.set_train(False)
+    n = len(pairs)
+    out = np.empty((n, 2), np.float32)
+    for start in range(0, n, batch_size):
+        idx = [(start + k) % n for k in range(batch_size)]
+        tokens = np.stack([pairs[i][0] for i in idx])
+        mask = np.stack([pairs[i][1] for i in idx])
+        got = cell(Tensor(tokens), Tensor(mask)).asnumpy()
+        out[start:start + batch_size] = got[:min(batch_size, n - start)]
+    return out
+
+
+def store_reference(shard_dir: Path, model, fused: bool, batch_size: int, key: dict, resumed: bool, log) -> None:
+    """dpo.precompute_ref: both splits' reference log-probs beside the shard ({split}.ref.bin, ref.json
+    naming `key`, the model they came from), computed now with `model` as loaded unless already there.
+    A resumed run's model is no longer the reference: it must find them."""
+    index_path = shard_dir / REF_INDEX
+    if index_path.exists() and json.loads(index_path.read_text()) == key:
+        return
+    if resumed:
+        raise DataError(f"{index_path}: no reference log-probs of this run's starting model (dpo.precompute_ref), "
+                        f"and a resumed model is no longer the reference; start the run again without --resume")
+    index = read_index(shard_dir)
+    for split in ("train", "val"):
+        t0 = time.perf_counter()
+        ref = precompute_reference(model, fused, PairRows(shard_dir, split, index), batch_size)
+        tmp = shard_dir / f"{split}.ref.bin.tmp"
+        ref.tofile(tmp)
+        os.replace(tmp, shard_dir / f"{split}.ref.bin")
+        log(f"reference log-probs of {len(ref)} {split} pairs in {time.perf_counter() - t0:.1f}s "
+            f"({ref.nbytes:,} bytes beside the shard)")
+    index_path.write_text(json.dumps(key))

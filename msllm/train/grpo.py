@@ -1,0 +1,89 @@
+"""GRPO's policy loss as a loss cell of the compiled step, and its group advantages (TRL 1.16's GRPOTrainer).
+
+Not wired into `msllm train` yet (no rollouts): what exists is the loss on given completions, the
+part TRL's parity is defined on, and the advantages of a group's rewards.
+
+A micro-batch holds n sampled sequences: tokens [n, s+1] (prompt, completion, padding), mask [n, s]
+(1 where the label is a completion token), the advantages [n], the log-probs the completions were
+sampled with (old_logps [n, s], per label) and, with a KL term, the reference's (ref_logps [n, s]).
+Per-token log-probs come through the same head path as the cross-entropy (msllm.train.step.LossCell:
+the projection, or the fused head kernel's target - logsumexp), of logits / temperature as TRL scores
+them. Per token, with ratio r = exp(logp - old):
+
+    loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta * r * (exp(ref - logp) - (ref - logp) - 1)
+
+aggregated as TRL's loss_type: grpo (each sequence's mean, then the mean), bnpo and dapo (over the
+micro-batch's completion tokens; TRL's dapo counts the whole generation batch, the same for one
+micro-batch per batch), dr_grpo (the sum over n * max_completion).
+"""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+
+from msllm.train.logprobs import TokenLogProbs
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# The aux row GRPOLoss returns, in order (TRL's metric names).
+METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length")
+
+
+class GRPOLoss(nn.Cell):
+    """tokens [n, s+1], scale, mask [n, s], advantages [n], old_logps [n, s] (None: the policy's own, one
+    update per batch)(, ref_logps [n, s] when beta > 0) -> (scale * loss, METRICS [5])."""
+
+    def __init__(self, model, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
+                 beta: float = 0.0, max_completion: int = 0, temperature: float = 1.0, fused: bool = False):
+        super().__init__(auto_prefix=False)
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type {loss_type!r} not in {LOSS_TYPES}")
+        self.logps = TokenLogProbs(model, fused, temperature)
+        self.loss_type, self.beta, self.max_completion = loss_type, beta, max_completion
+        self.low, self.high = 1.0 - epsilon, 1.0 + (epsilon if epsilon_high is None else epsilon_high)
+        self.has_stats = True
+
+    def construct(self, tokens, scale, mask, advantages, old_logps=None, ref_logps=None):
+        logps = self.logps(tokens)
+        if old_logps is None:  # one update per batch (TRL's num_iterations 1): the policy sampled them
+            old_logps = ops.stop_gradient(logps)
+        ratio = ops.exp(logps - old_logps)
+        adv = advantages.reshape(-1, 1)
+        per_token = -ops.minimum(ratio * adv, ops.clamp(ratio, self.low, self.high) * adv)
+        kl = ops.zeros_like(per_token)
+        if self.beta != 0.0:
+            delta = ref_logps - logps
+            kl = (ops.exp(delta) - delta - 1.0) * ratio  # TRL's use_bias_correction_kl (default): the k3
+            per_token = per_token + self.beta * kl       # estimate weighted by the ratio, for samples of old
+        tokens_per_row = ops.sum(mask, -1)
+        count = ops.maximum(ops.sum(mask), 1.0)
+        if self.loss_type == "grpo":
+            loss = ops.mean(ops.sum(per_token * mask, -1) / ops.maximum(tokens_per_row, 1.0))
+        elif self.loss_type == "dr_grpo":
+            loss = ops.sum(per_token * mask) / (mask.shape[0] * self.max_completion)
+        else:  # bnpo, dapo
+            loss = ops.sum(per_token * mask) / count
+        ratio, kl = ops.stop_gradient(ratio), ops.stop_gradient(kl)
+        low = ops.logical_and(ratio < self.low, adv < 0).astype(ms.float32)
+        high = ops.logical_and(ratio > self.high, adv > 0).astype(ms.float32)
+        stats = ops.stack([ops.sum(kl * mask) / count, ops.sum(low * mask) / count, ops.sum(high * mask) / count,
+                           ops.sum((low + high) * mask) / count, ops.mean(tokens_per_row)])
+        return loss * scale, stats
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str = "group") -> np.ndarray:
+    """rewards [prompts * group_size] (each prompt's completions together) -> advantages, as TRL:
+    r - its group's mean, divided by (std + 1e-4) with the group's (scale_rewards group) or the whole
+    batch's (batch) unbiased std, or not divided (none)."""
+    r = np.asarray(rewards, np.float64)
+    groups = r.reshape(-1, group_size)
+    centred = (groups - groups.mean(1, keepdims=True)).reshape(-1)
+    if scale_rewards == "none":
+        return centred.astype(np.float32)
+    if scale_rewards == "group":
+        std = np.repeat(groups.std(1, ddof=1) if group_size > 1 else np.zeros(len(groups)), group_size)
+    elif scale_rewards == "batch":
+        std = np.full(r.shape, r.std(ddof=1) if r.size > 1 else 0.0)
+    else:
+        raise ValueError(f"scale_rewards {scale_rewards!r} not in group, batch, none")
+    return (centred / (std + 1e-4)).astype(np.float32)

@@ -1,0 +1,93 @@
+"""`msllm train` with train.objective grpo: each step samples grpo.group_size completions for each of
+train.batch_size prompts with msllm's compiled static-cache decoder, scores them with the reward
+functions, turns the rewards into group advantages, appends every rollout to RUN_DIR/rollouts.jsonl,
+and takes one compiled step of GRPOLoss (one update per batch: the sampling policy is the one trained).
+
+The decoder is a second model specialised for generation: at the start it gets every weight of the
+trained model, then before each step's rollouts the trainable ones (the adapters, with LoRA), so
+generation never sees the training specialisation. Its memory: one more copy of the weights.
+The prompts a step reads and its sampler's seed are pure functions of (data.seed, position) and
+(train.seed, step), so a resumed run samples what the uninterrupted one would have.
+"""
+from __future__ import annotations
+
+import time
+
+import mindspore as ms
+import numpy as np
+
+from msllm import backends
+from msllm.data.loader import RankSampler
+from msllm.data.tokenizer import eos_id, tokenizer_config
+from msllm.device import DeviceError
+from msllm.generate import Sampling
+from msllm.inference import cell_engine
+from msllm.metrics import info
+from msllm.models.decoder import build_model
+from msllm.train.grpo import METRICS, group_advantages
+from msllm.train.rewards import load_reward, score
+from msllm.train.rollout import log_rollouts, rollout_rows, sample_groups
+
+
+def copy_weights(source, target, trainable_only: bool) -> None:
+    theirs = {p.name: p for p in target.get_parameters()}
+    for p in source.trainable_params() if trainable_only else source.get_parameters():
+        theirs[p.name].set_data(ms.Tensor(p.asnumpy()))
+
+
+def fit_grpo(trainer) -> dict:
+    cfg, t, g = trainer.cfg, trainer.cfg.train, trainer.cfg.grpo
+    if trainer.world > 1:
+        raise DeviceError("train.objective grpo runs on one worker (data parallel rollouts are not built yet)")
+    rewards = {spec: load_reward(spec) for spec in g.reward}
+    weights = g.reward_weights or [1.0] * len(rewards)
+    tokenizer = trainer.tokenizer
+    eos = eos_id(tokenizer, tokenizer_config(trainer.shard_dir / "tokenizer.json"))
+    generator = build_model(cfg.model, compute_dtype=trainer.model.compute_dtype)
+    backends.specialise(generator, cfg, training=False)
+    generator.set_train(False)
+    copy_weights(trainer.model, generator, trainable_only=False)
+    engine = cell_engine(generator)
+    remaining = t.steps - trainer.start_step
+    order = iter(RankSampler(len(trainer.prompts), t.batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                             start=trainer.data_position, steps=remaining))
+    info(f"grpo: {remaining} steps of {t.batch_size} prompts x {g.group_size} completions (up to "
+         f"{g.max_new_tokens} tokens), rewards {', '.join(rewards)}")
+    last = {}
+    for step in range(trainer.start_step + 1, t.steps + 1):
+        t0 = time.perf_counter()
+        batch = [trainer.prompts[next(order)] for _ in range(t.batch_size)]
+        copy_weights(trainer.model, generator, trainable_only=True)
+        seed = int(np.random.SeedSequence([t.seed, step]).generate_state(1)[0])
+        completions, rollout_tok_s = sample_groups(
+            engine, [p.ids for p in batch], g.group_size, g.max_new_tokens,
+            Sampling(top_p=g.top_p, temperature=g.temperature, seed=seed), eos_ids=() if eos is None else (eos,))
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        rows = [p for p in batch for _ in range(g.group_size)]
+        names = sorted({k for p in batch for k in p.columns})
+        total, each = score(rewards, weights, [p.text for p in rows], texts,
+                            {k: [p.columns.get(k) for p in rows] for k in names})
+        advantages = group_advantages(total, g.group_size, g.scale_rewards)
+        if trainer.rank == 0:
+            log_rollouts(trainer.run_dir / "rollouts.jsonl", step, [p.text for p in batch], texts, total, each,
+                         list(rewards), advantages, [len(c) for c in completions])
+        tokens, mask = rollout_rows([p.ids for p in batch], completions, g.group_size, cfg.data.seq_len,
+                                    eos if eos is not None else 0)
+        loss, norm, lr, finite, scale, stats = trainer.train_step(ms.Tensor(tokens), ms.Tensor(mask),
+                                                                  ms.Tensor(advantages))
+        loss = float(loss.asnumpy())
+        last = {"kind": "train", "step": step, "loss": loss, "lr": float(lr.asnumpy()),
+                "grad_norm": float(norm.asnumpy()), "reward": float(total.mean()), "reward_std": float(total.std()),
+                "rollout_tokens_per_s": rollout_tok_s, "step_s": time.perf_counter() - t0,
+                **{f"rewards/{name}/mean": float(each[:, k].mean()) for k, name in enumerate(rewards)},
+                **dict(zip(METRICS, map(float, stats.asnumpy())))}
+        if not bool(finite.asnumpy()):
+            trainer.skipped += 1
+        trainer.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  reward {last['reward']:.3f} "
+                                  f"(std {last['reward_std']:.3f})  length {last['completions/mean_length']:.1f}  "
+                                  f"clip {last['clip_ratio/region_mean']:.2%}  {rollout_tok_s:,.0f} rollout tok/s")
+        if step % t.ckpt_every == 0 or step == t.steps:
+            trainer.save(step)
+    trainer.report_checkpoints(wait=True, final=t.steps)
+    trainer.metrics.close()
+    return {**last, "step": t.steps}

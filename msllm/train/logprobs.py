@@ -1,0 +1,33 @@
+"""Per-token log-probabilities of a model's next tokens, through the loss's head path (msllm.train.step.LossCell):
+the model's projection while the logits fit layers.HEAD_CHUNK_BYTES, else the fused head kernel's
+target - logsumexp, so no [tokens, vocab] log-softmax exists when the kernel is on. DPO sums them over
+completions (msllm.train.dpo), GRPO weighs them per token (msllm.train.grpo).
+"""
+from __future__ import annotations
+
+from mindspore import nn, ops
+
+from msllm.models.layers import fits_whole
+from msllm.train.step import fused_head
+
+
+class TokenLogProbs(nn.Cell):
+    """tokens [n, s+1] -> [n, s] fp32: log p(next token) of logits / temperature at every position."""
+
+    def __init__(self, model, fused: bool = False, temperature: float = 1.0):
+        super().__init__(auto_prefix=False)
+        self.model, self.temperature = model, temperature
+        self.head = fused_head(model, fused)
+
+    def construct(self, tokens):
+        labels = tokens[:, 1:].reshape(-1)
+        h, _ = self.model.features(tokens[:, :-1])
+        if self.temperature != 1.0:  # (h W^T) / T = (h / T) W^T: the head path stays the same
+            h = h / self.temperature
+        if self.head is None or fits_whole(h.shape[0], self.model.cfg.vocab_size):
+            logits = self.model.project(h).reshape(labels.shape[0], -1)
+            lse = ops.logsumexp(logits, -1)
+            target = ops.gather_elements(logits, 1, labels.reshape(-1, 1)).reshape(-1)
+        else:
+            lse, target = self.head(h, self.model.head_weight(), labels)
+        return (target - lse).reshape(tokens.shape[0], -1)

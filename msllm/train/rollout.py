@@ -1,0 +1,59 @@
+"""GRPO rollouts: group_size completions per prompt from msllm's compiled static-cache decoder
+(msllm.inference.cell_engine, msllm.generate), laid out as GRPOLoss's inputs, and logged as JSONL.
+
+Completions end at the model's EOS (kept, as TRL keeps it: its log-prob is trained) or after
+max_new tokens. A rollout row is prompt + completion, padded to seq_len + 1; its mask marks the labels
+that are completion tokens, so old log-probs and the loss see the same positions.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from msllm.generate import Sampling, generate
+
+
+def sample_groups(engine, prompts: list[list[int]], group_size: int, max_new: int, sampling: Sampling,
+                  eos_ids=()) -> tuple[list[list[int]], float]:
+    """(completions, tokens per second): group_size per prompt, each prompt's together, each ending
+    with its EOS token when it stopped at one."""
+    rows = [p for p in prompts for _ in range(group_size)]
+    started = time.perf_counter()
+    out = generate(engine, rows, max_new, Sampling(sampling.top_k, sampling.top_p, sampling.temperature, sampling.seed,
+                                                   sample=True), eos_ids=eos_ids)
+    seconds = time.perf_counter() - started
+    eos = next(iter(eos_ids), None)
+    completions = [ids + [eos] if why == "eos" else ids for ids, why in zip(out.ids, out.stopped)]
+    return completions, sum(map(len, completions)) / max(seconds, 1e-9)
+
+
+def rollout_rows(prompts: list[list[int]], completions: list[list[int]], group_size: int, seq_len: int,
+                 pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """tokens [n, seq_len + 1] int32 and mask [n, seq_len] float32 of the n completions."""
+    n = len(completions)
+    tokens = np.full((n, seq_len + 1), pad, np.int32)
+    mask = np.zeros((n, seq_len), np.float32)
+    for i, completion in enumerate(completions):
+        prompt = prompts[i // group_size]
+        ids = prompt + completion
+        if len(ids) > seq_len + 1:
+            raise ValueError(f"rollout of {len(ids)} tokens does not fit seq_len {seq_len} + 1")
+        tokens[i, :len(ids)] = ids
+        mask[i, len(prompt) - 1:len(ids) - 1] = 1
+    return tokens, mask
+
+
+def log_rollouts(path: Path, step: int, prompts: list[str], completions: list[str], rewards: np.ndarray,
+                 per_function: np.ndarray, names: list[str], advantages: np.ndarray, lengths=None) -> None:
+    """Append one JSON line per rollout to path (RUN_DIR/rollouts.jsonl); lengths: completion tokens."""
+    group = len(completions) // len(prompts)
+    with open(path, "a", encoding="utf-8") as f:
+        for i, text in enumerate(completions):
+            row = {"step": step, "prompt": prompts[i // group], "completion": text, "reward": float(rewards[i]),
+                   **({} if lengths is None else {"completion_tokens": int(lengths[i])}),
+                   "rewards": {name: float(per_function[i, k]) for k, name in enumerate(names)},
+                   "advantage": float(advantages[i])}
+            f.write(json.dumps(row) + "\n")

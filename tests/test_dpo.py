@@ -1,0 +1,236 @@
+"""DPO (train.objective: dpo): preference rows tokenized as TRL does, the compiled step's loss and gradients
+equal TRL's DPOTrainer on the same tiny model and pairs, LoRA's in-step reference is the base, a short
+`msllm train` run learns the preferences, and bad rows are refused in one line."""
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+
+from interop.convert import plan
+from interop.verify import max_rel, msllm_model, open_hf
+from interop.verify_train import TENSOR_GATE, RecordGradients, to_msllm
+from msllm.config import Config, DPOConfig, LoraConfig, OptimConfig, TrainConfig
+from msllm.data import preference
+from msllm.data.corpus import DataError
+from msllm.lora import switch_of
+from msllm.models import layers
+from msllm.train.build import build_train_step
+from msllm.train.dpo import METRICS, precompute_reference
+from tests.hf_models import build, save_tokenizer
+
+SEQ = 31  # rows of 32 tokens
+TEXT_ROWS = [{"prompt": "def add(x, y):", "chosen": " return x + y", "rejected": " print(1)"},
+             {"prompt": "hello", "chosen": " world", "rejected": " the quick brown fox"},
+             {"prompt": "print(", "chosen": "1 + 2)", "rejected": "x)"},
+             {"prompt": "the quick", "chosen": " brown fox", "rejected": " hello"}]
+CHAT_ROWS = [{"prompt": [{"role": "user", "content": "add 1 2"}], "chosen": [{"role": "assistant", "content": "3"}],
+              "rejected": [{"role": "assistant", "content": "12"}]},
+             {"prompt": [{"role": "user", "content": "hello"}], "chosen": [{"role": "assistant", "content": "world"}],
+              "rejected": [{"role": "assistant", "content": "fox"}]}]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Llama policy and a different reference (HF dirs), a tokenizer with a chat template, the rows."""
+    root = tmp_path_factory.mktemp("dpo")
+    texts = ["def add(x, y): return x + y", "hello world, the quick brown fox", "print(1 + 2)"] * 5
+    for name, seed in (("policy", 0), ("ref", 1)):
+        build("llama2_mha", seed=seed).save_pretrained(root / name)
+        save_tokenizer(root / name, texts)
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TEXT_ROWS + CHAT_ROWS))
+    return root
+
+
+def trl_trainer(root, rows, loss_type, out):
+    """DPOTrainer in fp32 (bf16=False: TRL's default runs the reference model under bf16 autocast)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from trl import DPOConfig as TRLConfig, DPOTrainer
+
+    config = json.loads((root / "policy" / "tokenizer_config.json").read_text())
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(root / "policy" / "tokenizer.json"), eos_token=config["eos_token"])
+    tok.chat_template = config["chat_template"]
+    policy, ref = (AutoModelForCausalLM.from_pretrained(root / n).float() for n in ("policy", "ref"))
+    args = TRLConfig(output_dir=str(out), beta=0.1, loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False,
+                     per_device_train_batch_size=len(rows))
+    return DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                      processing_class=tok)
+
+
+def test_pairs_are_tokenized_as_trl_does(models, tmp_path):
+    _, tokens, mask = preference.encode(models / "pairs.jsonl", models / "policy" / "tokenizer.json", SEQ)
+    ours = [tokens[k] for k in range(len(tokens))]
+    at = 0
+    for rows in (TEXT_ROWS, CHAT_ROWS):
+        theirs = trl_trainer(models, rows, "sigmoid", tmp_path).train_dataset
+        for ex in theirs:
+            for side in ("chosen_ids", "rejected_ids"):
+                want = ex["prompt_ids"] + ex[side]
+                np.testing.assert_array_equal(ours[at][:len(want)], want)
+                # the mask marks exactly the completion's labels (its EOS / end of turn included)
+                assert mask[at].sum() == len(ex[side]) and mask[at][len(ex["prompt_ids"]) - 1] == 1
+                at += 1
+    assert at == len(tokens)
+
+
+@pytest.mark.parametrize("loss_type,head", [("sigmoid", "logits"), ("ipo", "kernel")])
+def test_step_loss_and_gradients_equal_trl(models, tmp_path, monkeypatch, loss_type, head):
+    """Full fine-tune with precomputed reference log-probs (another model's) against DPOTrainer with
+    that model as ref_model: the compiled step's loss and every gradient within TENSOR_GATE (1e-4
+    relative; interop/verify_train.py derives it). head=kernel: the log-probs come from the fused
+    head kernel's (lse, target), as for a vocabulary too large for whole logits."""
+    if head == "kernel":
+        monkeypatch.setattr(layers, "HEAD_CHUNK_BYTES", 0)  # no logits are "small": the kernel's branch
+    rows = TEXT_ROWS
+    trl = trl_trainer(models, rows, loss_type, tmp_path)
+    batch = trl.data_collator([trl.train_dataset[i] for i in range(len(rows))])
+    their_loss = trl._compute_loss(trl.model, batch, False)
+    their_loss.backward()
+    their_grads = to_msllm(plan(open_hf(models / "policy")), {n: p.grad for n, p in trl.model.named_parameters()})
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, tokens, mask = preference.encode(path, models / "policy" / "tokenizer.json", SEQ)
+    tokens, mask = tokens.reshape(-1, 2, SEQ + 1), mask.reshape(-1, 2, SEQ).astype(np.float32)
+    ref = precompute_reference(msllm_model(open_hf(models / "ref")), True, list(zip(tokens, mask)), len(rows))
+    model = msllm_model(open_hf(models / "policy"))
+    cfg = Config(model=model.cfg, optim=OptimConfig(grad_clip=0.0),
+                 train=TrainConfig(objective="dpo", batch_size=len(rows), steps=1),
+                 dpo=DPOConfig(loss=loss_type, beta=0.1, precompute_ref=True))
+    built = build_train_step(cfg, model, wrap_optimizer=RecordGradients)
+    assert built.train_step.loss_cell.logps.tokens.head is not None  # the CPU kernels are on: HEAD_CHUNK_BYTES decides
+    loss, *_, stats = built.train_step(*(ms.Tensor(x) for x in (tokens, mask, ref)))
+    assert float(loss.asnumpy()) == pytest.approx(their_loss.item(), rel=1e-4)  # measured 3e-7
+    ours = built.train_step.optimizer.raw_gradients()
+    worst = max(max_rel(ours[n], g)[1] for n, g in their_grads.items())
+    assert worst <= TENSOR_GATE, worst  # measured 8e-7
+    logged = dict(zip(METRICS, stats.asnumpy()))
+    theirs = {k: v[-1] for k, v in (trl._metrics["train"] or trl._metrics["eval"]).items()}
+    for key in METRICS:
+        assert logged[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+def test_lora_reference_is_the_base_with_adapters_off_in_the_step(models):
+    """With LoRA and no precomputed log-probs the step's reference is the base model: the logged
+    rewards give back the reference's log-probs, equal to the plain converted model's, while the
+    policy's (adapters on again, nonzero B) are the adapted model's."""
+    _, tokens, mask = preference.encode(models / "pairs.jsonl", models / "policy" / "tokenizer.json", SEQ)
+    tokens, mask = tokens.reshape(-1, 2, SEQ + 1)[:4], mask.reshape(-1, 2, SEQ)[:4].astype(np.float32)
+    base = precompute_reference(msllm_model(open_hf(models / "policy")), True, list(zip(tokens, mask)), 4)
+    model = msllm_model(open_hf(models / "policy"))
+    cfg = Config(model=model.cfg, optim=OptimConfig(lr=0.0, grad_clip=0.0),
+                 train=TrainConfig(objective="dpo", batch_size=4, steps=1),
+                 lora=LoraConfig(rank=4, targets=["q", "v", "down"]), dpo=DPOConfig(beta=0.5))
+    built = build_train_step(cfg, model)
+    rng = np.random.default_rng(0)
+    for p in model.trainable_params():  # adapters that change the model
+        if p.name.endswith("lora_b"):
+            p.set_data(ms.Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    adapted = precompute_reference(model, True, list(zip(tokens, mask)), 4)
+    assert np.abs(adapted - base).max() > 0.1
+    _, _, _, _, _, stats = built.train_step(ms.Tensor(tokens), ms.Tensor(mask))
+    got = dict(zip(METRICS, stats.asnumpy()))
+    assert got["logps/chosen"] == pytest.approx(adapted[:, 0].mean(), rel=1e-5)
+    assert got["logps/rejected"] == pytest.approx(adapted[:, 1].mean(), rel=1e-5)
+    assert got["logps/chosen"] - got["rewards/chosen"] / 0.5 == pytest.approx(base[:, 0].mean(), rel=1e-5)
+    assert got["logps/rejected"] - got["rewards/rejected"] / 0.5 == pytest.approx(base[:, 1].mean(), rel=1e-5)
+    assert float(switch_of(model).on.asnumpy()) == 1.0
+
+
+@pytest.mark.parametrize("row,complaint", [
+    ({"prompt": "hi", "chosen": " there"}, "missing rejected"),
+    ({"prompt": "hi", "chosen": " there", "rejected": 3}, "expected strings"),
+    ({"prompt": "hi " * 40, "chosen": " there", "rejected": " you"}, "does not fit data.seq_len"),
+])
+def test_bad_pairs_are_one_line_naming_file_and_line(models, tmp_path, row, complaint):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(TEXT_ROWS[0]) + "\n\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError) as e:
+        preference.prepare(path, str(models / "policy" / "tokenizer.json"), tmp_path / "shard", SEQ, 0.1, 300,
+                           print)
+    assert f"{path}:3:" in str(e.value) and complaint in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "shard").exists()
+
+
+def sets(values: dict) -> list[str]:
+    return [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+
+
+def train_here(*args):
+    """msllm train in this process (the test session's MindSpore runtime): no second start-up."""
+    from msllm.cli import main
+
+    assert main([str(a) for a in args]) == 0
+
+
+def records(run, kind):
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def preference_rows(models):
+    """Pairs whose chosen completion follows one rule (the sum) and rejected another."""
+    rows = []
+    for i in range(40):
+        a, b = i % 7, i % 5
+        rows.append({"prompt": f"add {a} {b} =", "chosen": f" {a + b}", "rejected": f" {a * b + 10}"})
+    path = models / "train_pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_args(models, rows, run, **extra):
+    values = {"data.path": rows, "data.seq_len": 16, "train.run_dir": run, "train.objective": "dpo",
+              "train.steps": 8, "train.batch_size": 4, "train.log_every": 1, "train.eval_every": 8,
+              "train.ckpt_every": 8, "train.sample_tokens": 0, "optim.lr": 5e-2, "optim.warmup_steps": 0,
+              "optim.decay": "constant", **extra}
+    return ["train", "--init-from", str(models / "policy"), *sets(values)]
+
+
+def test_msllm_train_dpo_with_lora_learns_the_preferences(models, preference_rows, tmp_path):
+    """`msllm train` with train.objective dpo and LoRA (reference: the base, adapters off in the step):
+    starts at ln 2 (the adapters start at B = 0, so policy = reference), the loss falls and the reward
+    accuracy rises, every row carries TRL's metric names, and the adapters export as PEFT."""
+    run = tmp_path / "lora"
+    train_here(*run_args(models, preference_rows, run, **{"lora.rank": 8, "lora.targets": "[q, v, down]",
+                                                         "dpo.beta": 0.5}))
+    rows = records(run, "train")
+    first = records(run, "compile")[0]["loss"]
+    assert first == pytest.approx(np.log(2), abs=1e-6)
+    assert all(set(METRICS) <= set(r) for r in rows) and [r["step"] for r in rows] == list(range(2, 9))
+    assert np.mean([r["loss"] for r in rows[-3:]]) < first - 0.1
+    assert np.mean([r["rewards/margins"] for r in rows[-3:]]) > 0.2
+    assert records(run, "eval")[-1]["val_loss"] < first
+    # the DPO adapters merge and export like SFT ones: PEFT on the HF base computes the merged model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from interop.convert import convert
+    from interop.pretrained import export_peft, merge
+
+    convert(merge(run, tmp_path / "merged"), tmp_path / "merged_hf", to="hf", progress=False)
+    export_peft(run, tmp_path / "peft")
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 300, (2, 12)))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf").float().eval()(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(models / "policy").float().eval()
+        before = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()(ids).logits
+    assert (adapted - merged).abs().max() <= 1e-5 * merged.abs().max() < (before - merged).abs().max()
+
+
+def test_full_fine_tune_reads_precomputed_reference_logps(models, preference_rows, tmp_path):
+    """dpo.precompute_ref: the starting model's log-probs are stored beside the shard once, so the
+    first step (policy = reference) has margin 0 and loss ln 2, and a full fine-tune then learns."""
+    run = tmp_path / "full"
+    train_here(*run_args(models, preference_rows, run, **{"dpo.precompute_ref": "true", "train.steps": 3,
+                                                         "optim.lr": 3e-3, "train.eval_every": 3,
+                                                         "train.ckpt_every": 3}))
+    shard = run / "data"
+    index = json.loads((shard / "index.json").read_text())
+    ref = np.fromfile(shard / "train.ref.bin", np.float32).reshape(index["train_pairs"], 2)
+    assert (ref < 0).all() and json.loads((shard / preference.REF_INDEX).read_text())["init_from"]
+    assert records(run, "compile")[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)
+    assert records(run, "train")[-1]["loss"] < np.log(2)

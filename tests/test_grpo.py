@@ -1,0 +1,267 @@
+"""GRPO's policy loss (msllm/train/grpo.py) in the compiled step against TRL's GRPOTrainer on the same tiny
+model and fixed completions: loss, every gradient and the KL / clip metrics; group advantages as TRL's."""
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+
+from interop.convert import plan
+from interop.verify import max_rel, msllm_model, open_hf
+from interop.verify_train import TENSOR_GATE, RecordGradients, to_msllm
+from msllm import backends
+from msllm.config import Config, OptimConfig, TrainConfig
+from msllm.models import layers
+from msllm.train.grpo import METRICS, GRPOLoss, group_advantages
+from msllm.train.optim import AdamW
+from msllm.train.step import TrainStep
+from tests.hf_models import build, save_tokenizer
+
+PROMPT, COMPLETION, N = 6, 8, 8  # 2 prompts x 4 completions
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    build("llama2_mha").save_pretrained(root / "policy")
+    save_tokenizer(root / "policy", ["def add(x, y): return x + y", "hello world"] * 5)
+    return root / "policy"
+
+
+def trl_trainer(policy, out, **args):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = json.loads((policy / "tokenizer_config.json").read_text())
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(policy / "tokenizer.json"), eos_token=config["eos_token"])
+    model = AutoModelForCausalLM.from_pretrained(policy).float()
+    cfg = GRPOConfig(output_dir=str(out), report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=N,
+                     num_generations=4, max_completion_length=COMPLETION, **args)
+    return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=cfg,
+                       train_dataset=Dataset.from_list([{"prompt": "hello"}] * N), processing_class=tok)
+
+
+def test_group_advantages_are_trls():
+    rewards = np.array([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0, 3.0, -1.0, 0.0, 1.0])
+    groups = torch.tensor(rewards).view(-1, 4)
+    want = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).reshape(-1).numpy()
+    np.testing.assert_allclose(group_advantages(rewards, 4), want, rtol=1e-6, atol=1e-7)
+    assert (group_advantages(rewards, 4)[4:8] == 0).all()  # one reward for the whole group: no signal
+    np.testing.assert_allclose(group_advantages(rewards, 4, "batch"), (groups - groups.mean(1, keepdim=True)).reshape(-1)
+                               .numpy() / (rewards.std(ddof=1) + 1e-4), rtol=1e-6)
+    np.testing.assert_allclose(group_advantages(rewards, 4, "none"),
+                               (groups - groups.mean(1, keepdim=True)).reshape(-1).numpy(), atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_type,beta,head", [("dapo", 0.0, "logits"), ("grpo", 0.04, "kernel")])
+def test_policy_loss_and_gradients_equal_trl_on_fixed_completions(policy, tmp_path, monkeypatch, loss_type, beta,
+                                                                  head):
+    """Fixed prompts and completions (some ending early: completion masks), old log-probs = the
+    policy's own plus noise so ratios are clipped on both sides, and for the KL term a reference's;
+    TRL's _compute_loss on them and msllm's compiled step: loss and every gradient within TENSOR_GATE
+    (1e-4 relative), the KL and clip ratios within 1e-4."""
+    if head == "kernel":
+        monkeypatch.setattr(layers, "HEAD_CHUNK_BYTES", 0)  # the fused head kernel's (lse, target)
+    rng = np.random.default_rng(0)
+    prompt = torch.from_numpy(rng.integers(3, 300, (N, PROMPT)))
+    completion = torch.from_numpy(rng.integers(3, 300, (N, COMPLETION)))
+    completion_mask = torch.ones(N, COMPLETION, dtype=torch.long)
+    for row, length in enumerate([8, 5, 8, 3, 6, 8, 1, 7]):
+        completion_mask[row, length:] = 0
+    advantages = torch.from_numpy(group_advantages(rng.normal(size=N), 4))
+
+    trl = trl_trainer(policy, tmp_path, loss_type=loss_type, beta=beta, epsilon=0.2)
+    trl.model.eval()  # eval: the loss normalised over this batch alone (no accumulation counters)
+    with torch.no_grad():
+        logits = trl.model(torch.cat([prompt, completion], 1)).logits[:, PROMPT - 1:-1]
+        own = torch.log_softmax(logits, -1).gather(-1, completion[..., None])[..., 0]
+    old = own + torch.from_numpy(rng.normal(0, 0.3, own.shape).astype(np.float32))
+    ref = own + torch.from_numpy(rng.normal(0, 0.3, own.shape).astype(np.float32))
+    inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+              "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
+              "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum()}
+    their_loss = trl._compute_loss(trl.model, inputs)
+    their_loss.backward()
+    their_grads = to_msllm(plan(open_hf(policy)), {n: p.grad for n, p in trl.model.named_parameters()})
+    theirs = {k: v[-1] for k, v in trl._metrics["eval"].items()}
+
+    # msllm: one row per sequence, labels aligned: the completion's tokens are labels PROMPT-1 ..
+    pad = np.zeros((N, PROMPT - 1), np.float32)
+    tokens = torch.cat([prompt, completion], 1).numpy().astype(np.int32)
+    mask = np.concatenate([pad, completion_mask.numpy().astype(np.float32)], 1)
+    old_ms, ref_ms = (np.concatenate([pad, x.numpy()], 1) for x in (old, ref))
+    model = msllm_model(open_hf(policy))
+    cfg = Config(model=model.cfg, optim=OptimConfig(grad_clip=0.0), train=TrainConfig(batch_size=N, steps=1))
+    spec = backends.specialise(model, cfg, training=True)
+    optimizer = RecordGradients(AdamW(model.trainable_params(), cfg.optim, 1, fused=spec.fused_kernels))
+    cell = GRPOLoss(model, loss_type, epsilon=0.2, beta=beta, max_completion=COMPLETION, fused=spec.fused_kernels)
+    step = TrainStep(model, optimizer, 0.0, loss_cell=cell)
+    inputs = [tokens, mask, advantages.numpy(), old_ms] + ([ref_ms] if beta else [])
+    loss, *_, stats = step(*(ms.Tensor(x) for x in inputs))
+    assert float(loss.asnumpy()) == pytest.approx(their_loss.item(), rel=1e-4)
+    ours = optimizer.raw_gradients()
+    worst = max(max_rel(ours[n], g)[1] for n, g in their_grads.items())
+    assert worst <= TENSOR_GATE, worst
+    got = dict(zip(METRICS, stats.asnumpy()))
+    assert 0 < got["clip_ratio/region_mean"] < 1  # the noise clips some tokens: the clipped branch is exercised
+    for key in METRICS:
+        if key in theirs:
+            assert got[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert got["completions/mean_length"] == pytest.approx(completion_mask.float().sum(1).mean().item())
+
+
+class TransformersEngine:
+    """generate()'s engine interface over transformers' model, every step recomputing the whole prefix:
+    the reference the compiled static-cache decoder's rollouts must reproduce."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def logits(self):
+        with torch.no_grad():
+            return torch.stack([self.model(torch.tensor([r])).logits[0, -1] for r in self.rows]).numpy()
+
+    def start(self, prompts, max_new):
+        self.rows = [list(p) for p in prompts]
+        return self.logits()
+
+    def step(self, tokens):
+        for row, token in zip(self.rows, tokens):
+            row.append(int(token))
+        return self.logits()
+
+
+REWARDS = '''
+def length(completions, prompts=None, **columns):
+    return [float(len(c)) for c in completions]
+
+def target(completions, prompts=None, answer=None, **columns):
+    return [1.0 if str(a) in c else 0.0 for c, a in zip(completions, answer)]
+
+def raises(completions, **columns):
+    raise KeyError("answer")
+
+def short(completions, **columns):
+    return [1.0]
+
+def nan(completions, **columns):
+    return [float("nan")] * len(completions)
+'''
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def test_rollouts_rewards_and_one_grpo_step(policy, reward_file, tmp_path):
+    """2 prompts x 4 completions sampled by msllm's compiled static-cache decoder are the ones sampled
+    from transformers' logits with the same sampler and seed; rewards from path.py:function callables
+    (a dataset column passed through) give TRL's group advantages; the rollouts are logged; and the
+    first GRPO step on them (one update per batch: old log-probs = the policy's, ratio 1) has the loss -sum(A * length) /
+    sum(length) of the dapo normalisation."""
+    from transformers import AutoModelForCausalLM
+
+    from msllm.generate import Sampling
+    from msllm.inference import cell_engine
+    from msllm.train.rewards import load_reward, score
+    from msllm.train.rollout import log_rollouts, rollout_rows, sample_groups
+
+    prompts, group, max_new, eos = [[5, 17, 42, 9], [80, 81, 82]], 4, 6, 0
+    sampling = Sampling(temperature=1.0, seed=3)
+    gen = msllm_model(open_hf(policy))
+    cfg = Config(model=gen.cfg, train=TrainConfig(batch_size=N, steps=1))
+    backends.specialise(gen, cfg, training=False)
+    completions, tok_s = sample_groups(cell_engine(gen), prompts, group, max_new, sampling, eos_ids=(eos,))
+    reference = AutoModelForCausalLM.from_pretrained(policy).float().eval()
+    assert completions == sample_groups(TransformersEngine(reference), prompts, group, max_new, sampling, (eos,))[0]
+    assert tok_s > 0 and all(len(c) <= max_new + 1 for c in completions)
+    assert len({tuple(c) for c in completions[:group]}) > 1  # sampled, not greedy
+
+    texts = [" ".join(map(str, c)) for c in completions]
+    rewards = {f"{reward_file}:length": load_reward(f"{reward_file}:length"),
+               f"{reward_file}:target": load_reward(f"{reward_file}:target")}
+    answers = [str(completions[i][0]) if i % 2 else "nothing" for i in range(N)]
+    total, each = score(rewards, [1.0, 2.0], ["p0"] * group + ["p1"] * group, texts, {"answer": answers})
+    np.testing.assert_array_equal(each[:, 0], [len(t) for t in texts])
+    np.testing.assert_array_equal(each[:, 1], [1.0 if i % 2 else 0.0 for i in range(N)])
+    advantages = group_advantages(total, group)
+    log_rollouts(tmp_path / "rollouts.jsonl", 1, ["p0", "p1"], texts, total, each, list(rewards), advantages)
+    logged = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["advantage"] for r in logged] == pytest.approx(advantages.tolist())
+    assert logged[5]["prompt"] == "p1" and logged[5]["rewards"][f"{reward_file}:target"] == 1.0
+
+    tokens, mask = rollout_rows(prompts, completions, group, 16, eos)
+    assert mask.sum(1).tolist() == [len(c) for c in completions]
+    model = msllm_model(open_hf(policy))
+    spec = backends.specialise(model, cfg, training=True)
+    optimizer = RecordGradients(AdamW(model.trainable_params(), OptimConfig(grad_clip=0.0), 1, fused=spec.fused_kernels))
+    step = TrainStep(model, optimizer, 0.0, loss_cell=GRPOLoss(model, "dapo", fused=spec.fused_kernels))
+    loss, *_, stats = step(*(ms.Tensor(x) for x in (tokens, mask, advantages)))  # old log-probs: the policy's
+    lengths = mask.sum(1)
+    assert float(loss.asnumpy()) == pytest.approx(-(advantages * lengths).sum() / lengths.sum(), rel=1e-5, abs=1e-6)
+    assert dict(zip(METRICS, stats.asnumpy()))["clip_ratio/region_mean"] == 0.0  # ratio 1: nothing clipped
+
+
+@pytest.mark.parametrize("name,complaint", [("raises", "raised KeyError: 'answer'"),
+                                            ("short", "returned 1 rewards for 2 completions"),
+                                            ("nan", "returned nan for completion 0"),
+                                            ("missing", "defines no function missing")])
+def test_bad_reward_functions_are_one_line_naming_the_function(reward_file, name, complaint):
+    from msllm.train.rewards import RewardError, load_reward, score
+
+    with pytest.raises(RewardError) as e:
+        spec = f"{reward_file}:{name}"
+        score({spec: load_reward(spec)}, [1.0], ["p", "p"], ["a", "b"], {})
+    assert complaint in str(e.value) and f"{reward_file}:{name}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_msllm_train_grpo_end_to_end(policy, reward_file, tmp_path):
+    """`msllm train` with train.objective grpo and LoRA on prompt rows: every rollout logged with its
+    reward and advantage, and each step's loss is the dapo loss of its own rollouts at ratio 1,
+    -sum(A * tokens) / sum(tokens); the metrics carry reward, KL, clip ratio, length, rollout tok/s."""
+    from msllm.cli import main
+
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"add {i} {i + 1}", "answer": str(2 * i + 1)}) + "\n"
+                            for i in range(6)))
+    run = tmp_path / "run"
+    values = {"data.path": rows, "data.seq_len": 24, "train.run_dir": run, "train.objective": "grpo",
+              "train.steps": 3, "train.batch_size": 2, "train.log_every": 1, "train.ckpt_every": 3,
+              "train.sample_tokens": 0, "optim.lr": 1e-2, "optim.warmup_steps": 0, "lora.rank": 4,
+              "grpo.reward": f"[{reward_file}:length, {reward_file}:target]", "grpo.reward_weights": "[0.1, 1.0]",
+              "grpo.group_size": 4, "grpo.max_new_tokens": 8}
+    args = ["train", "--init-from", str(policy), *[a for k, v in values.items() for a in ("--set", f"{k}={v}")]]
+    assert main([str(a) for a in args]) == 0
+    rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rollouts] == [s for s in (1, 2, 3) for _ in range(8)]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["kind"] == "train"]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        mine = [r for r in rollouts if r["step"] == m["step"]]
+        a = np.array([r["advantage"] for r in mine])
+        n = np.array([r["completion_tokens"] for r in mine])
+        assert m["loss"] == pytest.approx(-(a * n).sum() / n.sum(), rel=1e-4, abs=1e-6)
+        assert m["reward"] == pytest.approx(np.mean([r["reward"] for r in mine]), rel=1e-6)
+        assert m["completions/mean_length"] == pytest.approx(n.mean()) and m["rollout_tokens_per_s"] > 0
+        assert m["clip_ratio/region_mean"] == 0.0 and m["kl"] == 0.0
+    assert (run / "checkpoints" / "step_0000003" / "model.safetensors").exists()
+
+
+def test_a_prompt_longer_than_the_context_is_one_line_and_nothing_written(policy, reward_file, tmp_path, capsys):
+    from msllm.cli import main
+
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps({"prompt": "hello world " * 20}) + "\n")
+    values = {"data.path": rows, "data.seq_len": 24, "train.run_dir": tmp_path / "run", "train.objective": "grpo",
+              "grpo.reward": f"[{reward_file}:length]", "grpo.max_new_tokens": 8}
+    args = ["train", "--init-from", str(policy), *[a for k, v in values.items() for a in ("--set", f"{k}={v}")]]
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{rows}:2:" in err and "does not fit data.seq_len 24" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
