@@ -6,7 +6,7 @@ family shares (MLA's ranks when the family's spec attends with MLA); what an arc
 beyond them is its family spec, and the keys only it has (experts, derived scales) its family's
 from_hf / to_hf hooks in interop/maps/<family>.py. A config asking for
 something msllm does not compute (another activation, o_proj or MLP biases, another rope type,
-partial rotary, logit soft-capping) is refused, naming the key, rather than converted into a
+logit soft-capping) is refused, naming the key, rather than converted into a
 model that computes something else.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from interop.maps import FAMILIES
 from msllm.config import ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig, yarn_mscale
 
 MODEL_TYPES = {arch: family.model_type for arch, family in FAMILIES.items()}
-LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
 
 
 def architecture(hf: dict, source: str) -> str:
@@ -45,7 +45,7 @@ def default_architecture(m: ModelConfig) -> str:
     (Phi-3 computes Llama's maths, so a model is never given its fused layout by default)."""
     def matches(family) -> bool:
         spec = {**dict(qkv_bias=False, qk_norm=False, norm_offset=0.0, sandwich_norm=False, mlp="swiglu",
-                       attention="gqa", router="softmax"), **family.spec}
+                       attention="gqa", router="softmax", attn_output_gate=False), **family.spec}
         return family.moe == (m.num_experts > 0) and all(getattr(m, key) == value for key, value in spec.items())
 
     arch = next((arch for arch, family in FAMILIES.items() if matches(family)), None)
@@ -93,9 +93,6 @@ def _rope_params(hf: dict, params: dict, key: str, refuse) -> tuple[float, dict 
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     if not _is_number(theta) or theta <= 0:
         refuse("rope_theta", f"must be a number > 0, got {theta!r}")
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        refuse("partial_rotary_factor", f"{partial!r}: msllm rotates the whole head (1.0)")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "longrope":
         refuse(key, "rope type 'longrope' (Phi-3 128K) is not supported; the 4K Phi-3 configs use the default RoPE")
@@ -148,6 +145,7 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
     if not head_dim and hidden % heads:
         refuse("num_attention_heads", f"must divide hidden_size ({hidden}) when head_dim is not given")
     theta, scaling, local_theta = _rope_per_layer_type(hf, refuse)
+    fraction = _rope_fraction(hf, head_dim or (hidden // heads), refuse) if not mla else 1.0
     eps = hf.get("rms_norm_eps", 1e-6)
     if not _is_number(eps) or eps <= 0:
         refuse("rms_norm_eps", f"must be a number > 0, got {eps!r}")
@@ -164,9 +162,23 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(eps),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=max_seq_len or context, sliding_window=window, layer_types=layer_types,
-        pad_token_id=_pad_token(hf, refuse), rope_local_theta=local_theta if window else 0.0, **mla, **spec)
+        pad_token_id=_pad_token(hf, refuse), rope_local_theta=local_theta if window else 0.0, rope_fraction=fraction,
+        **mla, **spec)
     family.from_hf(hf, fields, refuse)  # what only this family's keys say: its experts, derived scales
     return ModelConfig(**fields)
+
+
+def _rope_fraction(hf: dict, head: int, refuse) -> float:
+    """partial_rotary_factor (in rope_parameters or at the top level): the leading fraction of each head
+    RoPE rotates, as int(head * fraction) features; 1.0 when absent."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if fraction is None:
+        return 1.0
+    if not _is_number(fraction) or not 0 < fraction <= 1 or int(head * fraction) % 2 or int(head * fraction) == 0:
+        refuse("partial_rotary_factor", f"{fraction!r}: must be in (0, 1] and rotate an even number of the "
+                                        f"head's {head} features")
+    return float(fraction)
 
 
 def _mla(hf: dict, heads: int, count, refuse) -> dict:
@@ -216,7 +228,7 @@ def _windows(hf: dict, layers: int, refuse) -> tuple[int, list | None]:
         refuse("layer_types", f"expected {layers} of {', '.join(LAYER_TYPES)}, got {named!r}")
     kinds = [LAYER_TYPES[t] for t in named]
     if "sliding" not in kinds:
-        return 0, None
+        return 0, kinds if "linear" in kinds else None
     if not window:
         refuse("sliding_window", "layer_types has sliding layers but no window is set")
     return window, None if set(kinds) == {"sliding"} else kinds
@@ -238,6 +250,8 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
           "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": dtype,
           family.activation_key: family.activation,
           "sliding_window": m.sliding_window or None, "pad_token_id": None if m.pad_token_id < 0 else m.pad_token_id}
+    if m.rope_fraction != 1.0:
+        hf["partial_rotary_factor"] = m.rope_fraction
     if m.rope_scaling:
         scaling = dict(m.rope_scaling)
         hf["rope_scaling"] = {"rope_type": scaling.pop("type", scaling.pop("rope_type", None)), **scaling}

@@ -5,7 +5,8 @@ from pathlib import Path
 import torch
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64)
 CASES = {
@@ -47,6 +48,12 @@ CASES = {
         num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=2,
         topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
         kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5)),
+    # hybrid: 3 Gated DeltaNet layers (2 key heads of 16 serving 4 value heads of 8, conv of 4 taps) then a
+    # gated full-attention layer (q_proj with per-head gates, q/k norms, RoPE on 4 of the head's 16 features)
+    "qwen3_5": (Qwen3_5ForCausalLM, Qwen3_5TextConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=4, max_position_embeddings=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8)),
 }
 
 
