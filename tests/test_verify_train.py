@@ -20,16 +20,17 @@ def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_train")
     out = {}
     for case in ("llama2_mha", "llama3_gqa_rope_scaling", "qwen2_bias_tied", "mistral_window", "qwen3", "gemma3", "phi3",
-                 "qwen3_moe", "mixtral", "deepseek_v3"):
+                 "qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5"):
         build(case).save_pretrained(root / case)
         out[case] = root / case
     return out
 
 
 # The new families: q/k norms (Qwen3, Gemma 3), sandwich (1 + w) norms, GeGLU and sliding layers
-# (Gemma 3, window 8 < SEQ), fused qkv / gate_up storage (Phi-3).
+# (Gemma 3, window 8 < SEQ), fused qkv / gate_up storage (Phi-3); Qwen3.5's Gated DeltaNet layers (the
+# chunked rule's backward by autodiff) and gated attention with partial RoPE.
 @pytest.mark.parametrize("case", ["llama3_gqa_rope_scaling", "qwen2_bias_tied", "mistral_window", "qwen3", "gemma3", "phi3",
-                                  "qwen3_moe", "mixtral", "deepseek_v3"])
+                                  "qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5"])
 def test_train_steps_match_torch(hf_dirs, case):
     report = vt.verify_train(hf_dirs[case], steps=STEPS, seq_len=SEQ)
     assert report.ok, "\n".join(report.lines())
@@ -38,6 +39,9 @@ def test_train_steps_match_torch(hf_dirs, case):
     assert ("output.weight" in names) == (not tied)  # tied: the embedding is the head
     if case in ("qwen3", "gemma3"):
         assert "layers.1.attention.k_norm.weight" in names
+    if case == "qwen3_5":  # the linear layers' decay, gate and conv, the attention layer's output gate
+        assert {"layers.0.attention.A_log", "layers.0.attention.dt_bias", "layers.2.attention.conv.weight",
+                "layers.3.attention.wg.weight"} <= names
     assert ("layers.1.attention.wk.bias" in names) == (case == "qwen2_bias_tied")
     # Real training happened: the weights moved by ~lr and the schedule ran.
     lrs = [c.ours for c in report.checks if c.kind == "lr"]

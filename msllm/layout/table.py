@@ -73,6 +73,7 @@ PARAMS = (
     ("layers.*.attention.wk.bias",       ("kv",),         "column"),
     ("layers.*.attention.wv.weight",     ("kv", None),    "column"),
     ("layers.*.attention.wv.bias",       ("kv",),         "column"),
+    ("layers.*.attention.wg.weight",     ("heads", None), "column"),   # gated attention: gates per query head
     ("layers.*.attention.wo.weight",     (None, "heads"), "row"),
     ("layers.*.attention.q_norm.weight", (None,),         "replicated"),
     ("layers.*.attention.k_norm.weight", (None,),         "replicated"),
@@ -91,6 +92,16 @@ PARAMS = (
     ("layers.*.attention.wkv_a.weight",  (None, None),    "replicated"),
     ("layers.*.attention.wkv_b.weight",  ("heads", None), "column"),
     ("layers.*.attention.kv_norm.weight", (None,),        "replicated"),
+    # Gated DeltaNet (linear attention): whole on every rank for now (its heads over tp, with the conv and
+    # state per head, are not laid out yet)
+    ("layers.*.attention.wqkv.weight",   (None, None),    "replicated"),
+    ("layers.*.attention.wz.weight",     (None, None),    "replicated"),
+    ("layers.*.attention.wb.weight",     (None, None),    "replicated"),
+    ("layers.*.attention.wa.weight",     (None, None),    "replicated"),
+    ("layers.*.attention.conv.weight",   (None, None, None), "replicated"),
+    ("layers.*.attention.dt_bias",       (None,),         "replicated"),
+    ("layers.*.attention.A_log",         (None,),         "replicated"),
+    ("layers.*.attention.norm.weight",   (None,),         "replicated"),
     ("layers.*.feed_forward.w1.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w3.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w2.weight",  (None, "ffn"),   "row"),

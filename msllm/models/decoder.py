@@ -101,6 +101,7 @@ class Decoder(nn.Cell):
         self.lm_matmul = ops.MatMul(transpose_b=True)
         kinds, layer_kind = attention_kinds(cfg)
         self.layer_kind = tuple(layer_kind)
+        self.recurrent = tuple(kind == "linear" for kind in cfg.layer_kinds())  # Gated DeltaNet layers
         self.windows = tuple(window for window, _, _ in kinds)
         # [kinds, head_dim / 2]: RoPE rows are computed from positions, so an unused context costs nothing
         self.inv_freq = Tensor(np.stack([rope_inv_freq(cfg.rope_dim, theta, scaling) for _, theta, scaling in kinds]))
@@ -236,6 +237,8 @@ class Decoder(nn.Cell):
             keys, values = ops.unstack(keys, 0), ops.unstack(values, 0)
         for i, layer in enumerate(self.layers):
             cos, sin, mask = kinds[self.layer_kind[i]]
+            if self.recurrent[i]:  # a recurrent layer masks nothing: it restarts where a packed sample starts
+                mask = segments
             out = layer(h, cos, sin, mask) if keys is None else layer(h, cos, sin, mask, keys[i], values[i], write)
             h = out[0]
             if keys is not None:

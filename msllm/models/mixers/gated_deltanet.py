@@ -36,21 +36,33 @@ def l2_normalise(x):
 class CausalConv(nn.Cell):
     """Depthwise causal conv over the sequence, then SiLU: x [b, s, c] -> [b, s, c], each channel
     c the sum of its last `kernel` inputs weighted by weight[c, 0, :] (transformers' Conv1d layout),
-    written as `kernel` shifted multiply-adds."""
+    written as `kernel` shifted multiply-adds. With packed samples (segments [b, s]) a token reads no
+    input of an earlier sample, as if its sample ran alone."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.kernel = kernel
         self.weight = Parameter(initializer("zeros", (channels, 1, kernel), ms.float32), name="weight")
 
-    def construct(self, x):
+    def construct(self, x, segments=None):
         b, s, c = x.shape
-        padded = ops.concat((ops.zeros((b, self.kernel - 1, c), x.dtype), x), 1)
-        w = cast(self.weight, x.dtype).reshape(c, self.kernel)
-        out = padded[:, :s] * w[:, 0]
-        for j in range(1, self.kernel):
-            out = out + padded[:, j:j + s] * w[:, j]
+        k = self.kernel
+        padded = ops.concat((ops.zeros((b, k - 1, c), x.dtype), x), 1)
+        w = cast(self.weight, x.dtype).reshape(c, k)
+        out = padded[:, k - 1:] * w[:, k - 1]
+        for j in range(k - 1):  # tap j reads the token k - 1 - j back
+            tap = padded[:, j:j + s]
+            if segments is not None:
+                tap = tap * cast(same_sample_back(segments, k - 1 - j).expand_dims(-1), x.dtype)
+            out = out + tap * w[:, j]
         return out * ops.sigmoid(out)
+
+
+def same_sample_back(segments, back: int):
+    """segments [b, s] -> whether the token `back` places earlier is of the same sample [b, s] (bool)."""
+    b, s = segments.shape
+    earlier = ops.concat((ops.full((b, back), -1, dtype=segments.dtype), segments[:, :s - back]), 1)
+    return earlier == segments
 
 
 def unit_lower_inverse(a, size: int):
@@ -71,13 +83,17 @@ class ChunkedGatedDeltaRule(nn.Cell):
     In a chunk with decays cumulated from its start (c_i) and the state S entering it, the WY form of
     the rule gives u = T (beta v), w = T (beta k exp(c)) with T = (I + tril(beta k k^T exp(c_i - c_j), -1))^-1;
     then v' = u - w S, out = (q exp(c)) S + (q k^T exp(c_i - c_j), causal) v', and the state leaving it is
-    exp(c_last) S + (k exp(c_last - c))^T v'."""
+    exp(c_last) S + (k exp(c_last - c))^T v'.
+
+    Packed samples (segments [b, s]): every path from token j to token i of another sample is cut, the
+    pairs within a chunk and the reads and writes of the carried state, so each sample starts from a
+    zero state as if it ran alone."""
 
     def __init__(self, chunk: int = CHUNK):
         super().__init__()
         self.chunk = chunk
 
-    def construct(self, q, k, v, g, beta):
+    def construct(self, q, k, v, g, beta, segments=None):
         b, n, s, dk = q.shape
         dv = v.shape[-1]
         size = min(self.chunk, s)
@@ -85,6 +101,8 @@ class ChunkedGatedDeltaRule(nn.Cell):
         if pad:  # padded tokens have beta 0 and decay 1: they change no state and are cut from the output
             q, k, v = (ops.concat((x, ops.zeros((b, n, pad, x.shape[-1]), x.dtype)), 2) for x in (q, k, v))
             g, beta = (ops.concat((x, ops.zeros((b, n, pad), x.dtype)), 2) for x in (g, beta))
+            if segments is not None:  # the last sample goes on through the padding
+                segments = ops.concat((segments, ops.broadcast_to(segments[:, -1:], (b, pad))), 1)
         chunks = (s + pad) // size
         q, k, v = (x.reshape(b, n, chunks, size, -1) for x in (q, k, v))
         g, beta = g.reshape(b, n, chunks, size), beta.reshape(b, n, chunks, size)
@@ -94,14 +112,22 @@ class ChunkedGatedDeltaRule(nn.Cell):
         above = Tensor(np.triu(np.full((size, size), -1e30, np.float32), 1))  # exp() of it is 0, no overflow
         cum = ops.cumsum(g, -1)
         decay = ops.exp((cum.expand_dims(-1) - cum.expand_dims(-2)) * causal + above)  # [.., i, j]: c_i - c_j
+        from_start = ops.exp(cum).expand_dims(-1)
+        k_write = k * ops.exp(cum[..., -1:] - cum).expand_dims(-1)
+        carry = ops.exp(cum[..., -1]).reshape(b, n, chunks, 1, 1)
+        q_read = q * from_start
+        if segments is not None:
+            same, continues, to_last, carries = sample_masks(segments.reshape(b, 1, chunks, size))
+            decay = decay * same
+            from_start = from_start * continues  # a token of a new sample reads no carried state..
+            q_read = q_read * continues
+            k_write = k_write * to_last        # ..only the chunk's last sample writes the state it hands on
+            carry = carry * carries
         k_beta = k * beta.expand_dims(-1)
         inverse = unit_lower_inverse(ops.matmul(k_beta, k.swapaxes(-1, -2)) * decay * strict, size)
         u = ops.matmul(inverse, v * beta.expand_dims(-1))
-        w = ops.matmul(inverse, k_beta * ops.exp(cum).expand_dims(-1))
+        w = ops.matmul(inverse, k_beta * from_start)
         intra = ops.matmul(q, k.swapaxes(-1, -2)) * decay
-        q_read = q * ops.exp(cum).expand_dims(-1)
-        k_write = k * ops.exp(cum[..., -1:] - cum).expand_dims(-1)
-        carry = ops.exp(cum[..., -1]).reshape(b, n, chunks, 1, 1)
 
         state = ops.zeros((b, n, dk, dv), ms.float32)
         outs = []
@@ -113,10 +139,25 @@ class ChunkedGatedDeltaRule(nn.Cell):
         return out[:, :, :s] if pad else out, state
 
 
+def sample_masks(segments):
+    """Packed samples' masks of the chunked rule from chunked segments [b, 1, chunks, size] (fp32):
+    same sample for each pair of a chunk [.., size, size]; each token of the sample the state entering its
+    chunk belongs to, and of the chunk's last sample [.., size, 1]; whether the chunk's last token is of the
+    sample entering it (the carried state survives the chunk) [.., 1, 1]."""
+    b, _, chunks, size = segments.shape
+    same = cast(segments.expand_dims(-1) == segments.expand_dims(-2), ms.float32)
+    last = segments[..., -1:]
+    before = ops.concat((segments[:, :, :1, :1], last[:, :, :-1]), 2)  # the token before each chunk
+    continues = segments == before
+    carries = cast(continues[..., -1:], ms.float32).expand_dims(-1)
+    return same, cast(continues, ms.float32).expand_dims(-1), cast(segments == last, ms.float32).expand_dims(-1), carries
+
+
 class GatedDeltaNet(nn.Cell):
     """x [b*s, h] -> (out [b*s, h], cache_k, cache_v), the mixer interface (msllm.models.mixers); no
     cache is kept yet (ModelConfig.cache_shapes refuses a hybrid). cos / sin only give the sequence
-    length; the mask is not read (a linear layer is causal by construction)."""
+    length. A linear layer is causal by construction: in the place of a mask the decoder passes the
+    packed samples' segments [b, s] (None: one sample per row)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -147,13 +188,14 @@ class GatedDeltaNet(nn.Cell):
         s = cos.shape[-2]
         b = x.shape[0] // s
         keys = self.num_key_heads * self.key_dim
-        qkv = self.conv(self.wqkv(x).reshape(b, s, -1))
+        segments = mask
+        qkv = self.conv(self.wqkv(x).reshape(b, s, -1), segments)
         q = l2_normalise(self.heads(qkv[..., :keys], b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
         k = l2_normalise(self.heads(qkv[..., keys:2 * keys], b, s, self.num_key_heads, self.key_dim))
         v = self.heads(qkv[..., 2 * keys:], b, s, self.num_value_heads, self.value_dim)
         beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
         g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
-        out, _ = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta)
+        out, _ = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments)
         out = self.norm(out.transpose(0, 2, 1, 3).reshape(-1, self.value_dim))
         z = cast(self.wz(x), ms.float32).reshape(-1, self.value_dim)
         out = cast(out * z * ops.sigmoid(z), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
