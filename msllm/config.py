@@ -103,18 +103,23 @@ class ModelConfig:
         """Some layers mix with Gated DeltaNet (a recurrent state), the others with attention."""
         return "linear" in self.layer_kinds()
 
-    def cache_shapes(self, batch: int, length: int) -> tuple[tuple, tuple]:
-        """Shapes of the preallocated keys and values a cached forward takes: per layer and row, each KV
-        head's keys and values; MLA caches one latent and one RoPE key per token (kv_lora_rank +
-        qk_rope_head_dim features, not every head's keys and values)."""
-        if self.hybrid:  # a recurrent state beside KV caches: per-layer caches are not built yet
-            raise UserError("decode and export of a model with Gated DeltaNet (linear attention) layers are not "
-                            "built yet (their recurrent state needs per-layer caches); verify and train it instead")
+    def cache_shapes(self, batch: int, length: int) -> tuple[tuple, ...]:
+        """Shapes of the preallocated caches a cached forward takes: per layer and row, each KV head's keys
+        and values; MLA caches one latent and one RoPE key per token (kv_lora_rank + qk_rope_head_dim
+        features, not every head's keys and values). A hybrid's attention layers keep keys and values
+        (stacked over those layers only) and its Gated DeltaNet layers two more, stacked over them: the
+        recurrent state [value heads, d_k, d_v] and the conv's last kernel - 1 inputs, whatever the length."""
         if self.mla:
             return ((self.num_layers, batch, 1, length, self.kv_lora_rank),
                     (self.num_layers, batch, 1, length, self.qk_rope_head_dim))
-        shape = (self.num_layers, batch, self.num_kv_heads, length, self.head_size)
-        return shape, shape
+        linear = self.layer_kinds().count("linear")
+        shape = (self.num_layers - linear, batch, self.num_kv_heads, length, self.head_size)
+        if not linear:
+            return shape, shape
+        conv = 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        return (shape, shape,
+                (linear, batch, self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
+                (linear, batch, self.linear_conv_kernel - 1, conv))
 
     @property
     def value_size(self) -> int:

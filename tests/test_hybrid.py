@@ -1,7 +1,8 @@
 """Hybrid linear attention (Qwen3.5: Gated DeltaNet layers beside gated full-attention layers): the
 chunked rule against transformers' token-by-token recurrence across chunks, packed samples against
 each sample alone, the config translation both ways and the one-line refusals. (Conversion, per-layer
-states and logits: test_interop_convert's qwen3_5 case; train steps: test_verify_train's.)"""
+states and logits: test_interop_convert's qwen3_5 case; train steps: test_verify_train's.) Decode: the
+recurrent cache on the msllm engine against transformers' greedy tokens."""
 import json
 
 import mindspore as ms
@@ -12,16 +13,22 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
+from graph_opt import ExportError
+from graph_opt.export import export
 from interop import InteropError
 from interop.convert import convert
 from interop.hf_config import to_hf_config, to_model_config
 from msllm import device
+from msllm.backends import specialise
+from msllm.checkpoint import load_model
 from msllm.config import ModelConfig
-from msllm.errors import UserError
+from msllm.generate import generate
+from msllm.inference import cell_engine
 from msllm.models.decoder import build_model
 from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule
 from tests.hf_models import build
 from tests.numerics import REORDER_RTOL
+from tests.test_families import hf_greedy
 
 # 3 linear layers (2 key heads of 16 serving 4 value heads of 8, conv of 4 taps), then gated attention
 HYBRID = ModelConfig(vocab_size=300, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -166,7 +173,25 @@ def test_bad_hybrids_are_refused_in_one_line_and_write_nothing(tmp_path):
     with pytest.raises(InteropError) as e:
         convert(tmp_path / "hf", tmp_path / "mf", to="mindformers", progress=False)
     assert "msllm has no mindformers layout for Qwen3_5ForCausalLM" in one_line(e) and not (tmp_path / "mf").exists()
-    # decode and export need per-layer caches: refused where the engines ask for the cache
-    with pytest.raises(UserError) as e:
-        HYBRID.cache_shapes(1, 16)
-    assert "Gated DeltaNet" in one_line(e)
+    # export: the recurrent state is no graph input / output yet
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    with pytest.raises(ExportError) as e:
+        export(tmp_path / "ms", "onnx", tmp_path / "onnx", log=lambda line: None)
+    assert "Gated DeltaNet" in one_line(e) and not (tmp_path / "onnx").exists()
+
+
+def test_msllm_engine_decodes_with_recurrent_state_what_transformers_generates(tmp_path):
+    """Two prompts of 12 and 7 tokens in one batch (left-padded to 16 unalike: the padding must change
+    no recurrent state or conv window), 16 greedy tokens each on the msllm engine (CPU backend's decode
+    kernels, GRAPH_MODE): the chunked prefill hands its state and conv window to one-token recurrent steps,
+    and the tokens are transformers' greedy ones."""
+    model = build("qwen3_5")
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (12, 7)]
+    want = [hf_greedy(model, p, 16) for p in prompts]
+    device.setup("cpu", "graph")
+    cfg, ours, _, _ = load_model(tmp_path / "ms")
+    specialise(ours, cfg, training=False)
+    assert generate(cell_engine(ours), prompts, 16).ids == want

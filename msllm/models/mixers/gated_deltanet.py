@@ -37,17 +37,19 @@ class CausalConv(nn.Cell):
     """Depthwise causal conv over the sequence, then SiLU: x [b, s, c] -> [b, s, c], each channel
     c the sum of its last `kernel` inputs weighted by weight[c, 0, :] (transformers' Conv1d layout),
     written as `kernel` shifted multiply-adds. With packed samples (segments [b, s]) a token reads no
-    input of an earlier sample, as if its sample ran alone."""
+    input of an earlier sample, as if its sample ran alone. `window` [b, kernel - 1, c]: the inputs before
+    x (a cached forward; zeros otherwise). Returns (out, the last kernel - 1 inputs: the next window)."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.kernel = kernel
         self.weight = Parameter(initializer("zeros", (channels, 1, kernel), ms.float32), name="weight")
 
-    def construct(self, x, segments=None):
+    def construct(self, x, segments=None, window=None):
         b, s, c = x.shape
         k = self.kernel
-        padded = ops.concat((ops.zeros((b, k - 1, c), x.dtype), x), 1)
+        before = ops.zeros((b, k - 1, c), x.dtype) if window is None else cast(window, x.dtype)
+        padded = ops.concat((before, x), 1)
         w = cast(self.weight, x.dtype).reshape(c, k)
         out = padded[:, k - 1:] * w[:, k - 1]
         for j in range(k - 1):  # tap j reads the token k - 1 - j back
@@ -55,7 +57,7 @@ class CausalConv(nn.Cell):
             if segments is not None:
                 tap = tap * cast(same_sample_back(segments, k - 1 - j).expand_dims(-1), x.dtype)
             out = out + tap * w[:, j]
-        return out * ops.sigmoid(out)
+        return out * ops.sigmoid(out), padded[:, s:]
 
 
 def same_sample_back(segments, back: int):
@@ -93,7 +95,7 @@ class ChunkedGatedDeltaRule(nn.Cell):
         super().__init__()
         self.chunk = chunk
 
-    def construct(self, q, k, v, g, beta, segments=None):
+    def construct(self, q, k, v, g, beta, segments=None, initial=None):
         b, n, s, dk = q.shape
         dv = v.shape[-1]
         size = min(self.chunk, s)
@@ -129,7 +131,7 @@ class ChunkedGatedDeltaRule(nn.Cell):
         w = ops.matmul(inverse, k_beta * from_start)
         intra = ops.matmul(q, k.swapaxes(-1, -2)) * decay
 
-        state = ops.zeros((b, n, dk, dv), ms.float32)
+        state = ops.zeros((b, n, dk, dv), ms.float32) if initial is None else cast(initial, ms.float32)
         outs = []
         for i in range(chunks):
             fresh = u[:, :, i] - ops.matmul(w[:, :, i], state)
@@ -154,10 +156,15 @@ def sample_masks(segments):
 
 
 class GatedDeltaNet(nn.Cell):
-    """x [b*s, h] -> (out [b*s, h], cache_k, cache_v), the mixer interface (msllm.models.mixers); no
-    cache is kept yet (ModelConfig.cache_shapes refuses a hybrid). cos / sin only give the sequence
-    length. A linear layer is causal by construction: in the place of a mask the decoder passes the
-    packed samples' segments [b, s] (None: one sample per row)."""
+    """x [b*s, h] -> (out [b*s, h], state, window), the mixer interface (msllm.models.mixers). cos / sin
+    only give the sequence length. A linear layer is causal by construction: in the place of a mask the
+    decoder passes the packed samples' segments [b, s] (None: one sample per row), or, in a cached forward,
+    which new tokens are real [b, s] (left padding is zeroed, so it changes neither state nor window).
+
+    Its cache (cache_k, cache_v) is the recurrent state [b, value heads, d_k, d_v] and the conv window
+    [b, kernel - 1, conv channels] the tokens before these left, returned updated; `write` is not read:
+    the state has no slots. A prefill runs the chunked form; a decode step's one token is a chunk of one,
+    which is the recurrent form."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -189,14 +196,18 @@ class GatedDeltaNet(nn.Cell):
         b = x.shape[0] // s
         keys = self.num_key_heads * self.key_dim
         segments = mask
-        qkv = self.conv(self.wqkv(x).reshape(b, s, -1), segments)
+        if cache_k is not None:
+            x, segments = x * cast(mask.reshape(-1, 1), x.dtype), None
+        qkv, window = self.conv(self.wqkv(x).reshape(b, s, -1), segments, cache_v)
         q = l2_normalise(self.heads(qkv[..., :keys], b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
         k = l2_normalise(self.heads(qkv[..., keys:2 * keys], b, s, self.num_key_heads, self.key_dim))
         v = self.heads(qkv[..., 2 * keys:], b, s, self.num_value_heads, self.value_dim)
         beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
         g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
-        out, _ = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments)
+        out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, cache_k)
         out = self.norm(out.transpose(0, 2, 1, 3).reshape(-1, self.value_dim))
         z = cast(self.wz(x), ms.float32).reshape(-1, self.value_dim)
         out = cast(out * z * ops.sigmoid(z), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
-        return self.wo(out), cache_k, cache_v
+        if cache_k is None:
+            return self.wo(out), cache_k, cache_v
+        return self.wo(out), cast(state, cache_k.dtype), cast(window, cache_v.dtype)
