@@ -1,7 +1,7 @@
 """Hugging Face config.json <-> msllm ModelConfig.
 
 Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
-text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3). The sizes, RoPE, sliding window and layer types are read from the config keys every
+text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3.5 and Qwen3.5-MoE text). The sizes, RoPE, sliding window and layer types are read from the config keys every
 family shares (MLA's ranks when the family's spec attends with MLA); what an architecture implies
 beyond them is its family spec, and the keys only it has (experts, derived scales) its family's
 from_hf / to_hf hooks in interop/maps/<family>.py. A config asking for
@@ -157,7 +157,9 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         spec.update(attn_scale=_mla_scale(hf, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]))
     fields = dict(
         vocab_size=count("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=count("num_key_value_heads", heads), ffn_size=count("intermediate_size"),
+        num_kv_heads=count("num_key_value_heads", heads),
+        # a model whose every MLP is MoE may have no dense size (Qwen3.5-MoE): its experts' then
+        ffn_size=count("intermediate_size", hf.get("moe_intermediate_size") if family.moe else None),
         head_dim=0 if head_dim == hidden // heads and not hidden % heads else head_dim,
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(eps),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),

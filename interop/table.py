@@ -47,7 +47,7 @@ def named_dims(m: ModelConfig) -> dict[str, int]:
     return {"vocab": m.vocab_size, "hidden": m.hidden_size, "ffn": m.ffn_size, "head": m.head_size,
             "q": m.num_heads * m.head_size, "kv": m.num_kv_heads * m.head_size, "kv_heads": m.num_kv_heads,
             "experts": m.num_experts, "expert_ffn": m.moe_ffn_size or m.ffn_size,
-            "shared_ffn": m.shared_experts * (m.moe_ffn_size or m.ffn_size),
+            "shared_ffn": m.shared_size,
             # MLA (q is heads x (nope + rope) as head_size says)
             "q_rank": m.q_lora_rank, "kv_rank": m.kv_lora_rank, "kv_a": m.kv_lora_rank + m.qk_rope_head_dim,
             "kv_b": m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), "o": m.num_heads * m.value_size,

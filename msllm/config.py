@@ -70,6 +70,8 @@ class ModelConfig:
     topk_groups: int = 1              # sigmoid_grouped: a token's experts come from its best groups (topk_group)
     routed_scaling: float = 1.0       # the routing weights x this (DeepSeek-V3's routed_scaling_factor)
     shared_experts: int = 0           # every token also runs a gated MLP of shared_experts x moe_ffn_size
+    shared_ffn_size: int = 0          # ..of this size instead, when set (Qwen3.5-MoE's shared_expert_intermediate_size)
+    shared_gate: bool = False         # the shared MLP's output x sigmoid(a learned scalar of x) per token (Qwen3.5-MoE)
     attention: str = "gqa"            # gqa: q/k/v heads (MHA, GQA, MQA) | mla: multi-head latent attention (DeepSeek)
     q_lora_rank: int = 0              # mla: q through a normed rank-r bottleneck (0: one q projection)
     kv_lora_rank: int = 0             # mla: keys and values come from this latent, per token
@@ -120,6 +122,11 @@ class ModelConfig:
         return (shape, shape,
                 (linear, batch, self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
                 (linear, batch, self.linear_conv_kernel - 1, conv))
+
+    @property
+    def shared_size(self) -> int:
+        """The hidden size of a MoE layer's shared MLP (0: none)."""
+        return self.shared_ffn_size or self.shared_experts * (self.moe_ffn_size or self.ffn_size) if self.shared_experts else 0
 
     @property
     def value_size(self) -> int:

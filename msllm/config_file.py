@@ -181,6 +181,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
              f"must be <= the experts of model.topk_groups groups ({m.topk_groups * per_group})", "model.topk_groups")
     need(m.routed_scaling > 0, "model.routed_scaling", "must be > 0")
     need(m.shared_experts >= 0, "model.shared_experts", "must be >= 0")
+    need(m.shared_ffn_size >= 0, "model.shared_ffn_size", "must be >= 0 (0: model.shared_experts x the experts' size)")
     need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", "must be >= 0 (0: no load-balancing loss)")
     need(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", "must be >= 0 (0: no router z-loss)")
     if m.mlp_types is not None:

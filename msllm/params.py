@@ -50,9 +50,11 @@ def layer_shapes(m: "ModelConfig", kind: str, mixer: str = "") -> dict[str, tupl
         shapes["feed_forward.experts.w2"] = (e, h, f)
         shapes["feed_forward.experts.w3"] = (e, f, h)
         if m.shared_experts:
-            g = m.shared_experts * f
+            g = m.shared_size
             shapes.update({"feed_forward.shared.w1.weight": (g, h), "feed_forward.shared.w2.weight": (h, g),
                            "feed_forward.shared.w3.weight": (g, h)})
+            if m.shared_gate:
+                shapes["feed_forward.shared_gate.weight"] = (1, h)
     else:
         shapes["feed_forward.w1.weight"] = (m.ffn_size, h)
         shapes["feed_forward.w2.weight"] = (h, m.ffn_size)

@@ -85,6 +85,7 @@ PARAMS = (
     ("layers.*.feed_forward.experts.w*",   ("experts", None, None), "expert parallel"),
     ("layers.*.feed_forward.router.expert_bias", (None,),   "replicated"),
     ("layers.*.feed_forward.shared.w*.weight", (None, None), "replicated"),
+    ("layers.*.feed_forward.shared_gate.weight", (None, None), "replicated"),
     # MLA (DeepSeek): the down-projections to the q and kv latents (and their norms) whole on every
     # rank, the up-projections to heads cut by heads as wq is (their rows are head after head)
     ("layers.*.attention.wq_a.weight",   (None, None),    "replicated"),
