@@ -1,7 +1,7 @@
 """Hugging Face config.json <-> msllm ModelConfig.
 
 Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
-text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3.5 and Qwen3.5-MoE text). The sizes, RoPE, sliding window and layer types are read from the config keys every
+text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, Qwen3.5 and Qwen3.5-MoE text, Qwen3-Next). The sizes, RoPE, sliding window and layer types are read from the config keys every
 family shares (MLA's ranks when the family's spec attends with MLA); what an architecture implies
 beyond them is its family spec, and the keys only it has (experts, derived scales) its family's
 from_hf / to_hf hooks in interop/maps/<family>.py. A config asking for

@@ -54,6 +54,7 @@ def named_dims(m: ModelConfig) -> dict[str, int]:
             "heads": m.num_heads, "one": 1,
             # Gated DeltaNet: q, k, v through the conv, value heads and their features, the conv's taps
             "conv": 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim,
+            "lin_k": m.linear_num_key_heads * m.linear_key_head_dim, "lin_k_heads": m.linear_num_key_heads,
             "lin_v": m.linear_num_value_heads * m.linear_value_head_dim, "lin_heads": m.linear_num_value_heads,
             "lin_head_v": m.linear_value_head_dim, "conv_kernel": m.linear_conv_kernel}
 

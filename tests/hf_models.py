@@ -6,7 +6,7 @@ import torch
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
-                          Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3NextConfig, Qwen3NextForCausalLM,
                           Qwen3MoeForCausalLM)
 
 SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64)
@@ -61,6 +61,13 @@ CASES = {
         num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=8)),
+    # the hybrid with key-head-grouped in_proj_qkvz / in_proj_ba, 4 experts (top 2) and a gated shared expert,
+    # layer 1 dense (mlp_only_layers)
+    "qwen3_next": (Qwen3NextForCausalLM, Qwen3NextConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=4, max_position_embeddings=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)),
 }
 
 

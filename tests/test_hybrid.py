@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
 from graph_opt import ExportError
@@ -124,19 +123,28 @@ def test_a_packed_row_equals_its_samples_run_alone(hybrid_model):
     assert np.abs(joined[starts[1]:] - got[starts[1]:]).max() > 100 * REORDER_RTOL * np.abs(got).max()
 
 
-def test_config_translates_both_ways_and_transformers_reads_ours(tmp_path):
-    hf = build("qwen3_5").config.to_dict()
-    m = to_model_config(hf, "config.json")
+def test_qwen3_5_config_reads_the_hybrid_spec():
+    m = to_model_config(build("qwen3_5").config.to_dict(), "config.json")
     assert m.layer_kinds() == ["linear", "linear", "linear", "full"] and m.mixer_kinds()[0] == "gated_deltanet"
     assert (m.rope_fraction, m.rope_dim, m.norm_offset, m.attn_output_gate) == (0.25, 4, 1.0, True)
     assert (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
             m.linear_conv_kernel) == (2, 4, 16, 8, 4)
-    ours = to_hf_config(m, "Qwen3_5ForCausalLM", "float32")  # no base: written from the model alone
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_config_written_from_the_model_alone_reads_back_and_transformers_builds_it(case):
+    """config.json written without the source's (an msllm-trained model): msllm reads the same model back,
+    and transformers' config class builds the same layer types, sizes, experts and rotary fraction."""
+    model = build(case)
+    hf = {**model.config.to_dict(), "architectures": [type(model).__name__]}
+    m = to_model_config(hf, "config.json")
+    ours = to_hf_config(m, type(model).__name__, "float32")
     assert to_model_config(ours, "ours") == m
-    theirs = Qwen3_5TextConfig(**{k: v for k, v in ours.items() if k not in ("architectures", "torch_dtype")})
+    theirs = type(model.config)(**{k: v for k, v in ours.items() if k not in ("architectures", "torch_dtype")})
     for key in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim", "num_key_value_heads"):
-        assert getattr(theirs, key) == hf[key], key
+                "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim", "num_key_value_heads", "num_experts",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers", "intermediate_size"):
+        assert getattr(theirs, key, None) == hf.get(key), key
     assert theirs.rope_parameters["partial_rotary_factor"] == 0.25
 
 

@@ -5,7 +5,7 @@ Each family's module also holds its config translation beyond the keys every fam
 Adding a family: a table, a SPEC, a line here, and a tiny random model in tests/hf_models.py."""
 from typing import Callable, NamedTuple
 
-from interop.maps import deepseek_v3, gemma3, moe, phi3, qwen3, qwen3_5, qwen3_5_moe
+from interop.maps import deepseek_v3, gemma3, moe, phi3, qwen3, qwen3_5, qwen3_5_moe, qwen3_next
 from interop.maps.llama import LLAMA, QWEN2
 from interop.table import Table
 
@@ -47,6 +47,8 @@ FAMILIES = {
                                  to_hf=qwen3_5.to_hf),
     "Qwen3_5MoeForCausalLM": Family(qwen3_5_moe.QWEN3_5_MOE, "qwen3_5_moe_text", qwen3_5_moe.SPEC, moe=True,
                                     from_hf=qwen3_5_moe.from_hf, to_hf=qwen3_5_moe.to_hf),
+    "Qwen3NextForCausalLM": Family(qwen3_next.QWEN3_NEXT, "qwen3_next", qwen3_next.SPEC, moe=True,
+                                   from_hf=qwen3_next.from_hf, to_hf=qwen3_next.to_hf),
 }
 
 

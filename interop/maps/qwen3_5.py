@@ -25,7 +25,8 @@ QWEN3_5 = Table(
         Row("attention.q_norm.weight", "head",       "self_attn.q_norm.weight", None, when="attention"),
         Row("attention.k_norm.weight", "head",       "self_attn.k_norm.weight", None, when="attention"),
         # Gated DeltaNet layers
-        Row("attention.wqkv.weight",   "conv, hidden",     "linear_attn.in_proj_qkv.weight", None, when="linear"),
+        Row(Concat(0, "attention.wq.weight", "attention.wk.weight", "attention.wv.weight"), "lin_k+lin_k+lin_v, hidden",
+            "linear_attn.in_proj_qkv.weight", None, when="linear"),
         Row("attention.wz.weight",     "lin_v, hidden",    "linear_attn.in_proj_z.weight",   None, when="linear"),
         Row("attention.wb.weight",     "lin_heads, hidden", "linear_attn.in_proj_b.weight",  None, when="linear"),
         Row("attention.wa.weight",     "lin_heads, hidden", "linear_attn.in_proj_a.weight",  None, when="linear"),

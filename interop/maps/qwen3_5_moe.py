@@ -6,14 +6,14 @@ Not in MindFormers 1.9; mtp.* tensors are refused as unexpected (qwen3_5.py)."""
 from interop.maps import moe, qwen3_5
 from interop.table import Row
 
-_SHARED = [
+SHARED_ROWS = [
     #   msllm                                shape                Hugging Face                          MindFormers
     Row("feed_forward.shared.w1.weight",     "shared_ffn, hidden", "mlp.shared_expert.gate_proj.weight", None, when="shared"),
     Row("feed_forward.shared.w2.weight",     "hidden, shared_ffn", "mlp.shared_expert.down_proj.weight", None, when="shared"),
     Row("feed_forward.shared.w3.weight",     "shared_ffn, hidden", "mlp.shared_expert.up_proj.weight",   None, when="shared"),
     Row("feed_forward.shared_gate.weight",   "one, hidden",        "mlp.shared_expert_gate.weight",      None, when="shared"),
 ]
-QWEN3_5_MOE = moe.with_moe(qwen3_5.QWEN3_5, moe.QWEN3_MOE_ROWS + _SHARED)
+QWEN3_5_MOE = moe.with_moe(qwen3_5.QWEN3_5, moe.QWEN3_MOE_ROWS + SHARED_ROWS)
 
 SPEC = {**qwen3_5.SPEC, "shared_gate": True}
 

@@ -93,9 +93,8 @@ PARAMS = (
     ("layers.*.attention.wkv_a.weight",  (None, None),    "replicated"),
     ("layers.*.attention.wkv_b.weight",  ("heads", None), "column"),
     ("layers.*.attention.kv_norm.weight", (None,),        "replicated"),
-    # Gated DeltaNet (linear attention): whole on every rank for now (its heads over tp, with the conv and
-    # state per head, are not laid out yet)
-    ("layers.*.attention.wqkv.weight",   (None, None),    "replicated"),
+    # Gated DeltaNet (linear attention): refused over tp for now (its heads over tp, with the conv and state
+    # per head, are not laid out yet), so its wq / wk / wv / wo take attention's rows above; the rest whole
     ("layers.*.attention.wz.weight",     (None, None),    "replicated"),
     ("layers.*.attention.wb.weight",     (None, None),    "replicated"),
     ("layers.*.attention.wa.weight",     (None, None),    "replicated"),

@@ -11,7 +11,8 @@ head serves a run of consecutive value heads.
 Training and prefill use the chunked form: within a chunk of 64 tokens a few matmuls (the intra-chunk
 part, a unit lower-triangular inverse), across chunks the state carried one chunk at a time, so no
 tensor is larger than [chunk, chunk] per head and memory stays linear in the sequence; autodiff gives
-the backward. Names: attention.wqkv, wz, wb, wa, conv, dt_bias, A_log, norm, wo.
+the backward. Names: attention.wq, wk, wv (the conv's three input parts), wz, wb, wa, conv, dt_bias,
+A_log, norm, wo.
 """
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ class GatedDeltaNet(nn.Cell):
         self.num_key_heads, self.num_value_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         keys, values = self.num_key_heads * self.key_dim, self.num_value_heads * self.value_dim
-        self.wqkv = Linear(h, 2 * keys + values)
+        self.wq, self.wk, self.wv = Linear(h, keys), Linear(h, keys), Linear(h, values)
         self.wz = Linear(h, values)
         self.wb = Linear(h, self.num_value_heads)
         self.wa = Linear(h, self.num_value_heads)
@@ -198,7 +199,8 @@ class GatedDeltaNet(nn.Cell):
         segments = mask
         if cache_k is not None:
             x, segments = x * cast(mask.reshape(-1, 1), x.dtype), None
-        qkv, window = self.conv(self.wqkv(x).reshape(b, s, -1), segments, cache_v)
+        qkv = ops.concat((self.wq(x), self.wk(x), self.wv(x)), -1)
+        qkv, window = self.conv(qkv.reshape(b, s, -1), segments, cache_v)
         q = l2_normalise(self.heads(qkv[..., :keys], b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
         k = l2_normalise(self.heads(qkv[..., keys:2 * keys], b, s, self.num_key_heads, self.key_dim))
         v = self.heads(qkv[..., 2 * keys:], b, s, self.num_value_heads, self.value_dim)
