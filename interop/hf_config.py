@@ -145,7 +145,7 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
     if not head_dim and hidden % heads:
         refuse("num_attention_heads", f"must divide hidden_size ({hidden}) when head_dim is not given")
     theta, scaling, local_theta = _rope_per_layer_type(hf, refuse)
-    fraction = _rope_fraction(hf, head_dim or (hidden // heads), refuse) if not mla else 1.0
+    fraction = _rope_fraction(hf, head_dim or (hidden // heads), family.partial_rope, refuse)
     eps = hf.get("rms_norm_eps", 1e-6)
     if not _is_number(eps) or eps <= 0:
         refuse("rms_norm_eps", f"must be a number > 0, got {eps!r}")
@@ -170,13 +170,16 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
     return ModelConfig(**fields)
 
 
-def _rope_fraction(hf: dict, head: int, refuse) -> float:
+def _rope_fraction(hf: dict, head: int, partial: bool, refuse) -> float:
     """partial_rotary_factor (in rope_parameters or at the top level): the leading fraction of each head
-    RoPE rotates, as int(head * fraction) features; 1.0 when absent."""
+    RoPE rotates, as int(head * fraction) features; 1.0 when absent. Only a family whose attention
+    rotates part of the head (`partial`) takes another value."""
     params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if fraction is None:
+    if fraction is None or fraction == 1:
         return 1.0
+    if not partial:
+        refuse("partial_rotary_factor", f"{fraction!r}: this architecture rotates the whole head (1.0)")
     if not _is_number(fraction) or not 0 < fraction <= 1 or int(head * fraction) % 2 or int(head * fraction) == 0:
         refuse("partial_rotary_factor", f"{fraction!r}: must be in (0, 1] and rotate an even number of the "
                                         f"head's {head} features")

@@ -26,6 +26,7 @@ class Family(NamedTuple):
     # scales); to_hf(m, hf): adds those keys to the config.json `hf` of model `m`.
     from_hf: Callable[[dict, dict, Callable], None] = lambda hf, fields, refuse: None
     to_hf: Callable[[object, dict], None] = lambda m, hf: None
+    partial_rope: bool = False  # its attention rotates the leading partial_rotary_factor of each head
 
 
 FAMILIES = {
@@ -44,11 +45,11 @@ FAMILIES = {
                                     mindformers=deepseek_v3.DEEPSEEK_V3_MINDFORMERS,
                                     from_hf=deepseek_v3.from_hf, to_hf=deepseek_v3.to_hf),
     "Qwen3_5ForCausalLM": Family(qwen3_5.QWEN3_5, "qwen3_5_text", qwen3_5.SPEC, from_hf=qwen3_5.from_hf,
-                                 to_hf=qwen3_5.to_hf),
+                                 to_hf=qwen3_5.to_hf, partial_rope=True),
     "Qwen3_5MoeForCausalLM": Family(qwen3_5_moe.QWEN3_5_MOE, "qwen3_5_moe_text", qwen3_5_moe.SPEC, moe=True,
-                                    from_hf=qwen3_5_moe.from_hf, to_hf=qwen3_5_moe.to_hf),
+                                    from_hf=qwen3_5_moe.from_hf, to_hf=qwen3_5_moe.to_hf, partial_rope=True),
     "Qwen3NextForCausalLM": Family(qwen3_next.QWEN3_NEXT, "qwen3_next", qwen3_next.SPEC, moe=True,
-                                   from_hf=qwen3_next.from_hf, to_hf=qwen3_next.to_hf),
+                                   from_hf=qwen3_next.from_hf, to_hf=qwen3_next.to_hf, partial_rope=True),
 }
 
 

@@ -2,8 +2,8 @@
 Qwen3-Next's "linear" layers.
 
 Each value head keeps a state S [d_k, d_v] that every token first decays and then corrects toward its
-value (the delta rule): S <- exp(g) S + beta k (v - exp(g) S^T k)^T, out = S^T q. q, k and v come from
-one projection through a depthwise causal conv (SiLU), q and k L2-normalised per head; beta =
+value (the delta rule): S <- exp(g) S + beta k (v - exp(g) S^T k)^T, out = S^T q. q, k and v (wq, wk,
+wv) go through one depthwise causal conv (SiLU), q and k L2-normalised per head; beta =
 sigmoid(wb x), the decay g = -exp(A_log) softplus(wa x + dt_bias) per value head. The output is
 RMS-normed per head and gated by silu(wz x) before wo. Value heads may outnumber key heads: each key
 head serves a run of consecutive value heads.
