@@ -227,6 +227,9 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", emb
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     out = Path(out)
     cfg, ckpt_dir, state = read_checkpoint(ckpt)
+    if cfg.model.hybrid:
+        raise ExportError("a model with Gated DeltaNet (linear attention) layers is not exported yet (its recurrent "
+                          "state is no graph input / output yet); generate with the msllm engine")
     nbytes = cfg.model.num_params() * (2 if dtype == "fp16" else 4)
     if embed_weights and fmt != "onnx":
         raise ExportError("--embed-weights: only for --format onnx (MindIR keeps its weights in <name>_variables/)")

@@ -1,13 +1,14 @@
 """Hugging Face config.json <-> msllm ModelConfig.
 
 Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
-text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, SmolLM3, OLMo 2 and 3, gpt-oss). The sizes, RoPE, sliding window
-and layer types are read from the config keys every family shares (MLA's ranks when the family's spec
-attends with MLA); what an architecture implies beyond them is its family spec, and the keys only it
-has (experts, derived scales, NoPE layers) its family's
+text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, SmolLM3, OLMo 2 and 3, gpt-oss, Qwen3.5, Qwen3.5-MoE and
+Qwen3-Next). The sizes, RoPE, sliding window and layer types are read from the config keys every family
+shares (MLA's ranks when the family's spec attends with MLA); what an architecture implies beyond them
+is its family spec, and the keys only it has (experts, derived scales, NoPE layers, linear-attention
+layers) its family's
 from_hf / to_hf hooks in interop/maps/<family>.py. A config asking for
 something msllm does not compute (another activation, o_proj or MLP biases, another rope type,
-partial rotary, logit soft-capping) is refused, naming the key, rather than converted into a
+logit soft-capping) is refused, naming the key, rather than converted into a
 model that computes something else.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from interop.maps import FAMILIES
 from msllm.config import ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig, yarn_mscale
 
 MODEL_TYPES = {arch: family.model_type for arch, family in FAMILIES.items()}
-LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
 
 
 def architecture(hf: dict, source: str) -> str:
@@ -47,7 +48,8 @@ def default_architecture(m: ModelConfig) -> str:
     def matches(family) -> bool:
         spec = {**dict(qkv_bias=False, qk_norm=False, qk_norm_scope="head", norm_offset=0.0, sandwich_norm=False,
                        pre_norm=True, mlp="swiglu", attention="gqa", router="softmax", o_bias=False,
-                       attention_sinks=False, router_bias=False, experts_bias=False), **family.spec}
+                       attention_sinks=False, router_bias=False, experts_bias=False, attn_output_gate=False),
+                **family.spec}
         return (family.moe == (m.num_experts > 0) and (family.nope_layers or "none" not in m.position_kinds())
                 and all(getattr(m, key) == value for key, value in spec.items()))
 
@@ -96,9 +98,6 @@ def _rope_params(hf: dict, params: dict, key: str, refuse) -> tuple[float, dict 
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     if not _is_number(theta) or theta <= 0:
         refuse("rope_theta", f"must be a number > 0, got {theta!r}")
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        refuse("partial_rotary_factor", f"{partial!r}: msllm rotates the whole head (1.0)")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "longrope":
         refuse(key, "rope type 'longrope' (Phi-3 128K) is not supported; the 4K Phi-3 configs use the default RoPE")
@@ -151,6 +150,7 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
     if not head_dim and hidden % heads:
         refuse("num_attention_heads", f"must divide hidden_size ({hidden}) when head_dim is not given")
     theta, scaling, local_theta = _rope_per_layer_type(hf, refuse)
+    fraction = _rope_fraction(hf, head_dim or (hidden // heads), family.partial_rope, refuse)
     eps = hf.get("rms_norm_eps", 1e-6)
     if not _is_number(eps) or eps <= 0:
         refuse("rms_norm_eps", f"must be a number > 0, got {eps!r}")
@@ -162,14 +162,33 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
         spec.update(attn_scale=_mla_scale(hf, mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]))
     fields = dict(
         vocab_size=count("vocab_size"), hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=count("num_key_value_heads", heads), ffn_size=count("intermediate_size"),
+        num_kv_heads=count("num_key_value_heads", heads),
+        # a model whose every MLP is MoE may have no dense size (Qwen3.5-MoE): its experts' then
+        ffn_size=count("intermediate_size", hf.get("moe_intermediate_size") if family.moe else None),
         head_dim=0 if head_dim == hidden // heads and not hidden % heads else head_dim,
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(eps),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=max_seq_len or context, sliding_window=window, layer_types=layer_types,
-        pad_token_id=_pad_token(hf, refuse), rope_local_theta=local_theta if window else 0.0, **mla, **spec)
+        pad_token_id=_pad_token(hf, refuse), rope_local_theta=local_theta if window else 0.0, rope_fraction=fraction,
+        **mla, **spec)
     family.from_hf(hf, fields, refuse)  # what only this family's keys say: its experts, derived scales
     return ModelConfig(**fields)
+
+
+def _rope_fraction(hf: dict, head: int, partial: bool, refuse) -> float:
+    """partial_rotary_factor (in rope_parameters or at the top level): the leading fraction of each head
+    RoPE rotates, as int(head * fraction) features; 1.0 when absent. Only a family whose attention
+    rotates part of the head (`partial`) takes another value."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if fraction is None or fraction == 1:
+        return 1.0
+    if not partial:
+        refuse("partial_rotary_factor", f"{fraction!r}: this architecture rotates the whole head (1.0)")
+    if not _is_number(fraction) or not 0 < fraction <= 1 or int(head * fraction) % 2 or int(head * fraction) == 0:
+        refuse("partial_rotary_factor", f"{fraction!r}: must be in (0, 1] and rotate an even number of the "
+                                        f"head's {head} features")
+    return float(fraction)
 
 
 def _mla(hf: dict, heads: int, count, refuse) -> dict:
@@ -219,7 +238,7 @@ def _windows(hf: dict, layers: int, refuse) -> tuple[int, list | None]:
         refuse("layer_types", f"expected {layers} of {', '.join(LAYER_TYPES)}, got {named!r}")
     kinds = [LAYER_TYPES[t] for t in named]
     if "sliding" not in kinds:
-        return 0, None
+        return 0, kinds if "linear" in kinds else None
     if not window:
         refuse("sliding_window", "layer_types has sliding layers but no window is set")
     return window, None if set(kinds) == {"sliding"} else kinds
@@ -241,6 +260,8 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
           "rope_theta": m.rope_theta, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": dtype,
           family.activation_key: family.activation,
           "sliding_window": m.sliding_window or None, "pad_token_id": None if m.pad_token_id < 0 else m.pad_token_id}
+    if m.rope_fraction != 1.0:
+        hf["partial_rotary_factor"] = m.rope_fraction
     if m.rope_scaling:
         scaling = dict(m.rope_scaling)
         hf["rope_scaling"] = {"rope_type": scaling.pop("type", scaling.pop("rope_type", None)), **scaling}

@@ -42,7 +42,9 @@ CONDITIONS = {"untied": lambda m, i: not m.tie_embeddings,
               "moe": lambda m, i: m.mlp_kinds()[i] == "moe",
               "shared": lambda m, i: m.mlp_kinds()[i] == "moe" and m.shared_experts > 0,
               "q_lora": lambda m, i: m.q_lora_rank > 0,          # MLA's low-rank query
-              "no_q_lora": lambda m, i: m.q_lora_rank == 0}
+              "no_q_lora": lambda m, i: m.q_lora_rank == 0,
+              "linear": lambda m, i: m.layer_kinds()[i] == "linear",      # a Gated DeltaNet layer
+              "attention": lambda m, i: m.layer_kinds()[i] != "linear"}
 
 
 def named_dims(m: ModelConfig) -> dict[str, int]:
@@ -50,10 +52,16 @@ def named_dims(m: ModelConfig) -> dict[str, int]:
             "heads": m.num_heads,
             "q": m.num_heads * m.head_size, "kv": m.num_kv_heads * m.head_size, "kv_heads": m.num_kv_heads,
             "experts": m.num_experts, "expert_ffn": m.moe_ffn_size or m.ffn_size,
-            "shared_ffn": m.shared_experts * (m.moe_ffn_size or m.ffn_size),
+            "shared_ffn": m.shared_size,
             # MLA (q is heads x (nope + rope) as head_size says)
             "q_rank": m.q_lora_rank, "kv_rank": m.kv_lora_rank, "kv_a": m.kv_lora_rank + m.qk_rope_head_dim,
-            "kv_b": m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), "o": m.num_heads * m.value_size}
+            "kv_b": m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), "o": m.num_heads * m.value_size,
+            "heads": m.num_heads, "one": 1,
+            # Gated DeltaNet: q, k, v through the conv, value heads and their features, the conv's taps
+            "conv": 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim,
+            "lin_k": m.linear_num_key_heads * m.linear_key_head_dim, "lin_k_heads": m.linear_num_key_heads,
+            "lin_v": m.linear_num_value_heads * m.linear_value_head_dim, "lin_heads": m.linear_num_value_heads,
+            "lin_head_v": m.linear_value_head_dim, "conv_kernel": m.linear_conv_kernel}
 
 
 class Same:

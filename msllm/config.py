@@ -60,7 +60,8 @@ class ModelConfig:
     embed_scale: float = 1.0          # embeddings x this (Gemma: sqrt(hidden_size))
     attn_scale: float = 0.0           # scores x this; 0: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
     sliding_window: int = 0           # sliding layers attend to the last N positions (0: no sliding layers)
-    # Per layer "full" or "sliding"; None: every layer sliding when sliding_window is set, else full.
+    # Per layer "full", "sliding" or "linear" (a Gated DeltaNet layer); None: every layer sliding when
+    # sliding_window is set, else full.
     layer_types: Optional[list] = None
     rope_local_theta: float = 0.0     # RoPE base of sliding layers, unscaled (Gemma 3); 0: as full layers
     # Per layer "rope" or "none" (no position encoding: SmolLM3's NoPE layers); None: every layer rope.
@@ -84,6 +85,8 @@ class ModelConfig:
     router_bias: bool = False         # the router's logits have a learned bias per expert (gpt-oss)
     experts_bias: bool = False        # each expert's gate, up and down projections have biases (gpt-oss)
     shared_experts: int = 0           # every token also runs a gated MLP of shared_experts x moe_ffn_size
+    shared_ffn_size: int = 0          # ..of this size instead, when set (Qwen3.5-MoE's shared_expert_intermediate_size)
+    shared_gate: bool = False         # the shared MLP's output x sigmoid(a learned scalar of x) per token (Qwen3.5-MoE)
     attention: str = "gqa"            # gqa: q/k/v heads (MHA, GQA, MQA) | mla: multi-head latent attention (DeepSeek)
     q_lora_rank: int = 0              # mla: q through a normed rank-r bottleneck (0: one q projection)
     kv_lora_rank: int = 0             # mla: keys and values come from this latent, per token
@@ -91,6 +94,16 @@ class ModelConfig:
     qk_rope_head_dim: int = 0         # mla: per-head q/k features with RoPE (the key's are shared by all heads)
     v_head_dim: int = 0               # mla: per-head value features
     rope_interleave: bool = False     # rotary pairs are neighbours (x0, x1), (x2, x3).. (DeepSeek), not the halves
+    rope_fraction: float = 1.0        # RoPE rotates this leading fraction of each q/k head, the rest passes
+                                      # (Qwen3.5 / Qwen3-Next: 0.25; GLM-4.5: 0.5)
+    attn_output_gate: bool = False    # attention output x sigmoid(wg x) per head feature before wo (Qwen3.5)
+    # Gated DeltaNet layers (layer_types "linear", msllm/models/mixers/gated_deltanet.py): their own
+    # key / value heads and head sizes, and the depthwise causal conv over q, k, v
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
 
     @property
     def mla(self) -> bool:
@@ -98,18 +111,37 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Features per head that RoPE rotates: the head, or MLA's rope part."""
-        return self.qk_rope_head_dim if self.mla else self.head_size
+        """Features per head that RoPE rotates: the head's leading rope_fraction (as transformers rounds
+        it), or MLA's rope part."""
+        return self.qk_rope_head_dim if self.mla else int(self.head_size * self.rope_fraction)
 
-    def cache_shapes(self, batch: int, length: int) -> tuple[tuple, tuple]:
-        """Shapes of the preallocated keys and values a cached forward takes: per layer and row, each KV
-        head's keys and values; MLA caches one latent and one RoPE key per token (kv_lora_rank +
-        qk_rope_head_dim features, not every head's keys and values)."""
+    @property
+    def hybrid(self) -> bool:
+        """Some layers mix with Gated DeltaNet (a recurrent state), the others with attention."""
+        return "linear" in self.layer_kinds()
+
+    def cache_shapes(self, batch: int, length: int) -> tuple[tuple, ...]:
+        """Shapes of the preallocated caches a cached forward takes: per layer and row, each KV head's keys
+        and values; MLA caches one latent and one RoPE key per token (kv_lora_rank + qk_rope_head_dim
+        features, not every head's keys and values). A hybrid's attention layers keep keys and values
+        (stacked over those layers only) and its Gated DeltaNet layers two more, stacked over them: the
+        recurrent state [value heads, d_k, d_v] and the conv's last kernel - 1 inputs, whatever the length."""
         if self.mla:
             return ((self.num_layers, batch, 1, length, self.kv_lora_rank),
                     (self.num_layers, batch, 1, length, self.qk_rope_head_dim))
-        shape = (self.num_layers, batch, self.num_kv_heads, length, self.head_size)
-        return shape, shape
+        linear = self.layer_kinds().count("linear")
+        shape = (self.num_layers - linear, batch, self.num_kv_heads, length, self.head_size)
+        if not linear:
+            return shape, shape
+        conv = 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        return (shape, shape,
+                (linear, batch, self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
+                (linear, batch, self.linear_conv_kernel - 1, conv))
+
+    @property
+    def shared_size(self) -> int:
+        """The hidden size of a MoE layer's shared MLP (0: none)."""
+        return self.shared_ffn_size or self.shared_experts * (self.moe_ffn_size or self.ffn_size) if self.shared_experts else 0
 
     @property
     def value_size(self) -> int:
@@ -135,8 +167,9 @@ class ModelConfig:
         return list(self.position_types) if self.position_types is not None else ["rope"] * self.num_layers
 
     def mixer_kinds(self) -> list[str]:
-        """The token mixer of each layer (msllm.models.mixers.MIXERS): model.attention for every layer."""
-        return [self.attention] * self.num_layers
+        """The token mixer of each layer (msllm.models.mixers.MIXERS): gated_deltanet for "linear" layers,
+        model.attention for the others."""
+        return ["gated_deltanet" if kind == "linear" else self.attention for kind in self.layer_kinds()]
 
     def mlp_kinds(self) -> list[str]:
         """"dense" or "moe" for each layer."""
@@ -157,16 +190,17 @@ class ModelConfig:
 
         # Each kind of layer counted once (the planner counts a model per layout it tries), then the
         # embedding, final norm and head: the inventory of the model without its layers.
-        kinds = self.mlp_kinds()
-        layers = sum(kinds.count(kind) * count(layer_shapes(self, kind)) for kind in set(kinds))
-        return layers + count(param_shapes(dataclasses.replace(self, num_layers=0, mlp_types=[])))
+        kinds = list(zip(self.mlp_kinds(), self.mixer_kinds()))
+        layers = sum(kinds.count(kind) * count(layer_shapes(self, *kind)) for kind in set(kinds))
+        return layers + count(param_shapes(dataclasses.replace(self, num_layers=0, mlp_types=[], layer_types=[])))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params (of MoE layers, the k experts a token uses) + attention
-        scores (PaLM appendix B)."""
+        scores (PaLM appendix B) of the attention layers (a Gated DeltaNet layer's chunked rule is not counted)."""
         non_embed = self.num_params(active=True) - self.vocab_size * self.hidden_size * (0 if self.tie_embeddings else 1)
         # scores q k^T over the q/k head, P v over the value head (equal but for MLA)
-        return 6.0 * non_embed + 6.0 * self.num_layers * self.num_heads * (self.head_size + self.value_size) * seq_len
+        attention_layers = self.num_layers - self.layer_kinds().count("linear")
+        return 6.0 * non_embed + 6.0 * attention_layers * self.num_heads * (self.head_size + self.value_size) * seq_len
 
 
 @dataclass
@@ -358,7 +392,7 @@ CHOICES = {
     "model.attention": ("gqa", "mla"),
     "model.qk_norm_scope": ("head", "projection"),
 }
-LAYER_TYPES = ("full", "sliding")
+LAYER_TYPES = ("full", "sliding", "linear")
 POSITION_TYPES = ("rope", "none")
 MLP_TYPES = ("dense", "moe")
 

@@ -162,6 +162,19 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         odd = sorted(set(m.position_types) - set(POSITION_TYPES))
         need(not odd, "model.position_types",
              f"unknown {', '.join(map(repr, odd))}; each is one of {', '.join(POSITION_TYPES)}")
+    need(0 < m.rope_fraction <= 1 and m.rope_dim % 2 == 0 and m.rope_dim > 0, "model.rope_fraction",
+         f"must be in (0, 1] and rotate an even number of the head's {m.head_size} features (it rotates {m.rope_dim})")
+    if m.hybrid:
+        for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_conv_kernel"):
+            need(getattr(m, key) > 0, f"model.{key}", "must be > 0 with linear layers in model.layer_types",
+                 "model.layer_types")
+        need(m.linear_num_value_heads % max(m.linear_num_key_heads, 1) == 0, "model.linear_num_value_heads",
+             f"must be a multiple of model.linear_num_key_heads ({m.linear_num_key_heads})", "model.linear_num_key_heads")
+        for key, value in (("parallel.tp", cfg.parallel.tp), ("parallel.cp", cfg.parallel.cp),
+                           ("parallel.pp", cfg.parallel.pp)):
+            need(value == 1, key, "must be 1 with Gated DeltaNet (linear) layers: they are not laid out over devices yet",
+                 "model.layer_types")
     need(m.num_experts >= 0 and m.moe_ffn_size >= 0, "model.num_experts", "must be >= 0 (0: dense MLPs)")
     need(m.num_experts == 0 or 1 <= m.experts_per_token <= m.num_experts, "model.experts_per_token",
          f"must be in [1, model.num_experts ({m.num_experts})]", "model.num_experts")
@@ -179,6 +192,7 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
              f"must be <= the experts of model.topk_groups groups ({m.topk_groups * per_group})", "model.topk_groups")
     need(m.routed_scaling > 0, "model.routed_scaling", "must be > 0")
     need(m.shared_experts >= 0, "model.shared_experts", "must be >= 0")
+    need(m.shared_ffn_size >= 0, "model.shared_ffn_size", "must be >= 0 (0: model.shared_experts x the experts' size)")
     need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", "must be >= 0 (0: no load-balancing loss)")
     need(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", "must be >= 0 (0: no router z-loss)")
     if m.mlp_types is not None:
@@ -190,6 +204,8 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
              "model.mlp_types has moe layers: set the number of experts (> 0)", "model.mlp_types")
     need(t.block_graph != "shared" or len(set(m.mlp_kinds())) == 1, "train.block_graph",
          "shared needs every block alike; model.mlp_types mixes dense and moe layers", "model.mlp_types")
+    need(t.block_graph != "shared" or len(set(m.mixer_kinds())) == 1, "train.block_graph",
+         "shared needs every block alike; model.layer_types mixes linear and attention layers", "model.layer_types")
     need(m.sliding_window > 0 or "sliding" not in m.layer_kinds(), "model.sliding_window",
          "model.layer_types has sliding layers: set the window (> 0)", "model.layer_types")
     need(d.seq_len > 1, "data.seq_len", "must be > 1")

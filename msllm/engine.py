@@ -4,7 +4,8 @@ onnxruntime engine runs without it.
 
 An engine answers two calls on integer arrays and returns fp32 numpy logits:
   run("model", ids)                              input_ids [b, s] -> logits [b, s, vocab]
-  run("prefill" | "decode", ids, keys, values, start, pad) -> (logits [b, vocab], keys, values)
+  run("prefill" | "decode", ids, *caches, start, pad) -> (logits [b, vocab], *caches)
+(caches: keys and values; a hybrid's recurrent states and conv windows after them, ModelConfig.cache_shapes)
 and `Engine.start` / `Engine.step` drive them for generation: prompts of any lengths are
 left-padded to a bucketed length, and the cache length is bucketed too, so a handful of shapes
 cover every request. Graphs are loaded on first use, and kinds served by one graph share it.
@@ -56,9 +57,9 @@ class Engine:
         for row, p in enumerate(prompts):
             ids[row, self.pad[row]:] = p
         cfg = self.cfg
-        keys, values = (np.zeros(shape, self.cache_dtype)
-                        for shape in cfg.cache_shapes(len(prompts), bucket(width + max_new, CACHE_BUCKET)))
-        logits, *self.cache = self.run("prefill", ids, keys, values, np.zeros(1, np.int64), self.pad)
+        caches = [np.zeros(shape, self.cache_dtype)
+                  for shape in cfg.cache_shapes(len(prompts), bucket(width + max_new, CACHE_BUCKET))]
+        logits, *self.cache = self.run("prefill", ids, *caches, np.zeros(1, np.int64), self.pad)
         self.next_slot = width
         return logits
 

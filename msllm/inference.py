@@ -27,6 +27,15 @@ class CachedForward(nn.Cell):
         return self.model(input_ids, keys, values, start, pad)
 
 
+class RecurrentCachedForward(CachedForward):
+    """A hybrid's cached forward: the attention layers' keys and values, then the Gated DeltaNet layers'
+    states [linear layers, b, value heads, d_k, d_v] and conv windows [linear layers, b, kernel - 1, conv];
+    returns them all updated after the logits."""
+
+    def construct(self, input_ids, keys, values, states, windows, start, pad):
+        return self.model(input_ids, keys, values, start, pad, None, None, states, windows)
+
+
 class MindSporeEngine(Engine):
     """Cells or GraphCells; integer inputs int32, the cache kept as MindSpore tensors between steps."""
 
@@ -44,6 +53,6 @@ def cell_engine(model: Decoder) -> MindSporeEngine:
     """The `msllm` engine: the model's own Cells, in whatever mode the process runs. Prefill and
     decode are one CachedForward; in GRAPH_MODE it compiles once per (batch, prompt bucket,
     cache bucket) shape."""
-    cached = CachedForward(model)
+    cached = RecurrentCachedForward(model) if model.cfg.hybrid else CachedForward(model)
     return MindSporeEngine({"model": lambda: model, "prefill": lambda: cached, "decode": lambda: cached}, model.cfg,
                            ms.dtype_to_nptype(model.compute_dtype))

@@ -6,8 +6,8 @@ ModelConfig.num_params counts. The bottom layer: it imports nothing from msllm (
 def param_shapes(m: "ModelConfig") -> dict[str, tuple[int, ...]]:
     """Every parameter of the decoder built from `m` with its shape, in the model's order (no MindSpore needed)."""
     h = m.hidden_size
-    kinds = m.mlp_kinds()
-    layers = {kind: layer_shapes(m, kind) for kind in set(kinds)}
+    kinds = list(zip(m.mlp_kinds(), m.mixer_kinds()))
+    layers = {kind: layer_shapes(m, *kind) for kind in set(kinds)}
     shapes = {"tok_embeddings.weight": (m.vocab_size, h)}
     for i, kind in enumerate(kinds):
         shapes.update({f"layers.{i}.{name}": shape for name, shape in layers[kind].items()})
@@ -17,19 +17,24 @@ def param_shapes(m: "ModelConfig") -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def layer_shapes(m: "ModelConfig", kind: str) -> dict[str, tuple[int, ...]]:
+def layer_shapes(m: "ModelConfig", kind: str, mixer: str = "") -> dict[str, tuple[int, ...]]:
     """A decoder layer's parameters (names under layers.N.) when its MLP is `kind`, "dense" or "moe"
-    (m.mlp_kinds()): every layer of a kind holds the same."""
+    (m.mlp_kinds()), and its token mixer `mixer` (m.mixer_kinds(); "": the model's attention): every
+    layer of a kind holds the same."""
     h, d = m.hidden_size, m.head_size
     q, kv = m.num_heads * d, m.num_kv_heads * d
     shapes = {"attention_norm.weight": (h,)} if m.pre_norm else {}
-    if m.mla:
+    if mixer == "gated_deltanet":
+        shapes.update({f"attention.{k}": v for k, v in gated_deltanet_shapes(m).items()})
+    elif m.mla:
         shapes.update({f"attention.{k}": v for k, v in mla_shapes(m).items()})
     else:
         for name, out in (("wq", q), ("wk", kv), ("wv", kv)):
             shapes[f"attention.{name}.weight"] = (out, h)
             if m.qkv_bias:
                 shapes[f"attention.{name}.bias"] = (out,)
+        if m.attn_output_gate:
+            shapes["attention.wg.weight"] = (q, h)
         shapes["attention.wo.weight"] = (h, q)
         if m.o_bias:
             shapes["attention.wo.bias"] = (h,)
@@ -57,9 +62,11 @@ def layer_shapes(m: "ModelConfig", kind: str) -> dict[str, tuple[int, ...]]:
             shapes.update({"feed_forward.experts.b1.bias": (e, f), "feed_forward.experts.b2.bias": (e, h),
                            "feed_forward.experts.b3.bias": (e, f)})
         if m.shared_experts:
-            g = m.shared_experts * f
+            g = m.shared_size
             shapes.update({"feed_forward.shared.w1.weight": (g, h), "feed_forward.shared.w2.weight": (h, g),
                            "feed_forward.shared.w3.weight": (g, h)})
+            if m.shared_gate:
+                shapes["feed_forward.shared_gate.weight"] = (1, h)
     else:
         shapes["feed_forward.w1.weight"] = (m.ffn_size, h)
         shapes["feed_forward.w2.weight"] = (h, m.ffn_size)
@@ -77,3 +84,12 @@ def mla_shapes(m: "ModelConfig") -> dict[str, tuple[int, ...]]:
     shapes.update({"wkv_a.weight": (c + m.qk_rope_head_dim, h), "kv_norm.weight": (c,),
                    "wkv_b.weight": (n * (m.qk_nope_head_dim + m.v_head_dim), c), "wo.weight": (h, n * m.v_head_dim)})
     return shapes
+
+
+def gated_deltanet_shapes(m: "ModelConfig") -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's parameters (msllm/models/mixers/gated_deltanet.py), in its order."""
+    h, nv = m.hidden_size, m.linear_num_value_heads
+    key, value = m.linear_num_key_heads * m.linear_key_head_dim, nv * m.linear_value_head_dim
+    return {"wq.weight": (key, h), "wk.weight": (key, h), "wv.weight": (value, h), "wz.weight": (value, h), "wb.weight": (nv, h),
+            "wa.weight": (nv, h), "conv.weight": (2 * key + value, 1, m.linear_conv_kernel), "dt_bias": (nv,),
+            "A_log": (nv,), "norm.weight": (m.linear_value_head_dim,), "wo.weight": (h, value)}

@@ -22,7 +22,7 @@ def shares_block_graph(cfg: Config) -> bool:
     SHARED_BLOCK_GRAPH_MIN_LAYERS layers without recompute (MindSpore 2.10 does not recompute
     inside the shared graph). Other backends keep the blocks inlined under auto."""
     t = cfg.train
-    if len(set(cfg.model.mlp_kinds())) > 1:  # dense and MoE blocks are different graphs
+    if len(set(cfg.model.mlp_kinds())) > 1 or cfg.model.hybrid:  # dense and MoE, linear and attention blocks differ
         return False
     if t.block_graph != "auto":
         return t.block_graph == "shared"

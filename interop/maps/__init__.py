@@ -5,7 +5,7 @@ Each family's module also holds its config translation beyond the keys every fam
 Adding a family: a table, a SPEC, a line here, and a tiny random model in tests/hf_models.py."""
 from typing import Callable, NamedTuple
 
-from interop.maps import deepseek_v3, gemma3, gpt_oss, moe, olmo, phi3, qwen3, smollm3
+from interop.maps import deepseek_v3, gemma3, gpt_oss, moe, olmo, phi3, qwen3, qwen3_5, qwen3_5_moe, qwen3_next, smollm3
 from interop.maps.llama import LLAMA, QWEN2
 from interop.table import Table
 
@@ -28,6 +28,7 @@ class Family(NamedTuple):
     to_hf: Callable[[object, dict], None] = lambda m, hf: None
     # Its config.json can mark layers that attend without RoPE (model.position_types).
     nope_layers: bool = False
+    partial_rope: bool = False  # its attention rotates the leading partial_rotary_factor of each head
 
 
 FAMILIES = {
@@ -52,6 +53,12 @@ FAMILIES = {
     "Olmo2ForCausalLM": Family(olmo.OLMO, "olmo2", olmo.SPEC, writes_layer_types=False),
     "GptOssForCausalLM": Family(gpt_oss.GPT_OSS, "gpt_oss", gpt_oss.SPEC, moe=True, from_hf=gpt_oss.from_hf,
                                 to_hf=gpt_oss.to_hf),
+    "Qwen3_5ForCausalLM": Family(qwen3_5.QWEN3_5, "qwen3_5_text", qwen3_5.SPEC, from_hf=qwen3_5.from_hf,
+                                 to_hf=qwen3_5.to_hf, partial_rope=True),
+    "Qwen3_5MoeForCausalLM": Family(qwen3_5_moe.QWEN3_5_MOE, "qwen3_5_moe_text", qwen3_5_moe.SPEC, moe=True,
+                                    from_hf=qwen3_5_moe.from_hf, to_hf=qwen3_5_moe.to_hf, partial_rope=True),
+    "Qwen3NextForCausalLM": Family(qwen3_next.QWEN3_NEXT, "qwen3_next", qwen3_next.SPEC, moe=True,
+                                   from_hf=qwen3_next.from_hf, to_hf=qwen3_next.to_hf, partial_rope=True),
 }
 
 

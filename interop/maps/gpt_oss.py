@@ -68,7 +68,7 @@ def from_hf(hf: dict, fields: dict, refuse) -> None:
 
 
 def to_hf(m, hf: dict) -> None:
-    moe._routing_to_hf(m, hf)
+    moe.routing_to_hf(m, hf)
     hf.pop("norm_topk_prob", None)  # gpt-oss always softmaxes its top k logits
     hf.update(num_local_experts=m.num_experts, swiglu_alpha=m.swiglu_alpha, swiglu_limit=m.swiglu_limit,
               attention_bias=True)

@@ -29,7 +29,7 @@ def _moe_rows(block: str, gate: str, down: str, up: str) -> list[Row]:
     ]
 
 
-def _with_moe(table, moe_rows):
+def with_moe(table, moe_rows):
     per_layer = [row._replace(mindformers=None, when="dense") if row.msllm in _DENSE else row._replace(mindformers=None)
                  for row in table.per_layer]
     return table._replace(per_layer=per_layer + moe_rows,
@@ -37,11 +37,11 @@ def _with_moe(table, moe_rows):
                           after=[r._replace(mindformers=None) for r in table.after])
 
 
-_QWEN3_MOE_ROWS = _moe_rows("mlp", "gate_proj", "down_proj", "up_proj")
-QWEN3_MOE = _with_moe(QWEN3, _QWEN3_MOE_ROWS)
-MIXTRAL = _with_moe(LLAMA, _moe_rows("block_sparse_moe", "w1", "w2", "w3"))
+QWEN3_MOE_ROWS = _moe_rows("mlp", "gate_proj", "down_proj", "up_proj")
+QWEN3_MOE = with_moe(QWEN3, QWEN3_MOE_ROWS)
+MIXTRAL = with_moe(LLAMA, _moe_rows("block_sparse_moe", "w1", "w2", "w3"))
 
-_router, _gate, _down, _up = _QWEN3_MOE_ROWS
+_router, _gate, _down, _up = QWEN3_MOE_ROWS
 QWEN3_MOE_MINDFORMERS = QWEN3_MINDFORMERS._replace(
     per_layer=QWEN3_MINDFORMERS_ATTENTION + [
         _router._replace(mindformers="mlp.router.weight"),
@@ -76,7 +76,7 @@ def from_hf(hf: dict, fields: dict, refuse) -> None:
                   mlp_types=None if set(kinds) == {"moe"} else kinds)
 
 
-def _routing_to_hf(m, hf: dict) -> None:
+def routing_to_hf(m, hf: dict) -> None:
     hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob,
               output_router_logits=m.router_aux_loss_coef > 0, router_aux_loss_coef=m.router_aux_loss_coef)
 
@@ -84,7 +84,7 @@ def _routing_to_hf(m, hf: dict) -> None:
 def qwen3_moe_to_hf(m, hf: dict) -> None:
     """Qwen3-MoE's experts (its dense layers as mlp_only_layers) and Qwen3's use_sliding_window."""
     if m.num_experts:
-        _routing_to_hf(m, hf)
+        routing_to_hf(m, hf)
         hf.update(num_experts=m.num_experts, moe_intermediate_size=m.moe_ffn_size or m.ffn_size,
                   decoder_sparse_step=1, mlp_only_layers=[i for i, k in enumerate(m.mlp_kinds()) if k == "dense"])
     qwen3_to_hf(m, hf)
@@ -93,7 +93,7 @@ def qwen3_moe_to_hf(m, hf: dict) -> None:
 def mixtral_to_hf(m, hf: dict) -> None:
     """Mixtral names its experts num_local_experts and their size intermediate_size (every layer is MoE)."""
     if m.num_experts:
-        _routing_to_hf(m, hf)
+        routing_to_hf(m, hf)
         hf.update(num_local_experts=m.num_experts, intermediate_size=m.moe_ffn_size or m.ffn_size)
 
 
@@ -103,7 +103,9 @@ def mixtral_to_hf(m, hf: dict) -> None:
 # architecture -> (saved block, gate, up, down names).
 SAVED_EXPERTS = {"Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
                  "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
-                 "DeepseekV3ForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj")}
+                 "DeepseekV3ForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "Qwen3_5MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "Qwen3NextForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 def to_saved(arch: str, tensors: dict) -> dict:

@@ -73,6 +73,7 @@ PARAMS = (
     ("layers.*.attention.wk.bias",       ("kv",),         "column"),
     ("layers.*.attention.wv.weight",     ("kv", None),    "column"),
     ("layers.*.attention.wv.bias",       ("kv",),         "column"),
+    ("layers.*.attention.wg.weight",     ("heads", None), "column"),   # gated attention: gates per query head
     ("layers.*.attention.wo.weight",     (None, "heads"), "row"),
     ("layers.*.attention.wo.bias",       (None,),         "replicated"),  # added once, after the row reduction
     ("layers.*.attention.q_norm.weight", (None,),         "replicated"),
@@ -88,6 +89,7 @@ PARAMS = (
     ("layers.*.feed_forward.router.bias",  (None,),         "replicated"),
     ("layers.*.feed_forward.experts.b*.bias", ("experts", None), "expert parallel"),
     ("layers.*.feed_forward.shared.w*.weight", (None, None), "replicated"),
+    ("layers.*.feed_forward.shared_gate.weight", (None, None), "replicated"),
     # MLA (DeepSeek): the down-projections to the q and kv latents (and their norms) whole on every
     # rank, the up-projections to heads cut by heads as wq is (their rows are head after head)
     ("layers.*.attention.wq_a.weight",   (None, None),    "replicated"),
@@ -95,6 +97,15 @@ PARAMS = (
     ("layers.*.attention.wkv_a.weight",  (None, None),    "replicated"),
     ("layers.*.attention.wkv_b.weight",  ("heads", None), "column"),
     ("layers.*.attention.kv_norm.weight", (None,),        "replicated"),
+    # Gated DeltaNet (linear attention): refused over tp for now (its heads over tp, with the conv and state
+    # per head, are not laid out yet), so its wq / wk / wv / wo take attention's rows above; the rest whole
+    ("layers.*.attention.wz.weight",     (None, None),    "replicated"),
+    ("layers.*.attention.wb.weight",     (None, None),    "replicated"),
+    ("layers.*.attention.wa.weight",     (None, None),    "replicated"),
+    ("layers.*.attention.conv.weight",   (None, None, None), "replicated"),
+    ("layers.*.attention.dt_bias",       (None,),         "replicated"),
+    ("layers.*.attention.A_log",         (None,),         "replicated"),
+    ("layers.*.attention.norm.weight",   (None,),         "replicated"),
     ("layers.*.feed_forward.w1.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w3.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w2.weight",  (None, "ffn"),   "row"),

@@ -85,7 +85,10 @@ class Decoder(nn.Cell):
     ModelConfig.cache_shapes), start
     int32 [1] and pad int32 [b]: the s new tokens sit at slots start .. start+s-1 of every row,
     whose first pad[r] slots are left padding (the token at slot j is at position j - pad[r]).
-    Returns (logits [b, vocab] of the last new token, keys, values with the new slots written);
+    A hybrid (Gated DeltaNet layers) also takes states and windows, its linear layers' recurrent states
+    and conv windows (ModelConfig.cache_shapes; keys and values then hold its attention layers only).
+    Returns (logits [b, vocab] of the last new token, keys, values with the new slots written[, states,
+    windows after the new tokens]);
     each token attends to the filled, unpadded slots up to its own (within its layer's window).
     This is how an engine prefills (start 0) and decodes (s = 1), with the same shapes at every step.
     Parameters are always fp32 (the master copy); `compute_dtype` (fp32, fp16 or bf16) is what
@@ -106,6 +109,9 @@ class Decoder(nn.Cell):
         self.lm_matmul = ops.MatMul(transpose_b=True)
         kinds, layer_kind = attention_kinds(cfg)
         self.layer_kind = tuple(layer_kind)
+        self.recurrent = tuple(kind == "linear" for kind in cfg.layer_kinds())  # Gated DeltaNet layers
+        # each layer's index in the caches of its kind (ModelConfig.cache_shapes stacks them per kind)
+        self.cache_slot = tuple(self.recurrent[:i].count(self.recurrent[i]) for i in range(cfg.num_layers))
         self.windows = tuple(window for window, _, _ in kinds)
         # [kinds, head_dim / 2]: RoPE rows are computed from positions, so an unused context costs nothing
         self.inv_freq = Tensor(np.stack([rope_inv_freq(cfg.rope_dim, theta, scaling) for _, theta, scaling in kinds]))
@@ -206,51 +212,75 @@ class Decoder(nn.Cell):
             sin = ops.broadcast_to(sin, (b, cfg.num_heads, q, cfg.rope_dim))
         return cos, sin, mask
 
-    def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None):
+    def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None,
+                  states=None, windows=None):
         b, s = input_ids.shape
-        h, new_keys, new_values, _ = self.decode(input_ids, keys, values, start, pad, segments, positions)
+        h, caches, _ = self.decode(input_ids, keys, values, start, pad, segments, positions, states, windows)
         if keys is None:
             return self.logits(h).reshape(b, -1, self.cfg.vocab_size)
         last = h.reshape(b, s, -1)[:, -1]  # logits only where the next token is read
-        return self.logits(last), new_keys, new_values
+        return (self.logits(last),) + caches
 
     def features(self, input_ids, segments=None, positions=None):
         """Training: (the final-normed hidden states [b*q, hidden], which `project` turns into logits or
         a fused head reduces with head_weight, the MoE layers' routing loads)."""
-        h, _, _, loads = self.decode(input_ids, None, None, None, None, segments, positions)
+        h, _, loads = self.decode(input_ids, None, None, None, None, segments, positions)
         return self.norm(h), loads
 
     def head_weight(self):
         """The output projection [vocab, hidden]: the embedding table when the embeddings are tied."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def decode(self, input_ids, keys, values, start, pad, segments, positions):
-        """The decoder layers: -> (residual stream [b*q, hidden], each layer's keys and values when a
-        cache is given, the MoE layers' routing loads)."""
+    @staticmethod
+    def real_tokens(b: int, s: int, start, pad):
+        """Which of the s new tokens of each row are not left padding [b, s] (a recurrent layer skips those)."""
+        return (start + ops.arange(0, s, dtype=ms.int32)).reshape(1, s) >= pad.reshape(b, 1)
+
+    def decode(self, input_ids, keys, values, start, pad, segments, positions, states=None, windows=None):
+        """The decoder layers: -> (residual stream [b*q, hidden], the caches given with the new tokens'
+        entries written (keys and values; a hybrid's states and conv windows too), the MoE layers' routing loads).
+        A linear layer takes, in the place of a mask, the packed samples' segments (training) or which new
+        tokens are real (a cached forward)."""
         b, s = input_ids.shape
         t = s if keys is None else keys.shape[3]
         kinds = ()
         for kind in range(len(self.windows)):
             kinds += (self.tables(kind, b, s, t, start, pad, segments, positions),)
-        write = None if keys is None else self.cache_write_slots(s, t, start)
         input_ids = self.local_tokens(input_ids)  # context parallel: this rank's chunks of the sequence
         # The residual stream stays 2-D [b*q, hidden]: every projection is a plain 2-D matmul.
         h = self.embed(input_ids.reshape(-1))
-        new_keys, new_values, loads = (), (), ()
-        if keys is not None:  # one Unstack pass: indexing keys[i] is a StridedSlice per layer, far slower on CPU
-            keys, values = ops.unstack(keys, 0), ops.unstack(values, 0)
+        loads = ()
+        if keys is None:
+            for i, layer in enumerate(self.layers):
+                cos, sin, mask = kinds[self.layer_kind[i]]
+                out = layer(h, cos, sin, segments if self.recurrent[i] else mask)
+                h = out[0]
+                if layer.routed:  # a MoE layer's routing load
+                    loads += (out[3],)
+            return h, (), loads
+        write = self.cache_write_slots(s, t, start)
+        # one Unstack pass per cache: indexing keys[i] is a StridedSlice per layer, far slower on CPU
+        keys, values = ops.unstack(keys, 0), ops.unstack(values, 0)
+        real = None
+        if states is not None:
+            states, windows, real = ops.unstack(states, 0), ops.unstack(windows, 0), self.real_tokens(b, s, start, pad)
+        new_keys, new_values, new_states, new_windows = (), (), (), ()
         for i, layer in enumerate(self.layers):
             cos, sin, mask = kinds[self.layer_kind[i]]
-            out = layer(h, cos, sin, mask) if keys is None else layer(h, cos, sin, mask, keys[i], values[i], write)
+            slot = self.cache_slot[i]
+            if self.recurrent[i]:
+                out = layer(h, cos, sin, real, states[slot], windows[slot], write)
+                new_states, new_windows = new_states + (out[1],), new_windows + (out[2],)
+            else:
+                out = layer(h, cos, sin, mask, keys[slot], values[slot], write)
+                new_keys, new_values = new_keys + (out[1],), new_values + (out[2],)
             h = out[0]
-            if keys is not None:
-                new_keys += (out[1],)
-                new_values += (out[2],)
-            if layer.routed:  # a MoE layer's routing load
+            if layer.routed:
                 loads += (out[3],)
-        if keys is None:
-            return h, None, None, loads
-        return h, ops.stack(new_keys), ops.stack(new_values), loads
+        caches = (ops.stack(new_keys), ops.stack(new_values))
+        if states is not None:
+            caches += (ops.stack(new_states), ops.stack(new_windows))
+        return h, caches, loads
 
 
 def init_weights(model: Decoder, seed: int) -> None:

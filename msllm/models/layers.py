@@ -268,18 +268,22 @@ class OneRankMean(nn.Cell):
 
 
 class Rope(nn.Cell):
-    """A q or k projection [b*s, n*d] -> heads [b, n, s, d] with rotate-half RoPE applied.
+    """A q or k projection [b*s, n*d] -> heads [b, n, s, d] with rotate-half RoPE applied to the first
+    `rope_dim` features of each head (partial RoPE, ModelConfig.rope_fraction); the rest pass as they are.
 
-    cos/sin: [s, d] tables, or the same already broadcast to the heads' shape.
+    cos/sin: [s, rope_dim] tables, or the same already broadcast to the heads' shape.
     """
 
-    def __init__(self, head_dim: int):
+    def __init__(self, head_dim: int, rope_dim: int = 0):
         super().__init__()
-        self.head_dim = head_dim
+        self.head_dim, self.rope_dim = head_dim, rope_dim or head_dim
 
     def construct(self, x, cos, sin):
         x = split_heads(x, self.head_dim, cos.shape[-2])
-        return x * cos + rotate_half(x) * sin
+        if self.rope_dim == self.head_dim:
+            return x * cos + rotate_half(x) * sin
+        rotated = x[..., :self.rope_dim]
+        return ops.concat((rotated * cos + rotate_half(rotated) * sin, x[..., self.rope_dim:]), -1)
 
 
 class AttentionCore(nn.Cell):

@@ -19,7 +19,7 @@ from mindspore.common.initializer import initializer
 
 from msllm.config import ModelConfig
 from msllm.rules import BLOCK_ROWS
-from msllm.models.layers import FeedForward, activation, cast
+from msllm.models.layers import FeedForward, Linear, activation, cast
 
 
 def z_loss(logits):
@@ -340,7 +340,7 @@ class BlockDispatch(Dispatch):
 
 class MoE(nn.Cell):
     """A layer's MLP as routed experts (plus, with shared_experts, one gated MLP every token runs:
-    DeepSeek's shared experts); x [N, h] -> (out [N, h], load [4, E]).
+    DeepSeek's shared experts, Qwen3.5-MoE's with a sigmoid gate on its output); x [N, h] -> (out [N, h], load [4, E]).
 
     load: the layer's routing statistics, what the load-balancing loss and the load metrics read
     (balance_loss, routing_metrics): row 0 each expert's share of the N tokens' top-k choices (the
@@ -355,15 +355,19 @@ class MoE(nn.Cell):
         self.router = ROUTERS[cfg.router](cfg)
         self.experts = Experts(cfg)
         self.dispatch = EveryExpert(cfg.num_experts)
-        shared = cfg.shared_experts * (cfg.moe_ffn_size or cfg.ffn_size)
-        self.shared = FeedForward(cfg, shared) if shared else None
+        self.shared = FeedForward(cfg, cfg.shared_size) if cfg.shared_size else None
+        # Qwen3.5-MoE / Qwen3-Next: the shared MLP's output x sigmoid(shared_gate x), one scalar per token
+        self.shared_gate = Linear(cfg.hidden_size, 1) if cfg.shared_size and cfg.shared_gate else None
 
     def construct(self, x):
         weights, chosen, probs, z = self.router(x)
         rows, route = self.dispatch.dispatch(x, weights, chosen)
         out, dropped = self.dispatch.combine(self.experts(rows, self.dispatch.block_ids(route)), route)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * ops.sigmoid(self.shared_gate(x))
+            out = out + shared
         share = ops.mean(ops.sum(choices(chosen, self.num_experts), 1), 0)
         return out, ops.stack((ops.stop_gradient(share), ops.mean(probs, 0), ops.stop_gradient(dropped),
                                ops.broadcast_to(z.reshape(1), (self.num_experts,))))

@@ -8,16 +8,18 @@ Every mixer is a Cell with one interface, so a block takes any of them:
 
 cache_k / cache_v are the two tensors the mixer keeps per layer for decoding (attention: each KV
 head's keys and values; MLA: one latent and one rope key per token), written at the slots `write`
-names; `cache_shapes` gives their shapes. Which mixer a layer takes is data: ModelConfig.mixer_kinds().
+names; `cache_shapes` gives their shapes. Gated DeltaNet (linear attention) keeps a recurrent state
+instead, which the stacked caches cannot hold: a hybrid model does not decode yet. Which mixer a layer takes is data: ModelConfig.mixer_kinds().
 Adding one: docs/architecture.md, "Adding a mixer".
 """
 from __future__ import annotations
 
 from msllm.config import ModelConfig
 from msllm.models.mixers.attention import Attention
+from msllm.models.mixers.gated_deltanet import GatedDeltaNet
 from msllm.models.mixers.mla import MLA
 
-MIXERS = {"gqa": Attention, "mla": MLA}
+MIXERS = {"gqa": Attention, "mla": MLA, "gated_deltanet": GatedDeltaNet}
 
 
 def build_mixer(cfg: ModelConfig, kind: str):

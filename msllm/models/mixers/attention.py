@@ -1,11 +1,13 @@
 """Grouped-query attention (MHA, GQA, MQA): the mixer of every family but DeepSeek's.
 
 q/k/v projections (optional biases), optional q/k norms (per head, or over the whole projection),
-RoPE, the shared attention core (with a sink logit per head, optionally) and the cache write; its cache holds each KV head's keys and values.
+RoPE (whole or partial), the shared attention core (with a sink logit per head, optionally), an
+optional sigmoid output gate (Qwen3.5's gated attention) and the cache write; its cache holds each KV
+head's keys and values.
 """
 from __future__ import annotations
 
-from mindspore import nn
+from mindspore import nn, ops
 
 from msllm.config import ModelConfig
 from msllm.models.layers import (AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, RMSNorm, Rope, SinkAttentionCore,
@@ -36,10 +38,12 @@ class Attention(nn.Cell):
         self.wq = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
         self.wk = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.wv = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        # Gated attention: each head's output feature x sigmoid(its gate), a projection of x like wq's
+        self.wg = Linear(h, cfg.num_heads * d) if cfg.attn_output_gate else None
         self.wo = Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         self.q_norm = qk_norm(cfg, cfg.num_heads * d)
         self.k_norm = qk_norm(cfg, cfg.num_kv_heads * d)
-        self.rope = Rope(d)
+        self.rope = Rope(d, cfg.rope_dim)
         self.whole_kv = OwnKeys()  # context parallel: the other ranks' keys and values joined in
         self.cache_write = CacheWrite()
         self.core = (SinkAttentionCore if cfg.attention_sinks else AttentionCore)(cfg.num_heads, cfg.num_kv_heads, d,
@@ -55,5 +59,7 @@ class Attention(nn.Cell):
         if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
             k, v = self.cache_write(k, v, cache_k, cache_v, write)
         out = self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(-1, self.num_heads * self.head_dim)
+        if self.wg is not None:
+            out = out * ops.sigmoid(self.wg(x))
         return self.wo(out), k, v
 

@@ -1,0 +1,215 @@
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024), the linear-attention mixer of Qwen3.5's and
+Qwen3-Next's "linear" layers.
+
+Each value head keeps a state S [d_k, d_v] that every token first decays and then corrects toward its
+value (the delta rule): S <- exp(g) S + beta k (v - exp(g) S^T k)^T, out = S^T q. q, k and v (wq, wk,
+wv) go through one depthwise causal conv (SiLU), q and k L2-normalised per head; beta =
+sigmoid(wb x), the decay g = -exp(A_log) softplus(wa x + dt_bias) per value head. The output is
+RMS-normed per head and gated by silu(wz x) before wo. Value heads may outnumber key heads: each key
+head serves a run of consecutive value heads.
+
+Training and prefill use the chunked form: within a chunk of 64 tokens a few matmuls (the intra-chunk
+part, a unit lower-triangular inverse), across chunks the state carried one chunk at a time, so no
+tensor is larger than [chunk, chunk] per head and memory stays linear in the sequence; autodiff gives
+the backward. Names: attention.wq, wk, wv (the conv's three input parts), wz, wb, wa, conv, dt_bias,
+A_log, norm, wo.
+"""
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
+
+from msllm.config import ModelConfig
+from msllm.models.layers import Linear, RMSNorm, cast
+
+CHUNK = 64
+L2_EPS = 1e-6  # q and k are normalised as the FLA kernels (and transformers' fallback) do
+
+
+def l2_normalise(x):
+    return x * ops.rsqrt(ops.sum(x * x, -1, keepdim=True) + L2_EPS)
+
+
+class CausalConv(nn.Cell):
+    """Depthwise causal conv over the sequence, then SiLU: x [b, s, c] -> [b, s, c], each channel
+    c the sum of its last `kernel` inputs weighted by weight[c, 0, :] (transformers' Conv1d layout),
+    written as `kernel` shifted multiply-adds. With packed samples (segments [b, s]) a token reads no
+    input of an earlier sample, as if its sample ran alone. `window` [b, kernel - 1, c]: the inputs before
+    x (a cached forward; zeros otherwise). Returns (out, the last kernel - 1 inputs: the next window)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.kernel = kernel
+        self.weight = Parameter(initializer("zeros", (channels, 1, kernel), ms.float32), name="weight")
+
+    def construct(self, x, segments=None, window=None):
+        b, s, c = x.shape
+        k = self.kernel
+        before = ops.zeros((b, k - 1, c), x.dtype) if window is None else cast(window, x.dtype)
+        padded = ops.concat((before, x), 1)
+        w = cast(self.weight, x.dtype).reshape(c, k)
+        out = padded[:, k - 1:] * w[:, k - 1]
+        for j in range(k - 1):  # tap j reads the token k - 1 - j back
+            tap = padded[:, j:j + s]
+            if segments is not None:
+                tap = tap * cast(same_sample_back(segments, k - 1 - j).expand_dims(-1), x.dtype)
+            out = out + tap * w[:, j]
+        return out * ops.sigmoid(out), padded[:, s:]
+
+
+def same_sample_back(segments, back: int):
+    """segments [b, s] -> whether the token `back` places earlier is of the same sample [b, s] (bool)."""
+    b, s = segments.shape
+    earlier = ops.concat((ops.full((b, back), -1, dtype=segments.dtype), segments[:, :s - back]), 1)
+    return earlier == segments
+
+
+def unit_lower_inverse(a, size: int):
+    """(I + A)^-1 for strictly lower-triangular A [.., n, n]: A is nilpotent, so the inverse is the
+    series sum_k (-A)^k, evaluated as (I - A)(I + A^2)(I + A^4).. in log2(n) matmul pairs."""
+    power = -a
+    inverse = ops.eye(size, size, a.dtype) + power
+    for _ in range(max(0, math.ceil(math.log2(size)) - 1)):
+        power = ops.matmul(power, power)
+        inverse = inverse + ops.matmul(inverse, power)
+    return inverse
+
+
+class ChunkedGatedDeltaRule(nn.Cell):
+    """The gated delta rule over a whole sequence by chunks (fp32): q, k [b, nv, s, dk] (normalised, q
+    scaled), v [b, nv, s, dv], g, beta [b, nv, s] -> (out [b, nv, s, dv], final state [b, nv, dk, dv]).
+
+    In a chunk with decays cumulated from its start (c_i) and the state S entering it, the WY form of
+    the rule gives u = T (beta v), w = T (beta k exp(c)) with T = (I + tril(beta k k^T exp(c_i - c_j), -1))^-1;
+    then v' = u - w S, out = (q exp(c)) S + (q k^T exp(c_i - c_j), causal) v', and the state leaving it is
+    exp(c_last) S + (k exp(c_last - c))^T v'.
+
+    Packed samples (segments [b, s]): every path from token j to token i of another sample is cut, the
+    pairs within a chunk and the reads and writes of the carried state, so each sample starts from a
+    zero state as if it ran alone."""
+
+    def __init__(self, chunk: int = CHUNK):
+        super().__init__()
+        self.chunk = chunk
+
+    def construct(self, q, k, v, g, beta, segments=None, initial=None):
+        b, n, s, dk = q.shape
+        dv = v.shape[-1]
+        size = min(self.chunk, s)
+        pad = (size - s % size) % size
+        if pad:  # padded tokens have beta 0 and decay 1: they change no state and are cut from the output
+            q, k, v = (ops.concat((x, ops.zeros((b, n, pad, x.shape[-1]), x.dtype)), 2) for x in (q, k, v))
+            g, beta = (ops.concat((x, ops.zeros((b, n, pad), x.dtype)), 2) for x in (g, beta))
+            if segments is not None:  # the last sample goes on through the padding
+                segments = ops.concat((segments, ops.broadcast_to(segments[:, -1:], (b, pad))), 1)
+        chunks = (s + pad) // size
+        q, k, v = (x.reshape(b, n, chunks, size, -1) for x in (q, k, v))
+        g, beta = g.reshape(b, n, chunks, size), beta.reshape(b, n, chunks, size)
+
+        causal = Tensor(np.tril(np.ones((size, size), np.float32)))
+        strict = Tensor(np.tril(np.ones((size, size), np.float32), -1))
+        above = Tensor(np.triu(np.full((size, size), -1e30, np.float32), 1))  # exp() of it is 0, no overflow
+        cum = ops.cumsum(g, -1)
+        decay = ops.exp((cum.expand_dims(-1) - cum.expand_dims(-2)) * causal + above)  # [.., i, j]: c_i - c_j
+        from_start = ops.exp(cum).expand_dims(-1)
+        k_write = k * ops.exp(cum[..., -1:] - cum).expand_dims(-1)
+        carry = ops.exp(cum[..., -1]).reshape(b, n, chunks, 1, 1)
+        q_read = q * from_start
+        if segments is not None:
+            same, continues, to_last, carries = sample_masks(segments.reshape(b, 1, chunks, size))
+            decay = decay * same
+            from_start = from_start * continues  # a token of a new sample reads no carried state..
+            q_read = q_read * continues
+            k_write = k_write * to_last        # ..only the chunk's last sample writes the state it hands on
+            carry = carry * carries
+        k_beta = k * beta.expand_dims(-1)
+        inverse = unit_lower_inverse(ops.matmul(k_beta, k.swapaxes(-1, -2)) * decay * strict, size)
+        u = ops.matmul(inverse, v * beta.expand_dims(-1))
+        w = ops.matmul(inverse, k_beta * from_start)
+        intra = ops.matmul(q, k.swapaxes(-1, -2)) * decay
+
+        state = ops.zeros((b, n, dk, dv), ms.float32) if initial is None else cast(initial, ms.float32)
+        outs = []
+        for i in range(chunks):
+            fresh = u[:, :, i] - ops.matmul(w[:, :, i], state)
+            outs.append(ops.matmul(q_read[:, :, i], state) + ops.matmul(intra[:, :, i], fresh))
+            state = state * carry[:, :, i] + ops.matmul(k_write[:, :, i].swapaxes(-1, -2), fresh)
+        out = ops.concat(outs, 2) if chunks > 1 else outs[0]
+        return out[:, :, :s] if pad else out, state
+
+
+def sample_masks(segments):
+    """Packed samples' masks of the chunked rule from chunked segments [b, 1, chunks, size] (fp32):
+    same sample for each pair of a chunk [.., size, size]; each token of the sample the state entering its
+    chunk belongs to, and of the chunk's last sample [.., size, 1]; whether the chunk's last token is of the
+    sample entering it (the carried state survives the chunk) [.., 1, 1]."""
+    b, _, chunks, size = segments.shape
+    same = cast(segments.expand_dims(-1) == segments.expand_dims(-2), ms.float32)
+    last = segments[..., -1:]
+    before = ops.concat((segments[:, :, :1, :1], last[:, :, :-1]), 2)  # the token before each chunk
+    continues = segments == before
+    carries = cast(continues[..., -1:], ms.float32).expand_dims(-1)
+    return same, cast(continues, ms.float32).expand_dims(-1), cast(segments == last, ms.float32).expand_dims(-1), carries
+
+
+class GatedDeltaNet(nn.Cell):
+    """x [b*s, h] -> (out [b*s, h], state, window), the mixer interface (msllm.models.mixers). cos / sin
+    only give the sequence length. A linear layer is causal by construction: in the place of a mask the
+    decoder passes the packed samples' segments [b, s] (None: one sample per row), or, in a cached forward,
+    which new tokens are real [b, s] (left padding is zeroed, so it changes neither state nor window).
+
+    Its cache (cache_k, cache_v) is the recurrent state [b, value heads, d_k, d_v] and the conv window
+    [b, kernel - 1, conv channels] the tokens before these left, returned updated; `write` is not read:
+    the state has no slots. A prefill runs the chunked form; a decode step's one token is a chunk of one,
+    which is the recurrent form."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_key_heads, self.num_value_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        keys, values = self.num_key_heads * self.key_dim, self.num_value_heads * self.value_dim
+        self.wq, self.wk, self.wv = Linear(h, keys), Linear(h, keys), Linear(h, values)
+        self.wz = Linear(h, values)
+        self.wb = Linear(h, self.num_value_heads)
+        self.wa = Linear(h, self.num_value_heads)
+        self.conv = CausalConv(2 * keys + values, cfg.linear_conv_kernel)
+        self.dt_bias = Parameter(Tensor(np.ones(self.num_value_heads, np.float32)), name="dt_bias")
+        self.A_log = Parameter(Tensor(np.zeros(self.num_value_heads, np.float32)), name="A_log")
+        self.norm = RMSNorm(self.value_dim, cfg.norm_eps)  # scales by w (not 1 + w) in every family that has it
+        self.wo = Linear(values, h)
+        self.rule = ChunkedGatedDeltaRule()
+
+    def heads(self, x, b: int, s: int, n: int, d: int):
+        """[b, s, n*d] -> [b, n*rep, s, d] in fp32, each key head repeated for its run of value heads."""
+        x = cast(x, ms.float32).reshape(b, s, n, 1, d)
+        rep = self.num_value_heads // n
+        if rep > 1:
+            x = ops.broadcast_to(x, (b, s, n, rep, d))
+        return x.reshape(b, s, n * rep, d).transpose(0, 2, 1, 3)
+
+    def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
+        s = cos.shape[-2]
+        b = x.shape[0] // s
+        keys = self.num_key_heads * self.key_dim
+        segments = mask
+        if cache_k is not None:
+            x, segments = x * cast(mask.reshape(-1, 1), x.dtype), None
+        qkv = ops.concat((self.wq(x), self.wk(x), self.wv(x)), -1)
+        qkv, window = self.conv(qkv.reshape(b, s, -1), segments, cache_v)
+        q = l2_normalise(self.heads(qkv[..., :keys], b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
+        k = l2_normalise(self.heads(qkv[..., keys:2 * keys], b, s, self.num_key_heads, self.key_dim))
+        v = self.heads(qkv[..., 2 * keys:], b, s, self.num_value_heads, self.value_dim)
+        beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
+        g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
+        out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, cache_k)
+        out = self.norm(out.transpose(0, 2, 1, 3).reshape(-1, self.value_dim))
+        z = cast(self.wz(x), ms.float32).reshape(-1, self.value_dim)
+        out = cast(out * z * ops.sigmoid(z), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
+        if cache_k is None:
+            return self.wo(out), cache_k, cache_v
+        return self.wo(out), cast(state, cache_k.dtype), cast(window, cache_v.dtype)

@@ -1,0 +1,205 @@
+"""Hybrid linear attention (Qwen3.5: Gated DeltaNet layers beside gated full-attention layers): the
+chunked rule against transformers' token-by-token recurrence across chunks, packed samples against
+each sample alone, the config translation both ways and the one-line refusals. (Conversion, per-layer
+states and logits: test_interop_convert's qwen3_5 case; train steps: test_verify_train's.) Decode: the
+recurrent cache on the msllm engine against transformers' greedy tokens."""
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+from graph_opt import ExportError
+from graph_opt.export import export
+from interop import InteropError
+from interop.convert import convert
+from interop.hf_config import to_hf_config, to_model_config
+from msllm import device
+from msllm.backends import specialise
+from msllm.checkpoint import load_model
+from msllm.config import ModelConfig
+from msllm.generate import generate
+from msllm.inference import cell_engine
+from msllm.models.decoder import build_model
+from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule
+from tests.hf_models import build
+from tests.numerics import REORDER_RTOL
+from tests.test_families import hf_greedy
+
+# 3 linear layers (2 key heads of 16 serving 4 value heads of 8, conv of 4 taps), then gated attention
+HYBRID = ModelConfig(vocab_size=300, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                     ffn_size=96, qk_norm=True, norm_offset=1.0, attn_output_gate=True, rope_fraction=0.25,
+                     layer_types=["linear", "linear", "linear", "full"], linear_num_key_heads=2,
+                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, norm_eps=1e-6)
+CHUNK = 8  # the tests' sequences span several chunks of this size (the model's is 64)
+
+
+def l2(x):
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def test_chunked_rule_equals_the_token_by_token_recurrence_across_chunks():
+    """20 tokens in chunks of 8 (the last padded): outputs, final state and the gradients of q, k, v, the
+    decay and beta equal transformers' recurrent form run in fp64, within the fp32 reordering tolerance
+    (sums of at most 64 terms per chunk product and state read). Decays as steep as the real models'
+    (rates up to 16) make the state forget within a few tokens, so a wrong carry shows in the first chunk
+    boundary's tokens."""
+    device.setup("cpu", "pynative")
+    rng = np.random.default_rng(0)
+    b, s, n, dk, dv = 2, 20, 4, 16, 8
+    q, k = rng.normal(size=(2, b, s, n, dk))
+    v = rng.normal(size=(b, s, n, dv))
+    beta = 1 / (1 + np.exp(-rng.normal(size=(b, s, n))))
+    g = -rng.uniform(0.01, 2, n) * np.log1p(np.exp(rng.normal(size=(b, s, n))))
+    probe = rng.normal(size=(b, s, n, dv))
+
+    ref = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v, g, beta)]
+    out, state = torch_recurrent_gated_delta_rule(*ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ((out * torch.tensor(probe)).sum() + state.sum()).backward()
+    want = [out.detach().numpy(), state.detach().numpy()] + [t.grad.numpy() for t in ref]
+
+    rule = ChunkedGatedDeltaRule(CHUNK)
+    heads = lambda x: ms.Tensor(np.ascontiguousarray(np.swapaxes(x, 1, 2)), ms.float32)  # noqa: E731
+    probe_ms = heads(probe)
+
+    def loss(q_, k_, v_, g_, beta_):
+        out_, state_ = rule(ops_l2(q_) * dk ** -0.5, ops_l2(k_), v_, g_, beta_)
+        return (out_ * probe_ms).sum() + state_.sum(), (out_, state_)
+
+    (_, (out_, state_)), grads = ms.value_and_grad(loss, grad_position=(0, 1, 2, 3, 4), has_aux=True)(
+        *(heads(x) for x in (q, k, v, g, beta)))
+    got = [np.swapaxes(out_.asnumpy(), 1, 2), state_.asnumpy()] + [np.swapaxes(t.asnumpy(), 1, 2) for t in grads]
+    for name, a, r in zip(("out", "state", "dq", "dk", "dv", "dg", "dbeta"), got, want):
+        err = np.abs(a - r).max() / np.abs(r).max()
+        assert err <= REORDER_RTOL, f"{name}: max_rel {err:.2e}"
+
+
+def ops_l2(x):
+    return x * ms.ops.rsqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+@pytest.fixture(scope="module")
+def hybrid_model():
+    device.setup("cpu", "graph")
+    model = build_model(HYBRID, seed=3)
+    for name, p in model.parameters_and_names():  # norms off their init, decays as Qwen3.5's range
+        if name.endswith("A_log"):
+            p.set_data(ms.Tensor(np.log(np.random.default_rng(1).uniform(0.5, 2.0, p.shape)), ms.float32))
+        elif "norm" in name:
+            p.set_data(p + ms.Tensor(np.random.default_rng(2).normal(0, 0.1, p.shape), ms.float32))
+    for layer in model.layers:
+        if hasattr(layer.attention, "rule"):
+            layer.attention.rule.chunk = CHUNK
+    model.set_train(False)
+    return model
+
+
+def test_a_packed_row_equals_its_samples_run_alone(hybrid_model):
+    """Three samples of 7, 9 and 8 tokens packed in a row of 24 (boundaries inside a chunk and on one):
+    each sample's logits equal those of the sample alone at the start of a row (one sample per row, no
+    segments), within the fp32 reordering tolerance. Without the resets the later samples read the
+    earlier ones' recurrent state and conv window: far off."""
+    rng = np.random.default_rng(5)
+    lengths = [7, 9, 8]
+    s = sum(lengths)
+    samples = [rng.integers(3, 300, n) for n in lengths]
+    packed = np.concatenate(samples)[None]
+    segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None]
+    positions = np.concatenate([np.arange(n) for n in lengths])[None]
+    alone = np.stack([np.concatenate([x, rng.integers(3, 300, s - len(x))]) for x in samples])
+    i32 = lambda x: ms.Tensor(x.astype(np.int32))  # noqa: E731
+    got = hybrid_model(i32(packed), segments=i32(segments), positions=i32(positions)).asnumpy()[0]
+    want = hybrid_model(i32(alone)).asnumpy()
+    starts = np.cumsum([0] + lengths)
+    for i, n in enumerate(lengths):
+        ref = want[i, :n]
+        err = np.abs(got[starts[i]:starts[i] + n] - ref).max() / np.abs(ref).max()
+        assert err <= REORDER_RTOL, f"sample {i}: max_rel {err:.2e}"
+    # the resets matter: the same row read as one sample puts the later samples far off
+    joined = hybrid_model(i32(packed), segments=i32(np.zeros_like(segments)), positions=i32(positions)).asnumpy()[0]
+    assert np.abs(joined[starts[1]:] - got[starts[1]:]).max() > 100 * REORDER_RTOL * np.abs(got).max()
+
+
+def test_qwen3_5_config_reads_the_hybrid_spec():
+    m = to_model_config(build("qwen3_5").config.to_dict(), "config.json")
+    assert m.layer_kinds() == ["linear", "linear", "linear", "full"] and m.mixer_kinds()[0] == "gated_deltanet"
+    assert (m.rope_fraction, m.rope_dim, m.norm_offset, m.attn_output_gate) == (0.25, 4, 1.0, True)
+    assert (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim,
+            m.linear_conv_kernel) == (2, 4, 16, 8, 4)
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_config_written_from_the_model_alone_reads_back_and_transformers_builds_it(case):
+    """config.json written without the source's (an msllm-trained model): msllm reads the same model back,
+    and transformers' config class builds the same layer types, sizes, experts and rotary fraction."""
+    model = build(case)
+    hf = {**model.config.to_dict(), "architectures": [type(model).__name__]}
+    m = to_model_config(hf, "config.json")
+    ours = to_hf_config(m, type(model).__name__, "float32")
+    assert to_model_config(ours, "ours") == m
+    theirs = type(model.config)(**{k: v for k, v in ours.items() if k not in ("architectures", "torch_dtype")})
+    for key in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim", "num_key_value_heads", "num_experts",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers", "intermediate_size"):
+        assert getattr(theirs, key, None) == hf.get(key), key
+    assert theirs.rope_parameters["partial_rotary_factor"] == 0.25
+
+
+def one_line(e) -> str:
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_hybrids_are_refused_in_one_line_and_write_nothing(tmp_path):
+    hf = build("qwen3_5")
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key, value, why in (("linear_num_value_heads", 3, "must be a multiple of linear_num_key_heads"),
+                            ("linear_conv_kernel_dim", 0, "must be a positive integer"),
+                            ("linear_num_key_heads", None, "must be a positive integer")):
+        with pytest.raises(InteropError) as e:
+            to_model_config({**config, key: value}, "config.json")
+        assert f"{key}: " in one_line(e) and why in str(e.value)
+    # multi-token-prediction tensors are refused, never silently cut
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file({**weights, "mtp.fc.weight": torch.zeros(64, 128)}, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(InteropError) as e:
+        convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    assert "mtp.fc.weight" in one_line(e) and not (tmp_path / "ms").exists()
+    # a misshaped linear-attention tensor
+    weights["model.layers.1.linear_attn.A_log"] = torch.zeros(5)
+    save_file(weights, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(InteropError) as e:
+        convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    assert "model.layers.1.linear_attn.A_log" in one_line(e) and not (tmp_path / "ms").exists()
+    # no MindFormers layout (none in 1.9)
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(InteropError) as e:
+        convert(tmp_path / "hf", tmp_path / "mf", to="mindformers", progress=False)
+    assert "msllm has no mindformers layout for Qwen3_5ForCausalLM" in one_line(e) and not (tmp_path / "mf").exists()
+    # export: the recurrent state is no graph input / output yet
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    with pytest.raises(ExportError) as e:
+        export(tmp_path / "ms", "onnx", tmp_path / "onnx", log=lambda line: None)
+    assert "Gated DeltaNet" in one_line(e) and not (tmp_path / "onnx").exists()
+
+
+def test_msllm_engine_decodes_with_recurrent_state_what_transformers_generates(tmp_path):
+    """Two prompts of 12 and 7 tokens in one batch (left-padded to 16 unalike: the padding must change
+    no recurrent state or conv window), 16 greedy tokens each on the msllm engine (CPU backend's decode
+    kernels, GRAPH_MODE): the chunked prefill hands its state and conv window to one-token recurrent steps,
+    and the tokens are transformers' greedy ones."""
+    model = build("qwen3_5")
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (12, 7)]
+    want = [hf_greedy(model, p, 16) for p in prompts]
+    device.setup("cpu", "graph")
+    cfg, ours, _, _ = load_model(tmp_path / "ms")
+    specialise(ours, cfg, training=False)
+    assert generate(cell_engine(ours), prompts, 16).ids == want
