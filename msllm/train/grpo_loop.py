@@ -58,7 +58,7 @@ def roll_out(trainer, engine, generator, order, rewards, weights, eos, step) -> 
     advantages = group_advantages(total, g.group_size, g.scale_rewards)
     if trainer.rank == 0:
         log_rollouts(trainer.run_dir / "rollouts.jsonl", step, [p.text for p in batch], texts, total, each,
-                     list(rewards), advantages, [len(c) for c in completions])
+                     list(rewards), advantages, completions)
     tokens, mask = rollout_rows([p.ids for p in batch], completions, g.group_size, cfg.data.seq_len,
                                 eos if eos is not None else 0)
     inputs = [ms.Tensor(tokens), ms.Tensor(mask), ms.Tensor(advantages)]
