@@ -254,8 +254,6 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         need(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
         need(t.ckpt_every % g.num_iterations == 0, "train.ckpt_every", f"must be a multiple of grpo.num_iterations "
              f"({g.num_iterations}): a run resumes at the start of a rollout batch", "grpo.num_iterations")
-        need(t.accum_steps == 1, "train.accum_steps", "grpo runs one micro-batch per step (accumulation is not "
-             "built for it yet)", "train.objective")
     if cfg.lora.rank > 0:
         kinds = set(m.mlp_kinds())
         idle = [x for x in cfg.lora.targets if x.startswith("experts_") and "moe" not in kinds

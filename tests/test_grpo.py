@@ -250,14 +250,17 @@ def dapo_at_ratio_one(rollouts):
 
 
 def test_msllm_train_grpo_end_to_end(policy, reward_file, prompt_rows, tmp_path):
-    """`msllm train` with train.objective grpo and LoRA on prompt rows: every rollout logged with its
-    reward and advantage, and each step's loss is the dapo loss of its own rollouts at ratio 1,
-    -sum(A * tokens) / sum(tokens); the metrics carry reward, KL, clip ratio, length, rollout tok/s."""
+    """`msllm train` with train.objective grpo and LoRA on prompt rows, 2 prompts a step as 2 accumulated
+    micro-batches of 1: every rollout logged with its reward and advantage, and each step's loss is
+    TRL's dapo loss of its own rollouts at ratio 1, normalised by the whole batch's completion tokens
+    (not each micro-batch's), -sum(A * tokens) / sum(tokens); the metrics carry reward, KL, clip ratio,
+    length, rollout tok/s."""
     from msllm.cli import main
 
     run = tmp_path / "run"
     reward = f"[{reward_file}:length, {reward_file}:target]"
-    assert main([str(a) for a in grpo_args(policy, prompt_rows, run, **{"grpo.reward": reward})]) == 0
+    args = grpo_args(policy, prompt_rows, run, **{"grpo.reward": reward, "train.batch_size": 1, "train.accum_steps": 2})
+    assert main([str(a) for a in args]) == 0
     rollouts = jsonl(run / "rollouts.jsonl")
     assert [r["step"] for r in rollouts] == [s for s in (1, 2, 3) for _ in range(8)]
     steps = jsonl(run / "metrics.jsonl", "train")

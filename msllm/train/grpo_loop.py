@@ -1,5 +1,5 @@
 """`msllm train` with train.objective grpo: each step samples grpo.group_size completions for each of
-train.batch_size prompts with msllm's compiled static-cache decoder, scores them with the reward
+train.batch_size x train.accum_steps prompts (one micro-batch: batch_size prompts' groups) with msllm's compiled static-cache decoder, scores them with the reward
 functions, turns the rewards into group advantages, appends every rollout to RUN_DIR/rollouts.jsonl,
 and takes grpo.num_iterations compiled steps of GRPOLoss on them, as TRL: one (the sampling policy is
 the one trained, ratio 1), or more with the log-probs at sampling time kept as the ratio's old ones.
@@ -40,11 +40,11 @@ def copy_weights(source, target, trainable_only: bool) -> None:
 
 
 def roll_out(trainer, engine, generator, order, rewards, weights, eos, step) -> dict:
-    """The next train.batch_size prompts' rollouts with the policy as it is now, scored and logged: the
+    """The next batch_size x accum_steps prompts' rollouts with the policy as it is now, scored and logged: the
     step's inputs (tokens, mask, advantages and, with grpo.num_iterations > 1, their log-probs now, the
     ratio's old ones) and their metrics."""
     cfg, g, tokenizer = trainer.cfg, trainer.cfg.grpo, trainer.tokenizer
-    batch = [trainer.prompts[next(order)] for _ in range(cfg.train.batch_size)]
+    batch = [trainer.prompts[next(order)] for _ in range(trainer.samples_per_step)]  # batch_size x accum_steps
     copy_weights(trainer.model, generator, trainable_only=True)
     seed = int(np.random.SeedSequence([cfg.train.seed, step]).generate_state(1)[0])
     completions, rollout_tok_s = sample_groups(
@@ -62,6 +62,8 @@ def roll_out(trainer, engine, generator, order, rewards, weights, eos, step) -> 
     tokens, mask = rollout_rows([p.ids for p in batch], completions, g.group_size, cfg.data.seq_len,
                                 eos if eos is not None else 0)
     inputs = [ms.Tensor(tokens), ms.Tensor(mask), ms.Tensor(advantages)]
+    if trainer.train_step.loss_cell.batch_count:  # each micro-batch's dapo normaliser: the whole batch's tokens
+        inputs.append(ms.Tensor(np.full(len(tokens), mask.sum(), np.float32)))
     if g.num_iterations > 1:  # the sampling policy's log-probs, kept for the batch's later updates
         inputs.append(trainer.train_step.loss_cell.logps(inputs[0]))
     return {"inputs": inputs, "metrics": {
@@ -87,9 +89,10 @@ def fit_grpo(trainer) -> dict:
                           f"{trainer.start_step}, inside a rollout batch of {every} steps; resume from one at a "
                           f"multiple of {every} (delete the later one) or keep the num_iterations it was run with")
     batches = -(-(t.steps - trainer.start_step) // every)
-    order = iter(RankSampler(len(trainer.prompts), t.batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+    prompts = trainer.samples_per_step  # batch_size x accum_steps
+    order = iter(RankSampler(len(trainer.prompts), prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                              start=trainer.data_position, steps=batches))
-    info(f"grpo: {t.steps - trainer.start_step} steps on {batches} rollout batches of {t.batch_size} prompts x "
+    info(f"grpo: {t.steps - trainer.start_step} steps on {batches} rollout batches of {prompts} prompts x "
          f"{g.group_size} completions (up to {g.max_new_tokens} tokens), rewards {', '.join(rewards)}")
     last, rollout = {}, {}
     for step in range(trainer.start_step + 1, t.steps + 1):
@@ -108,7 +111,7 @@ def fit_grpo(trainer) -> dict:
                                   f"clip {last['clip_ratio/region_mean']:.2%}  "
                                   f"{last['rollout_tokens_per_s']:,.0f} rollout tok/s")
         if step % t.ckpt_every == 0 or step == t.steps:
-            read = -(-(step - trainer.start_step) // every) * t.batch_size
+            read = -(-(step - trainer.start_step) // every) * prompts
             trainer.save(step, data_position=trainer.data_position + read)
     trainer.report_checkpoints(wait=True, final=t.steps)
     trainer.metrics.close()
