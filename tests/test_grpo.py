@@ -24,8 +24,14 @@ PROMPT, COMPLETION, N = 6, 8, 8  # 2 prompts x 4 completions
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
+    """A tiny Llama whose EOS (id 0 of its tokenizer) has ~0.1 probability a token, so sampled
+    completions end at different lengths and the loss normalisations differ."""
     root = tmp_path_factory.mktemp("grpo")
-    build("llama2_mha").save_pretrained(root / "policy")
+    model = build("llama2_mha")
+    with torch.no_grad():  # EOS's output row moved by 4 along a random direction
+        u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+        model.lm_head.weight[0] += 4.0 * u / u.norm() * model.model.norm.weight.sign()
+    model.save_pretrained(root / "policy")
     save_tokenizer(root / "policy", ["def add(x, y): return x + y", "hello world"] * 5)
     return root / "policy"
 
@@ -273,6 +279,8 @@ def test_msllm_train_grpo_end_to_end(policy, reward_file, prompt_rows, tmp_path)
         assert n == [len(r["completion_ids"]) for r in mine]
         assert m["completions/mean_length"] == pytest.approx(np.mean(n)) and m["rollout_tokens_per_s"] > 0
         assert m["clip_ratio/region_mean"] == 0.0 and m["kl"] == 0.0
+    lengths = [r["completion_tokens"] for r in rollouts]
+    assert len(set(lengths)) > 1 and max(abs(m["loss"]) for m in steps) > 1e-2  # EOS ends some early: not 0
     assert (run / "checkpoints" / "step_0000003" / "model.safetensors").exists()
 
 
