@@ -347,6 +347,21 @@ def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, 
     assert [(m["step"], m["loss"]) for m in resumed] == [(m["step"], m["loss"]) for m in steps[2:]]
 
 
+@pytest.mark.parametrize("train,grpo,complaint", [
+    ({}, {"beta": 0.1}, "grpo.beta: a KL term needs a reference model"),
+    ({"ckpt_every": 3}, {"num_iterations": 2}, "train.ckpt_every: must be a multiple of grpo.num_iterations (2)")])
+def test_kl_without_lora_and_checkpoints_inside_a_rollout_batch_are_one_line(reward_file, train, grpo, complaint):
+    from msllm.config import ConfigError
+    from msllm.config_file import config_from_dict
+
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"train": {"objective": "grpo", **train}, "grpo": {"reward": [f"{reward_file}:length"],
+                                                                           **grpo}})
+    assert complaint in str(e.value) and "\n" not in str(e.value)
+    config_from_dict({"train": {"objective": "grpo", **train, "ckpt_every": 4},  # the fixes the messages name
+                      "grpo": {"reward": [f"{reward_file}:length"], **grpo, "beta": 0.0}})
+
+
 def test_a_prompt_longer_than_the_context_is_one_line_and_nothing_written(policy, reward_file, tmp_path, capsys):
     from msllm.cli import main
 
