@@ -45,8 +45,9 @@ class ReferenceLogProbs(nn.Cell):
 
 class GRPOLoss(nn.Cell):
     """tokens [n, s+1], scale, mask [n, s], advantages [n](, batch_tokens [n])(, old_logps [n, s])
-    (, ref_logps [n, s]) -> (scale * loss, METRICS [5]). batch_tokens: dapo with accum_steps > 1. old_logps are given with grpo.num_iterations > 1 (else the policy's own:
-    it sampled them), ref_logps when beta > 0 (with `switch`, the adapters' one, the step computes them)."""
+    (, ref_logps [n, s]) -> (scale * loss, METRICS [5]). batch_tokens come with dapo and accum_steps > 1,
+    old_logps with grpo.num_iterations > 1 (else the policy's own: it sampled them), ref_logps when
+    beta > 0 (with `switch`, the adapters' one, the step computes them)."""
 
     def __init__(self, model, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
                  beta: float = 0.0, max_completion: int = 0, temperature: float = 1.0, fused: bool = False,

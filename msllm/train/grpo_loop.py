@@ -1,8 +1,9 @@
 """`msllm train` with train.objective grpo: each step samples grpo.group_size completions for each of
-train.batch_size x train.accum_steps prompts (one micro-batch: batch_size prompts' groups) with msllm's compiled static-cache decoder, scores them with the reward
-functions, turns the rewards into group advantages, appends every rollout to RUN_DIR/rollouts.jsonl,
-and takes grpo.num_iterations compiled steps of GRPOLoss on them, as TRL: one (the sampling policy is
-the one trained, ratio 1), or more with the log-probs at sampling time kept as the ratio's old ones.
+train.batch_size x train.accum_steps prompts (a micro-batch: batch_size prompts' groups) with msllm's
+compiled static-cache decoder, scores them with the reward functions, turns the rewards into group
+advantages, appends every rollout to RUN_DIR/rollouts.jsonl, and takes grpo.num_iterations compiled
+steps of GRPOLoss on them, as TRL: one (the sampling policy is the one trained, ratio 1), or more with
+the log-probs at sampling time kept as the ratio's old ones.
 train.steps counts optimizer steps; a rollout batch starts at step 1, 1 + num_iterations, ...
 
 The decoder is a second model specialised for generation: at the start it gets every weight of the
@@ -40,8 +41,8 @@ def copy_weights(source, target, trainable_only: bool) -> None:
 
 
 def roll_out(trainer, engine, generator, order, rewards, weights, eos, step) -> dict:
-    """The next batch_size x accum_steps prompts' rollouts with the policy as it is now, scored and logged: the
-    step's inputs (tokens, mask, advantages and, with grpo.num_iterations > 1, their log-probs now, the
+    """The next batch_size x accum_steps prompts' rollouts with the policy as it is now, scored and
+    logged: the step's inputs (tokens, mask, advantages and, with grpo.num_iterations > 1, their log-probs now, the
     ratio's old ones) and their metrics."""
     cfg, g, tokenizer = trainer.cfg, trainer.cfg.grpo, trainer.tokenizer
     batch = [trainer.prompts[next(order)] for _ in range(trainer.samples_per_step)]  # batch_size x accum_steps
@@ -75,6 +76,11 @@ def fit_grpo(trainer) -> dict:
     cfg, t, g = trainer.cfg, trainer.cfg.train, trainer.cfg.grpo
     if trainer.world > 1:
         raise DeviceError("train.objective grpo runs on one worker (data parallel rollouts are not built yet)")
+    every = g.num_iterations  # optimizer steps per rollout batch
+    if trainer.start_step % every:
+        raise ConfigError(str(trainer.run_dir), "grpo.num_iterations", f"the last checkpoint is at step "
+                          f"{trainer.start_step}, inside a rollout batch of {every} steps; resume from one at a "
+                          f"multiple of {every} (delete the later one) or keep the num_iterations it was run with")
     rewards = {spec: load_reward(spec) for spec in g.reward}
     weights = g.reward_weights or [1.0] * len(rewards)
     eos = eos_id(trainer.tokenizer, tokenizer_config(trainer.shard_dir / "tokenizer.json"))
@@ -83,11 +89,6 @@ def fit_grpo(trainer) -> dict:
     generator.set_train(False)
     copy_weights(trainer.model, generator, trainable_only=False)
     engine = cell_engine(generator)
-    every = g.num_iterations  # optimizer steps per rollout batch
-    if trainer.start_step % every:
-        raise ConfigError(str(trainer.run_dir), "grpo.num_iterations", f"the last checkpoint is at step "
-                          f"{trainer.start_step}, inside a rollout batch of {every} steps; resume from one at a "
-                          f"multiple of {every} (delete the later one) or keep the num_iterations it was run with")
     batches = -(-(t.steps - trainer.start_step) // every)
     prompts = trainer.samples_per_step  # batch_size x accum_steps
     order = iter(RankSampler(len(trainer.prompts), prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle,

@@ -54,7 +54,8 @@ def log_rollouts(path: Path, step: int, prompts: list[str], completions: list[st
     with open(path, "a", encoding="utf-8") as f:
         for i, text in enumerate(completions):
             row = {"step": step, "prompt": prompts[i // group], "completion": text, "reward": float(rewards[i]),
-                   **({} if ids is None else {"completion_tokens": len(ids[i]), "completion_ids": list(map(int, ids[i]))}),
+                   **({} if ids is None else {"completion_tokens": len(ids[i]),
+                                              "completion_ids": list(map(int, ids[i]))}),
                    "rewards": {name: float(per_function[i, k]) for k, name in enumerate(names)},
                    "advantage": float(advantages[i])}
             f.write(json.dumps(row) + "\n")
