@@ -351,6 +351,9 @@ class GRPOConfig:
     temperature: float = 1.0          # sampling temperature (the loss scores logits / temperature, as TRL)
     top_p: float = 1.0                # nucleus sampling
     epsilon: float = 0.2              # the ratio is clipped to [1 - epsilon, 1 + epsilon]
+    beta: float = 0.0                 # KL to the reference (the base with the LoRA adapters off), 0 as TRL
+    num_iterations: int = 1           # optimizer steps on each rollout batch (train.steps counts them), its
+                                      # sampling log-probs kept as the ratio's old ones, as TRL
     loss_type: str = "dapo"           # dapo | grpo | bnpo | dr_grpo, TRL's aggregations
     scale_rewards: str = "group"      # advantages divided by the group's reward std | batch | none
 

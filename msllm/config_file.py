@@ -263,8 +263,13 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         need(g.temperature > 0, "grpo.temperature", "must be > 0")
         need(0 < g.top_p <= 1, "grpo.top_p", "must be in (0, 1]")
         need(g.epsilon > 0, "grpo.epsilon", "must be > 0")
-        need(t.accum_steps == 1, "train.accum_steps", "grpo runs one micro-batch per step (accumulation is not "
-             "built for it yet)", "train.objective")
+        need(g.beta >= 0, "grpo.beta", "must be >= 0 (0: no KL term, as TRL)")
+        need(g.beta == 0 or cfg.lora.rank > 0, "grpo.beta", "a KL term needs a reference model and a full fine-tune "
+             "keeps none in the step: train with lora.rank > 0 (the reference is the base with the adapters off) "
+             "or set grpo.beta: 0", "lora.rank")
+        need(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
+        need(t.ckpt_every % g.num_iterations == 0, "train.ckpt_every", f"must be a multiple of grpo.num_iterations "
+             f"({g.num_iterations}): a run resumes at the start of a rollout batch", "grpo.num_iterations")
     if cfg.lora.rank > 0:
         kinds = set(m.mlp_kinds())
         idle = [x for x in cfg.lora.targets if x.startswith("experts_") and "moe" not in kinds

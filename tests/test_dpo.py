@@ -189,13 +189,20 @@ def run_args(models, rows, run, **extra):
     return ["train", "--init-from", str(models / "policy"), *sets(values)]
 
 
-def test_msllm_train_dpo_with_lora_learns_the_preferences(models, preference_rows, tmp_path):
+@pytest.fixture(scope="module")
+def lora_run(models, preference_rows, tmp_path_factory):
+    """8 DPO steps with LoRA, a checkpoint at steps 4 and 8."""
+    run = tmp_path_factory.mktemp("dpo_lora") / "run"
+    train_here(*run_args(models, preference_rows, run, **{"lora.rank": 8, "lora.targets": "[q, v, down]",
+                                                         "dpo.beta": 0.5, "train.ckpt_every": 4}))
+    return run
+
+
+def test_msllm_train_dpo_with_lora_learns_the_preferences(models, lora_run, tmp_path):
     """`msllm train` with train.objective dpo and LoRA (reference: the base, adapters off in the step):
     starts at ln 2 (the adapters start at B = 0, so policy = reference), the loss falls and the reward
     accuracy rises, every row carries TRL's metric names, and the adapters export as PEFT."""
-    run = tmp_path / "lora"
-    train_here(*run_args(models, preference_rows, run, **{"lora.rank": 8, "lora.targets": "[q, v, down]",
-                                                         "dpo.beta": 0.5}))
+    run = lora_run
     rows = records(run, "train")
     first = records(run, "compile")[0]["loss"]
     assert first == pytest.approx(np.log(2), abs=1e-6)
@@ -219,6 +226,36 @@ def test_msllm_train_dpo_with_lora_learns_the_preferences(models, preference_row
         before = base(ids).logits
         adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()(ids).logits
     assert (adapted - merged).abs().max() <= 1e-5 * merged.abs().max() < (before - merged).abs().max()
+
+
+def test_dpo_run_stopped_and_resumed_is_the_whole_run(lora_run, tmp_path):
+    """The LoRA run stopped after step 4 (its checkpoint and metrics rows up to there) and resumed with
+    --resume: steps 5..8 read the same pairs, and the step-8 adapters and optimizer state are bitwise the
+    whole run's, as are each step's gradient norm and TRL metrics. The logged loss scalar may differ in
+    float32's last bit (seen: 3e-8 at steps 6..8 with identical weights), so it is compared to 1e-6."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(lora_run, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step_0000008")
+    rows = [json.loads(line) for line in (lora_run / "metrics.jsonl").read_text().splitlines()]
+    (stopped / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows
+                                                   if r.get("step", 0) <= 4 and r["kind"] in ("compile", "train")))
+    train_here("train", "--resume", stopped)
+    for name in ("model.safetensors", "optim.safetensors"):
+        whole, resumed = (load_file(str(r / "checkpoints" / "step_0000008" / name)) for r in (lora_run, stopped))
+        assert whole.keys() == resumed.keys() and all(np.array_equal(whole[k], resumed[k]) for k in whole), name
+
+    def after_4(run):  # a resumed run's first step is its compile row: a loss, no other metrics
+        return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if r["kind"] in ("compile", "train") and r["step"] > 4]
+    whole, resumed = after_4(lora_run), after_4(stopped)
+    assert [r["step"] for r in whole] == [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole], rel=1e-6)
+    for key in ("grad_norm", *METRICS):
+        assert [r[key] for r in resumed[1:]] == [r[key] for r in whole[1:]], key
 
 
 def test_full_fine_tune_reads_precomputed_reference_logps(models, preference_rows, tmp_path):

@@ -15,6 +15,7 @@ from msllm.config import Config, OptimConfig, TrainConfig
 from msllm.models import layers
 from msllm.train.grpo import METRICS, GRPOLoss, group_advantages
 from msllm.train.optim import AdamW
+from msllm.train.rollout import rollout_rows
 from msllm.train.step import TrainStep
 from tests.hf_models import build, save_tokenizer
 
@@ -23,8 +24,14 @@ PROMPT, COMPLETION, N = 6, 8, 8  # 2 prompts x 4 completions
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
+    """A tiny Llama whose EOS (id 0 of its tokenizer) has ~0.1 probability a token, so sampled
+    completions end at different lengths and the loss normalisations differ."""
     root = tmp_path_factory.mktemp("grpo")
-    build("llama2_mha").save_pretrained(root / "policy")
+    model = build("llama2_mha")
+    with torch.no_grad():  # EOS's output row moved by 4 along a random direction
+        u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+        model.lm_head.weight[0] += 4.0 * u / u.norm() * model.model.norm.weight.sign()
+    model.save_pretrained(root / "policy")
     save_tokenizer(root / "policy", ["def add(x, y): return x + y", "hello world"] * 5)
     return root / "policy"
 
@@ -169,7 +176,7 @@ def test_rollouts_rewards_and_one_grpo_step(policy, reward_file, tmp_path):
     from msllm.generate import Sampling
     from msllm.inference import cell_engine
     from msllm.train.rewards import load_reward, score
-    from msllm.train.rollout import log_rollouts, rollout_rows, sample_groups
+    from msllm.train.rollout import log_rollouts, sample_groups
 
     prompts, group, max_new, eos = [[5, 17, 42, 9], [80, 81, 82]], 4, 6, 0
     sampling = Sampling(temperature=1.0, seed=3)
@@ -220,37 +227,139 @@ def test_bad_reward_functions_are_one_line_naming_the_function(reward_file, name
     assert complaint in str(e.value) and f"{reward_file}:{name}" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_msllm_train_grpo_end_to_end(policy, reward_file, tmp_path):
-    """`msllm train` with train.objective grpo and LoRA on prompt rows: every rollout logged with its
-    reward and advantage, and each step's loss is the dapo loss of its own rollouts at ratio 1,
-    -sum(A * tokens) / sum(tokens); the metrics carry reward, KL, clip ratio, length, rollout tok/s."""
-    from msllm.cli import main
-
-    rows = tmp_path / "prompts.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"add {i} {i + 1}", "answer": str(2 * i + 1)}) + "\n"
-                            for i in range(6)))
-    run = tmp_path / "run"
+def grpo_args(policy, rows, run, **extra):
     values = {"data.path": rows, "data.seq_len": 24, "train.run_dir": run, "train.objective": "grpo",
               "train.steps": 3, "train.batch_size": 2, "train.log_every": 1, "train.ckpt_every": 3,
               "train.sample_tokens": 0, "optim.lr": 1e-2, "optim.warmup_steps": 0, "lora.rank": 4,
-              "grpo.reward": f"[{reward_file}:length, {reward_file}:target]", "grpo.reward_weights": "[0.1, 1.0]",
-              "grpo.group_size": 4, "grpo.max_new_tokens": 8}
-    args = ["train", "--init-from", str(policy), *[a for k, v in values.items() for a in ("--set", f"{k}={v}")]]
+              "grpo.reward_weights": "[0.1, 1.0]", "grpo.group_size": 4, "grpo.max_new_tokens": 8, **extra}
+    return ["train", "--init-from", str(policy), *[a for k, v in values.items() for a in ("--set", f"{k}={v}")]]
+
+
+@pytest.fixture(scope="module")
+def prompt_rows(tmp_path_factory):
+    rows = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"add {i} {i + 1}", "answer": str(2 * i + 1)}) + "\n"
+                            for i in range(6)))
+    return rows
+
+
+def jsonl(path, kind=None):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def dapo_at_ratio_one(rollouts):
+    """TRL's dapo policy loss when the policy is the sampler (ratio 1): -sum(A * tokens) / sum(tokens)."""
+    a = np.array([r["advantage"] for r in rollouts])
+    n = np.array([r["completion_tokens"] for r in rollouts])
+    return -(a * n).sum() / n.sum()
+
+
+def test_msllm_train_grpo_end_to_end(policy, reward_file, prompt_rows, tmp_path):
+    """`msllm train` with train.objective grpo and LoRA on prompt rows, 2 prompts a step as 2 accumulated
+    micro-batches of 1: every rollout logged with its reward and advantage, and each step's loss is
+    TRL's dapo loss of its own rollouts at ratio 1, normalised by the whole batch's completion tokens
+    (not each micro-batch's), -sum(A * tokens) / sum(tokens); the metrics carry reward, KL, clip ratio,
+    length, rollout tok/s."""
+    from msllm.cli import main
+
+    run = tmp_path / "run"
+    reward = f"[{reward_file}:length, {reward_file}:target]"
+    args = grpo_args(policy, prompt_rows, run, **{"grpo.reward": reward, "train.batch_size": 1, "train.accum_steps": 2})
     assert main([str(a) for a in args]) == 0
-    rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    rollouts = jsonl(run / "rollouts.jsonl")
     assert [r["step"] for r in rollouts] == [s for s in (1, 2, 3) for _ in range(8)]
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if m["kind"] == "train"]
+    steps = jsonl(run / "metrics.jsonl", "train")
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
         mine = [r for r in rollouts if r["step"] == m["step"]]
-        a = np.array([r["advantage"] for r in mine])
-        n = np.array([r["completion_tokens"] for r in mine])
-        assert m["loss"] == pytest.approx(-(a * n).sum() / n.sum(), rel=1e-4, abs=1e-6)
+        assert m["loss"] == pytest.approx(dapo_at_ratio_one(mine), rel=1e-4, abs=1e-6)
         assert m["reward"] == pytest.approx(np.mean([r["reward"] for r in mine]), rel=1e-6)
-        assert m["completions/mean_length"] == pytest.approx(n.mean()) and m["rollout_tokens_per_s"] > 0
+        n = [r["completion_tokens"] for r in mine]
+        assert n == [len(r["completion_ids"]) for r in mine]
+        assert m["completions/mean_length"] == pytest.approx(np.mean(n)) and m["rollout_tokens_per_s"] > 0
         assert m["clip_ratio/region_mean"] == 0.0 and m["kl"] == 0.0
+    lengths = [r["completion_tokens"] for r in rollouts]
+    assert len(set(lengths)) > 1 and max(abs(m["loss"]) for m in steps) > 1e-2  # EOS ends some early: not 0
     assert (run / "checkpoints" / "step_0000003" / "model.safetensors").exists()
+
+
+def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, reward_file, prompt_rows, tmp_path):
+    """grpo.beta 0.5 (the reference: the base, LoRA adapters off in the step) and grpo.num_iterations 2
+    (two updates per rollout batch): rollouts at steps 1 and 3 only; step 1's loss is the ratio-1 dapo
+    loss with KL 0 (the adapters start at B = 0); step 2 reuses step 1's rollouts with the kept old
+    log-probs (ratio != 1, so not the ratio-1 formula); step 3's loss is TRL's formula on the logged
+    completion ids, the policy of the step-2 checkpoint and the base from transformers. A run stopped
+    at step 2 and resumed samples the same completions and logs the same losses as the whole run."""
+    import shutil
+
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from msllm.cli import main
+    from msllm.config import LoraConfig
+    from msllm.data.prompts import read_prompts
+    from msllm.lora import apply_lora
+    from msllm.train.logprobs import TokenLogProbs
+
+    run, beta = tmp_path / "run", 0.5
+    args = grpo_args(policy, prompt_rows, run, **{"grpo.reward": f"[{reward_file}:length, {reward_file}:target]",
+                                                  "train.steps": 4, "train.ckpt_every": 2, "grpo.beta": beta,
+                                                  "grpo.num_iterations": 2, "optim.decay": "constant"})
+    assert main([str(a) for a in args]) == 0
+    rollouts, steps = jsonl(run / "rollouts.jsonl"), jsonl(run / "metrics.jsonl", "train")
+    assert [r["step"] for r in rollouts] == [1] * 8 + [3] * 8 and [m["step"] for m in steps] == [1, 2, 3, 4]
+    first, second = rollouts[:8], rollouts[8:]
+    assert steps[0]["loss"] == pytest.approx(dapo_at_ratio_one(first), rel=1e-4, abs=1e-6)
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-7) and steps[1]["reward"] == steps[0]["reward"]
+    assert steps[1]["kl"] > 0  # the policy moved from the base; the rollouts did not change
+    assert abs(steps[1]["loss"] - (dapo_at_ratio_one(first) + beta * steps[1]["kl"])) > 1e-4  # ratio != 1
+
+    # step 3, recomputed: tokens [prompt, completion] as the loop lays them out
+    prompts = {p.text: p.ids for p in read_prompts(prompt_rows, next(run.glob("data/**/tokenizer.json")), 24, 8)[1]}
+    tokens, mask = rollout_rows([prompts[r["prompt"]] for r in second[::4]], [r["completion_ids"] for r in second],
+                                4, 24, 0)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(policy).float().eval()
+        logits = base(torch.from_numpy(tokens[:, :-1].astype(np.int64))).logits
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(tokens[:, 1:, None].astype(np.int64)))[..., 0]
+    model = msllm_model(open_hf(policy))
+    apply_lora(model, LoraConfig(rank=4), 0)
+    adapters = load_file(run / "checkpoints" / "step_0000002" / "model.safetensors")
+    for p in model.trainable_params():
+        p.set_data(ms.Tensor(adapters[p.name]))
+    logp = TokenLogProbs(model)(ms.Tensor(tokens)).asnumpy()
+    delta = ref.numpy() - logp
+    kl = ((np.exp(delta) - delta - 1) * mask).sum() / mask.sum()
+    assert kl > 1e-4  # the term is not negligible at the tolerance below
+    assert steps[2]["kl"] == pytest.approx(kl, rel=1e-3)
+    assert steps[2]["loss"] == pytest.approx(dapo_at_ratio_one(second) + beta * kl, rel=1e-4)
+
+    # stopped after step 2: its checkpoint, rows and rollouts; then resumed to step 4
+    stopped = tmp_path / "stopped"
+    shutil.copytree(run, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step_0000004")
+    (stopped / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    (stopped / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps[:2]))
+    assert main(["train", "--resume", str(stopped)]) == 0
+    resumed = jsonl(stopped / "metrics.jsonl", "train")[2:]
+    assert [r["completion_ids"] for r in jsonl(stopped / "rollouts.jsonl")[8:]] == [r["completion_ids"] for r in second]
+    assert [(m["step"], m["loss"]) for m in resumed] == [(m["step"], m["loss"]) for m in steps[2:]]
+
+
+@pytest.mark.parametrize("train,grpo,complaint", [
+    ({}, {"beta": 0.1}, "grpo.beta: a KL term needs a reference model"),
+    ({"ckpt_every": 3}, {"num_iterations": 2}, "train.ckpt_every: must be a multiple of grpo.num_iterations (2)")])
+def test_kl_without_lora_and_checkpoints_inside_a_rollout_batch_are_one_line(reward_file, train, grpo, complaint):
+    from msllm.config import ConfigError
+    from msllm.config_file import config_from_dict
+
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"train": {"objective": "grpo", **train}, "grpo": {"reward": [f"{reward_file}:length"],
+                                                                           **grpo}})
+    assert complaint in str(e.value) and "\n" not in str(e.value)
+    config_from_dict({"train": {"objective": "grpo", **train, "ckpt_every": 4},  # the fixes the messages name
+                      "grpo": {"reward": [f"{reward_file}:length"], **grpo, "beta": 0.0}})
 
 
 def test_a_prompt_longer_than_the_context_is_one_line_and_nothing_written(policy, reward_file, tmp_path, capsys):

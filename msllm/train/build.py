@@ -67,8 +67,9 @@ def build_train_step(cfg: Config, model: Decoder | None = None, wrap_optimizer=N
         eval_cell = loss_cell
     elif t.objective == "grpo":
         g = cfg.grpo
-        loss_cell = eval_cell = GRPOLoss(model, g.loss_type, g.epsilon, max_completion=g.max_new_tokens,
-                                         temperature=g.temperature, fused=spec.fused_kernels)
+        loss_cell = eval_cell = GRPOLoss(model, g.loss_type, g.epsilon, beta=g.beta, max_completion=g.max_new_tokens,
+                                         temperature=g.temperature, fused=spec.fused_kernels, switch=switch_of(model),
+                                         accum_steps=t.accum_steps)
     train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world,
                            bias_balance(model, t.moe_bias_update_rate, world), loss_cell)
     return Built(model, optimizer, train_step, EvalStep(model, spec.fused_kernels, eval_cell), spec)

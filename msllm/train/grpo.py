@@ -1,20 +1,19 @@
 """GRPO's policy loss as a loss cell of the compiled step, and its group advantages (TRL 1.16's GRPOTrainer).
 
-Not wired into `msllm train` yet (no rollouts): what exists is the loss on given completions, the
-part TRL's parity is defined on, and the advantages of a group's rewards.
-
 A micro-batch holds n sampled sequences: tokens [n, s+1] (prompt, completion, padding), mask [n, s]
 (1 where the label is a completion token), the advantages [n], the log-probs the completions were
-sampled with (old_logps [n, s], per label) and, with a KL term, the reference's (ref_logps [n, s]).
+sampled with (old_logps [n, s], per label) and, with a KL term, the reference's (ref_logps [n, s]: with
+LoRA, the same weights with the adapters off, computed in the step).
 Per-token log-probs come through the same head path as the cross-entropy (msllm.train.step.LossCell:
 the projection, or the fused head kernel's target - logsumexp), of logits / temperature as TRL scores
 them. Per token, with ratio r = exp(logp - old):
 
     loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta * r * (exp(ref - logp) - (ref - logp) - 1)
 
-aggregated as TRL's loss_type: grpo (each sequence's mean, then the mean), bnpo and dapo (over the
-micro-batch's completion tokens; TRL's dapo counts the whole generation batch, the same for one
-micro-batch per batch), dr_grpo (the sum over n * max_completion).
+aggregated as TRL's loss_type: grpo (each sequence's mean, then the mean), bnpo (over the
+micro-batch's completion tokens), dapo (over the whole batch's: with accumulation each micro-batch is
+given that count), dr_grpo (the sum over n * max_completion); under accumulation the step averages
+the micro-batches' losses, as TRL's division by the accumulation steps.
 """
 from __future__ import annotations
 
@@ -29,12 +28,30 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length")
 
 
+class ReferenceLogProbs(nn.Cell):
+    """The KL term's reference with LoRA: the policy's per-token log-probs with its adapters switched off
+    (msllm.lora.AdapterSwitch set to 0, back to 1 once computed), no gradient, no second weight copy.
+    The step calls it with the loss cell's inputs and passes its output last (msllm.train.step.TrainStep)."""
+
+    def __init__(self, logps: TokenLogProbs, switch):
+        super().__init__(auto_prefix=False)
+        self.logps, self.on = logps, switch.on
+
+    def construct(self, tokens, *inputs):
+        off = ops.assign(self.on, ops.zeros((), ms.float32))
+        ref = ops.stop_gradient(self.logps(ops.depend(tokens, off)))
+        return ops.depend(ref, ops.assign(self.on, ops.depend(ops.ones((), ms.float32), ref)))
+
+
 class GRPOLoss(nn.Cell):
-    """tokens [n, s+1], scale, mask [n, s], advantages [n], old_logps [n, s] (None: the policy's own, one
-    update per batch)(, ref_logps [n, s] when beta > 0) -> (scale * loss, METRICS [5])."""
+    """tokens [n, s+1], scale, mask [n, s], advantages [n](, batch_tokens [n])(, old_logps [n, s])
+    (, ref_logps [n, s]) -> (scale * loss, METRICS [5]). batch_tokens come with dapo and accum_steps > 1,
+    old_logps with grpo.num_iterations > 1 (else the policy's own: it sampled them), ref_logps when
+    beta > 0 (with `switch`, the adapters' one, the step computes them)."""
 
     def __init__(self, model, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
-                 beta: float = 0.0, max_completion: int = 0, temperature: float = 1.0, fused: bool = False):
+                 beta: float = 0.0, max_completion: int = 0, temperature: float = 1.0, fused: bool = False,
+                 switch=None, accum_steps: int = 1):
         super().__init__(auto_prefix=False)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type {loss_type!r} not in {LOSS_TYPES}")
@@ -42,17 +59,24 @@ class GRPOLoss(nn.Cell):
         self.loss_type, self.beta, self.max_completion = loss_type, beta, max_completion
         self.low, self.high = 1.0 - epsilon, 1.0 + (epsilon if epsilon_high is None else epsilon_high)
         self.has_stats = True
+        # dapo normalises by the whole batch's completion tokens; the step averages its micro-batches' losses
+        self.batch_count = loss_type == "dapo" and accum_steps > 1
+        self.accum_steps = accum_steps
+        if beta != 0.0 and switch is not None:
+            self.reference = ReferenceLogProbs(TokenLogProbs(model, fused, temperature), switch)
 
-    def construct(self, tokens, scale, mask, advantages, old_logps=None, ref_logps=None):
+    def construct(self, tokens, scale, mask, advantages, *given):
         logps = self.logps(tokens)
-        if old_logps is None:  # one update per batch (TRL's num_iterations 1): the policy sampled them
-            old_logps = ops.stop_gradient(logps)
+        if self.batch_count:  # its first input: every row holds the batch's completion tokens
+            given, batch_tokens = given[1:], given[0][0]
+        # how many log-prob inputs came (fixed when the graph is compiled) says which they are
+        old_logps = ops.stop_gradient(logps) if len(given) == (1 if self.beta != 0.0 else 0) else given[0]
         ratio = ops.exp(logps - old_logps)
         adv = advantages.reshape(-1, 1)
         per_token = -ops.minimum(ratio * adv, ops.clamp(ratio, self.low, self.high) * adv)
         kl = ops.zeros_like(per_token)
         if self.beta != 0.0:
-            delta = ref_logps - logps
+            delta = given[-1] - logps
             kl = (ops.exp(delta) - delta - 1.0) * ratio  # TRL's use_bias_correction_kl (default): the k3
             per_token = per_token + self.beta * kl       # estimate weighted by the ratio, for samples of old
         tokens_per_row = ops.sum(mask, -1)
@@ -61,6 +85,8 @@ class GRPOLoss(nn.Cell):
             loss = ops.mean(ops.sum(per_token * mask, -1) / ops.maximum(tokens_per_row, 1.0))
         elif self.loss_type == "dr_grpo":
             loss = ops.sum(per_token * mask) / (mask.shape[0] * self.max_completion)
+        elif self.batch_count:
+            loss = ops.sum(per_token * mask) * self.accum_steps / ops.maximum(batch_tokens, 1.0)
         else:  # bnpo, dapo
             loss = ops.sum(per_token * mask) / count
         ratio, kl = ops.stop_gradient(ratio), ops.stop_gradient(kl)

@@ -1,13 +1,17 @@
 """`msllm train` with train.objective grpo: each step samples grpo.group_size completions for each of
-train.batch_size prompts with msllm's compiled static-cache decoder, scores them with the reward
-functions, turns the rewards into group advantages, appends every rollout to RUN_DIR/rollouts.jsonl,
-and takes one compiled step of GRPOLoss (one update per batch: the sampling policy is the one trained).
+train.batch_size x train.accum_steps prompts (a micro-batch: batch_size prompts' groups) with msllm's
+compiled static-cache decoder, scores them with the reward functions, turns the rewards into group
+advantages, appends every rollout to RUN_DIR/rollouts.jsonl, and takes grpo.num_iterations compiled
+steps of GRPOLoss on them, as TRL: one (the sampling policy is the one trained, ratio 1), or more with
+the log-probs at sampling time kept as the ratio's old ones.
+train.steps counts optimizer steps; a rollout batch starts at step 1, 1 + num_iterations, ...
 
 The decoder is a second model specialised for generation: at the start it gets every weight of the
 trained model, then before each step's rollouts the trainable ones (the adapters, with LoRA), so
 generation never sees the training specialisation. Its memory: one more copy of the weights.
 The prompts a step reads and its sampler's seed are pure functions of (data.seed, position) and
-(train.seed, step), so a resumed run samples what the uninterrupted one would have.
+(train.seed, the step it starts at), so a run resumed at a rollout batch's start (checkpoints are
+taken there: train.ckpt_every is a multiple of num_iterations) samples what the uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import numpy as np
 from msllm import backends
 from msllm.data.loader import RankSampler
 from msllm.data.tokenizer import eos_id, tokenizer_config
+from msllm.config import ConfigError
 from msllm.device import DeviceError
 from msllm.generate import Sampling
 from msllm.inference import cell_engine
@@ -35,59 +40,80 @@ def copy_weights(source, target, trainable_only: bool) -> None:
         theirs[p.name].set_data(ms.Tensor(p.asnumpy()))
 
 
+def roll_out(trainer, engine, generator, order, rewards, weights, eos, step) -> dict:
+    """The next batch_size x accum_steps prompts' rollouts with the policy as it is now, scored and
+    logged: the step's inputs (tokens, mask, advantages and, with grpo.num_iterations > 1, their log-probs now, the
+    ratio's old ones) and their metrics."""
+    cfg, g, tokenizer = trainer.cfg, trainer.cfg.grpo, trainer.tokenizer
+    batch = [trainer.prompts[next(order)] for _ in range(trainer.samples_per_step)]  # batch_size x accum_steps
+    copy_weights(trainer.model, generator, trainable_only=True)
+    seed = int(np.random.SeedSequence([cfg.train.seed, step]).generate_state(1)[0])
+    completions, rollout_tok_s = sample_groups(
+        engine, [p.ids for p in batch], g.group_size, g.max_new_tokens,
+        Sampling(top_p=g.top_p, temperature=g.temperature, seed=seed), eos_ids=() if eos is None else (eos,))
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+    rows = [p for p in batch for _ in range(g.group_size)]
+    names = sorted({k for p in batch for k in p.columns})
+    total, each = score(rewards, weights, [p.text for p in rows], texts,
+                        {k: [p.columns.get(k) for p in rows] for k in names})
+    advantages = group_advantages(total, g.group_size, g.scale_rewards)
+    if trainer.rank == 0:
+        log_rollouts(trainer.run_dir / "rollouts.jsonl", step, [p.text for p in batch], texts, total, each,
+                     list(rewards), advantages, completions)
+    tokens, mask = rollout_rows([p.ids for p in batch], completions, g.group_size, cfg.data.seq_len,
+                                eos if eos is not None else 0)
+    inputs = [ms.Tensor(tokens), ms.Tensor(mask), ms.Tensor(advantages)]
+    if trainer.train_step.loss_cell.batch_count:  # each micro-batch's dapo normaliser: the whole batch's tokens
+        inputs.append(ms.Tensor(np.full(len(tokens), mask.sum(), np.float32)))
+    if g.num_iterations > 1:  # the sampling policy's log-probs, kept for the batch's later updates
+        inputs.append(trainer.train_step.loss_cell.logps(inputs[0]))
+    return {"inputs": inputs, "metrics": {
+        "reward": float(total.mean()), "reward_std": float(total.std()), "rollout_tokens_per_s": rollout_tok_s,
+        **{f"rewards/{name}/mean": float(each[:, k].mean()) for k, name in enumerate(rewards)}}}
+
+
 def fit_grpo(trainer) -> dict:
     cfg, t, g = trainer.cfg, trainer.cfg.train, trainer.cfg.grpo
     if trainer.world > 1:
         raise DeviceError("train.objective grpo runs on one worker (data parallel rollouts are not built yet)")
+    every = g.num_iterations  # optimizer steps per rollout batch
+    if trainer.start_step % every:
+        raise ConfigError(str(trainer.run_dir), "grpo.num_iterations", f"the last checkpoint is at step "
+                          f"{trainer.start_step}, inside a rollout batch of {every} steps; resume from one at a "
+                          f"multiple of {every} (delete the later one) or keep the num_iterations it was run with")
     rewards = {spec: load_reward(spec) for spec in g.reward}
     weights = g.reward_weights or [1.0] * len(rewards)
-    tokenizer = trainer.tokenizer
-    eos = eos_id(tokenizer, tokenizer_config(trainer.shard_dir / "tokenizer.json"))
+    eos = eos_id(trainer.tokenizer, tokenizer_config(trainer.shard_dir / "tokenizer.json"))
     generator = build_model(cfg.model, compute_dtype=trainer.model.compute_dtype)
     backends.specialise(generator, cfg, training=False)
     generator.set_train(False)
     copy_weights(trainer.model, generator, trainable_only=False)
     engine = cell_engine(generator)
-    remaining = t.steps - trainer.start_step
-    order = iter(RankSampler(len(trainer.prompts), t.batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
-                             start=trainer.data_position, steps=remaining))
-    info(f"grpo: {remaining} steps of {t.batch_size} prompts x {g.group_size} completions (up to "
-         f"{g.max_new_tokens} tokens), rewards {', '.join(rewards)}")
-    last = {}
+    batches = -(-(t.steps - trainer.start_step) // every)
+    prompts = trainer.samples_per_step  # batch_size x accum_steps
+    order = iter(RankSampler(len(trainer.prompts), prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                             start=trainer.data_position, steps=batches))
+    info(f"grpo: {t.steps - trainer.start_step} steps on {batches} rollout batches of {prompts} prompts x "
+         f"{g.group_size} completions (up to {g.max_new_tokens} tokens), rewards {', '.join(rewards)}")
+    last, rollout = {}, {}
     for step in range(trainer.start_step + 1, t.steps + 1):
         t0 = time.perf_counter()
-        batch = [trainer.prompts[next(order)] for _ in range(t.batch_size)]
-        copy_weights(trainer.model, generator, trainable_only=True)
-        seed = int(np.random.SeedSequence([t.seed, step]).generate_state(1)[0])
-        completions, rollout_tok_s = sample_groups(
-            engine, [p.ids for p in batch], g.group_size, g.max_new_tokens,
-            Sampling(top_p=g.top_p, temperature=g.temperature, seed=seed), eos_ids=() if eos is None else (eos,))
-        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        rows = [p for p in batch for _ in range(g.group_size)]
-        names = sorted({k for p in batch for k in p.columns})
-        total, each = score(rewards, weights, [p.text for p in rows], texts,
-                            {k: [p.columns.get(k) for p in rows] for k in names})
-        advantages = group_advantages(total, g.group_size, g.scale_rewards)
-        if trainer.rank == 0:
-            log_rollouts(trainer.run_dir / "rollouts.jsonl", step, [p.text for p in batch], texts, total, each,
-                         list(rewards), advantages, [len(c) for c in completions])
-        tokens, mask = rollout_rows([p.ids for p in batch], completions, g.group_size, cfg.data.seq_len,
-                                    eos if eos is not None else 0)
-        loss, norm, lr, finite, scale, stats = trainer.train_step(ms.Tensor(tokens), ms.Tensor(mask),
-                                                                  ms.Tensor(advantages))
+        if (step - 1) % every == 0:
+            rollout = roll_out(trainer, engine, generator, order, rewards, weights, eos, step)
+        loss, norm, lr, finite, scale, stats = trainer.train_step(*rollout["inputs"])
         loss = float(loss.asnumpy())
         last = {"kind": "train", "step": step, "loss": loss, "lr": float(lr.asnumpy()),
-                "grad_norm": float(norm.asnumpy()), "reward": float(total.mean()), "reward_std": float(total.std()),
-                "rollout_tokens_per_s": rollout_tok_s, "step_s": time.perf_counter() - t0,
-                **{f"rewards/{name}/mean": float(each[:, k].mean()) for k, name in enumerate(rewards)},
+                "grad_norm": float(norm.asnumpy()), **rollout["metrics"], "step_s": time.perf_counter() - t0,
                 **dict(zip(METRICS, map(float, stats.asnumpy())))}
         if not bool(finite.asnumpy()):
             trainer.skipped += 1
         trainer.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  reward {last['reward']:.3f} "
                                   f"(std {last['reward_std']:.3f})  length {last['completions/mean_length']:.1f}  "
-                                  f"clip {last['clip_ratio/region_mean']:.2%}  {rollout_tok_s:,.0f} rollout tok/s")
+                                  f"clip {last['clip_ratio/region_mean']:.2%}  "
+                                  f"{last['rollout_tokens_per_s']:,.0f} rollout tok/s")
         if step % t.ckpt_every == 0 or step == t.steps:
-            trainer.save(step)
+            read = -(-(step - trainer.start_step) // every) * prompts
+            trainer.save(step, data_position=trainer.data_position + read)
     trainer.report_checkpoints(wait=True, final=t.steps)
     trainer.metrics.close()
     return {**last, "step": t.steps}

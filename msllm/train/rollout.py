@@ -47,13 +47,15 @@ def rollout_rows(prompts: list[list[int]], completions: list[list[int]], group_s
 
 
 def log_rollouts(path: Path, step: int, prompts: list[str], completions: list[str], rewards: np.ndarray,
-                 per_function: np.ndarray, names: list[str], advantages: np.ndarray, lengths=None) -> None:
-    """Append one JSON line per rollout to path (RUN_DIR/rollouts.jsonl); lengths: completion tokens."""
+                 per_function: np.ndarray, names: list[str], advantages: np.ndarray, ids=None) -> None:
+    """Append one JSON line per rollout to path (RUN_DIR/rollouts.jsonl); ids: the completions' token ids
+    (with the EOS they stopped at), logged with their count so a step can be replayed exactly."""
     group = len(completions) // len(prompts)
     with open(path, "a", encoding="utf-8") as f:
         for i, text in enumerate(completions):
             row = {"step": step, "prompt": prompts[i // group], "completion": text, "reward": float(rewards[i]),
-                   **({} if lengths is None else {"completion_tokens": int(lengths[i])}),
+                   **({} if ids is None else {"completion_tokens": len(ids[i]),
+                                              "completion_ids": list(map(int, ids[i]))}),
                    "rewards": {name: float(per_function[i, k]) for k, name in enumerate(names)},
                    "advantage": float(advantages[i])}
             f.write(json.dumps(row) + "\n")

@@ -212,9 +212,10 @@ class Trainer:
         self.model.set_train(False)
         return self.model
 
-    def save(self, step: int) -> Path | None:
+    def save(self, step: int, data_position: int | None = None) -> Path | None:
         """Every rank calls this (a sharded optimizer gathers its state); rank 0 writes, in the
-        background with train.background_checkpoint (the path it will have is returned at once)."""
+        background with train.background_checkpoint (the path it will have is returned at once).
+        data_position: the samples read so far, when not global_batch per step (grpo.num_iterations)."""
         t0 = time.perf_counter()
         ep_size = self.cfg.parallel.ep  # experts split over the ep group are gathered whole (a collective)
         arrays = {**ep.whole(self.optimizer.full_state(), ep_size),
@@ -225,7 +226,8 @@ class Trainer:
         if self.rank != 0:
             return None
         self.whole_weights = weights
-        position = self.data_position + (step - self.start_step) * self.global_batch
+        position = data_position if data_position is not None else \
+            self.data_position + (step - self.start_step) * self.global_batch
         state = {"data_position": position, "skipped_steps": self.skipped,
                  "world": self.replicas, "seed": self.cfg.train.seed, "data_seed": self.cfg.data.seed,
                  "tokenizer": str(self.shard_dir / "tokenizer.json"), "config": self.cfg.to_dict()}
