@@ -95,6 +95,11 @@ class ChunkedGatedDeltaRule(nn.Cell):
     def __init__(self, chunk: int = CHUNK):
         super().__init__()
         self.chunk = chunk
+        # [chunk, chunk] masks, sliced to a shorter sequence's one chunk: inclusive and strict lower
+        # triangles, and -1e30 above the diagonal (exp() of it is 0, with no overflow)
+        self.causal = Tensor(np.tril(np.ones((chunk, chunk), np.float32)))
+        self.strict = Tensor(np.tril(np.ones((chunk, chunk), np.float32), -1))
+        self.above = Tensor(np.triu(np.full((chunk, chunk), -1e30, np.float32), 1))
 
     def construct(self, q, k, v, g, beta, segments=None, initial=None):
         b, n, s, dk = q.shape
@@ -110,9 +115,7 @@ class ChunkedGatedDeltaRule(nn.Cell):
         q, k, v = (x.reshape(b, n, chunks, size, -1) for x in (q, k, v))
         g, beta = g.reshape(b, n, chunks, size), beta.reshape(b, n, chunks, size)
 
-        causal = Tensor(np.tril(np.ones((size, size), np.float32)))
-        strict = Tensor(np.tril(np.ones((size, size), np.float32), -1))
-        above = Tensor(np.triu(np.full((size, size), -1e30, np.float32), 1))  # exp() of it is 0, no overflow
+        causal, strict, above = (m[:size, :size] for m in (self.causal, self.strict, self.above))
         cum = ops.cumsum(g, -1)
         decay = ops.exp((cum.expand_dims(-1) - cum.expand_dims(-2)) * causal + above)  # [.., i, j]: c_i - c_j
         from_start = ops.exp(cum).expand_dims(-1)
