@@ -129,7 +129,7 @@ class TrainStep(nn.Cell):
     def inputs(self, tokens, sft, start, micro):
         """The loss cell's inputs after (tokens, scale) for one micro-batch: its rows of the other
         columns, and the reference's output on them when the loss cell has one."""
-        rest = [x[start:start + micro] for x in sft]
+        rest = [x[start:start + micro] for x in sft]  # noqa: GL106 (one slice per input column, a few)
         if self.reference is None:
             return rest
         return rest + [self.reference(tokens, *rest)]
