@@ -101,8 +101,9 @@ class Trainer:
         self.replicas, self.replica = data_replicas(cfg, self.world), self.rank // cfg.parallel.cp
         ep.check(cfg, self.replicas)  # experts split over ep of the replicas
         ms.set_seed(t.seed)
-        if t.objective == "dpo" and cfg.lora.rank == 0 and not cfg.dpo.precompute_ref:  # (a merged run's config
-            raise ConfigError("the run config", "dpo.precompute_ref",  # holds both: checked when training only)
+        # checked when training only: a merged run's config holds both lora.rank 0 and objective dpo
+        if t.objective == "dpo" and cfg.lora.rank == 0 and not cfg.dpo.precompute_ref:
+            raise ConfigError("the run config", "dpo.precompute_ref",
                               "a full fine-tune keeps no reference model in the step: set dpo.precompute_ref: true "
                               "(or train with lora.rank > 0, whose reference is the base with the adapters off)")
         resume_from = checkpoint.latest(self.run_dir) if resume else None
@@ -313,7 +314,8 @@ class Trainer:
                         if self.train_step.loss_scaler is not None else ""))
                 stopping = bad_run >= t.max_bad_steps
                 if self.rank == 0 and self.nonfinite_report is None and (t.debug_nonfinite or stopping) \
-                        and cfg.parallel.cp == 1 and t.objective != "dpo":  # the re-run is LossCell's  # the eager re-run is one process: no cp group
+                        and cfg.parallel.cp == 1 and t.objective != "dpo":
+                    # the eager re-run is one process (no cp group) and re-runs LossCell, not DPO's loss
                     self.nonfinite_report = nonfinite.report(self.run_dir, step, self.model, batch[0].asnumpy(),
                                                              float(scale.asnumpy()), cfg, t.accum_steps)
                 if stopping:
