@@ -375,21 +375,33 @@ class FusedHead(nn.Cell):
     labels [N] -> (lse [N], target [N]) of the logits hidden @ weight^T (soft-capped with `softcap`),
     by blocks of ~1M logits per thread (4 MB), forward and backward: no [N, V] buffer, one graph node
     each way. Runs in fp32 (dnnl_sgemm: needs has_sgemm()). weight_grad False (a frozen head: LoRA):
-    backward computes no weight gradient (the weight's is returned as zeros, which nothing reads)."""
+    the forward also returns lse's gradient rows (expect [N, H], the softmax's mean of dz/dh), so the
+    backward is dh = dlse * expect + dtarget * dz_label/dh, without a second pass over the vocabulary;
+    the weight's gradient is returned as zeros, which nothing reads."""
 
     def __init__(self, softcap: float = 0.0, weight_grad: bool = True):
         super().__init__()
         self.softcap, self.weight_grad = softcap, weight_grad
         self.cap = ms.Tensor([softcap], ms.float32)
-        grad = _aot("LinearCrossEntropyGrad", lambda h, w, *_: (h, w if weight_grad else [1]),
-                    lambda h, w, *_: (h, w))
+        if weight_grad:
+            grad = _aot("LinearCrossEntropyGrad", lambda h, w, *_: (h, w), lambda h, w, *_: (h, w))
 
-        def bprop(h, w, labels, cap, out, dout):  # dlogits = dlse * softmax + dtarget * onehot(label)
-            dh, dw = grad(h, w, labels, cap, out[0], dout[0], -dout[1])
-            return dh, dw if weight_grad else ops.zeros_like(w), ops.zeros_like(labels), ops.zeros_like(cap)
+            def bprop(h, w, labels, cap, out, dout):  # dlogits = dlse * softmax + dtarget * onehot(label)
+                dh, dw = grad(h, w, labels, cap, out[0], dout[0], -dout[1])
+                return dh, dw, ops.zeros_like(labels), ops.zeros_like(cap)
 
-        self.head = _aot("LinearCrossEntropy", lambda h, *_: (h[:1], h[:1]), lambda h, *_: (h, h), bprop=bprop)
+            self.head = _aot("LinearCrossEntropy", lambda h, *_: (h[:1], h[:1]), lambda h, *_: (h, h), bprop=bprop)
+        else:
+            def bprop(h, w, labels, cap, out, dout):
+                label_slope = dout[1]  # d target / d h = w[label] * (1 - tanh^2 of the capped label logit)
+                if softcap > 0:
+                    label_slope = label_slope * (1 - ops.square(out[1] / softcap))
+                dh = dout[0].reshape(-1, 1) * out[2] + label_slope.reshape(-1, 1) * ops.gather(w, labels, 0)
+                return dh, ops.zeros_like(w), ops.zeros_like(labels), ops.zeros_like(cap)
+
+            self.head = _aot("LinearCrossEntropyFrozen", lambda h, *_: (h[:1], h[:1], h), lambda h, *_: (h, h, h),
+                             bprop=bprop)
 
     def construct(self, h, weight, labels):
-        lse, target = self.head(cast(h, ms.float32), weight, labels.astype(ms.int32), self.cap)
-        return lse, target
+        out = self.head(cast(h, ms.float32), weight, labels.astype(ms.int32), self.cap)
+        return out[0], out[1]

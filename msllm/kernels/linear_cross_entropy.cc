@@ -57,29 +57,28 @@ struct Head {
   }
 };
 
-}  // namespace
-
-// inputs: h [N, H], w [V, H] (fp32), labels [N] (int32), softcap [1]; outputs: lse [N], target [N]
-// (the label's logit). Each thread keeps a running (max, sum of exps) per row over the blocks it takes;
-// the threads' are merged at the end.
-extern "C" int LinearCrossEntropy(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                                  void *stream, void *extra) {
+// lse [N] and target [N] (the label's logit) and, when `expect` is given, expect [N, H] = the softmax's
+// expectation of the (soft-capped) logits' gradient rows: sum_j softmax(z)_j * dz_j/dh. That is lse's
+// gradient wrt h, whatever weights the loss puts on each row, so a frozen head's backward needs no second
+// pass over the vocabulary. Each thread keeps a running (max, sum of exps, expect) per row over the blocks
+// it takes, rescaled when the max grows; the threads' are merged at the end.
+void forward(void **params, int64_t **shapes, float *lse, float *target, float *expect) {
   const Sgemm gemm = sgemm();
-  if (!gemm) return 1;
   const Head hd(params, shapes);
-  auto *lse = static_cast<float *>(params[4]), *target = static_cast<float *>(params[5]);
   const int threads = pool().size();
+  const int64_t n = hd.n, hidden = hd.hidden;
   const float kNegInf = -std::numeric_limits<float>::infinity();
-  std::vector<float> run_max(threads * hd.n, kNegInf), run_sum(threads * hd.n, 0.f);
-  std::vector<std::vector<float>> scratch(threads);
-  std::fill(target, target + hd.n, 0.f);
+  std::vector<float> run_max(threads * n, kNegInf), run_sum(threads * n, 0.f);
+  std::vector<std::vector<float>> scratch(threads), block_expect(threads), run_expect(threads);
+  std::fill(target, target + n, 0.f);
   run_units(hd.blocks, [&](int64_t b, int t) {
     std::vector<float> &z = scratch[t];
-    z.resize(hd.n * hd.cols);
+    z.resize(n * hd.cols);
     hd.logits(gemm, b, z.data());
     const int64_t c = hd.width(b), lo = hd.start(b);
-    for (int64_t r = 0; r < hd.n; ++r) {
-      const float *row = z.data() + r * c;
+    std::vector<float> block_max(n), block_sum(n);
+    for (int64_t r = 0; r < n; ++r) {
+      float *row = z.data() + r * c;
       float m = row[0];
       for (int64_t j = 1; j < c; ++j) m = row[j] > m ? row[j] : m;
       float lane[16] = {0}, s = 0.f;  // 16 independent sums, so the loop vectorizes without -ffast-math
@@ -88,31 +87,77 @@ extern "C" int LinearCrossEntropy(int nparam, void **params, int *ndims, int64_t
         for (int k = 0; k < 16; ++k) lane[k] += exp_approx(row[j + k] - m);
       for (; j < c; ++j) s += exp_approx(row[j] - m);
       for (int k = 0; k < 16; ++k) s += lane[k];
-      float &M = run_max[t * hd.n + r], &S = run_sum[t * hd.n + r];
-      if (m > M) {
-        S = S * exp_approx(M - m) + s;  // exp(-inf) = 0 on the first block
-        M = m;
-      } else {
-        S += s * exp_approx(m - M);
-      }
       const int64_t label = hd.labels[r] - lo;
       if (label >= 0 && label < c) target[r] = row[label];
+      if (expect) {  // the row becomes exp(z - m) * dz/dlogit: the block's share of expect, unnormalised
+        for (int64_t k = 0; k < c; ++k) {
+          const float slope = hd.softcap > 0 ? 1.f - (row[k] / hd.softcap) * (row[k] / hd.softcap) : 1.f;
+          row[k] = exp_approx(row[k] - m) * slope;
+        }
+      }
+      block_max[r] = m;
+      block_sum[r] = s;
+    }
+    if (expect) {
+      block_expect[t].resize(n * hidden);
+      if (run_expect[t].empty()) run_expect[t].assign(n * hidden, 0.f);
+      gemm('N', 'N', n, hidden, c, 1.f, z.data(), c, hd.w + lo * hidden, hidden, 0.f, block_expect[t].data(), hidden);
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      const float m = block_max[r], s = block_sum[r];
+      float &M = run_max[t * n + r], &S = run_sum[t * n + r];
+      const float old_scale = m > M ? exp_approx(M - m) : 1.f, new_scale = m > M ? 1.f : exp_approx(m - M);
+      S = S * old_scale + s * new_scale;  // exp(-inf) = 0 on the first block
+      M = std::max(M, m);
+      if (expect) {
+        float *e = run_expect[t].data() + r * hidden;
+        const float *eb = block_expect[t].data() + r * hidden;
+        for (int64_t k = 0; k < hidden; ++k) e[k] = e[k] * old_scale + eb[k] * new_scale;
+      }
     }
   });
-  for (int64_t r = 0; r < hd.n; ++r) {
+  for (int64_t r = 0; r < n; ++r) {
     float M = kNegInf;
-    for (int t = 0; t < threads; ++t) M = std::max(M, run_max[t * hd.n + r]);
+    for (int t = 0; t < threads; ++t) M = std::max(M, run_max[t * n + r]);
     double S = 0.0;
     for (int t = 0; t < threads; ++t)
-      if (run_sum[t * hd.n + r] > 0) S += run_sum[t * hd.n + r] * std::exp(run_max[t * hd.n + r] - M);
+      if (run_sum[t * n + r] > 0) S += run_sum[t * n + r] * std::exp(run_max[t * n + r] - M);
     lse[r] = M + static_cast<float>(std::log(S));
+    if (!expect) continue;
+    float *e = expect + r * hidden;
+    std::fill(e, e + hidden, 0.f);
+    for (int t = 0; t < threads; ++t) {
+      if (run_sum[t * n + r] <= 0) continue;
+      const float scale = static_cast<float>(std::exp(run_max[t * n + r] - M) / S);
+      const float *et = run_expect[t].data() + r * hidden;
+      for (int64_t k = 0; k < hidden; ++k) e[k] += et[k] * scale;
+    }
   }
+}
+
+}  // namespace
+
+// inputs: h [N, H], w [V, H] (fp32), labels [N] (int32), softcap [1]; outputs: lse [N], target [N].
+extern "C" int LinearCrossEntropy(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                  void *stream, void *extra) {
+  if (!sgemm()) return 1;
+  forward(params, shapes, static_cast<float *>(params[4]), static_cast<float *>(params[5]), nullptr);
+  return 0;
+}
+
+// A frozen head (LoRA): as LinearCrossEntropy, plus expect [N, H], from which the backward is
+// dh = g_lse * expect + g_target * dz_label/dh (msllm.kernels.FusedHead), no second vocabulary pass.
+extern "C" int LinearCrossEntropyFrozen(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                        void *stream, void *extra) {
+  if (!sgemm()) return 1;
+  forward(params, shapes, static_cast<float *>(params[4]), static_cast<float *>(params[5]),
+          static_cast<float *>(params[6]));
   return 0;
 }
 
 // inputs: h, w, labels, softcap (as LinearCrossEntropy), lse [N], g_softmax [N], g_label [N];
-// outputs: dh [N, H], dw [V, H] (or [1] when the weight takes no gradient: LoRA's frozen head, then
-// no dw GEMM at all). The logits' gradient is
+// outputs: dh [N, H], dw [V, H] (a frozen head takes LinearCrossEntropyFrozen's path instead). The
+// logits' gradient is
 //   dz = g_softmax * softmax(z) - g_label * onehot(label)   (times 1 - tanh^2 under soft-capping)
 // block by block: dw's block rows = dz^T h (each block's rows written by one unit), dh = sum of dz w_block,
 // accumulated per thread and summed at the end.
@@ -124,7 +169,6 @@ extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int
   const auto *lse = static_cast<const float *>(params[4]), *g_softmax = static_cast<const float *>(params[5]),
              *g_label = static_cast<const float *>(params[6]);
   auto *dh = static_cast<float *>(params[7]), *dw = static_cast<float *>(params[8]);
-  const bool weight_grad = ndims[8] == 2;
   const int threads = pool().size();
   std::vector<std::vector<float>> scratch(threads), dh_part(threads);
   std::vector<char> used(threads, 0);
@@ -150,8 +194,7 @@ extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int
         if (here) row[label] -= g_label[r];
       }
     }
-    if (weight_grad)
-      gemm('T', 'N', c, hd.hidden, hd.n, 1.f, z.data(), c, hd.h, hd.hidden, 0.f, dw + lo * hd.hidden, hd.hidden);
+    gemm('T', 'N', c, hd.hidden, hd.n, 1.f, z.data(), c, hd.h, hd.hidden, 0.f, dw + lo * hd.hidden, hd.hidden);
     if (!used[t]) dh_part[t].assign(hd.n * hd.hidden, 0.f);
     used[t] = 1;
     gemm('N', 'N', hd.n, hd.hidden, c, 1.f, z.data(), c, hd.w + lo * hd.hidden, hd.hidden, 1.f, dh_part[t].data(),
