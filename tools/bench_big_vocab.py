@@ -172,7 +172,7 @@ def report(args, results: dict) -> str:
     lines = [f"# Big-vocabulary fine-tuning on CPU, {args.shape}'s shapes: msllm before / after vs torch", "",
              f"* **Command**: `python tools/bench_big_vocab.py {' '.join(sys.argv[1:])}`",
              (f"* **Commits**: before `{commit_of(args.before)}`, after `{commit_of(args.after)}`"
-              if "msllm-before" in args.variants.split(",") else f"* **Commit**: `{commit_of(args.after)}`"),
+              if args.before != args.after else f"* **Commit**: `{commit_of(args.after)}`"),
              f"* **Machine**: {cpu_name()}; {datetime.date.today()}",
              f"* **Conditions**: fp32, AdamW + clip 1.0, 8 packed SFT rows x 128 tokens (~20 % loss positions), "
              f"LoRA rank {args.rank} alpha {2 * args.rank} on {TARGETS}; {args.threads} threads; {args.warmup} "
