@@ -1,0 +1,211 @@
+"""DPO train step: msllm's compiled step vs TRL's DPOTrainer + torch eager, on the same pairs and model.
+
+A W1-sized Llama (random weights, saved as a Hugging Face checkpoint) and a word-level tokenizer whose
+words are its token ids ("w17 w4 ..."), so both stacks tokenize every pair to the same ids. The pairs
+have a prompt of 64-128 tokens and completions of 32-127; rows of --seq tokens. LoRA (rank 8 on q, k,
+v, o): both stacks compute the reference log-probs in the step with the adapters switched off (msllm:
+lora.on; TRL: peft's disable_adapter), so each step is two forwards of the pairs and one backward.
+
+    python tools/bench_dpo.py                        # W1 shape, 4 pairs a step, 2 rounds alternated
+    python tools/bench_dpo.py --shape tiny --steps 2 # a smoke run of the tool
+
+Every variant runs in a process of its own (msllm's with PYTHONPATH on its checkout) and reports the
+median step time after warm-up and its peak RSS; the variants alternate over --rounds rounds, the
+order flipped each round. TRL's step is what its trainer runs per batch: _compute_loss on the
+collated pairs, backward, AdamW's step, zero_grad.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+from bench_big_vocab import commit_of, cpu_name, time_steps  # noqa: E402
+
+SHAPES = {
+    "W1": dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=8, max_position_embeddings=1024),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=1024),
+}
+RANK, TARGETS = 8, "q,k,v,o"
+
+
+def write_inputs(shape: str, out: Path, pairs: int, seq: int) -> None:
+    """The HF model, the tokenizer and pairs.jsonl in `out`."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = SHAPES[shape]["vocab_size"]
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                                 tie_word_embeddings=False)).save_pretrained(out)
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}  # no special a prefix of a word
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>").save_pretrained(out)
+    rng = np.random.default_rng(0)
+    text = lambda n: " ".join(f"w{i}" for i in rng.integers(3, vocab, n))  # noqa: E731
+    rows = []
+    for _ in range(pairs):
+        prompt = int(rng.integers(64, 129))
+        longest = seq - prompt - 1  # + EOS, within seq + 1 tokens
+        rows.append({"prompt": text(prompt), "chosen": " " + text(int(rng.integers(32, longest))),
+                     "rejected": " " + text(int(rng.integers(32, longest)))})
+    (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def worker_msllm(args) -> dict:
+    import mindspore as ms
+
+    import msllm
+    from interop.pretrained import InitFrom, describe
+    from msllm import device
+    from msllm.config_file import load_config
+    from msllm.data import preference
+    from msllm.train.build import build_train_step
+
+    device.setup("cpu", "graph", args.threads)
+    hf = Path(args.hf)
+    cfg = load_config(None, [f"train.init_from={hf}", f"data.path={hf / 'pairs.jsonl'}", f"data.seq_len={args.seq}",
+                             f"train.batch_size={args.pairs}", f"train.threads={args.threads}", "train.steps=1000",
+                             "train.objective=dpo", "optim.warmup_steps=0", "optim.grad_clip=1.0",
+                             f"lora.rank={RANK}", f"lora.alpha={2 * RANK}", f"lora.targets=[{TARGETS}]"],
+                      pretrained=describe)
+    init = InitFrom(cfg)
+    built = build_train_step(cfg, load_weights=init.load_base)
+    init.load_adapter(built.model.trainable_params())
+    _, tokens, mask = preference.encode(hf / "pairs.jsonl", hf / "tokenizer.json", args.seq)
+    inputs = [ms.Tensor(tokens.reshape(args.pairs, 2, -1)), ms.Tensor(mask.reshape(args.pairs, 2, -1).astype("float32"))]
+    result = time_steps(lambda: built.train_step(*inputs)[0].asnumpy(), args.steps, args.warmup)
+    result["msllm"] = str(Path(msllm.__file__).parents[1])
+    return result
+
+
+def worker_trl(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    torch.set_num_threads(args.threads)
+    hf = Path(args.hf)
+    rows = [json.loads(line) for line in (hf / "pairs.jsonl").read_text().splitlines()]
+    model = AutoModelForCausalLM.from_pretrained(hf).float()
+    modules = [f"{m}_proj" for m in TARGETS.split(",")]
+    config = DPOConfig(output_dir=tempfile.mkdtemp(), beta=0.1, report_to=[], use_cpu=True, bf16=False,
+                       per_device_train_batch_size=args.pairs, max_length=args.seq + 1, max_grad_norm=1.0)
+    trainer = DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
+                         processing_class=AutoTokenizer.from_pretrained(hf),
+                         peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=modules))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(args.pairs)])
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+
+    def step():
+        loss = trainer._compute_loss(trainer.model, batch, False)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return time_steps(step, args.steps, args.warmup)
+
+
+def spawn(variant: str, args, hf: Path) -> dict:
+    side = {"msllm-before": args.before, "msllm-after": args.after}.get(variant, str(REPO))
+    cmd = [sys.executable, __file__, "--worker", variant, "--hf", str(hf), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--threads", str(args.threads), "--pairs", str(args.pairs),
+           "--seq", str(args.seq)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3", "PYTHONPATH": side},
+                          cwd=side)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+
+
+def report(args, results: dict) -> str:
+    tokens = args.pairs * 2 * args.seq
+    lines = [f"# DPO train step on CPU, {args.shape}: msllm vs TRL DPOTrainer + torch eager", "",
+             f"* **Command**: `python tools/bench_dpo.py {' '.join(sys.argv[1:])}`",
+             (f"* **Commits**: before `{commit_of(args.before)}`, after `{commit_of(args.after)}`"
+              if args.before != args.after else f"* **Commit**: `{commit_of(args.after)}`"),
+             f"* **Machine**: {cpu_name()}; {datetime.date.today()}",
+             f"* **Conditions**: fp32, {args.pairs} pairs a step ({tokens} tokens: chosen and rejected rows of "
+             f"{args.seq}), LoRA rank {RANK} alpha {2 * RANK} on {TARGETS}, reference = adapters off in the step, "
+             f"sigmoid loss beta 0.1, AdamW + clip 1.0; {args.threads} threads; {args.warmup} warm-up steps, "
+             f"median of {args.steps}; variants alternated over {args.rounds} rounds", "",
+             "| variant | tokens/s | vs TRL | peak RSS MB | first step s |", "|---|---|---|---|---|"]
+    base = results.get("trl")
+    base_s = statistics.median(r["step_s"] for r in base) if base and all("step_s" in r for r in base) else None
+    for variant, runs in results.items():
+        if any("error" in r for r in runs):
+            lines.append(f"| {variant} | failed: {next(r['error'] for r in runs if 'error' in r)} | | | |")
+            continue
+        s = statistics.median(r["step_s"] for r in runs)
+        ratio = f"{base_s / s:.2f}x" if base_s else "n/a"
+        lines.append(f"| {variant} | {tokens / s:,.0f} | {ratio} | {max(r['peak_rss_mb'] for r in runs):,.0f} | "
+                     f"{statistics.median(r['first_step_s'] for r in runs):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=list(SHAPES), default="W1")
+    p.add_argument("--before", help="checkout of msllm before a change (git worktree add)")
+    p.add_argument("--after", default=str(REPO))
+    p.add_argument("--variants", default="msllm-after,trl")
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", help="directory for the markdown table and JSON")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--hf", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        result = worker_msllm(args) if args.worker.startswith("msllm") else worker_trl(args)
+        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    variants = [v for v in args.variants.split(",") if v != "msllm-before" or args.before]
+    args.before = args.before or args.after
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_inputs(args.shape, Path(tmp), args.pairs, args.seq)
+        for round_ in range(args.rounds):
+            for variant in variants if round_ % 2 == 0 else variants[::-1]:
+                r = spawn(variant, args, Path(tmp))
+                results.setdefault(variant, []).append(r)
+                print(round_, variant, json.dumps({k: v for k, v in r.items() if k != "step_times"}), flush=True)
+    text = report(args, results)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"{datetime.date.today()}-dpo-{args.shape}-cpu"
+        (out / f"{stem}.md").write_text(text)
+        (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        print(f"saved {out / stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
