@@ -62,6 +62,14 @@ def apply_dispatch(model, factor: float, dropless: str) -> None:
             block.feed_forward.dispatch = BlockDispatch(experts)
 
 
+def apply_sequence_rows(model, rows: int) -> None:
+    """The tokens of each sequence the MoE layers compute DeepSeek-V3's sequence-wise balance loss over
+    (msllm.models.moe.MoE.sequence_rows); 0: not computed (generation, export)."""
+    for block in model.layers:
+        if block.routed:
+            block.feed_forward.sequence_rows = rows
+
+
 def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
     """Whether the attention core is a flash one (resolves_to_flash; training reads data.seq_len,
     inference the model's context). A flash core asked for and unavailable is one line:
@@ -105,6 +113,8 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
     if training:
         apply_recompute(model, spec.recompute)
         apply_dispatch(model, cfg.train.moe_capacity_factor, cfg.train.moe_dropless)
+    # training with the sequence-wise balance loss: MoE layers report it over sequences of data.seq_len tokens
+    apply_sequence_rows(model, cfg.data.seq_len if training and cfg.model.router_seq_aux_loss_coef > 0 else 0)
     if spec.device == "cpu":
         from msllm.backends import cpu
         cpu.specialise(model, fused=spec.fused_kernels, share_blocks=spec.shared_blocks, training=training,

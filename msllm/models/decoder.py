@@ -23,6 +23,7 @@ from msllm.models.layers import (AdditiveMask, Embedding, FeedForward, Linear, O
                                  rope_attention_factor, rope_inv_freq, visibility)
 from msllm.models.mixers import build_mixer
 from msllm.models.moe import MoE
+from msllm.models.mtp import MTPDepth
 
 
 def attention_kinds(cfg: ModelConfig) -> tuple[list[tuple[int, float, dict | None]], list[int]]:
@@ -107,6 +108,9 @@ class Decoder(nn.Cell):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset)
         self.output = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_matmul = ops.MatMul(transpose_b=True)
+        # multi-token prediction depths (msllm.models.mtp), each over a block built like the last layer
+        mlp, mixer = cfg.mtp_layer_kind()
+        self.mtp = nn.CellList([MTPDepth(cfg, Block(cfg, mixer, mlp)) for _ in range(cfg.mtp_depths)])
         kinds, layer_kind = attention_kinds(cfg)
         self.layer_kind = tuple(layer_kind)
         self.recurrent = tuple(kind == "linear" for kind in cfg.layer_kinds())  # Gated DeltaNet layers
@@ -226,6 +230,23 @@ class Decoder(nn.Cell):
         a fused head reduces with head_weight, the MoE layers' routing loads)."""
         h, _, loads = self.decode(input_ids, None, None, None, None, segments, positions)
         return self.norm(h), loads
+
+    def predict_ahead(self, h, tokens):
+        """Multi-token prediction in training: h the final-normed states [b*s, hidden] of tokens[:, :-1]
+        (tokens [b, s+1]) -> for each depth k = 1, 2, .. its final-normed states [b*(s-k), hidden], whose
+        next-token targets are tokens[:, k+1:]. Depth k computes the first s - k positions of each row (the
+        others have no target in the window) with the attention tables of the last layer's kind."""
+        b, s = tokens.shape[0], tokens.shape[1] - 1
+        kind = self.layer_kind[-1]
+        ahead = ()
+        for i, depth in enumerate(self.mtp):
+            k = i + 1
+            n = s - k
+            cos, sin, mask = self.tables(kind, b, n, n, None, None, None, None)
+            h = h.reshape(b, -1, h.shape[-1])[:, :n].reshape(b * n, -1)
+            h = depth(h, self.embed(tokens[:, k:k + n].reshape(-1)), cos, sin, mask)
+            ahead += (h,)
+        return ahead
 
     def head_weight(self):
         """The output projection [vocab, hidden]: the embedding table when the embeddings are tied."""
