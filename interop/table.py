@@ -306,8 +306,8 @@ def entries(table: Table, m: ModelConfig) -> list[Entry]:
         if same is not None:  # another copy of a tensor already placed (an MTP layer's shared embedding / head)
             first = out[same].stored
             out[same] = out[same]._replace(stored={
-                layout: Copies(first[layout], stored[layout]) if first[layout] and stored[layout] else first[layout]
-                for layout in LAYOUTS})
+                layout: Copies(first[layout], stored[layout]) if layout != "msllm" and first[layout] and stored[layout]
+                else first[layout] for layout in LAYOUTS})
             continue
         out.append(Entry(name, tuple(map(sum, terms)), terms, stored))
     return out

@@ -207,11 +207,13 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(m.mtp_loss_weight == 0 or 0 < m.mtp_depths < d.seq_len, "model.mtp_loss_weight",
          f"needs model.mtp_depths in [1, data.seq_len - 1] (got {m.mtp_depths}): depth k predicts the token k + 1 ahead",
          "model.mtp_depths")
+    need(m.mtp_depths == 0 or cfg.parallel.ep == 1, "parallel.ep", "must be 1 with model.mtp_depths > 0 (expert "
+         "parallel does not split the MTP blocks' experts yet)", "model.mtp_depths")
     if m.trains_mtp:
         p = cfg.parallel
         for key in ("tp", "pp", "cp"):
             need(getattr(p, key) == 1, f"parallel.{key}", "must be 1 with model.mtp_loss_weight > 0 (the MTP blocks "
-                 "are laid out on data and expert parallel only)", "model.mtp_loss_weight")
+                 "are laid out on data parallel only)", "model.mtp_loss_weight")
         need(t.objective == "auto", "train.objective", "dpo and grpo take no MTP loss: set model.mtp_loss_weight 0",
              "model.mtp_loss_weight")
         need(not packed_samples(cfg), "data.path", "packed samples (SFT rows, data.document_attention) take no MTP "

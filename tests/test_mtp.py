@@ -305,3 +305,19 @@ def test_training_logs_each_depths_loss_and_the_sequence_balance_loss(tmp_path, 
     assert len(val) == 1 and 4.0 < val[0] < 7.0
     names = load_file(run / "checkpoints" / "step_0000003" / "model.safetensors").keys()
     assert "mtp.0.eh_proj.weight" in names and "mtp.0.layer.feed_forward.router.expert_bias" in names
+
+
+@pytest.mark.parametrize("sets, key, why", [
+    (["model.mtp_loss_weight=0.3"], "model.mtp_loss_weight", "needs model.mtp_depths in [1"),
+    (["model.mtp_depths=1", "model.mtp_loss_weight=0.3", "data.document_attention=true"], "data.path",
+     "look-ahead would cross samples"),
+    (["model.mtp_depths=1", "model.mtp_loss_weight=0.3", "parallel.tp=2"], "parallel.tp", "MTP blocks"),
+    (["model.num_experts=4", "model.router_seq_aux_loss_coef=0.001", "parallel.cp=2"], "parallel.cp",
+     "the loss needs it whole")])
+def test_what_mtp_and_the_sequence_loss_do_not_take_is_refused_in_one_line(sets, key, why):
+    from msllm.config import ConfigError
+    from msllm.config_file import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert e.value.key == key and why in str(e.value) and "\n" not in str(e.value)

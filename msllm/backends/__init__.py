@@ -36,7 +36,7 @@ def apply_recompute(model, mode: str) -> None:
     """Trade compute for memory: activations of the marked Cells are recomputed in backward.
     full: every transformer block. selective: the attention core (scores and probabilities, the
     largest activations per FLOP) and the SwiGLU MLP."""
-    for block in model.layers:
+    for block in model.blocks():
         if mode == "full":
             block.recompute()
         elif mode == "selective":
@@ -52,7 +52,7 @@ def apply_dispatch(model, factor: float, dropless: str) -> None:
     EveryExpert: the reference maths, no gathers."""
     from msllm.models.moe import BlockDispatch, CapacityDispatch
 
-    for block in model.layers:
+    for block in model.blocks():
         if not block.routed:
             continue
         experts = block.feed_forward.num_experts
@@ -64,8 +64,9 @@ def apply_dispatch(model, factor: float, dropless: str) -> None:
 
 def apply_sequence_rows(model, rows: int) -> None:
     """The tokens of each sequence the MoE layers compute DeepSeek-V3's sequence-wise balance loss over
-    (msllm.models.moe.MoE.sequence_rows); 0: not computed (generation, export)."""
-    for block in model.layers:
+    (msllm.models.moe.MoE.sequence_rows); 0: not computed (generation, export). The MTP depths' blocks alike:
+    they share the layers' compiled block graph (their own losses are not added)."""
+    for block in model.blocks():
         if block.routed:
             block.feed_forward.sequence_rows = rows
 

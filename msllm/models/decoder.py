@@ -233,20 +233,25 @@ class Decoder(nn.Cell):
 
     def predict_ahead(self, h, tokens):
         """Multi-token prediction in training: h the final-normed states [b*s, hidden] of tokens[:, :-1]
-        (tokens [b, s+1]) -> for each depth k = 1, 2, .. its final-normed states [b*(s-k), hidden], whose
-        next-token targets are tokens[:, k+1:]. Depth k computes the first s - k positions of each row (the
-        others have no target in the window) with the attention tables of the last layer's kind."""
+        (tokens [b, s+1]) -> for each depth k = 1, 2, .. its final-normed states [b*s, hidden], whose targets
+        are tokens[:, k+1:] at the first s - k positions of each row (mtp_targets). Every depth computes all s
+        positions with the tables of the last layer's kind, as its blocks are built like that layer (and
+        share its compiled graph); the last k - 1 take id 0 as the token k ahead, past the window: attention
+        is causal, so the positions with a target never see them."""
         b, s = tokens.shape[0], tokens.shape[1] - 1
-        kind = self.layer_kind[-1]
+        cos, sin, mask = self.tables(self.layer_kind[-1], b, s, s, None, None, None, None)
         ahead = ()
         for i, depth in enumerate(self.mtp):
-            k = i + 1
-            n = s - k
-            cos, sin, mask = self.tables(kind, b, n, n, None, None, None, None)
-            h = h.reshape(b, -1, h.shape[-1])[:, :n].reshape(b * n, -1)
-            h = depth(h, self.embed(tokens[:, k:k + n].reshape(-1)), cos, sin, mask)
+            ids = tokens[:, i + 1:]                                              # the token i + 1 ahead
+            if i > 0:
+                ids = ops.concat((ids, ops.zeros((b, i), ids.dtype)), 1)
+            h = depth(h, self.embed(ids.reshape(-1)), cos, sin, mask)
             ahead += (h,)
         return ahead
+
+    def blocks(self) -> list:
+        """Every Block: the layers', then the MTP depths' (a backend specialises them alike)."""
+        return list(self.layers) + [depth.layer for depth in self.mtp]
 
     def head_weight(self):
         """The output projection [vocab, hidden]: the embedding table when the embeddings are tied."""
@@ -317,6 +322,15 @@ def init_weights(model: Decoder, seed: int) -> None:
             std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
             value = rng.normal(0.0, std, size=p.shape).astype(np.float32)
         p.set_data(Tensor(value))
+
+
+def mtp_targets(tokens, k: int):
+    """Depth k's targets of tokens [b, s+1]: labels [b*s], the token k + 1 ahead of each position (0 past the
+    window), and mask [b*s] fp32, 1 at the s - k positions that have one."""
+    b, s = tokens.shape[0], tokens.shape[1] - 1
+    labels = ops.concat((tokens[:, k + 1:], ops.zeros((b, k), tokens.dtype)), 1)
+    mask = (ops.arange(0, s, dtype=ms.int32) < s - k).astype(ms.float32)
+    return labels.reshape(-1), ops.broadcast_to(mask.reshape(1, s), (b, s)).reshape(-1)
 
 
 # The name the decoder had when Llama was its only family.

@@ -18,6 +18,7 @@ from mindspore import amp, nn, ops
 
 from msllm.grad_norm import global_norm, hyper_map
 from msllm.models.layers import CausalLMLoss, HeadCrossEntropy, MaskedCausalLMLoss, fits_whole
+from msllm.models.decoder import mtp_targets
 from msllm.models.moe import routing_losses
 
 
@@ -94,7 +95,7 @@ class LossCell(nn.Cell):
         if self.mtp_weight > 0:
             depth_losses = ()
             for i, ahead in enumerate(self.model.predict_ahead(states, tokens)):
-                depth_losses += (self.next_token_loss(ahead, tokens[:, i + 2:].reshape(-1)),)
+                depth_losses += (self.next_token_loss(ahead, *mtp_targets(tokens, i + 1)),)
             depth_losses = ops.stack(depth_losses)
             loss = loss + self.mtp_weight * ops.mean(depth_losses)
             stats += (ops.stop_gradient(depth_losses),)
