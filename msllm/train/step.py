@@ -99,7 +99,7 @@ class LossCell(nn.Cell):
             depth_losses = ops.stack(depth_losses)
             loss = loss + self.mtp_weight * ops.mean(depth_losses)
             stats += (ops.stop_gradient(depth_losses),)
-        if not stats:
+        if not self.has_stats:
             return loss * scale
         return (loss * scale,) + stats
 
