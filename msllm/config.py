@@ -76,8 +76,9 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0   # weight of the router z-loss added in training, the mean squared
                                       # log-sum-exp of the router's logits (ST-MoE); 0: none
     router_seq_aux_loss_coef: float = 0.0  # weight (DeepSeek-V3's alpha, ~1e-4) of the sequence-wise balance loss
-                                           # added in training: per sequence, E/k x sum_e (share of its choices)
-                                           # x (its mean normalised score), averaged over sequences; 0: none
+                                           # added in training: per MoE layer and sequence, E/k x sum_e (share of
+                                           # its tokens choosing e) x (e's mean normalised score), averaged over
+                                           # the sequences and summed over the layers; 0: none
     # Per layer "dense" or "moe"; None: every layer moe when num_experts > 0 (Qwen3-MoE's mlp_only_layers).
     mlp_types: Optional[list] = None
     router: str = "softmax"           # softmax: top k of softmax(scores) | sigmoid_grouped: DeepSeek-V3's (sigmoid
