@@ -201,8 +201,9 @@ def test_mtp_loss_and_gradients_equal_torch(checkpoint):
 
 def test_mtp_weight_zero_is_the_step_without_mtp(tmp_path):
     """A model carrying two MTP depths with model.mtp_loss_weight 0 takes the very step of the same model without
-    them (loss, gradient norm, updated weights bit for bit) and leaves the depths untouched; weight 0.5 changes
-    the loss by 0.5 x the mean of the depth losses the step reports."""
+    them (loss, gradient norm, updated weights bit for bit, no statistics) and leaves the depths untouched (no
+    gradient, no weight decay). (Weight > 0: test_mtp_loss_and_gradients_equal_torch, and the logged
+    mtp_loss/1 of test_training_logs_each_depths_loss_and_the_sequence_balance_loss.)"""
     from msllm.train.build import build_train_step
 
     device.setup("cpu", "graph")
@@ -228,12 +229,6 @@ def test_mtp_weight_zero_is_the_step_without_mtp(tmp_path):
         assert np.array_equal(after[p.name], p.asnumpy()), p.name
     mtp = [name for name in after if name.startswith("mtp.")]
     assert mtp and all(np.array_equal(after[name], before[name]) for name in mtp)
-
-    _, _, (loss5, _, _, _, _, depth_losses) = step(dataclasses.replace(plain, mtp_depths=DEPTHS, mtp_loss_weight=0.5),
-                                                    before)
-    depth_losses = depth_losses.asnumpy()
-    assert depth_losses.shape == (DEPTHS,) and depth_losses.min() > 3.0
-    assert float(loss5.asnumpy()) == pytest.approx(float(loss.asnumpy()) + 0.5 * depth_losses.mean(), rel=1e-5)
 
 
 def test_sequence_wise_balance_loss_equals_its_formula_and_gradient():
