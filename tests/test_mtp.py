@@ -23,6 +23,7 @@ from interop.convert import convert
 from interop.maps import FAMILIES
 from interop.maps.moe import to_saved
 from interop.table import entries, stored_arrays
+from interop.verify import verify
 from msllm import device
 from msllm.checkpoint import load_model
 from msllm.config import ModelConfig
@@ -120,6 +121,7 @@ def test_deepseek_v3_mtp_layers_convert_both_ways_bitwise(checkpoint):
     ours = load_file(root / "ms" / "model.safetensors")
     assert {n.split(".")[1] for n in ours if n.startswith("mtp.")} == {"0", "1"}
     assert ours["mtp.1.layer.feed_forward.experts.w1"].shape == (8, 32, 64)  # the block is MoE, like the last layer
+    assert verify(root / "hf", root / "ms").ok  # the main model's logits, with the MTP layers beside it
     convert(root / "ms", root / "back", progress=False)
     assert same_state(load_file(root / "back" / "model.safetensors"), saved)
     assert json.loads((root / "back" / "config.json").read_text())["num_nextn_predict_layers"] == DEPTHS
