@@ -249,6 +249,8 @@ def to_hf_config(m: ModelConfig, arch: str, dtype: str, base: dict | None = None
     only the dtype updated when it still describes the same model, which keeps token ids etc."""
     if base is not None:
         same = dataclasses.replace(to_model_config(base, "<base>"), max_seq_len=m.max_seq_len)
+        if not m.mtp_depths:  # read without the MTP layers its config counts (interop.layouts): still that model
+            same = dataclasses.replace(same, mtp_depths=0)
         if same == m:
             keys = [k for k in ("dtype", "torch_dtype") if k in base] or ["torch_dtype"]  # transformers 5, 4
             return {**base, **dict.fromkeys(keys, dtype)}

@@ -17,6 +17,8 @@ from interop.formats.ms_ckpt import CkptReader, CkptWriter
 from interop.formats.safetensors import SafetensorsWriter
 from interop.formats.torch_bin import TorchBinReader
 from interop.hf_config import architecture, default_architecture, to_model_config
+from interop.maps import FAMILIES
+from interop.table import holds_mtp
 from msllm import checkpoint
 from msllm.config import Config
 from msllm.config_file import config_from_dict
@@ -90,7 +92,6 @@ def _side_files(folder: Path) -> list[Path]:
 def _open_hf(path: Path, max_seq_len: int | None) -> Source:
     hf = read_json(path / HF_CONFIG)
     model = to_model_config(hf, str(path / HF_CONFIG), max_seq_len)
-    config = model_config(dataclasses.asdict(model), str(path / HF_CONFIG))
     for index, single in HF_WEIGHTS:
         if (path / index).is_file():
             reader = _open_sharded(path / index)
@@ -100,7 +101,12 @@ def _open_hf(path: Path, max_seq_len: int | None) -> Source:
             break
     else:
         raise InteropError(f"{path}: no weights (expected {', '.join(n for pair in HF_WEIGHTS for n in pair)})")
-    return Source(path, "hf", architecture(hf, str(path / HF_CONFIG)), config, reader, hf, _side_files(path))
+    arch = architecture(hf, str(path / HF_CONFIG))
+    if model.mtp_depths and not holds_mtp(FAMILIES[arch].table, model, "hf", reader.infos):
+        # its config.json counts MTP layers its weights do not hold (transformers saves none): read without
+        model = dataclasses.replace(model, mtp_depths=0)
+    config = model_config(dataclasses.asdict(model), str(path / HF_CONFIG))
+    return Source(path, "hf", arch, config, reader, hf, _side_files(path))
 
 
 def _open_sharded(index: Path) -> MultiFileReader:

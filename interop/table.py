@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from interop import InteropError
 from msllm.config import ModelConfig
 
 LAYOUTS = ("msllm", "hf", "mindformers")
@@ -212,6 +213,29 @@ class Alternated(Same):
         return [(self.name, torch.movedim(alternated, 1, -1).contiguous())]
 
 
+class Copies:
+    """One msllm tensor a layout stores more than once (DeepSeek-V3's MTP layer keeps its own copies of the shared
+    embedding and head): every copy is written; on read the copies must hold the same values, which the first gives."""
+
+    def __init__(self, *rules):
+        self.rules = rules
+
+    def shapes(self, entry: "Entry") -> dict[str, tuple]:
+        return {name: shape for rule in self.rules for name, shape in rule.shapes(entry).items()}
+
+    def gather(self, entry: "Entry", read: Callable) -> torch.Tensor:
+        first, *others = self.rules
+        t = first.gather(entry, read)
+        for rule in others:
+            if not torch.equal(rule.gather(entry, read), t):
+                raise InteropError(f"{next(iter(rule.shapes(entry)))} differs from {next(iter(first.shapes(entry)))}: "
+                                   f"msllm holds one {entry.name} for both (the copies must be equal)")
+        return t
+
+    def scatter(self, entry: "Entry", t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [out for rule in self.rules for out in rule.scatter(entry, t)]
+
+
 class Row(NamedTuple):
     msllm: str | Concat
     shape: str                         # named dims, e.g. "vocab, hidden" or "q+kv+kv, hidden"
@@ -226,6 +250,15 @@ class Table(NamedTuple):
     per_layer: list[Row]               # repeated for each layer
     after: list[Row]
     ignore: dict[str, list[str]]       # layout -> fnmatch patterns of stored names msllm does not need
+    # Multi-token prediction (ModelConfig.mtp_depths): each depth's own rows under mtp_prefix, then its block's
+    # rows (per_layer's, conditions read as for the last layer, which the block is built like) under
+    # mtp_layer_prefix; {k} is the depth (0-based) and {n} num_layers + k (HF numbers the MTP layers after the
+    # others). mtp_copies: a layout's copies, under mtp_prefix, of msllm tensors outside the depth (the shared
+    # embedding and head), written with them and read once (Copies).
+    mtp: list[Row] = []
+    mtp_copies: list[Row] = []
+    mtp_prefix: dict[str, str] = {}
+    mtp_layer_prefix: dict[str, str] = {}
 
 
 class Entry(NamedTuple):
@@ -239,11 +272,18 @@ class Entry(NamedTuple):
 
 def entries(table: Table, m: ModelConfig) -> list[Entry]:
     """Every msllm tensor of model `m` in file order, with its rules expanded."""
+    if m.mtp_depths and not table.mtp:
+        raise InteropError(f"model.mtp_depths {m.mtp_depths}: this family's checkpoints have no multi-token-prediction "
+                           f"layers (DeepSeek-V3's have); set it to 0")
     sizes = named_dims(m)
     no_prefix = dict.fromkeys(LAYOUTS, "")
     placed = ([(row, no_prefix, 0) for row in table.before]
               + [(row, table.layer_prefix, i) for i in range(m.num_layers) for row in table.per_layer]
               + [(row, no_prefix, 0) for row in table.after])
+    for k in range(m.mtp_depths):
+        own, block = (_depth_prefix(prefixes, k, m.num_layers) for prefixes in (table.mtp_prefix, table.mtp_layer_prefix))
+        placed += ([(row, own, 0) for row in table.mtp] + [(row, {**own, "msllm": ""}, 0) for row in table.mtp_copies]
+                   + [(row, block, m.num_layers - 1) for row in table.per_layer])
     out = []
     for row, prefix, i in placed:
         if row.when and not CONDITIONS[row.when](m, i):
@@ -262,8 +302,26 @@ def entries(table: Table, m: ModelConfig) -> list[Entry]:
                                  f"dim {rule.dim} of {row.shape!r} has {len(terms[rule.dim])} terms")
         mine = stored["msllm"]
         name = "+".join(p.name for p in mine.parts) if isinstance(mine, Concat) else mine.name
+        same = next((j for j, e in enumerate(out) if e.name == name), None) if row in table.mtp_copies else None
+        if same is not None:  # another copy of a tensor already placed (an MTP layer's shared embedding / head)
+            first = out[same].stored
+            out[same] = out[same]._replace(stored={
+                layout: Copies(first[layout], stored[layout]) if layout != "msllm" and first[layout] and stored[layout]
+                else first[layout] for layout in LAYOUTS})
+            continue
         out.append(Entry(name, tuple(map(sum, terms)), terms, stored))
     return out
+
+
+def _depth_prefix(prefixes: dict[str, str], k: int, num_layers: int) -> dict[str, str]:
+    """An MTP depth's prefix in every layout ({k}: the depth, {n}: its HF layer index)."""
+    return {layout: prefixes.get(layout, "").format(k=k, n=num_layers + k) for layout in LAYOUTS}
+
+
+def holds_mtp(table: Table, m: ModelConfig, layout: str, names) -> bool:
+    """A checkpoint in `layout` holding `names` holds model m's MTP depths (their first tensor is there)."""
+    first = table.mtp[0]
+    return _rule(getattr(first, layout)).expand(_depth_prefix(table.mtp_prefix, 0, m.num_layers)[layout], 0).name in names
 
 
 def msllm_arrays(rows: list[Entry], layout: str, read: Callable) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from msllm.errors import UserError
-from msllm.params import layer_shapes, param_shapes
+from msllm.params import layer_shapes, mtp_shapes, param_shapes
 
 
 class ConfigError(UserError, ValueError):
@@ -75,6 +75,10 @@ class ModelConfig:
                                        # its output_router_logits is on)
     router_z_loss_coef: float = 0.0   # weight of the router z-loss added in training, the mean squared
                                       # log-sum-exp of the router's logits (ST-MoE); 0: none
+    router_seq_aux_loss_coef: float = 0.0  # weight (DeepSeek-V3's alpha, ~1e-4) of the sequence-wise balance loss
+                                           # added in training: per MoE layer and sequence, E/k x sum_e (share of
+                                           # its tokens choosing e) x (e's mean normalised score), averaged over
+                                           # the sequences and summed over the layers; 0: none
     # Per layer "dense" or "moe"; None: every layer moe when num_experts > 0 (Qwen3-MoE's mlp_only_layers).
     mlp_types: Optional[list] = None
     router: str = "softmax"           # softmax: top k of softmax(scores) | sigmoid_grouped: DeepSeek-V3's (sigmoid
@@ -104,6 +108,12 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
+    # Multi-token prediction (DeepSeek-V3, GLM-4.5: num_nextn_predict_layers): depth k takes depth k-1's states
+    # (depth 0: the model's final-normed ones) with the embedding of the token k ahead, through a block built
+    # like the last layer, into the shared head, and predicts the token k + 1 ahead (msllm.models.mtp)
+    mtp_depths: int = 0
+    mtp_loss_weight: float = 0.0      # training loss = next-token loss + this x the mean over depths of their
+                                      # losses; 0: the MTP blocks are carried (converted, saved) but not computed
 
     @property
     def mla(self) -> bool:
@@ -171,6 +181,16 @@ class ModelConfig:
         model.attention for the others."""
         return ["gated_deltanet" if kind == "linear" else self.attention for kind in self.layer_kinds()]
 
+    def mtp_layer_kind(self) -> tuple[str, str]:
+        """(mlp kind, mixer kind) of every MTP depth's block: the last layer's (DeepSeek-V3's layer 61 is MoE
+        as its layers from first_k_dense_replace on are)."""
+        return self.mlp_kinds()[-1], self.mixer_kinds()[-1]
+
+    @property
+    def trains_mtp(self) -> bool:
+        """The train step computes the MTP depths' losses."""
+        return self.mtp_depths > 0 and self.mtp_loss_weight > 0
+
     def mlp_kinds(self) -> list[str]:
         """"dense" or "moe" for each layer."""
         if self.mlp_types is not None:
@@ -192,7 +212,9 @@ class ModelConfig:
         # embedding, final norm and head: the inventory of the model without its layers.
         kinds = list(zip(self.mlp_kinds(), self.mixer_kinds()))
         layers = sum(kinds.count(kind) * count(layer_shapes(self, *kind)) for kind in set(kinds))
-        return layers + count(param_shapes(dataclasses.replace(self, num_layers=0, mlp_types=[], layer_types=[])))
+        mtp = self.mtp_depths * count(mtp_shapes(self)) if self.mtp_depths else 0
+        return layers + mtp + count(param_shapes(dataclasses.replace(self, num_layers=0, mlp_types=[], layer_types=[],
+                                                                     mtp_depths=0)))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params (of MoE layers, the k experts a token uses) + attention

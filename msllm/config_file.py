@@ -195,6 +195,29 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(m.shared_ffn_size >= 0, "model.shared_ffn_size", "must be >= 0 (0: model.shared_experts x the experts' size)")
     need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", "must be >= 0 (0: no load-balancing loss)")
     need(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", "must be >= 0 (0: no router z-loss)")
+    need(m.router_seq_aux_loss_coef >= 0, "model.router_seq_aux_loss_coef",
+         "must be >= 0 (0: no sequence-wise balance loss)")
+    if m.router_seq_aux_loss_coef > 0:  # computed over each whole sequence of data.seq_len tokens
+        need(cfg.parallel.cp == 1, "parallel.cp", "must be 1 with model.router_seq_aux_loss_coef > 0 (a rank holds "
+             "chunks of a sequence, the loss needs it whole)", "model.router_seq_aux_loss_coef")
+        need(t.objective == "auto", "train.objective", "dpo and grpo sequences are not data.seq_len long: set "
+             "model.router_seq_aux_loss_coef 0", "model.router_seq_aux_loss_coef")
+    need(m.mtp_depths >= 0, "model.mtp_depths", "must be >= 0 (0: no multi-token prediction)")
+    need(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", "must be >= 0 (0: MTP blocks carried, not trained)")
+    need(m.mtp_loss_weight == 0 or 0 < m.mtp_depths < d.seq_len, "model.mtp_loss_weight",
+         f"needs model.mtp_depths in [1, data.seq_len - 1] (got {m.mtp_depths}): depth k predicts the token k + 1 ahead",
+         "model.mtp_depths")
+    need(m.mtp_depths == 0 or cfg.parallel.ep == 1, "parallel.ep", "must be 1 with model.mtp_depths > 0 (expert "
+         "parallel does not split the MTP blocks' experts yet)", "model.mtp_depths")
+    if m.trains_mtp:
+        p = cfg.parallel
+        for key in ("tp", "pp", "cp"):
+            need(getattr(p, key) == 1, f"parallel.{key}", "must be 1 with model.mtp_loss_weight > 0 (the MTP blocks "
+                 "are laid out on data parallel only)", "model.mtp_loss_weight")
+        need(t.objective == "auto", "train.objective", "dpo and grpo take no MTP loss: set model.mtp_loss_weight 0",
+             "model.mtp_loss_weight")
+        need(not packed_samples(cfg), "data.path", "packed samples (SFT rows, data.document_attention) take no MTP "
+             "loss yet: its look-ahead would cross samples; set model.mtp_loss_weight 0", "model.mtp_loss_weight")
     if m.mlp_types is not None:
         need(len(m.mlp_types) == m.num_layers, "model.mlp_types",
              f"needs one entry per layer ({m.num_layers}), got {len(m.mlp_types)}", "model.num_layers")
@@ -382,6 +405,10 @@ class Pretrained:
     lora: Optional[dict] = None       # rank, alpha, targets of the adapter train.lora_from holds
 
 
+# model keys that weigh training losses: set with train.init_from, they win over the source's
+TRAINING_WEIGHTS = ("model.mtp_loss_weight", "model.router_seq_aux_loss_coef")
+
+
 def _adopt(cfg: Config, origins: dict, pretrained: Pretrained) -> None:
     """The model (and adapter) sections become the pretrained ones. A value set in the file or with
     --set that contradicts them is refused, naming both; model.max_seq_len may only shrink the context."""
@@ -392,6 +419,8 @@ def _adopt(cfg: Config, origins: dict, pretrained: Pretrained) -> None:
             if dotted in origins and mine != value:
                 if dotted == "model.max_seq_len" and 0 < mine <= value:
                     continue  # a shorter context keeps every weight
+                if dotted in TRAINING_WEIGHTS:
+                    continue  # how much a loss counts in training, not what the weights compute
                 raise ConfigError(origins[dotted], dotted, f"{mine!r} contradicts {value!r} of {where}; leave it unset")
             setattr(obj, key, value)
 

@@ -14,6 +14,20 @@ def param_shapes(m: "ModelConfig") -> dict[str, tuple[int, ...]]:
     shapes["norm.weight"] = (h,)
     if not m.tie_embeddings:
         shapes["output.weight"] = (m.vocab_size, h)
+    if m.mtp_depths:
+        depth = mtp_shapes(m)
+        for k in range(m.mtp_depths):
+            shapes.update({f"mtp.{k}.{name}": shape for name, shape in depth.items()})
+    return shapes
+
+
+def mtp_shapes(m: "ModelConfig") -> dict[str, tuple[int, ...]]:
+    """One multi-token-prediction depth's parameters (names under mtp.K., msllm.models.mtp): the norms of the
+    embedding and hidden inputs, their joint projection, a block built like the last layer, its final norm."""
+    h = m.hidden_size
+    shapes = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h)}
+    shapes.update({f"layer.{name}": shape for name, shape in layer_shapes(m, *m.mtp_layer_kind()).items()})
+    shapes["norm.weight"] = (h,)
     return shapes
 
 

@@ -24,9 +24,9 @@ def test_table_lists_every_model_parameter_with_its_shape(arch, tied):
     experts = dict(num_experts=4, moe_ffn_size=24, mlp_types=["dense", "moe"]) if family.moe else {}
     if family.spec.get("experts_bias"):  # gpt-oss: every layer MoE (its checkpoints hold no dense MLP)
         experts["mlp_types"] = None
-    if family.spec.get("attention") == "mla":  # DeepSeek-V3: MLA sizes (the tied case with one q projection)
+    if family.spec.get("attention") == "mla":  # DeepSeek-V3: MLA sizes (the tied case with one q projection), MTP
         experts.update(num_kv_heads=4, q_lora_rank=0 if tied else 8, kv_lora_rank=8, qk_nope_head_dim=6,
-                       qk_rope_head_dim=4, v_head_dim=5, expert_groups=2, shared_experts=1)
+                       qk_rope_head_dim=4, v_head_dim=5, expert_groups=2, shared_experts=1, mtp_depths=2)
     m = dataclasses.replace(GQA, tie_embeddings=tied, **family.spec, **experts)
     table = {name: shape for e in entries(maps.FAMILIES[arch].table, m) for name, shape in e.stored["msllm"].shapes(e).items()}
     model = {p.name: tuple(p.shape) for p in Llama(m).trainable_params()}

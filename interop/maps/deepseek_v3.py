@@ -9,8 +9,13 @@ read from the parameters it builds): the query and KV down-projections as one se
 q_layernorm, linear_qb (q_b_proj), k_layernorm (the KV latent's norm), linear_kvb (kv_b_proj), linear_proj;
 dense and shared-expert linear_fc1 with gate and up rows alternated (as its Qwen3), the router as
 mlp.router.weight with the expert bias mlp.router.expert_bias, and the routed experts as Qwen3-MoE's grouped
-weight1 / weight2. Its MLA always takes the RoPE dims de-interleaved (transformers' rope_interleave). Its
-multi-token-prediction layer (mtp.*, HF model.layers.61) is ignored on read, as transformers and msllm do."""
+weight1 / weight2. Its MLA always takes the RoPE dims de-interleaved (transformers' rope_interleave).
+
+Multi-token prediction (num_nextn_predict_layers, msllm.models.mtp): Hugging Face checkpoints hold depth k as
+layer num_hidden_layers + k (DeepSeek-V3's model.layers.61): a decoder layer's tensors beside enorm, hnorm,
+eh_proj, shared_head.norm and copies of the shared embedding and head (embed_tokens, shared_head.head), which
+msllm writes back and reads once. MindFormers (Megatron-Core's MultiTokenPredictionLayer) names depth k
+mtp.layers.k.{enorm, hnorm, eh_proj, final_layernorm} and its block transformer_layer, with no copies."""
 import math
 
 from interop.maps.moe import QWEN3_MOE_MINDFORMERS, _moe_rows
@@ -51,9 +56,24 @@ DEEPSEEK_V3 = Table(
         Row("norm.weight",   "hidden",        "model.norm.weight", None),
         Row("output.weight", "vocab, hidden", "lm_head.weight",    None, when="untied"),
     ],
-    # DeepSeek-V3's checkpoints carry its multi-token-prediction layer after the 61 layers, which
-    # transformers ignores on load (_keys_to_ignore_on_load_unexpected), as does msllm.
+    # A checkpoint whose config.json keeps num_nextn_predict_layers but not the MTP layer (one transformers
+    # saved: it drops the layer) is read without MTP (interop.layouts); the layer of DeepSeek-V3's shape then
+    # is ignored, as transformers ignores it on load (_keys_to_ignore_on_load_unexpected).
     ignore={"hf": ["lm_head.weight", "model.layers.61.*"]},
+    mtp=[
+        #   msllm                   shape            Hugging Face                MindFormers 1.9 (mcore)
+        Row("enorm.weight",         "hidden",        "enorm.weight",             "enorm.weight"),
+        Row("hnorm.weight",         "hidden",        "hnorm.weight",             "hnorm.weight"),
+        Row("eh_proj.weight",       "hidden, hidden+hidden", "eh_proj.weight",   "eh_proj.weight"),
+        Row("norm.weight",          "hidden",        "shared_head.norm.weight",  "final_layernorm.weight"),
+    ],
+    # the HF layer's copies of the shared embedding and head
+    mtp_copies=[
+        Row("tok_embeddings.weight", "vocab, hidden", "embed_tokens.weight",     None),
+        Row("output.weight",        "vocab, hidden", "shared_head.head.weight",  None, when="untied"),
+    ],
+    mtp_prefix={"msllm": "mtp.{k}.", "hf": "model.layers.{n}.", "mindformers": "mtp.layers.{k}."},
+    mtp_layer_prefix={"msllm": "mtp.{k}.layer.", "hf": "model.layers.{n}.", "mindformers": "mtp.layers.{k}.transformer_layer."},
 )
 
 # What the family computes beyond its config.json (interop/hf_config.py reads the sizes and MLA ranks,
@@ -86,8 +106,10 @@ DEEPSEEK_V3_MINDFORMERS = QWEN3_MINDFORMERS._replace(
         Row("feed_forward.shared.w2.weight", "hidden, shared_ffn", "mlp.shared_experts.down_proj.weight",
             "mlp.shared_experts.linear_fc2.weight", when="shared"),
     ],
-    # A MindFormers training checkpoint also holds each router's running expert load and aux-loss counter,
-    # and, with mtp_num_layers, the multi-token-prediction block (mtp.layers.N.*), which msllm has not.
+    mtp=DEEPSEEK_V3.mtp, mtp_copies=DEEPSEEK_V3.mtp_copies, mtp_prefix=DEEPSEEK_V3.mtp_prefix,
+    mtp_layer_prefix=DEEPSEEK_V3.mtp_layer_prefix,
+    # A MindFormers training checkpoint also holds each router's running expert load and aux-loss counter
+    # (the MTP blocks' too), and, with mtp_num_layers, an MTP block a model read without MTP leaves aside.
     ignore={**DEEPSEEK_V3.ignore,
             "mindformers": QWEN3_MOE_MINDFORMERS.ignore["mindformers"] + ["decoder.layers.*.mlp.router.expert_load",
                                                                           "mtp.*"]},
@@ -125,10 +147,14 @@ def from_hf(hf: dict, fields: dict, refuse) -> None:
                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)), expert_groups=groups,
                   topk_groups=topk_groups, routed_scaling=float(scaling), shared_experts=count("n_shared_experts", 0),
                   # transformers' DeepSeek-V3 adds no load-balancing loss
-                  router_aux_loss_coef=0.0, mlp_types=None if dense == 0 else kinds)
+                  router_aux_loss_coef=0.0, mlp_types=None if dense == 0 else kinds,
+                  # transformers 5 also spells it num_mtp_layers; a checkpoint without the layers is read
+                  # without them (interop.layouts)
+                  mtp_depths=count("num_nextn_predict_layers", hf.get("num_mtp_layers") or 0))
 
 
 def to_hf(m, hf: dict) -> None:
+    hf["num_nextn_predict_layers"] = m.mtp_depths
     if m.num_experts:
         dense = m.mlp_kinds().index("moe") if "moe" in m.mlp_kinds() else m.num_layers
         hf.update(num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob, n_routed_experts=m.num_experts,

@@ -36,7 +36,7 @@ def apply_recompute(model, mode: str) -> None:
     """Trade compute for memory: activations of the marked Cells are recomputed in backward.
     full: every transformer block. selective: the attention core (scores and probabilities, the
     largest activations per FLOP) and the SwiGLU MLP."""
-    for block in model.layers:
+    for block in model.blocks():
         if mode == "full":
             block.recompute()
         elif mode == "selective":
@@ -52,7 +52,7 @@ def apply_dispatch(model, factor: float, dropless: str) -> None:
     EveryExpert: the reference maths, no gathers."""
     from msllm.models.moe import BlockDispatch, CapacityDispatch
 
-    for block in model.layers:
+    for block in model.blocks():
         if not block.routed:
             continue
         experts = block.feed_forward.num_experts
@@ -60,6 +60,15 @@ def apply_dispatch(model, factor: float, dropless: str) -> None:
             block.feed_forward.dispatch = CapacityDispatch(experts, factor)
         elif dropless == "blocks":
             block.feed_forward.dispatch = BlockDispatch(experts)
+
+
+def apply_sequence_rows(model, rows: int) -> None:
+    """The tokens of each sequence the MoE layers compute DeepSeek-V3's sequence-wise balance loss over
+    (msllm.models.moe.MoE.sequence_rows); 0: not computed (generation, export). The MTP depths' blocks alike:
+    they share the layers' compiled block graph (their own losses are not added)."""
+    for block in model.blocks():
+        if block.routed:
+            block.feed_forward.sequence_rows = rows
 
 
 def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
@@ -105,6 +114,8 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
     if training:
         apply_recompute(model, spec.recompute)
         apply_dispatch(model, cfg.train.moe_capacity_factor, cfg.train.moe_dropless)
+    # training with the sequence-wise balance loss: MoE layers report it over sequences of data.seq_len tokens
+    apply_sequence_rows(model, cfg.data.seq_len if training and cfg.model.router_seq_aux_loss_coef > 0 else 0)
     if spec.device == "cpu":
         from msllm.backends import cpu
         cpu.specialise(model, fused=spec.fused_kernels, share_blocks=spec.shared_blocks, training=training,

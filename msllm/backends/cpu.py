@@ -132,5 +132,5 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     else:
         model.attention_mask = layers.AdditiveMask(model.cfg.num_heads, model.cfg.num_kv_heads)
         model.attention_mask.broadcast = model.broadcast_tables
-    for block in model.layers:
+    for block in model.blocks():
         block.no_inline = share_blocks and training

@@ -111,6 +111,11 @@ PARAMS = (
     ("layers.*.feed_forward.w2.weight",  (None, "ffn"),   "row"),
     ("norm.weight",                      (None,),         "replicated"),
     ("output.weight",                    ("vocab", None), "vocab parallel"),
+    # multi-token prediction depths (their blocks take the layers' rows: param_entry), whole on every rank
+    ("mtp.*.enorm.weight",               (None,),         "replicated"),
+    ("mtp.*.hnorm.weight",               (None,),         "replicated"),
+    ("mtp.*.eh_proj.weight",             (None, None),    "replicated"),
+    ("mtp.*.norm.weight",                (None,),         "replicated"),
 )
 
 
@@ -275,7 +280,7 @@ LOSS_OPS = (
 )
 
 # Cells whose pipeline stage is set: the embedding on the first stage, norm and head on the last.
-FIRST_STAGE, LAST_STAGE = ("tok_embeddings",), ("norm", "output")
+FIRST_STAGE, LAST_STAGE = ("tok_embeddings",), ("norm", "output", "mtp")  # mtp: after the head it shares
 
 
 @dataclass(frozen=True)
@@ -365,7 +370,10 @@ def sharding(m: ModelConfig, p: ParallelConfig) -> Sharding:
 # ---- parameters ---------------------------------------------------------------------------------
 
 def param_entry(name: str) -> tuple[tuple, str]:
-    """(split per dim, placement) of a parameter name, from the table."""
+    """(split per dim, placement) of a parameter name, from the table; an MTP depth's block is placed as a
+    decoder layer."""
+    if name.startswith("mtp.") and ".layer." in name:
+        name = "layers.0." + name.split(".layer.", 1)[1]
     for pattern, layout, placement in PARAMS:
         if fnmatch.fnmatchcase(name, pattern):
             return layout, placement

@@ -23,6 +23,7 @@ from msllm.models.layers import (AdditiveMask, Embedding, FeedForward, Linear, O
                                  rope_attention_factor, rope_inv_freq, visibility)
 from msllm.models.mixers import build_mixer
 from msllm.models.moe import MoE
+from msllm.models.mtp import MTPDepth
 
 
 def attention_kinds(cfg: ModelConfig) -> tuple[list[tuple[int, float, dict | None]], list[int]]:
@@ -107,6 +108,9 @@ class Decoder(nn.Cell):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset)
         self.output = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_matmul = ops.MatMul(transpose_b=True)
+        # multi-token prediction depths (msllm.models.mtp), each over a block built like the last layer
+        mlp, mixer = cfg.mtp_layer_kind()
+        self.mtp = nn.CellList([MTPDepth(cfg, Block(cfg, mixer, mlp)) for _ in range(cfg.mtp_depths)])
         kinds, layer_kind = attention_kinds(cfg)
         self.layer_kind = tuple(layer_kind)
         self.recurrent = tuple(kind == "linear" for kind in cfg.layer_kinds())  # Gated DeltaNet layers
@@ -227,6 +231,28 @@ class Decoder(nn.Cell):
         h, _, loads = self.decode(input_ids, None, None, None, None, segments, positions)
         return self.norm(h), loads
 
+    def predict_ahead(self, h, tokens):
+        """Multi-token prediction in training: h the final-normed states [b*s, hidden] of tokens[:, :-1]
+        (tokens [b, s+1]) -> for each depth k = 1, 2, .. its final-normed states [b*s, hidden], whose targets
+        are tokens[:, k+1:] at the first s - k positions of each row (mtp_targets). Every depth computes all s
+        positions with the tables of the last layer's kind, as its blocks are built like that layer (and
+        share its compiled graph); the last k - 1 take id 0 as the token k ahead, past the window: attention
+        is causal, so the positions with a target never see them."""
+        b, s = tokens.shape[0], tokens.shape[1] - 1
+        cos, sin, mask = self.tables(self.layer_kind[-1], b, s, s, None, None, None, None)
+        ahead = ()
+        for i, depth in enumerate(self.mtp):
+            ids = tokens[:, i + 1:]                                              # the token i + 1 ahead
+            if i > 0:
+                ids = ops.concat((ids, ops.zeros((b, i), ids.dtype)), 1)
+            h = depth(h, self.embed(ids.reshape(-1)), cos, sin, mask)
+            ahead += (h,)
+        return ahead
+
+    def blocks(self) -> list:
+        """Every Block: the layers', then the MTP depths' (a backend specialises them alike)."""
+        return list(self.layers) + [depth.layer for depth in self.mtp]
+
     def head_weight(self):
         """The output projection [vocab, hidden]: the embedding table when the embeddings are tied."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
@@ -296,6 +322,15 @@ def init_weights(model: Decoder, seed: int) -> None:
             std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
             value = rng.normal(0.0, std, size=p.shape).astype(np.float32)
         p.set_data(Tensor(value))
+
+
+def mtp_targets(tokens, k: int):
+    """Depth k's targets of tokens [b, s+1]: labels [b*s], the token k + 1 ahead of each position (0 past the
+    window), and mask [b*s] fp32, 1 at the s - k positions that have one."""
+    b, s = tokens.shape[0], tokens.shape[1] - 1
+    labels = ops.concat((tokens[:, k + 1:], ops.zeros((b, k), tokens.dtype)), 1)
+    mask = (ops.arange(0, s, dtype=ms.int32) < s - k).astype(ms.float32)
+    return labels.reshape(-1), ops.broadcast_to(mask.reshape(1, s), (b, s)).reshape(-1)
 
 
 # The name the decoder had when Llama was its only family.

@@ -30,6 +30,16 @@ def z_loss(logits):
     return ops.mean(lse * lse)
 
 
+def sequence_balance(picked, probs, rows: int, k: int):
+    """DeepSeek-V3's complementary sequence-wise balance loss of one MoE layer (its report, eqs. 17-20): for each
+    sequence of `rows` tokens, sum_e f_e * P_e with f_e = E / (k rows) x the tokens choosing expert e and P_e the
+    mean of its normalised router scores (probs, each token's summing to one), averaged over the sequences.
+    picked [N, E]: 1 where a token chose the expert; only P carries a gradient."""
+    e = picked.shape[-1]
+    f = ops.stop_gradient(ops.mean(picked.reshape(-1, rows, e), 1)) * (e / k)                   # [sequences, E]
+    return ops.mean(ops.sum(f * ops.mean(probs.reshape(-1, rows, e), 1), -1))
+
+
 class Router(nn.Cell):
     """x [N, h] -> (weights [N, k] fp32, experts [N, k] int32, probabilities [N, E] fp32, z-loss)."""
 
@@ -346,12 +356,15 @@ class MoE(nn.Cell):
     (balance_loss, routing_metrics): row 0 each expert's share of the N tokens' top-k choices (the
     row sums to k), row 1 the mean router probability of each expert, row 2 the share of the choices
     dropped at each expert (0 but under a capacity factor), row 3 the router's z-loss (z_loss; every
+    entry the same), and when `sequence_rows` is set (training with model.router_seq_aux_loss_coef: the
+    tokens of each sequence, msllm.backends) row 4 the sequence-wise balance loss (sequence_balance; every
     entry the same). `dispatch` (EveryExpert, or
     CapacityDispatch for training) decides which rows the experts compute."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_experts = cfg.num_experts
+        self.num_experts, self.k = cfg.num_experts, cfg.experts_per_token
+        self.sequence_rows = 0  # tokens per sequence when the load reports the sequence-wise balance loss
         self.router = ROUTERS[cfg.router](cfg)
         self.experts = Experts(cfg)
         self.dispatch = EveryExpert(cfg.num_experts)
@@ -368,9 +381,13 @@ class MoE(nn.Cell):
             if self.shared_gate is not None:
                 shared = shared * ops.sigmoid(self.shared_gate(x))
             out = out + shared
-        share = ops.mean(ops.sum(choices(chosen, self.num_experts), 1), 0)
-        return out, ops.stack((ops.stop_gradient(share), ops.mean(probs, 0), ops.stop_gradient(dropped),
-                               ops.broadcast_to(z.reshape(1), (self.num_experts,))))
+        picked = ops.sum(choices(chosen, self.num_experts), 1)                                   # [N, E]
+        rows = (ops.stop_gradient(ops.mean(picked, 0)), ops.mean(probs, 0), ops.stop_gradient(dropped),
+                ops.broadcast_to(z.reshape(1), (self.num_experts,)))
+        if self.sequence_rows:
+            seq = sequence_balance(picked, probs, self.sequence_rows, self.k)
+            rows += (ops.broadcast_to(seq.reshape(1), (self.num_experts,)),)
+        return out, ops.stack(rows)
 
 
 def balance_loss(loads):
@@ -389,18 +406,23 @@ def router_z_loss(loads):
 
 class RoutingLosses(nn.Cell):
     """What a MoE model's routers add to its training loss, from its MoE layers' loads (one [4, E] each):
-    router_aux_loss_coef x the load-balancing loss, as transformers adds it, and router_z_loss_coef x
-    the router z-loss. `stats(loads)` is what the step reports of them (no gradient)."""
+    router_aux_loss_coef x the load-balancing loss, as transformers adds it, router_z_loss_coef x
+    the router z-loss, and router_seq_aux_loss_coef x each layer's sequence-wise balance loss (load row 4),
+    summed over the layers as DeepSeek-V3 adds it per layer. `stats(loads)` is what the step reports of
+    them (no gradient)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.aux_coef, self.z_coef = cfg.router_aux_loss_coef, cfg.router_z_loss_coef
+        self.seq_coef = cfg.router_seq_aux_loss_coef
 
     def add_to(self, loss, loads):
         if self.aux_coef > 0:
             loss = loss + self.aux_coef * balance_loss(loads)
         if self.z_coef > 0:
             loss = loss + self.z_coef * router_z_loss(loads)
+        if self.seq_coef > 0:
+            loss = loss + self.seq_coef * ops.sum(ops.stack(loads)[:, 4, 0])
         return loss
 
     def stats(self, loads):
@@ -455,4 +477,5 @@ def routing_metrics(loads) -> dict:
     mean = loads.mean(0)
     return {"expert_load": per_layer, "expert_load_max": max(per_layer),
             "dropped": round(float(loads[:, 2].sum() / loads[:, 0].sum()), 6),
-            "aux_loss": float(loads.shape[-1] * (mean[0] * mean[1]).sum()), "router_z": float(loads[:, 3, 0].mean())}
+            "aux_loss": float(loads.shape[-1] * (mean[0] * mean[1]).sum()), "router_z": float(loads[:, 3, 0].mean()),
+            **({"seq_aux_loss": float(loads[:, 4, 0].sum())} if loads.shape[1] > 4 else {})}

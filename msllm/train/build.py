@@ -51,11 +51,13 @@ def build_train_step(cfg: Config, model: Decoder | None = None, wrap_optimizer=N
     spec = backends.specialise(model, cfg, training=True)
     # each rank holds its experts alone: ranks holding the same ones (the edp group) sum their gradients
     ep_group, edp_group = ep.groups(spec.ep, rank, world) if spec.ep > 1 else (None, None)
+    params = model.trainable_params()
+    if cfg.model.mtp_depths and not cfg.model.trains_mtp:  # MTP blocks carried, untrained: no gradient, no decay
+        params = [p for p in params if not p.name.startswith("mtp.")]
     if cfg.parallel.optimizer_shard and world > 1:
-        optimizer = ShardedAdamW(model.trainable_params(), cfg.optim, t.steps, rank=rank, world=world, ep=spec.ep,
-                                 edp_group=edp_group)
+        optimizer = ShardedAdamW(params, cfg.optim, t.steps, rank=rank, world=world, ep=spec.ep, edp_group=edp_group)
     else:
-        optimizer = AdamW(model.trainable_params(), cfg.optim, t.steps, fused=spec.fused_kernels)
+        optimizer = AdamW(params, cfg.optim, t.steps, fused=spec.fused_kernels)
     scaler = make_loss_scaler(t.loss_scale, t.loss_scale_window) if t.precision == "fp16" else None
     stepped = wrap_optimizer(optimizer) if wrap_optimizer else optimizer
     reducer = GradAllReduce(optimizer.params) if world > 1 else None

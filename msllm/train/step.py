@@ -18,6 +18,7 @@ from mindspore import amp, nn, ops
 
 from msllm.grad_norm import global_norm, hyper_map
 from msllm.models.layers import CausalLMLoss, HeadCrossEntropy, MaskedCausalLMLoss, fits_whole
+from msllm.models.decoder import mtp_targets
 from msllm.models.moe import routing_losses
 
 
@@ -51,7 +52,12 @@ class LossCell(nn.Cell):
     the ranks' losses average to the loss of the whole sequence (msllm.parallel.cp).
 
     A model whose layers report statistics (MoE layers' routing loads) has a component that adds
-    their losses (msllm.models.moe.routing_losses); the cell then also returns the statistics."""
+    their losses (msllm.models.moe.routing_losses); the cell then also returns the statistics.
+
+    Multi-token prediction (model.mtp_loss_weight > 0, msllm.models.mtp): each depth's states go through the
+    same head against the tokens further ahead, and the loss adds the weight x the mean of the depths' losses
+    (DeepSeek-V3's lambda / D x their sum); the cell then also returns the depths' losses [D] (after the
+    routing statistics of a MoE model)."""
 
     def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
@@ -59,11 +65,21 @@ class LossCell(nn.Cell):
         self.head = fused_head(model, fused)
         self.loss, self.masked_loss, self.head_loss = CausalLMLoss(), MaskedCausalLMLoss(), HeadCrossEntropy()
         self.extra = routing_losses(model.cfg)
-        self.has_stats = self.extra is not None
+        self.mtp_weight = model.cfg.mtp_loss_weight if model.cfg.trains_mtp else 0.0
+        self.has_stats = self.extra is not None or self.mtp_weight > 0
+
+    def next_token_loss(self, h, labels, mask=None, count=None):
+        """The (masked) mean cross-entropy of the head's logits of states h [N, hidden] against labels [N]."""
+        if self.head is None or fits_whole(h.shape[0], self.model.cfg.vocab_size):
+            logits = self.model.project(h)
+            return self.loss(logits, labels) if mask is None else self.masked_loss(logits, labels, mask, count)
+        lse, target = self.head(h, self.model.head_weight(), labels)
+        return self.head_loss(lse, target, mask, count)
 
     def construct(self, tokens, scale, mask=None, segments=None, positions=None, rows=None):
         labels = self.model.local_tokens(tokens[:, 1:]).reshape(-1)
-        h, stats = self.model.features(tokens[:, :-1], segments, positions)
+        h, loads = self.model.features(tokens[:, :-1], segments, positions)
+        states = h
         count = None
         if mask is not None:
             mask = self.model.local_tokens(mask).reshape(-1)
@@ -71,15 +87,25 @@ class LossCell(nn.Cell):
             if rows is not None and rows.size < labels.size:  # only the positions with a loss reach the head
                 rows = rows.reshape(-1)
                 h, labels, mask = ops.gather(h, rows, 0), ops.gather(labels, rows, 0), ops.gather(mask, rows, 0)
-        if self.head is None or fits_whole(h.shape[0], self.model.cfg.vocab_size):
-            logits = self.model.project(h)
-            loss = self.loss(logits, labels) if mask is None else self.masked_loss(logits, labels, mask, count)
-        else:
-            lse, target = self.head(h, self.model.head_weight(), labels)
-            loss = self.head_loss(lse, target, mask, count)
-        if self.extra is None:
+        loss = self.next_token_loss(h, labels, mask, count)
+        stats = ()
+        if self.extra is not None:
+            loss = self.extra.add_to(loss, loads)
+            stats += (self.extra.stats(loads),)
+        if self.mtp_weight > 0:
+            depth_losses = ()
+            for i, ahead in enumerate(self.model.predict_ahead(states, tokens)):
+                depth_losses += (self.next_token_loss(ahead, *mtp_targets(tokens, i + 1)),)
+            depth_losses = ops.stack(depth_losses)
+            loss = loss + self.mtp_weight * ops.mean(depth_losses)
+            stats += (ops.stop_gradient(depth_losses),)
+        if not self.has_stats:
             return loss * scale
-        return self.extra.add_to(loss, stats) * scale, self.extra.stats(stats)
+        return (loss * scale,) + stats
+
+
+def _times(coef, x):
+    return x * coef
 
 
 def make_loss_scaler(initial_scale: float, window: int):
@@ -91,10 +117,10 @@ def make_loss_scaler(initial_scale: float, window: int):
 class TrainStep(nn.Cell):
     """tokens [accum_steps * b, s+1] (and for SFT mask, segments, positions [accum_steps * b, s], and
     optionally the loss rows [accum_steps * b, C / b]: msllm.data.loader.head_rows)
-    -> (loss, grad_norm before clipping, lr, finite, loss_scale), and for a model with layer statistics
-    (LossCell.has_stats: a MoE model's routing loads [moe layers, 4, E]) those of this rank's tokens,
-    averaged over micro-batches. `after_update(stats, finite, lr)`: a Cell the model's components run
-    once the optimizer has updated (msllm.models.moe.bias_balance), or None."""
+    -> (loss, grad_norm before clipping, lr, finite, loss_scale), and for a loss cell with statistics
+    (LossCell.has_stats: a MoE model's routing loads [moe layers, 4, E], then an MTP model's depth losses
+    [D]) those of this rank's tokens, averaged over micro-batches. `after_update(stats, finite, lr)`: a
+    Cell the model's components run once the optimizer has updated (msllm.models.moe.bias_balance), or None."""
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
                  grad_reducer=None, world: int = 1, after_update=None, loss_cell=None):
@@ -143,7 +169,8 @@ class TrainStep(nn.Cell):
             more_loss, more_grads = self.value_and_grad(chunk, scale, *self.inputs(chunk, sft, i * micro, micro))
             loss = hyper_map(ops.add, loss, more_loss) if self.loss_cell.has_stats else loss + more_loss
             grads = hyper_map(ops.add, grads, more_grads)
-        loss, stats = loss if self.loss_cell.has_stats else (loss, None)  # summed like the loss
+        # the statistics, summed like the loss: the loss cell's outputs after the loss
+        loss, stats = (loss[0], loss[1:]) if self.loss_cell.has_stats else (loss, None)
         if self.grad_reducer is not None:
             grads, loss = self.grad_reducer(grads, loss)
         # Gradients are summed over micro-batches and ranks and loss-scaled until here.
@@ -169,24 +196,28 @@ class TrainStep(nn.Cell):
         else:
             lr = ops.zeros((), ms.float32)
         if stats is not None:
-            stats = stats / self.accum_steps
-            if self.after_update is not None:
-                self.after_update(stats, finite, lr)
-            return loss * inv, norm, lr, finite, scale, stats
+            stats = hyper_map(ops.partial(_times, 1.0 / self.accum_steps), stats)
+            if self.after_update is not None:  # a MoE model's: its routing loads come first
+                self.after_update(stats[0], finite, lr)
+            return (loss * inv, norm, lr, finite, scale) + stats
         return loss * inv, norm, lr, finite, scale
 
 
 class EvalStep(nn.Cell):
     """The loss of a batch (under context parallel: every rank of the cp group runs it, each gets the
-    whole sequence's loss)."""
+    whole sequence's loss); of an MTP model, the next-token loss alone (without the depths' term)."""
 
     def __init__(self, model, fused: bool = False, loss_cell=None):
         super().__init__(auto_prefix=False)
         self.loss_cell = LossCell(model, fused) if loss_cell is None else loss_cell
         self.reference = getattr(self.loss_cell, "reference", None)
+        self.mtp_weight = getattr(self.loss_cell, "mtp_weight", 0.0)
 
     def construct(self, tokens, *sft):
         if self.reference is not None:
             sft = sft + (self.reference(tokens, *sft),)
-        loss = self.loss_cell(tokens, 1.0, *sft)
-        return self.loss_cell.model.sequence_mean(loss[0] if self.loss_cell.has_stats else loss)
+        out = self.loss_cell(tokens, 1.0, *sft)
+        loss = out[0] if self.loss_cell.has_stats else out
+        if self.mtp_weight > 0:  # its last output: the depths' losses
+            loss = loss - self.mtp_weight * ops.mean(out[-1])
+        return self.loss_cell.model.sequence_mean(loss)

@@ -336,7 +336,10 @@ class Trainer:
                 if loads and t.objective == "dpo":
                     last.update(zip(DPO_METRICS, map(float, loads[0].asnumpy())))
                 elif loads:
-                    last.update(routing_metrics(loads[0].asnumpy()))
+                    if "moe" in cfg.model.mlp_kinds():
+                        last.update(routing_metrics(loads[0].asnumpy()))
+                    if cfg.model.trains_mtp:  # each depth's loss, after the routing loads
+                        last.update({f"mtp_loss/{k}": float(x) for k, x in enumerate(loads[-1].asnumpy(), 1)})
                 self.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  lr {last['lr']:.2e}  "
                                        f"gnorm {last['grad_norm']:.3f}  {tps:,.0f} tok/s  mfu {last['mfu']:.2%}"
                                        + (f"  scale {last['loss_scale']:g}  skipped {self.skipped}"
@@ -345,6 +348,8 @@ class Trainer:
                                           f"{last['rewards/margins']:.3f}" if "rewards/margins" in last else "")
                                        + (f"  expert load max/mean {last['expert_load_max']:.2f}"
                                           if "expert_load_max" in last else "")
+                                       + (f"  mtp {' '.join(f'{v:.4f}' for k, v in last.items() if k.startswith('mtp_loss/'))}"
+                                          if "mtp_loss/1" in last else "")
                                        + (f" dropped {last['dropped']:.1%}" if t.moe_capacity_factor else ""))
                 window_t, window_steps = time.perf_counter(), 0
             # rank 0's cp or ep group (its ranks compute one sequence or one layer's experts together)
