@@ -283,9 +283,10 @@ class TrainConfig:
     objective: str = "auto"           # auto: next-token (lm) or SFT, as data.path holds | dpo: preference pairs
                                       # (the dpo section) | grpo: prompts, sampled and rewarded (the grpo
                                       # section); docs/post-training.md
-    head_rows: str = "loss"           # SFT rows: which positions go through the output head: loss (only labels
-                                      # with a loss, gathered into a capacity bucket per batch; one compiled step
-                                      # per bucket; one worker only: msllm launch keeps all) | all
+    head_rows: str = "loss"           # which positions go through the output head: loss (SFT's labels with a
+                                      # loss, DPO's and GRPO's completions, gathered into a capacity bucket per
+                                      # batch that CPU data-parallel workers share; one compiled step per bucket;
+                                      # context parallel keeps all) | all
     moe_capacity_factor: float = 0.0  # MoE: each expert computes at most factor x its even share of the
                                       # routed choices, the rest dropped and counted (0: dropless)
     moe_dropless: str = "blocks"      # how dropless MoE layers train: blocks (the choices grouped by expert in

@@ -1,6 +1,7 @@
 """Run under msrun by tests/test_distributed.py: data-parallel train steps on a fixed batch, results per rank.
 
-    msrun ... tests/dp_worker.py OUT_DIR     # writes OUT_DIR/{variant}_rank{r}.npz for each variant
+    msrun ... tests/dp_worker.py OUT_DIR     # writes OUT_DIR/{variant}_rank{r}.npz for each variant,
+                                            # and loss_rows_rank{r}.npz (run_loss_rows)
 
 Rank r of `world` takes rows [r*b, (r+1)*b) of TOKENS, so the ranks together see the batch that
 one process sees in tests/test_robustness.py's reference step.
@@ -56,6 +57,32 @@ def run(variant: str, rank: int, world: int) -> dict:
     return {"outs": np.array(outs), **result}
 
 
+def run_loss_rows(rank: int, world: int) -> dict:
+    """One step on packed SFT windows, 2 per rank, through each rank's own dataset (msllm.data.loader.make_dataset)
+    with all positions and with the loss rows (train.head_rows loss). Rank 0's samples hold 20 loss labels,
+    rank 1's 80 (buckets 64 and 96): both must take 96 to run one graph."""
+    from msllm.data.loader import make_dataset
+    from msllm.train.build import build_train_step
+    from tests.numerics import Recorded, weights
+    from tests.test_big_vocab import Windows
+
+    windows = Windows(4, 64, CFG.vocab_size)
+    windows.mask[:] = 0
+    for i in range(4):
+        windows.mask[i, 4:4 + (40 if i >= 2 else 10)] = 1
+    result = {}
+    for name, rows in (("all", 0), ("rows", 1)):
+        built = build_train_step(config("dp"), wrap_optimizer=Recorded, world=world, rank=rank)
+        data = make_dataset(windows, 64, 2, seed=0, shuffle=False, world=world, rank=rank, num_batches=1,
+                            loss_rows=rows)
+        [batch] = list(data.create_tuple_iterator(num_epochs=1))
+        result[f"{name}/outs"] = np.array([float(x.asnumpy()) for x in built.train_step(*batch)])
+        result[f"{name}/shape"] = np.array(batch[-1].shape)
+        result.update({f"{name}/grad1/{k}": v for k, v in built.train_step.optimizer.gradients().items()})
+        result.update({f"{name}/weight/{k}": v for k, v in weights(built.model.trainable_params()).items()})
+    return result
+
+
 if __name__ == "__main__":
     from msllm import device
     from msllm.parallel import dp
@@ -65,3 +92,4 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     for name in VARIANTS:
         np.savez(out / f"{name}_rank{rank}.npz", **run(name, rank, world))
+    np.savez(out / f"loss_rows_rank{rank}.npz", **run_loss_rows(rank, world))

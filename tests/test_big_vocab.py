@@ -372,3 +372,192 @@ def test_compiled_step_with_loss_rows_trains_as_all_positions(monkeypatch, accum
     loss_rtol, grad_rtol = decoder_rtol(cfg_model, 128, 64)
     np.testing.assert_allclose(got_outs, want_outs, rtol=loss_rtol)
     assert_close_to_scale(got_grads, want_grads, grad_rtol)
+
+
+# (c) DPO's and GRPO's completions, and data-parallel workers' shared capacity.
+
+def lora_adapters_moved(model, seed=8):
+    """LoRA B matrices away from 0, the same in every run: the policy differs from its reference."""
+    rng = np.random.default_rng(seed)
+    for p in model.trainable_params():
+        if p.name.endswith("lora_b"):
+            p.set_data(Tensor(rng.normal(0, 0.3, p.shape).astype(np.float32)))
+
+
+class Pairs:
+    """Preference pairs as msllm.data.preference.PairRows yields them, from arrays: per pair a prompt then
+    a chosen and a rejected completion of different lengths (their EOS included), padded; with_ref: the
+    reference log-probs as dpo.precompute_ref stores them."""
+
+    def __init__(self, n, s, vocab, with_ref, seed=7):
+        rng = np.random.default_rng(seed)
+        self.tokens = rng.integers(0, vocab, (n, 2, s + 1)).astype(np.int32)
+        self.mask = np.zeros((n, 2, s), np.float32)
+        for i in range(n):
+            prompt = 4 + i % 6
+            for side in (0, 1):
+                self.mask[i, side, prompt - 1:prompt - 1 + 2 + (3 * i + 5 * side) % 8] = 1
+        self.ref = rng.normal(-60.0, 3.0, (n, 2)).astype(np.float32)
+        self.columns = ["tokens", "mask"] + (["ref"] if with_ref else [])
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return (self.tokens[i], self.mask[i]) + ((self.ref[i],) if "ref" in self.columns else ())
+
+
+def need_kernel(monkeypatch, head):
+    """head == "kernel": every logits size takes the fused head kernel's branch (HEAD_CHUNK_BYTES 0)."""
+    if head == "kernel":
+        if not kernels.has_sgemm():
+            pytest.skip("MindSpore's CPU backend without oneDNN's dnnl_sgemm")
+        monkeypatch.setattr(layers, "HEAD_CHUNK_BYTES", 0)
+
+
+@pytest.mark.parametrize("head,accum,reference", [("whole", 1, "precomputed"), ("kernel", 2, "lora")])
+def test_dpo_step_with_completion_rows_trains_as_all_positions(monkeypatch, head, accum, reference):
+    """DPO's compiled step fed by the dataset with and without the rows column (the completion positions of
+    chosen and rejected, EOS included): same losses, TRL metrics and applied gradients. Whole logits with
+    precomputed reference log-probs (rows after ref), and the head kernel with LoRA, whose reference is the
+    base with the adapters off computed in the step through the same rows (rows before its output), over
+    two micro-batches."""
+    from msllm.config import Config, DPOConfig, LoraConfig, TrainConfig
+
+    need_kernel(monkeypatch, head)
+    cfg_model = small_model(tied=True)
+    s = 32
+    pairs = Pairs(8, s, cfg_model.vocab_size, with_ref=reference == "precomputed")
+    lora = LoraConfig(rank=4, targets=["q", "v", "down"]) if reference == "lora" else LoraConfig()
+    opt = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1, grad_clip=0.5)
+
+    def run(rows):
+        device.setup("cpu", "graph")
+        cfg = Config(model=cfg_model, optim=opt, lora=lora, data=DataConfig(path="pairs.jsonl", seq_len=s),
+                     train=TrainConfig(objective="dpo", batch_size=2, accum_steps=accum, steps=5),
+                     dpo=DPOConfig(beta=0.1, precompute_ref=reference == "precomputed"))
+        built = build_train_step(cfg, build_model(cfg_model, seed=3), wrap_optimizer=Recorded)
+        lora_adapters_moved(built.model)
+        data = make_dataset(pairs, s, 2 * accum, seed=0, shuffle=False, num_batches=2, loss_rows=accum if rows else 0)
+        outs, stats, shapes, grads = [], [], [], None
+        for batch in data.create_tuple_iterator(num_epochs=1):
+            shapes.append(tuple(x.shape for x in batch))
+            loss, *_, metrics = built.train_step(*batch)
+            outs.append(float(loss.asnumpy()))
+            stats.append(metrics.asnumpy())
+            grads = grads or built.train_step.optimizer.gradients()
+        return outs, np.array(stats), grads, shapes
+
+    want_outs, want_stats, want_grads, want_shapes = run(False)
+    got_outs, got_stats, got_grads, shapes = run(True)
+    # 2 pairs x 2 rows x 32 positions per micro-batch; at most 2 x 2 x 9 completion labels: 64 of the 128
+    assert shapes[0][:len(want_shapes[0])] == want_shapes[0] and shapes[0][-1] == (2 * accum, 32)
+    loss_rtol, grad_rtol = decoder_rtol(cfg_model, 128 * accum, s)
+    np.testing.assert_allclose(got_outs, want_outs, rtol=loss_rtol)
+    scale = np.abs(want_stats[:, 4:]).max()  # the summed log-probs: rewards and margins are differences of them
+    np.testing.assert_allclose(got_stats, want_stats, rtol=loss_rtol, atol=loss_rtol * scale)
+    assert_close_to_scale(got_grads, want_grads, grad_rtol)
+
+
+@pytest.mark.skipif(not kernels.has_sgemm(), reason="MindSpore's CPU backend without oneDNN's dnnl_sgemm")
+def test_grpo_step_with_completion_rows_trains_as_all_positions(monkeypatch):
+    """GRPO (dapo over two micro-batches, a KL term to the LoRA base, two updates per rollout batch) through
+    the head kernel with and without completion rows, inputs laid out by the loop's own step_inputs: the
+    old log-probs are the policy's at the completion positions (0 elsewhere with rows), and both updates'
+    losses, metrics and applied gradients are all positions'."""
+    from msllm.config import Config, GRPOConfig, LoraConfig, TrainConfig
+    from msllm.train.grpo_loop import step_inputs
+    from msllm.train.rollout import rollout_rows
+
+    need_kernel(monkeypatch, "kernel")
+    cfg_model = small_model(tied=False)
+    s, group, accum = 32, 4, 2
+    rng = np.random.default_rng(9)
+    prompts = [list(rng.integers(2, cfg_model.vocab_size, 5 + 3 * k)) for k in range(2)]
+    completions = [list(rng.integers(2, cfg_model.vocab_size, 1 + (5 * i) % 8)) for i in range(2 * group)]
+    tokens, mask = rollout_rows(prompts, completions, group, s, 0)
+    advantages = rng.normal(size=2 * group).astype(np.float32)
+
+    def run(head_rows):
+        device.setup("cpu", "graph")
+        cfg = Config(model=cfg_model, optim=OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.0),
+                     lora=LoraConfig(rank=4, targets=["q", "v", "down"]),
+                     train=TrainConfig(objective="grpo", batch_size=group, accum_steps=accum, steps=5,
+                                       head_rows=head_rows),
+                     grpo=GRPOConfig(beta=0.04, num_iterations=2, temperature=0.9, max_new_tokens=8))
+        built = build_train_step(cfg, build_model(cfg_model, seed=3), wrap_optimizer=Recorded)
+        lora_adapters_moved(built.model)
+        inputs = step_inputs(built.train_step.loss_cell, tokens, mask, advantages, accum, 2)
+        outs, stats, grads = [], [], []
+        for _ in range(2):
+            loss, *_, metrics = built.train_step(*inputs)
+            outs.append(float(loss.asnumpy()))
+            stats.append(metrics.asnumpy())
+            grads.append(built.train_step.optimizer.gradients())
+        return inputs, outs, np.array(stats), grads
+
+    want_inputs, want_outs, want_stats, want_grads = run("all")
+    got_inputs, got_outs, got_stats, got_grads = run("loss")
+    assert len(got_inputs) == len(want_inputs) + 1 and got_inputs[3].shape == (2 * group, 64 // group)
+    old, want_old = got_inputs[-1].asnumpy(), want_inputs[-1].asnumpy()
+    kept = np.zeros(mask.size, bool)
+    kept[head_rows(mask, 1).reshape(-1)] = True
+    assert np.all(old.reshape(-1)[~kept] == 0) and (mask.reshape(-1)[kept] == 0).any()  # padded with non-loss rows
+    loss_rtol, grad_rtol = decoder_rtol(cfg_model, 4 * s * accum, s)
+    np.testing.assert_allclose(old[mask == 1], want_old[mask == 1], rtol=loss_rtol)
+    np.testing.assert_allclose(got_outs, want_outs, rtol=loss_rtol, atol=loss_rtol * np.abs(advantages).max())
+    np.testing.assert_allclose(got_stats, want_stats, rtol=loss_rtol, atol=loss_rtol)
+    for got, want in zip(got_grads, want_grads):
+        assert_close_to_scale(got, want, grad_rtol)
+    assert want_stats[:, 0].min() > 0  # the adapters move the policy from its base: the KL term acts
+
+
+def test_data_parallel_ranks_agree_on_the_head_capacity():
+    """Two data-parallel ranks' datasets (one process builds both): each step both get rows of one capacity,
+    the larger of what each rank's own batch needs (read from the shard), each rank's rows holding its own
+    loss positions, padded with distinct positions without one."""
+    s, b = 32, 4
+    windows = Windows(16, s, 500)
+    windows.mask[:] = 0
+    for i in range(16):  # samples 4..7 (rank 1's at step 0): 20 loss labels each, the others 8
+        windows.mask[i, 2:2 + (20 if 4 <= i < 8 else 8)] = 1
+    batches = [list(make_dataset(windows, s, b, seed=0, shuffle=False, world=2, rank=r, num_batches=2,
+                                 loss_rows=1).create_tuple_iterator(num_epochs=1, output_numpy=True))
+               for r in (0, 1)]
+    own = [[row_capacity(int(batch[1].sum()), b * s, b) for batch in rank] for rank in batches]
+    assert own == [[64, 64], [96, 64]]  # alone, rank 0 would compile another graph at step 0
+    for step in range(2):
+        capacity = max(own[0][step], own[1][step])
+        for rank in batches:
+            mask, rows = rank[step][1].reshape(-1), rank[step][4].reshape(-1)
+            assert rows.size == capacity and len(set(rows)) == capacity
+            hit = np.flatnonzero(mask)
+            assert np.array_equal(rows[:hit.size], hit) and np.all(mask[rows[hit.size:]] == 0)
+
+
+# (d) Generation: the prefill's head sees each prompt's last position only.
+
+class RecordingHead(nn.Cell):
+    """The model's output Cell, recording the shape of what reaches it."""
+
+    def __init__(self, head):
+        super().__init__(auto_prefix=False)
+        self.head, self.seen = head, []
+
+    def construct(self, h):
+        self.seen.append(tuple(h.shape))
+        return self.head(h)
+
+
+def test_prefill_sends_only_the_last_positions_through_the_head(eager):
+    from msllm.inference import cell_engine
+
+    cfg = small_model(tied=False)
+    model = build_model(cfg, seed=3)
+    prompts = [[5, 17, 42, 9, 3, 11, 8], [80, 81]]
+    want = [model(Tensor(np.array([p], np.int32))).asnumpy()[0, -1] for p in prompts]
+    model.output = head = RecordingHead(model.output)
+    logits = cell_engine(model).start(prompts, 4)
+    assert head.seen == [(2, cfg.hidden_size)]  # not the [2 * 16, hidden] of the padded prompts
+    forward_rtol, _ = decoder_rtol(cfg, 16, 16)  # the padded prompts' sums in another order
+    assert_close_to_scale({"logits": logits}, {"logits": np.stack(want)}, forward_rtol, "logit")

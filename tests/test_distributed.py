@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from msllm.models.decoder import build_model
 from tests.conftest import REPO, msrun_env, run_under_msrun, tiny_overrides
 from tests.dp_worker import CFG, STEPS
-from tests.numerics import REORDER_RTOL, U32, assert_close_to_scale
+from tests.numerics import REORDER_RTOL, U32, assert_close_to_scale, decoder_rtol
 
 VARIANTS = ("dp", "dp_portable", "zero", "overflow")
 ENV = msrun_env()
@@ -27,7 +27,7 @@ def ranks(tmp_path_factory):
     """variant -> [rank 0's results, rank 1's results] of tests/dp_worker.py under msrun."""
     out = tmp_path_factory.mktemp("dp")
     run_under_msrun(REPO / "tests" / "dp_worker.py", out)
-    return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in VARIANTS}
+    return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in VARIANTS + ("loss_rows",)}
 
 
 def picked(result: dict, prefix: str) -> dict:
@@ -81,6 +81,18 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(ranks):
         assert result["outs"][:, 4].tolist() == [start / 2 ** i for i in range(STEPS)]
         for name, w in initial.items():
             np.testing.assert_array_equal(result[f"weight/{name}"], w)
+
+
+def test_loss_rows_share_a_capacity_and_train_as_all_positions(ranks):
+    """SFT windows with train.head_rows loss on 2 workers (tests/dp_worker.py run_loss_rows): rank 0's batch
+    alone needs 64 rows and rank 1's 96, and both take 96 (one graph: the all-reduce meets); the ranks stay
+    bitwise equal, and the loss and applied gradients are those of all positions."""
+    zero, one = ranks["loss_rows"]
+    assert zero["rows/shape"].tolist() == one["rows/shape"].tolist() == [2, 48]
+    assert not [k for k in zero if k.startswith("rows/") and not np.array_equal(zero[k], one[k])]
+    loss_rtol, grad_rtol = decoder_rtol(CFG, 128, 64)
+    np.testing.assert_allclose(zero["rows/outs"][0], zero["all/outs"][0], rtol=loss_rtol)
+    assert_close_to_scale(picked(zero, "rows/grad1/"), picked(zero, "all/grad1/"), grad_rtol)
 
 
 # --- msllm launch: the whole trainer on 2 workers -------------------------------------------------

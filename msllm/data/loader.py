@@ -59,15 +59,22 @@ def row_capacity(count: int, total: int, rows: int) -> int:
     return total if bucket >= total else bucket
 
 
-def head_rows(mask: np.ndarray, micro_batches: int) -> np.ndarray:
-    """An SFT batch's mask [m*b, s] (m micro-batches of b rows) -> the positions whose label has a loss,
-    per micro-batch: C flat indices into its [b*s] positions (C = row_capacity of the largest count
-    among the micro-batches), padded with a position without a loss, laid over the micro-batch's b rows
-    as [b, C/b] so the dataset batches them and the step slices them like the other columns. With C
-    = b*s (a batch with more loss positions than the largest bucket) they are all positions in order."""
+def most_loss_positions(mask: np.ndarray, micro_batches: int) -> int:
+    """The largest count of positions with a loss among a batch's micro-batches (mask [m*b, ...])."""
+    return int((mask.reshape(micro_batches, -1) != 0).sum(1).max())
+
+
+def head_rows(mask: np.ndarray, micro_batches: int, most: int = 0) -> np.ndarray:
+    """A batch's mask [m*b, ...] (m micro-batches of b rows: SFT's [b, s], DPO's pairs [b, 2, s]) -> the
+    positions whose label has a loss, per micro-batch: C flat indices into its positions (C =
+    row_capacity of the largest count among the micro-batches, or `most` when larger: under data
+    parallel every worker's largest, so all compile the same graph), padded with distinct positions
+    without a loss (scattered back they land on different positions), laid over the micro-batch's b
+    rows as [b, C/b] so the dataset batches them and the step slices them like the other columns. With
+    C = every position (more loss positions than the largest bucket) they are all positions in order."""
     micro = mask.reshape(micro_batches, -1)
     b = mask.shape[0] // micro_batches
-    capacity = row_capacity(int((micro != 0).sum(1).max()), micro.shape[1], b)
+    capacity = row_capacity(max(most, most_loss_positions(mask, micro_batches)), micro.shape[1], b)
     out = np.empty((micro_batches, capacity), np.int32)
     for i, m in enumerate(micro != 0):
         if capacity == m.size:
@@ -75,7 +82,7 @@ def head_rows(mask: np.ndarray, micro_batches: int) -> np.ndarray:
             continue
         hit = np.flatnonzero(m)
         out[i, :hit.size] = hit
-        out[i, hit.size:] = np.argmin(m)  # a position without a loss: adds nothing
+        out[i, hit.size:] = np.flatnonzero(~m)[:capacity - hit.size]  # positions without a loss: add nothing
     return out.reshape(mask.shape[0], -1)
 
 
@@ -97,19 +104,26 @@ class RankSampler:
         self.num_samples, self.per_rank, self.world, self.rank = num_samples, per_rank, world, rank
         self.seed, self.shuffle, self.start = seed, shuffle, start
         self.steps = steps if steps is not None else max(1, num_samples // (per_rank * world))
+        self.epoch, self.order = -1, None  # the permutation of the epoch last read
 
     def global_positions(self, step: int) -> range:
         first = self.start + step * self.per_rank * self.world + self.rank * self.per_rank
         return range(first, first + self.per_rank)
 
+    def step_samples(self, step: int) -> list[int]:
+        """The sample indices this rank reads at `step` (counted from `start`)."""
+        out = []
+        for pos in self.global_positions(step):
+            e, i = divmod(pos, self.num_samples)
+            if e != self.epoch:
+                self.epoch, self.order = e, global_order(self.num_samples, self.seed, self.shuffle, e)
+            out.append(int(self.order[i]))
+        return out
+
     def __iter__(self):
-        epoch, order = -1, None
+        self.epoch, self.order = -1, None
         for step in range(self.steps):
-            for pos in self.global_positions(step):
-                e, i = divmod(pos, self.num_samples)
-                if e != epoch:
-                    epoch, order = e, global_order(self.num_samples, self.seed, self.shuffle, e)
-                yield int(order[i])
+            yield from self.step_samples(step)
 
     def __len__(self):
         return self.steps * self.per_rank
@@ -125,18 +139,25 @@ def make_dataset(tokens, seq_len: int, batch_size: int, *, seed: int, shuffle: b
                  loss_rows: int = 0):
     """A mindspore.dataset pipeline yielding this rank's int32 [batch_size, seq_len + 1] batches, starting
     at global sample position `start` (batch_size is per rank; a step consumes batch_size * world).
-    SFT windows (msllm.data.sft) also yield mask, segments and positions [batch_size, seq_len], and with
-    loss_rows = m > 0 (the micro-batches of a batch) the positions with a loss (head_rows)."""
+    SFT windows (msllm.data.sft) also yield mask, segments and positions [batch_size, seq_len] (DPO pairs,
+    msllm.data.preference: mask [batch_size, 2, seq_len]), and with loss_rows = m > 0 (the micro-batches
+    of a batch) the positions with a loss (head_rows), in a capacity every rank's batch fits."""
     windows = windows_of(tokens, seq_len)
-    sampler = RankSampler(len(windows), batch_size, world=world, rank=rank, seed=seed, shuffle=shuffle,
-                          start=start, steps=num_batches)
-    dataset = ds.GeneratorDataset(windows, column_names=windows.columns, sampler=sampler,
+    samplers = [RankSampler(len(windows), batch_size, world=world, rank=r, seed=seed, shuffle=shuffle, start=start,
+                            steps=num_batches) for r in range(world)]
+    dataset = ds.GeneratorDataset(windows, column_names=windows.columns, sampler=samplers[rank],
                                   num_parallel_workers=1, python_multiprocessing=False)
     if not (loss_rows and "mask" in windows.columns):
         return dataset.batch(batch_size, drop_remainder=True)
+    peers, column = samplers[:rank] + samplers[rank + 1:], windows.columns.index("mask")
 
-    def add_rows(mask, _info):
-        return mask, list(head_rows(np.stack(mask), loss_rows))
+    def add_rows(mask, info):
+        # the other ranks' masks of this step, read from the shard: every rank picks the same capacity,
+        # so the data-parallel ranks run one step graph
+        step = info.get_batch_num()
+        most = max((most_loss_positions(np.stack([windows[i][column] for i in peer.step_samples(step)]), loss_rows)
+                    for peer in peers), default=0)
+        return mask, list(head_rows(np.stack(mask), loss_rows, most))
 
     dataset = dataset.batch(batch_size, drop_remainder=True, per_batch_map=add_rows, input_columns=["mask"],
                             output_columns=["mask", "rows"])

@@ -71,7 +71,7 @@ def build_train_step(cfg: Config, model: Decoder | None = None, wrap_optimizer=N
         g = cfg.grpo
         loss_cell = eval_cell = GRPOLoss(model, g.loss_type, g.epsilon, beta=g.beta, max_completion=g.max_new_tokens,
                                          temperature=g.temperature, fused=spec.fused_kernels, switch=switch_of(model),
-                                         accum_steps=t.accum_steps)
+                                         accum_steps=t.accum_steps, head_rows=t.head_rows == "loss")
     train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world,
                            bias_balance(model, t.moe_bias_update_rate, world), loss_cell)
     return Built(model, optimizer, train_step, EvalStep(model, spec.fused_kernels, eval_cell), spec)

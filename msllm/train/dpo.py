@@ -4,7 +4,8 @@ A micro-batch holds b pairs: tokens [b, 2, s+1] and completion masks [b, 2, s] (
 msllm.data.preference). Each row's log-probability is summed over its completion and EOS, as TRL's
 DPOTrainer does, through the same head path as the cross-entropy (msllm.train.step.LossCell): the
 model's projection while the logits are small, the fused head kernel's (lse, target) otherwise, so
-no [tokens, vocab] log-softmax exists when the kernel is on.
+no [tokens, vocab] log-softmax exists when the kernel is on. With train.head_rows loss only the
+completion positions go through the head (msllm.data.loader.head_rows), for the policy and the reference.
 
 The reference model's log-probs come either from the data (dpo.precompute_ref: computed once by
 precompute_reference with the model as loaded, stored beside the shard), or, with LoRA, from the
@@ -30,6 +31,7 @@ from mindspore import Tensor, nn, ops
 from msllm.config import DPOConfig
 from msllm.data.corpus import DataError
 from msllm.data.index import read_index
+from msllm.data.loader import head_rows
 from msllm.data.preference import REF_INDEX, PairRows
 from msllm.train.logprobs import TokenLogProbs
 
@@ -39,14 +41,15 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 class SequenceLogProbs(nn.Cell):
-    """tokens [n, s+1], mask [n, s] -> [n] fp32: sum over the masked positions of log p(next token)."""
+    """tokens [n, s+1], mask [n, s](, rows: head rows holding the masked positions) -> [n] fp32: sum over
+    the masked positions of log p(next token)."""
 
     def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
         self.tokens = TokenLogProbs(model, fused)
 
-    def construct(self, tokens, mask):
-        return ops.sum(self.tokens(tokens) * mask, -1)
+    def construct(self, tokens, mask, rows=None):
+        return ops.sum(self.tokens(tokens, rows) * mask, -1)
 
 
 class AdapterOffLogProbs(nn.Cell):
@@ -57,17 +60,19 @@ class AdapterOffLogProbs(nn.Cell):
         super().__init__(auto_prefix=False)
         self.logps, self.on = logps, switch.on
 
-    def construct(self, tokens, mask):
+    def construct(self, tokens, mask, rows=None):
         b = tokens.shape[0]
         off = ops.assign(self.on, ops.zeros((), ms.float32))
-        ref = self.logps(ops.depend(tokens.reshape(2 * b, -1), off), mask.reshape(2 * b, -1))
+        ref = self.logps(ops.depend(tokens.reshape(2 * b, -1), off), mask.reshape(2 * b, -1), rows)
         ref = ops.stop_gradient(ref.reshape(b, 2))
         return ops.depend(ref, ops.assign(self.on, ops.depend(ops.ones((), ms.float32), ref)))
 
 
 class DPOLoss(nn.Cell):
     """tokens [b, 2, s+1], scale, mask [b, 2, s], ref [b, 2] -> (scale * mean DPO loss over the pairs,
-    the metrics [6] of METRICS, means over the pairs)."""
+    the metrics [6] of METRICS, means over the pairs). With train.head_rows loss the data adds the head
+    rows (msllm.data.loader.head_rows: the completion positions of the b pairs' 2b rows): after ref when
+    it is data (dpo.precompute_ref), before it when the step computes it (its output comes last)."""
 
     def __init__(self, model, cfg: DPOConfig, fused: bool = False, switch=None):
         super().__init__(auto_prefix=False)
@@ -79,9 +84,13 @@ class DPOLoss(nn.Cell):
                           else AdapterOffLogProbs(SequenceLogProbs(model, fused), switch))
         self.has_stats = True
 
-    def construct(self, tokens, scale, mask, ref):
+    def construct(self, tokens, scale, mask, *rest):
+        ref = rest[0] if self.reference is None else rest[-1]
+        rows = None
+        if len(rest) == 2:
+            rows = rest[1] if self.reference is None else rest[0]
         b = tokens.shape[0]
-        logps = self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1)).reshape(b, 2)
+        logps = self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1), rows).reshape(b, 2)
         ratios = logps - ref
         if self.loss_type == "ipo":
             scores = ratios / ops.maximum(ops.sum(mask, -1), 1.0)
@@ -99,20 +108,22 @@ class DPOLoss(nn.Cell):
 
 
 class ReferencePass(nn.Cell):
-    """tokens [b, 2, s+1], mask [b, 2, s] -> the model's summed completion log-probs [b, 2]."""
+    """tokens [b, 2, s+1], mask [b, 2, s], rows (head_rows of the mask) -> the model's summed completion
+    log-probs [b, 2]."""
 
     def __init__(self, model, fused: bool = False):
         super().__init__(auto_prefix=False)
         self.logps = SequenceLogProbs(model, fused)
 
-    def construct(self, tokens, mask):
+    def construct(self, tokens, mask, rows):
         b = tokens.shape[0]
-        return self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1)).reshape(b, 2)
+        return self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1), rows).reshape(b, 2)
 
 
 def precompute_reference(model, fused: bool, pairs, batch_size: int) -> np.ndarray:
     """[len(pairs), 2] float32: the reference log-probs of every pair (msllm.data.preference.PairRows),
-    batch_size pairs per compiled call (the last batch padded with the first pairs)."""
+    batch_size pairs per compiled call (the last batch padded with the first pairs), only the completion
+    positions through the head (a graph per capacity bucket)."""
     cell = ReferencePass(model, fused)
     cell.set_train(False)
     n = len(pairs)
@@ -121,7 +132,7 @@ def precompute_reference(model, fused: bool, pairs, batch_size: int) -> np.ndarr
         idx = [(start + k) % n for k in range(batch_size)]
         tokens = np.stack([pairs[i][0] for i in idx])
         mask = np.stack([pairs[i][1] for i in idx])
-        got = cell(Tensor(tokens), Tensor(mask)).asnumpy()
+        got = cell(Tensor(tokens), Tensor(mask), Tensor(head_rows(mask, 1))).asnumpy()
         out[start:start + batch_size] = got[:min(batch_size, n - start)]
     return out
 

@@ -31,15 +31,17 @@ METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regi
 class ReferenceLogProbs(nn.Cell):
     """The KL term's reference with LoRA: the policy's per-token log-probs with its adapters switched off
     (msllm.lora.AdapterSwitch set to 0, back to 1 once computed), no gradient, no second weight copy.
-    The step calls it with the loss cell's inputs and passes its output last (msllm.train.step.TrainStep)."""
+    The step calls it with the loss cell's inputs and passes its output last (msllm.train.step.TrainStep);
+    with `head_rows` the third of them (after mask and advantages) are the rows the head computes."""
 
-    def __init__(self, logps: TokenLogProbs, switch):
+    def __init__(self, logps: TokenLogProbs, switch, head_rows: bool = False):
         super().__init__(auto_prefix=False)
-        self.logps, self.on = logps, switch.on
+        self.logps, self.on, self.head_rows = logps, switch.on, head_rows
 
     def construct(self, tokens, *inputs):
+        rows = inputs[2] if self.head_rows else None
         off = ops.assign(self.on, ops.zeros((), ms.float32))
-        ref = ops.stop_gradient(self.logps(ops.depend(tokens, off)))
+        ref = ops.stop_gradient(self.logps(ops.depend(tokens, off), rows))
         return ops.depend(ref, ops.assign(self.on, ops.depend(ops.ones((), ms.float32), ref)))
 
 
@@ -47,11 +49,13 @@ class GRPOLoss(nn.Cell):
     """tokens [n, s+1], scale, mask [n, s], advantages [n](, batch_tokens [n])(, old_logps [n, s])
     (, ref_logps [n, s]) -> (scale * loss, METRICS [5]). batch_tokens come with dapo and accum_steps > 1,
     old_logps with grpo.num_iterations > 1 (else the policy's own: it sampled them), ref_logps when
-    beta > 0 (with `switch`, the adapters' one, the step computes them)."""
+    beta > 0 (with `switch`, the adapters' one, the step computes them). With `head_rows` (train.head_rows
+    loss) the first of the optional inputs are rows [n, C/n] (msllm.data.loader.head_rows of the mask):
+    only the completion positions go through the head, every log-prob elsewhere is 0."""
 
     def __init__(self, model, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
                  beta: float = 0.0, max_completion: int = 0, temperature: float = 1.0, fused: bool = False,
-                 switch=None, accum_steps: int = 1):
+                 switch=None, accum_steps: int = 1, head_rows: bool = False):
         super().__init__(auto_prefix=False)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type {loss_type!r} not in {LOSS_TYPES}")
@@ -61,22 +65,27 @@ class GRPOLoss(nn.Cell):
         self.has_stats = True
         # dapo normalises by the whole batch's completion tokens; the step averages its micro-batches' losses
         self.batch_count = loss_type == "dapo" and accum_steps > 1
-        self.accum_steps = accum_steps
+        self.accum_steps, self.head_rows = accum_steps, head_rows
         if beta != 0.0 and switch is not None:
-            self.reference = ReferenceLogProbs(TokenLogProbs(model, fused, temperature), switch)
+            self.reference = ReferenceLogProbs(TokenLogProbs(model, fused, temperature), switch, head_rows)
 
     def construct(self, tokens, scale, mask, advantages, *given):
-        logps = self.logps(tokens)
+        rows = None
+        if self.head_rows:
+            rows, given = given[0], given[1:]
+        logps = self.logps(tokens, rows)
         if self.batch_count:  # its first input: every row holds the batch's completion tokens
             given, batch_tokens = given[1:], given[0][0]
         # how many log-prob inputs came (fixed when the graph is compiled) says which they are
         old_logps = ops.stop_gradient(logps) if len(given) == (1 if self.beta != 0.0 else 0) else given[0]
-        ratio = ops.exp(logps - old_logps)
+        # log-ratios masked before exp: a position without a loss may hold any log-prob (0 when the head
+        # skipped it), and an overflow there would turn its zero weight into NaN
+        ratio = ops.exp((logps - old_logps) * mask)
         adv = advantages.reshape(-1, 1)
         per_token = -ops.minimum(ratio * adv, ops.clamp(ratio, self.low, self.high) * adv)
         kl = ops.zeros_like(per_token)
         if self.beta != 0.0:
-            delta = given[-1] - logps
+            delta = (given[-1] - logps) * mask
             kl = (ops.exp(delta) - delta - 1.0) * ratio  # TRL's use_bias_correction_kl (default): the k3
             per_token = per_token + self.beta * kl       # estimate weighted by the ratio, for samples of old
         tokens_per_row = ops.sum(mask, -1)

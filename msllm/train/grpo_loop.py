@@ -21,7 +21,7 @@ import mindspore as ms
 import numpy as np
 
 from msllm import backends
-from msllm.data.loader import RankSampler
+from msllm.data.loader import RankSampler, head_rows, most_loss_positions
 from msllm.data.tokenizer import eos_id, tokenizer_config
 from msllm.config import ConfigError
 from msllm.device import DeviceError
@@ -29,6 +29,7 @@ from msllm.generate import Sampling
 from msllm.inference import cell_engine
 from msllm.metrics import info
 from msllm.models.decoder import build_model
+from msllm.parallel import dp
 from msllm.train.grpo import METRICS, group_advantages
 from msllm.train.rewards import load_reward, score
 from msllm.train.rollout import log_rollouts, rollout_rows, sample_groups
@@ -38,6 +39,23 @@ def copy_weights(source, target, trainable_only: bool) -> None:
     theirs = {p.name: p for p in target.get_parameters()}
     for p in source.trainable_params() if trainable_only else source.get_parameters():
         theirs[p.name].set_data(ms.Tensor(p.asnumpy()))
+
+
+def step_inputs(cell, tokens, mask, advantages, accum_steps: int, num_iterations: int, world: int = 1) -> list:
+    """GRPOLoss `cell`'s inputs for rollout rows tokens [n, s+1], mask [n, s] and their advantages [n]:
+    tokens, mask, advantages, then the head rows (cell.head_rows: only the completion positions go through
+    the head, in a capacity every data-parallel rank shares), dapo's batch token count, and with
+    num_iterations > 1 the log-probs of the policy as it is now (the ratio's old ones for the later updates)."""
+    inputs = [ms.Tensor(tokens), ms.Tensor(mask), ms.Tensor(advantages)]
+    if cell.head_rows:
+        most = dp.all_gather(np.array([most_loss_positions(mask, accum_steps)])).max() if world > 1 else 0
+        inputs.append(ms.Tensor(head_rows(mask, accum_steps, int(most))))
+    if cell.batch_count:  # each micro-batch's dapo normaliser: the whole batch's tokens
+        inputs.append(ms.Tensor(np.full(len(tokens), mask.sum(), np.float32)))
+    if num_iterations > 1:  # computed once for the whole batch: its own head rows
+        rows = (ms.Tensor(head_rows(mask, 1)),) if cell.head_rows else ()
+        inputs.append(cell.logps(inputs[0], *rows))
+    return inputs
 
 
 def roll_out(trainer, engine, generator, order, rewards, weights, eos, step) -> dict:
@@ -62,11 +80,8 @@ def roll_out(trainer, engine, generator, order, rewards, weights, eos, step) -> 
                      list(rewards), advantages, completions)
     tokens, mask = rollout_rows([p.ids for p in batch], completions, g.group_size, cfg.data.seq_len,
                                 eos if eos is not None else 0)
-    inputs = [ms.Tensor(tokens), ms.Tensor(mask), ms.Tensor(advantages)]
-    if trainer.train_step.loss_cell.batch_count:  # each micro-batch's dapo normaliser: the whole batch's tokens
-        inputs.append(ms.Tensor(np.full(len(tokens), mask.sum(), np.float32)))
-    if g.num_iterations > 1:  # the sampling policy's log-probs, kept for the batch's later updates
-        inputs.append(trainer.train_step.loss_cell.logps(inputs[0]))
+    inputs = step_inputs(trainer.train_step.loss_cell, tokens, mask, advantages, cfg.train.accum_steps,
+                         g.num_iterations, trainer.world)
     return {"inputs": inputs, "metrics": {
         "reward": float(total.mean()), "reward_std": float(total.std()), "rollout_tokens_per_s": rollout_tok_s,
         **{f"rewards/{name}/mean": float(each[:, k].mean()) for k, name in enumerate(rewards)}}}

@@ -1,7 +1,9 @@
 """Per-token log-probabilities of a model's next tokens, through the loss's head path (msllm.train.step.LossCell):
 the model's projection while the logits fit layers.HEAD_CHUNK_BYTES, else the fused head kernel's
 target - logsumexp, so no [tokens, vocab] log-softmax exists when the kernel is on. DPO sums them over
-completions (msllm.train.dpo), GRPO weighs them per token (msllm.train.grpo).
+completions (msllm.train.dpo), GRPO weighs them per token (msllm.train.grpo). Given head rows
+(msllm.data.loader.head_rows: the completion positions, padded to a capacity), only those positions'
+hidden states go through the head, as the SFT loss does.
 """
 from __future__ import annotations
 
@@ -12,16 +14,22 @@ from msllm.train.step import fused_head
 
 
 class TokenLogProbs(nn.Cell):
-    """tokens [n, s+1] -> [n, s] fp32: log p(next token) of logits / temperature at every position."""
+    """tokens [n, s+1](, rows [n, C/n]) -> [n, s] fp32: log p(next token) of logits / temperature at every
+    position, or with rows (C distinct flat indices into the n*s positions) at those C and 0 elsewhere."""
 
     def __init__(self, model, fused: bool = False, temperature: float = 1.0):
         super().__init__(auto_prefix=False)
         self.model, self.temperature = model, temperature
         self.head = fused_head(model, fused)
 
-    def construct(self, tokens):
+    def construct(self, tokens, rows=None):
         labels = tokens[:, 1:].reshape(-1)
+        positions = labels.shape[0]
         h, _ = self.model.features(tokens[:, :-1])
+        gathered = rows is not None and rows.size < positions
+        if gathered:  # only the positions with a loss reach the head
+            rows = rows.reshape(-1)
+            h, labels = ops.gather(h, rows, 0), ops.gather(labels, rows, 0)
         if self.temperature != 1.0:  # (h W^T) / T = (h / T) W^T: the head path stays the same
             h = h / self.temperature
         if self.head is None or fits_whole(h.shape[0], self.model.cfg.vocab_size):
@@ -30,4 +38,7 @@ class TokenLogProbs(nn.Cell):
             target = ops.gather_elements(logits, 1, labels.reshape(-1, 1)).reshape(-1)
         else:
             lse, target = self.head(h, self.model.head_weight(), labels)
-        return (target - lse).reshape(tokens.shape[0], -1)
+        logps = target - lse
+        if gathered:  # back in place (the rows are distinct: the scatter's gradient is the gather)
+            logps = ops.scatter_nd(rows.reshape(-1, 1), logps, (positions,))
+        return logps.reshape(tokens.shape[0], -1)

@@ -271,9 +271,11 @@ class Trainer:
             return {"step": self.start_step}
         if t.objective == "grpo":
             return fit_grpo(self)
-        # SFT rows: only the positions with a loss go through the head (one worker only: each rank's
-        # buckets would differ, which data and context parallel have not been tried with)
-        rows = t.accum_steps if t.head_rows == "loss" and self.world == 1 and t.objective != "dpo" else 0
+        # SFT and DPO rows: only the positions with a loss go through the head, in a capacity every CPU data-parallel
+        # rank agrees on (the loader reads their masks). Not under context parallel (a rank holds part of each
+        # sequence), nor Ascend's sharded graphs (no layout for the gather)
+        rows = t.accum_steps if t.head_rows == "loss" and cfg.parallel.cp == 1 and (
+            self.world == 1 or t.device == "cpu") else 0
         data = make_dataset(self.train_tokens, cfg.data.seq_len, self.samples_per_step, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle, world=self.replicas, rank=self.replica,
                             start=self.data_position, num_batches=remaining, loss_rows=rows)
