@@ -158,8 +158,10 @@ class LlamaGraph:
     def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-        q = self.rope(self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq), cos, sin)
-        k = self.rope(self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq), cos, sin)
+        q = self.head_rope(self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq),
+                           cos, sin)
+        k = self.head_rope(self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq),
+                           cos, sin)
         v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
         if cache_k is not None:  # the new tokens' slots take the new keys and values
             source, fresh = write

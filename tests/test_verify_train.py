@@ -21,7 +21,7 @@ def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_train")
     out = {}
     for case in ("llama2_mha", "llama3_gqa_rope_scaling", "qwen2_bias_tied", "mistral_window", "qwen3", "gemma3", "phi3",
-                 "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss", "qwen3_5"):
+                 "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss", "qwen3_5", "glm4_moe"):
         build(case).save_pretrained(root / case)
         out[case] = root / case
     return out
@@ -31,7 +31,7 @@ def hf_dirs(tmp_path_factory):
 # (Gemma 3, window 8 < SEQ), fused qkv / gate_up storage (Phi-3); Qwen3.5's Gated DeltaNet layers (the
 # chunked rule's backward by autodiff) and gated attention with partial RoPE.
 @pytest.mark.parametrize("case", ["llama3_gqa_rope_scaling", "qwen2_bias_tied", "mistral_window", "qwen3", "gemma3", "phi3",
-                                  "qwen3_moe", "mixtral", "deepseek_v3", "olmo3", "gpt_oss", "qwen3_5",
+                                  "qwen3_moe", "mixtral", "deepseek_v3", "olmo3", "gpt_oss", "qwen3_5", "glm4_moe",
                                   # by hand (MSLLM_BY_HAND=1; passed 2026-11-27, 12 s): Llama's step with NoPE tables
                                   pytest.param("smollm3", marks=pytest.mark.skipif(
                                       not os.environ.get("MSLLM_BY_HAND"), reason="by hand: beyond CI's budget"))])
@@ -41,12 +41,14 @@ def test_train_steps_match_torch(hf_dirs, case):
     names = {c.name for c in report.checks if c.kind == "grad"}
     tied = json.loads((hf_dirs[case] / "config.json").read_text())["tie_word_embeddings"]
     assert ("output.weight" in names) == (not tied)  # tied: the embedding is the head
-    if case in ("qwen3", "gemma3", "olmo3"):
+    if case in ("qwen3", "gemma3", "olmo3", "glm4_moe"):
         assert "layers.1.attention.k_norm.weight" in names
     if case == "qwen3_5":  # the linear layers' decay, gate and conv, the attention layer's output gate
         assert {"layers.0.attention.A_log", "layers.0.attention.dt_bias", "layers.2.attention.conv.weight",
                 "layers.3.attention.wg.weight"} <= names
-    assert ("layers.1.attention.wk.bias" in names) == (case in ("qwen2_bias_tied", "gpt_oss"))
+    assert ("layers.1.attention.wk.bias" in names) == (case in ("qwen2_bias_tied", "gpt_oss", "glm4_moe"))
+    if case == "glm4_moe":  # a MoE layer's shared expert and routed experts are compared too
+        assert {"layers.1.feed_forward.shared.w1.weight", "layers.2.feed_forward.experts.w2"} <= names
     # Real training happened: the weights moved by ~lr and the schedule ran.
     lrs = [c.ours for c in report.checks if c.kind == "lr"]
     assert lrs == pytest.approx([optim.lr_at(s, vt.VERIFY_OPTIM, STEPS) for s in (1, 2)], rel=1e-6)
