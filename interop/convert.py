@@ -74,7 +74,8 @@ def _refuse_multi_token_prediction(source: Source, unexpected: list[str]) -> Non
     """A Hugging Face checkpoint's multi-token-prediction layers follow its last layer (GLM-4.5's
     model.layers.46.* / 92.*); a family whose table does not ignore them (DeepSeek-V3's does, as transformers)
     has them refused here in one line that says what they are."""
-    depth = ((source.hf_config or {}).get("num_nextn_predict_layers") or 0) if source.layout == "hf" else 0
+    config = source.hf_config if source.layout == "hf" and source.hf_config else {}
+    depth = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0  # (transformers' alias)
     first = f"model.layers.{source.config.model.num_layers}."
     if depth and any(name.startswith(first) for name in unexpected):
         raise InteropError(f"{source.reader.path}: {first}* is {source.architecture}'s multi-token-prediction layer "

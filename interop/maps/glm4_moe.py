@@ -18,9 +18,8 @@ _ATTENTION = ([row for row in LLAMA.per_layer if row.msllm.startswith("attention
                  if row.msllm in ("attention.q_norm.weight", "attention.k_norm.weight")])
 _MLP = [row for row in deepseek_v3.DEEPSEEK_V3.per_layer if row.msllm.startswith(("ffn_norm", "feed_forward."))]
 
-GLM4_MOE = deepseek_v3.DEEPSEEK_V3._replace(
-    per_layer=[row._replace(mindformers=None) for row in
-               [deepseek_v3.DEEPSEEK_V3.per_layer[0], *_ATTENTION, *_MLP]],  # input_layernorm first
+GLM4_MOE = QWEN3._replace(  # its embedding, final norm and head
+    per_layer=[row._replace(mindformers=None) for row in [QWEN3.per_layer[0], *_ATTENTION, *_MLP]],
     ignore={"hf": ["lm_head.weight"]},
 )
 
