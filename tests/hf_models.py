@@ -58,7 +58,7 @@ CASES = {
         num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16, n_routed_experts=32, n_group=1,
         topk_group=1, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
         kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.827,
-        rope_parameters={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 16,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 2,
                          "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                          "rope_theta": 50000.0})),
     # GLM-4.5 MoE: q/k/v biases, per-head q/k norms, RoPE on the leading half of each 16-feature head, layer 0
