@@ -135,6 +135,13 @@ class LlamaGraph:
         rotated = self.op("Concat", self.op("Neg", second), first, axis=-1)
         return self.op("Add", self.op("Mul", x, cos), self.op("Mul", rotated, sin))
 
+    def head_rope(self, x, cos, sin) -> ir.Value:
+        """RoPE on each attention head's leading rope_dim features, the rest as they are (partial RoPE)."""
+        d, head = self.cfg.rope_dim, self.cfg.head_size
+        if d == head:
+            return self.rope(x, cos, sin)
+        return self.op("Concat", self.rope(self.part(x, 0, d), cos, sin), self.part(x, d, head), axis=-1)
+
     def normed_heads(self, projection, norm, n: int, seq) -> ir.Value:
         """A q or k projection as heads [b, n, s, d], its norm (if any) over each head or over the whole
         projection (qk_norm_scope)."""
