@@ -157,7 +157,8 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
 
 @pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", pytest.param("mistral_window", marks=BY_HAND),
                                   pytest.param("mixtral", marks=BY_HAND), pytest.param("smollm3", marks=BY_HAND),
-                                  pytest.param("olmo3", marks=BY_HAND), pytest.param("gpt_oss", marks=BY_HAND)])
+                                  pytest.param("olmo3", marks=BY_HAND), pytest.param("gpt_oss", marks=BY_HAND),
+                                  pytest.param("glm4_moe", marks=BY_HAND)])
 def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case, monkeypatch):
     """train --init-from on packed SFT rows (windowed masks per sample) with LoRA on every projection,
     merged, converted back to HF: transformers computes the merged model. Gemma 3's adapter also
@@ -179,7 +180,7 @@ def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corp
               "train.steps": 4, "train.batch_size": 2, "train.eval_every": 4, "train.ckpt_every": 4,
               "train.sample_tokens": 0, "optim.lr": 1e-2, "optim.warmup_steps": 0, "lora.rank": 4,
               "lora.targets": "[q, k, v, o, gate, up, down]"}
-    if case in ("qwen3_moe", "mixtral", "gpt_oss"):  # the experts; PEFT takes gate / up / down as the experts' (below)
+    if case in ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe"):  # the experts; PEFT takes gate / up / down as the experts' (below)
         values["lora.targets"] = "[q, k, v, o, experts_gate, experts_up, experts_down]"
     args = ["train", "--init-from", str(folder / "hf")] + [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     assert main([str(a) for a in args]) == 0
