@@ -135,6 +135,13 @@ class LlamaGraph:
         rotated = self.op("Concat", self.op("Neg", second), first, axis=-1)
         return self.op("Add", self.op("Mul", x, cos), self.op("Mul", rotated, sin))
 
+    def head_rope(self, x, cos, sin) -> ir.Value:
+        """RoPE on each attention head's leading rope_dim features, the rest as they are (partial RoPE)."""
+        d, head = self.cfg.rope_dim, self.cfg.head_size
+        if d == head:
+            return self.rope(x, cos, sin)
+        return self.op("Concat", self.rope(self.part(x, 0, d), cos, sin), self.part(x, d, head), axis=-1)
+
     def normed_heads(self, projection, norm, n: int, seq) -> ir.Value:
         """A q or k projection as heads [b, n, s, d], its norm (if any) over each head or over the whole
         projection (qk_norm_scope)."""
@@ -158,8 +165,10 @@ class LlamaGraph:
     def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-        q = self.rope(self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq), cos, sin)
-        k = self.rope(self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq), cos, sin)
+        q = self.head_rope(self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq),
+                           cos, sin)
+        k = self.head_rope(self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq),
+                           cos, sin)
         v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
         if cache_k is not None:  # the new tokens' slots take the new keys and values
             source, fresh = write

@@ -1,7 +1,8 @@
 """Hugging Face config.json <-> msllm ModelConfig.
 
 Supported: the architectures of interop.maps.FAMILIES (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3
-text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3, SmolLM3, OLMo 2 and 3, gpt-oss, Qwen3.5, Qwen3.5-MoE and
+text, Phi-3, Qwen3-MoE, Mixtral, DeepSeek-V3 (and Kimi K2, which is one), GLM-4.5 MoE, SmolLM3, OLMo 2 and 3,
+gpt-oss, Qwen3.5, Qwen3.5-MoE and
 Qwen3-Next). The sizes, RoPE, sliding window and layer types are read from the config keys every family
 shares (MLA's ranks when the family's spec attends with MLA); what an architecture implies beyond them
 is its family spec, and the keys only it has (experts, derived scales, NoPE layers, linear-attention
@@ -23,6 +24,7 @@ from msllm.config import ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL, ModelConfig, 
 
 MODEL_TYPES = {arch: family.model_type for arch, family in FAMILIES.items()}
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
+MXFP4 = "mxfp4"  # the one quantization_config.quant_method read (interop/formats/mxfp4.py dequantizes it)
 
 
 def architecture(hf: dict, source: str) -> str:
@@ -137,12 +139,17 @@ def to_model_config(hf: dict, source: str, max_seq_len: int | None = None) -> Mo
     if hf.get(act_key, family.activation) != family.activation:
         refuse(act_key, f"{hf[act_key]!r} is not supported for {arch} ({family.activation})")
     for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
-        if hf.get(key) and not (key == "attention_bias" and family.spec.get("o_bias")):
+        if hf.get(key) and not (key == "attention_bias" and (family.spec.get("o_bias") or family.attention_bias_qkv)):
             refuse(key, "msllm has no o_proj or MLP biases" if key != "use_bidirectional_attention"
                    else "msllm computes causal attention")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(key) is not None:
             refuse(key, "logit soft-capping is not supported (null)")
+    quantization = hf.get("quantization_config") or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
+    if quantization and method != MXFP4:
+        refuse("quantization_config", f"{method!r}: msllm reads full-precision weights, and MXFP4 ones (*_blocks / "
+               f"*_scales, dequantized on read); dequantize the checkpoint first")
     hidden, heads = count("hidden_size"), count("num_attention_heads")
     mla = _mla(hf, heads, count, refuse) if family.spec.get("attention") == "mla" else {}
     # MLA's config.json says head_dim for its RoPE part (qk_rope_head_dim), read by _mla

@@ -1,7 +1,8 @@
 """Where each layout keeps its files: open a checkpoint as a Source, plan a destination's files.
 
   hf           DIR/config.json + model.safetensors | model-0000k-of-0000N.safetensors + index
-               | pytorch_model.bin | pytorch_model-0000k-of-0000N.bin + index  [+ tokenizer files]
+               | pytorch_model.bin | pytorch_model-0000k-of-0000N.bin + index  [+ tokenizer files];
+               MXFP4 experts (quantization_config) read dequantized (formats/mxfp4.py)
   msllm        DIR/model.safetensors + state.json (a full msllm Config) [+ tokenizer.json], or a run dir
   mindformers  DIR/model.ckpt | DIR/model.safetensors + model_config.json (msllm ModelConfig keys,
                the config tools/mindformers_peer.py reads); or the weights file itself
@@ -11,9 +12,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from interop import InteropError, read_json
 from interop.formats import MultiFileReader
 from interop.formats.ms_ckpt import CkptReader, CkptWriter
+from interop.formats.mxfp4 import Mxfp4Reader
 from interop.formats.safetensors import SafetensorsWriter
 from interop.formats.torch_bin import TorchBinReader
 from interop.hf_config import architecture, default_architecture, to_model_config
@@ -36,6 +40,7 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 READERS = {".safetensors": SafetensorsReader, ".bin": TorchBinReader, ".pt": TorchBinReader,
            ".pth": TorchBinReader, ".ckpt": CkptReader}
 WRITERS = {".safetensors": SafetensorsWriter, ".ckpt": CkptWriter}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # config.json's dtype
 
 
 @dataclasses.dataclass
@@ -101,6 +106,10 @@ def _open_hf(path: Path, max_seq_len: int | None) -> Source:
             break
     else:
         raise InteropError(f"{path}: no weights (expected {', '.join(n for pair in HF_WEIGHTS for n in pair)})")
+    if hf.get("quantization_config"):  # MXFP4: to_model_config refused the others
+        # read full precision, in the dtype transformers would load the model in; written back without it
+        reader = Mxfp4Reader(reader, DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"), torch.bfloat16))
+        hf = {key: value for key, value in hf.items() if key != "quantization_config"}
     arch = architecture(hf, str(path / HF_CONFIG))
     if model.mtp_depths and not holds_mtp(FAMILIES[arch].table, model, "hf", reader.infos):
         # its config.json counts MTP layers its weights do not hold (transformers saves none): read without

@@ -33,7 +33,7 @@ from msllm.staged import staged_dir
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # Architectures whose gate_proj / up_proj / down_proj PEFT (0.21) re-targets to the fused experts
 # (its transformers v4 -> v5 MoE conversion), dense MLP layers included
-PEFT_RENAMES_MLP = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+PEFT_RENAMES_MLP = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 # Architectures whose experts peft_experts does not lay out: gpt-oss stores each layer's as one gate_up_proj
 # [E, h, 2f] with gate and up columns alternating (and down_proj [E, f, h]), not Qwen3-MoE's [E, 2f, h]
 PEFT_UNWRITTEN_EXPERTS = ("GptOssForCausalLM",)

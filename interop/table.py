@@ -42,6 +42,8 @@ CONDITIONS = {"untied": lambda m, i: not m.tie_embeddings,
               "dense": lambda m, i: m.mlp_kinds()[i] == "dense",
               "moe": lambda m, i: m.mlp_kinds()[i] == "moe",
               "shared": lambda m, i: m.mlp_kinds()[i] == "moe" and m.shared_experts > 0,
+              "qkv_bias": lambda m, i: m.qkv_bias,
+              "qk_norm": lambda m, i: m.qk_norm,
               "q_lora": lambda m, i: m.q_lora_rank > 0,          # MLA's low-rank query
               "no_q_lora": lambda m, i: m.q_lora_rank == 0,
               "linear": lambda m, i: m.layer_kinds()[i] == "linear",      # a Gated DeltaNet layer

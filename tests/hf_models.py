@@ -3,7 +3,8 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, Glm4MoeConfig,
+                          Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, GptOssConfig, GptOssForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
@@ -50,6 +51,24 @@ CASES = {
         num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=2,
         topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
         kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5)),
+    # Kimi K2 is a DeepseekV3ForCausalLM: its values scaled down (384 experts -> 32, top 8, one group so no
+    # grouped top-k, routed_scaling 2.827, YaRN x32 with its beta_fast / beta_slow 1)
+    "kimi_k2": (DeepseekV3ForCausalLM, DeepseekV3Config(
+        vocab_size=300, hidden_size=64, num_hidden_layers=2, max_position_embeddings=64, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16, n_routed_experts=32, n_group=1,
+        topk_group=1, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.827,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 2,
+                         "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "rope_theta": 50000.0})),
+    # GLM-4.5 MoE: q/k/v biases, per-head q/k norms, RoPE on the leading half of each 16-feature head, layer 0
+    # dense, then DeepSeek-V3's router (8 experts in 2 groups, top 2 from the best group, expert bias, scaled)
+    # and a shared expert
+    "glm4_moe": (Glm4MoeForCausalLM, Glm4MoeConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=3, max_position_embeddings=64, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=2,
+        topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+        use_qk_norm=True, routed_scaling_factor=2.5)),
     # NoPE every 2nd layer (no_rope_layers [1, 0, 1]), the NoPE layer sliding (window 8), tied; token ids in the vocabulary
     "smollm3": (SmolLM3ForCausalLM, SmolLM3Config(
         **{**SMALL, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

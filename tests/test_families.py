@@ -22,7 +22,8 @@ from tests.conftest import run_cli
 from tests.hf_models import build, save_tokenizer
 
 NEW_TOKENS, PROMPT = 16, 12
-FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss"]
+FAMILIES = ["mistral_window", "qwen3", "gemma3", "phi3", "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss",
+            "glm4_moe"]
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -114,15 +115,17 @@ BY_HAND = pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by han
 # and MoE layers suffices there. The ONNX graphs are written op by op: Gemma 3 has every
 # dense-family op (q/k norms, offset and sandwich norms, GeGLU, two attention kinds, scales),
 # Mixtral the MoE ops; the plain Llama path is tests/test_export.py's. By hand: SmolLM3 (NoPE layers),
-# OLMo 3 (norms after each sublayer only, q/k norms over the whole projection) and gpt-oss (sinks, biased
-# experts, clamped SwiGLU) on both.
+# OLMo 3 (norms after each sublayer only, q/k norms over the whole projection), gpt-oss (sinks, biased
+# experts, clamped SwiGLU) and GLM-4.5 (partial RoPE, q/k/v biases, grouped sigmoid router, shared expert) on both.
 @pytest.mark.parametrize("case, fmt", [("gemma3", "onnx"), ("mixtral", "onnx"), ("qwen3_moe", "mindir"),
                                        pytest.param("olmo3", "onnx", marks=BY_HAND),
                                        pytest.param("smollm3", "onnx", marks=BY_HAND),
                                        pytest.param("smollm3", "mindir", marks=BY_HAND),
                                        pytest.param("olmo3", "mindir", marks=BY_HAND),
                                        pytest.param("gpt_oss", "onnx", marks=BY_HAND),
-                                       pytest.param("gpt_oss", "mindir", marks=BY_HAND)])
+                                       pytest.param("gpt_oss", "mindir", marks=BY_HAND),
+                                       pytest.param("glm4_moe", "onnx", marks=BY_HAND),
+                                       pytest.param("glm4_moe", "mindir", marks=BY_HAND)])
 def test_exported_generate_what_transformers_does(converted, tmp_path, case, fmt):
     folder, prompt, want = converted[case]
     manifest = export(folder / "msllm", fmt, tmp_path / fmt, log=lambda line: None)
@@ -154,7 +157,8 @@ def test_sliding_layers_hide_keys_beyond_the_window(converted):
 
 @pytest.mark.parametrize("case", ["gemma3", "phi3", "qwen3_moe", "qwen3", pytest.param("mistral_window", marks=BY_HAND),
                                   pytest.param("mixtral", marks=BY_HAND), pytest.param("smollm3", marks=BY_HAND),
-                                  pytest.param("olmo3", marks=BY_HAND), pytest.param("gpt_oss", marks=BY_HAND)])
+                                  pytest.param("olmo3", marks=BY_HAND), pytest.param("gpt_oss", marks=BY_HAND),
+                                  pytest.param("glm4_moe", marks=BY_HAND)])
 def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corpus, tmp_path, case, monkeypatch):
     """train --init-from on packed SFT rows (windowed masks per sample) with LoRA on every projection,
     merged, converted back to HF: transformers computes the merged model. Gemma 3's adapter also
@@ -176,7 +180,7 @@ def test_lora_sft_merge_converts_back_to_what_transformers_loads(converted, corp
               "train.steps": 4, "train.batch_size": 2, "train.eval_every": 4, "train.ckpt_every": 4,
               "train.sample_tokens": 0, "optim.lr": 1e-2, "optim.warmup_steps": 0, "lora.rank": 4,
               "lora.targets": "[q, k, v, o, gate, up, down]"}
-    if case in ("qwen3_moe", "mixtral", "gpt_oss"):  # the experts; PEFT takes gate / up / down as the experts' (below)
+    if case in ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe"):  # the experts; PEFT takes gate / up / down as the experts' (below)
         values["lora.targets"] = "[q, k, v, o, experts_gate, experts_up, experts_down]"
     args = ["train", "--init-from", str(folder / "hf")] + [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     assert main([str(a) for a in args]) == 0
@@ -282,7 +286,7 @@ def test_a_gemma_spec_trains_with_recompute_and_resumes_bit_identically(corpus, 
                                                            "model.safetensors"))
 
 
-@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b", "smollm3_3b", "olmo3_7b", "gpt_oss_20b"])
+@pytest.mark.parametrize("name", ["qwen3_8b", "gemma3_1b", "smollm3_3b", "olmo3_7b", "gpt_oss_20b", "glm4_5_air"])
 def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(name):
     """configs/<name>.yaml describes the real model: its parameter count equals transformers' for the
     same config (built on the meta device), and `msllm plan` lays it out on 64 devices."""
@@ -295,7 +299,7 @@ def test_shape_references_count_what_transformers_builds_and_plan_lays_them_out(
     arch = default_architecture(cfg.model)
     assert arch == {"qwen3_8b": "Qwen3ForCausalLM", "gemma3_1b": "Gemma3ForCausalLM",
                     "smollm3_3b": "SmolLM3ForCausalLM", "olmo3_7b": "Olmo3ForCausalLM",
-                    "gpt_oss_20b": "GptOssForCausalLM"}[name]
+                    "gpt_oss_20b": "GptOssForCausalLM", "glm4_5_air": "Glm4MoeForCausalLM"}[name]
     hf = to_hf_config(cfg.model, arch, "float32")
     config_class = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     with torch.device("meta"):
@@ -427,13 +431,13 @@ def test_smollm3_bad_no_rope_layers_are_refused_in_one_line(converted, tmp_path,
 
 
 @pytest.mark.parametrize("edit, why", [
-    ({"quantization_config": {"quant_method": "mxfp4"}}, r"quantization_config: 'mxfp4': msllm reads full-precision "
-                                                         r"experts only, not MXFP4"),
+    ({"quantization_config": {"quant_method": "gptq"}}, r"quantization_config: .gptq.: msllm reads full-precision "
+                                                        r"weights, and MXFP4 ones"),
     ({"attention_bias": False}, r"attention_bias: false: msllm builds gpt-oss with q/k/v/o biases"),
     ({"swiglu_limit": 0}, r"swiglu_limit: must be a number > 0, got 0"),
 ])
 def test_gpt_oss_parts_not_built_are_refused_in_one_line(converted, tmp_path, edit, why):
-    """A gpt-oss checkpoint with MXFP4 experts, without attention biases or with a bad SwiGLU limit: one line
+    """A gpt-oss checkpoint quantized other than MXFP4, without attention biases or with a bad SwiGLU limit: one line
     naming the config.json key, nothing written."""
     import json
     import shutil
@@ -445,5 +449,113 @@ def test_gpt_oss_parts_not_built_are_refused_in_one_line(converted, tmp_path, ed
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(InteropError, match="config.json: " + why) as e:
+        convert(bad, tmp_path / "out", progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; code + 8 is the negative
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert stack as transformers holds it, [E, in, out], in gpt-oss's published MXFP4 layout: blocks
+    [E, out, in / 32, 16] and scales [E, out, in / 32]. Each output row's inputs in groups of 32 share the
+    power of two that brings their largest magnitude within e2m1's 6 (stored + 127), each value rounded to
+    the nearest e2m1 code, two codes a byte, the even one in the low nibble."""
+    groups = w.transpose(1, 2).float().reshape(w.shape[0], w.shape[2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(2.0 ** -126) / 6)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled.abs()[..., None] - torch.tensor(E2M1_MAGNITUDES)).abs().argmin(-1) + 8 * (scaled < 0)
+    return (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_read_as_transformers_dequantizes_them(converted, tmp_path):
+    """A tiny gpt-oss whose experts the test quantizes to MXFP4 and writes in the published layout
+    (*_blocks / *_scales, quantization_config): convert reads it dequantized, and writing it back gives a
+    full-precision checkpoint (no quantization_config) equal bit for bit to the model transformers loads
+    from the MXFP4 files (its Mxfp4Config dequantization); verify passes on the MXFP4 dir. In bf16, the
+    published dtype, the dequantization equals transformers' own too. Scales without blocks: one line."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssForCausalLM, Mxfp4Config
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from interop import InteropError
+    from interop.formats.mxfp4 import dequantize
+    from interop.verify import verify
+    from tests.numerics import REORDER_RTOL
+
+    full = converted["gpt_oss"][0] / "hf"
+    tensors = load_file(full / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(tensors.pop(name))
+    quantized = tmp_path / "mxfp4"
+    quantized.mkdir()
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((full / "config.json").read_text())
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                 "model.embed_tokens", "lm_head"]}
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": mxfp4}))
+
+    convert(quantized, tmp_path / "ms", progress=False)
+    convert(tmp_path / "ms", tmp_path / "back", progress=False)
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+    ours = load_file(tmp_path / "back" / "model.safetensors")
+    theirs = GptOssForCausalLM.from_pretrained(quantized, quantization_config=Mxfp4Config(dequantize=True),
+                                               dtype=torch.float32).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+    original = load_file(full / "model.safetensors")
+    gate_up = "model.layers.1.mlp.experts.gate_up_proj"
+    error = (ours[gate_up] - original[gate_up]).abs().max() / original[gate_up].abs().max()
+    assert 0 < error < 0.25  # really quantized (e2m1 keeps ~2 significant bits), and in the original's place
+    report = verify(quantized, tmp_path / "ms")
+    assert report.ok and max(report.max_rel) <= REORDER_RTOL, "\n".join(report.lines())  # the same weights
+
+    blocks, scales = tensors[gate_up + "_blocks"], tensors[gate_up + "_scales"]
+    assert len(scales.unique()) > 1  # groups of different scales: a scale read for the wrong group shows
+    assert torch.equal(dequantize(blocks, scales, torch.bfloat16),
+                       convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16))
+
+    del tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InteropError, match=r"MXFP4 tensors not in the published layout .*model.layers.0.mlp.experts"
+                                           r".down_proj_blocks \[4, 64, 1, 16\] with .*down_proj_scales missing") as e:
+        convert(quantized, tmp_path / "bad", progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "bad").exists()
+
+
+def test_kimi_k2_reads_as_deepseek_v3_with_one_group():
+    """Kimi K2's checkpoints are DeepseekV3ForCausalLM with its own values: many experts for its top 8, one
+    group (so the grouped top-k chooses among every expert), its routed scaling and YaRN. msllm reads them as
+    such (its convert, verify and bitwise round trip: the kimi_k2 case of test_interop_convert)."""
+    from interop.hf_config import to_model_config
+    from tests.hf_models import CASES
+
+    m = to_model_config(CASES["kimi_k2"][1].to_dict(), "config.json")
+    assert (m.attention, m.router, m.num_experts, m.experts_per_token, m.expert_groups, m.topk_groups) == \
+        ("mla", "sigmoid_grouped", 32, 8, 1, 1)
+    assert (m.routed_scaling, m.shared_experts, m.mlp_kinds(), m.q_lora_rank) == (2.827, 1, ["dense", "moe"], 24)
+    assert m.rope_scaling["type"] == "yarn" and m.rope_scaling["factor"] == 32.0 and m.rope_scaling["beta_fast"] == 1.0
+
+
+def test_glm4_moe_multi_token_prediction_layer_is_refused_in_one_line(converted, tmp_path):
+    """GLM-4.5's checkpoints carry a multi-token-prediction layer after the last one (num_nextn_predict_layers),
+    which msllm does not read yet: one line naming it, nothing written."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from interop import InteropError
+
+    bad = tmp_path / "hf"
+    shutil.copytree(converted["glm4_moe"][0] / "hf", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InteropError, match=r"model.layers.3.\* is Glm4MoeForCausalLM's multi-token-prediction layer "
+                                           r"\(num_nextn_predict_layers 1\), which msllm does not read yet") as e:
         convert(bad, tmp_path / "out", progress=False)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -5,7 +5,8 @@ Each family's module also holds its config translation beyond the keys every fam
 Adding a family: a table, a SPEC, a line here, and a tiny random model in tests/hf_models.py."""
 from typing import Callable, NamedTuple
 
-from interop.maps import deepseek_v3, gemma3, gpt_oss, moe, olmo, phi3, qwen3, qwen3_5, qwen3_5_moe, qwen3_next, smollm3
+from interop.maps import (deepseek_v3, gemma3, glm4_moe, gpt_oss, moe, olmo, phi3, qwen3, qwen3_5, qwen3_5_moe,
+                          qwen3_next, smollm3)
 from interop.maps.llama import LLAMA, QWEN2
 from interop.table import Table
 
@@ -29,6 +30,9 @@ class Family(NamedTuple):
     # Its config.json can mark layers that attend without RoPE (model.position_types).
     nope_layers: bool = False
     partial_rope: bool = False  # its attention rotates the leading partial_rotary_factor of each head
+    # config.json's attention_bias puts biases on q, k and v only (GLM-4.5; its from_hf reads it), not also on
+    # o_proj as Llama's convention has it
+    attention_bias_qkv: bool = False
 
 
 FAMILIES = {
@@ -46,6 +50,8 @@ FAMILIES = {
     "DeepseekV3ForCausalLM": Family(deepseek_v3.DEEPSEEK_V3, "deepseek_v3", deepseek_v3.SPEC, moe=True,
                                     mindformers=deepseek_v3.DEEPSEEK_V3_MINDFORMERS,
                                     from_hf=deepseek_v3.from_hf, to_hf=deepseek_v3.to_hf),
+    "Glm4MoeForCausalLM": Family(glm4_moe.GLM4_MOE, "glm4_moe", glm4_moe.SPEC, moe=True, from_hf=glm4_moe.from_hf,
+                                 to_hf=glm4_moe.to_hf, partial_rope=True, attention_bias_qkv=True),
     "SmolLM3ForCausalLM": Family(smollm3.SMOLLM3, "smollm3", {}, from_hf=smollm3.from_hf, to_hf=smollm3.to_hf,
                                  nope_layers=True),
     # OLMo 3 first: msllm models that norm like OLMo are written as OLMo 3, which also holds sliding layers

@@ -3,7 +3,8 @@ sink logit per head (self_attn.sinks), sliding-window and full layers alternatin
 every MLP routed: a router with a bias whose top k logits are softmaxed (msllm's softmax router with
 renormalised top k: the same weights), experts with biases and gpt-oss's clamped SwiGLU, stored as
 one gate_up_proj [E, h, 2f] whose columns alternate gate and up, and down_proj [E, f, h].
-Not mapped to MindFormers. Checkpoints whose experts are MXFP4 (*_blocks / *_scales) are not read."""
+Not mapped to MindFormers. The published checkpoints store the experts in MXFP4 (*_blocks / *_scales), which
+interop/formats/mxfp4.py dequantizes on read into the full-precision tensors this table names."""
 from interop.maps import moe
 from interop.table import Alternated, Concat, ExpertsTransposed, Row, Table
 
@@ -50,11 +51,6 @@ SPEC = {"qkv_bias": True, "o_bias": True, "attention_sinks": True, "router_bias"
 def from_hf(hf: dict, fields: dict, refuse) -> None:
     """Its experts (their size is intermediate_size), top k (softmax over the top k logits: renormalised), and
     the clamped SwiGLU's alpha and limit."""
-    quantization = hf.get("quantization_config") or {}
-    if quantization:
-        refuse("quantization_config", f"{quantization.get('quant_method', quantization)!r}: msllm reads full-precision "
-               "experts only, not MXFP4 (*_blocks / *_scales); dequantize the checkpoint first (transformers: "
-               "Mxfp4Config(dequantize=True), then save_pretrained)")
     if not hf.get("attention_bias", True):
         refuse("attention_bias", "false: msllm builds gpt-oss with q/k/v/o biases (true)")
     if hf.get("num_local_experts") is None:

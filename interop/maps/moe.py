@@ -105,7 +105,8 @@ SAVED_EXPERTS = {"Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_pr
                  "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
                  "DeepseekV3ForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
                  "Qwen3_5MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
-                 "Qwen3NextForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj")}
+                 "Qwen3NextForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "Glm4MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 def to_saved(arch: str, tensors: dict) -> dict:
