@@ -321,7 +321,10 @@ def _depth_prefix(prefixes: dict[str, str], k: int, num_layers: int) -> dict[str
 
 
 def holds_mtp(table: Table, m: ModelConfig, layout: str, names) -> bool:
-    """A checkpoint in `layout` holding `names` holds model m's MTP depths (their first tensor is there)."""
+    """A checkpoint in `layout` holding `names` holds model m's MTP depths (their first tensor is there);
+    never for a family whose table maps no MTP rows."""
+    if not table.mtp:
+        return False
     first = table.mtp[0]
     return _rule(getattr(first, layout)).expand(_depth_prefix(table.mtp_prefix, 0, m.num_layers)[layout], 0).name in names
 
