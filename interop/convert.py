@@ -61,26 +61,12 @@ def plan(source: Source, to: str | None = None) -> list[Entry]:
     unexpected = [n for n in have if n not in want and not any(fnmatch.fnmatchcase(n, p) for p in ignore)]
     misshaped = [f"{n} {list(have[n].shape)} != {list(want[n])}" for n in want
                  if n in have and have[n].shape != want[n]]
-    _refuse_multi_token_prediction(source, unexpected)
     problems = [f"{what} {names_line(names)}" for what, names in
                 (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)) if names]
     if problems:
         raise InteropError(f"{source.reader.path}: does not match {source.architecture} with this config "
                            f"({source.layout} layout): " + "; ".join(problems))
     return rows
-
-
-def _refuse_multi_token_prediction(source: Source, unexpected: list[str]) -> None:
-    """A Hugging Face checkpoint's multi-token-prediction layers follow its last layer (GLM-4.5's
-    model.layers.46.* / 92.*); a family whose table does not ignore them (DeepSeek-V3's does, as transformers)
-    has them refused here in one line that says what they are."""
-    config = source.hf_config if source.layout == "hf" and source.hf_config else {}
-    depth = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0  # (transformers' alias)
-    first = f"model.layers.{source.config.model.num_layers}."
-    if depth and any(name.startswith(first) for name in unexpected):
-        raise InteropError(f"{source.reader.path}: {first}* is {source.architecture}'s multi-token-prediction layer "
-                           f"(num_nextn_predict_layers {depth}), which msllm does not read yet; drop its tensors to "
-                           f"convert the rest (transformers ignores them too)")
 
 
 def msllm_tensors(rows: list[Entry], layout: str, reader):

@@ -33,19 +33,29 @@ from tests.hf_models import build
 ARCH, DEPTHS, WEIGHT = "DeepseekV3ForCausalLM", 2, 0.3
 
 
+# per family: the decoder layer and RMSNorm classes its MTP depths are built from (transformers' own)
+MTP_MODULES = {
+    "DeepseekV3ForCausalLM": ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3DecoderLayer",
+                              "DeepseekV3RMSNorm"),
+    "Glm4MoeForCausalLM": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeDecoderLayer", "Glm4MoeRMSNorm"),
+}
+
+
 def torch_depths(hf, depths: int, seed: int = 1) -> list[torch.nn.ModuleDict]:
     """The MTP depths as torch modules beside the HF model: each a MoE layer like the last (index L + k)."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+    import importlib
 
+    module, layer, norm = MTP_MODULES[type(hf).__name__]
+    DecoderLayer, RMSNorm = (getattr(importlib.import_module(module), name) for name in (layer, norm))
     cfg, h = hf.config, hf.config.hidden_size
     torch.manual_seed(seed)
     out = []
     for k in range(depths):
         depth = torch.nn.ModuleDict({
-            "enorm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps), "hnorm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps),
+            "enorm": RMSNorm(h, cfg.rms_norm_eps), "hnorm": RMSNorm(h, cfg.rms_norm_eps),
             "eh_proj": torch.nn.Linear(2 * h, h, bias=False),
-            "layer": DeepseekV3DecoderLayer(cfg, cfg.num_hidden_layers + k),
-            "shared_head": torch.nn.ModuleDict({"norm": DeepseekV3RMSNorm(h, cfg.rms_norm_eps)})})
+            "layer": DecoderLayer(cfg, cfg.num_hidden_layers + k),
+            "shared_head": torch.nn.ModuleDict({"norm": RMSNorm(h, cfg.rms_norm_eps)})})
         with torch.no_grad():  # the experts start uninitialised outside a model's post_init
             for name, p in depth.named_parameters():
                 p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
@@ -66,7 +76,7 @@ def saved_tensors(hf, depths) -> dict:
             tensors[prefix + name.removeprefix("layer.")] = t
         tensors[prefix + "embed_tokens.weight"] = hf.model.embed_tokens.weight
         tensors[prefix + "shared_head.head.weight"] = hf.lm_head.weight
-    return {name: t.detach().clone().contiguous() for name, t in to_saved(ARCH, tensors).items()}
+    return {name: t.detach().clone().contiguous() for name, t in to_saved(type(hf).__name__, tensors).items()}
 
 
 def causal(n: int) -> torch.Tensor:
@@ -199,6 +209,38 @@ def test_mtp_loss_and_gradients_equal_torch(checkpoint):
             scale = theirs[name].abs().max().item()
             assert scale > 0, name
             np.testing.assert_allclose(got.numpy(), theirs[name].numpy(), atol=2e-5 * scale, err_msg=name)
+
+
+def test_glm4_moe_mtp_layer_converts_both_ways_and_trains_as_torch(tmp_path):
+    """GLM-4.5 names its MTP layer as DeepSeek-V3 does (layer L, enorm / hnorm / eh_proj / shared_head and the
+    copies) around its own decoder layer (GQA with biases, partial RoPE): HF -> msllm -> HF is bitwise and the
+    step's loss with model.mtp_loss_weight 0.3 equals the torch computation, depth loss included."""
+    from msllm.train.step import LossCell
+
+    hf = build("glm4_moe")
+    hf.config._attn_implementation = "eager"
+    depths = torch_depths(hf, 1)
+    hf.save_pretrained(tmp_path / "hf")
+    saved = saved_tensors(hf, depths)
+    save_file(saved, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.pop("num_mtp_layers", None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
+    convert(tmp_path / "ms", tmp_path / "back", progress=False)
+    assert same_state(load_file(tmp_path / "back" / "model.safetensors"), saved)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    device.setup("cpu", "pynative")
+    cfg, model, _, _ = load_model(tmp_path / "ms")
+    assert cfg.model.mtp_depths == 1 and cfg.model.rope_fraction == 0.5 and cfg.model.qkv_bias
+    model.cfg = dataclasses.replace(cfg.model, mtp_loss_weight=WEIGHT)
+    tokens = np.random.default_rng(4).integers(0, hf.config.vocab_size, (2, 13)).astype(np.int32)
+    loss, _, depth_losses = LossCell(model)(Tensor(tokens), Tensor(1.0, ms.float32))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    want, want_depths = torch_loss(hf, depths, torch.tensor(tokens, dtype=torch.long), WEIGHT)
+    np.testing.assert_allclose(depth_losses.asnumpy(), [x.item() for x in want_depths], rtol=2e-5)
+    assert float(loss.asnumpy()) == pytest.approx(want.item(), rel=2e-5)
 
 
 def test_mtp_weight_zero_is_the_step_without_mtp(tmp_path):

@@ -6,8 +6,9 @@ DeepSeek-V3's MoE: the grouped sigmoid router with its expert bias (e_score_corr
 experts one tensor per expert in the files, shared experts (interop/maps/deepseek_v3.py).
 
 Its checkpoints carry a multi-token-prediction layer after the last one (model.layers.46.* in
-GLM-4.5-Air, num_nextn_predict_layers 1), which msllm does not read yet: convert refuses it in one line
-(interop/convert.py) rather than drop it unsaid. Not in MindFormers 1.9's training models."""
+GLM-4.5-Air, num_nextn_predict_layers 1) with DeepSeek-V3's names (enorm, hnorm, eh_proj, shared_head, the
+embedding and head copies): read and written by DeepSeek-V3's MTP rows (msllm.models.mtp). Not in
+MindFormers 1.9's training models, so its rows have no MindFormers names."""
 from interop.maps import deepseek_v3
 from interop.maps.llama import LLAMA, QWEN2
 from interop.maps.qwen3 import QWEN3
@@ -18,9 +19,13 @@ _ATTENTION = ([row for row in LLAMA.per_layer if row.msllm.startswith("attention
                  if row.msllm in ("attention.q_norm.weight", "attention.k_norm.weight")])
 _MLP = [row for row in deepseek_v3.DEEPSEEK_V3.per_layer if row.msllm.startswith(("ffn_norm", "feed_forward."))]
 
+_V3 = deepseek_v3.DEEPSEEK_V3
 GLM4_MOE = QWEN3._replace(  # its embedding, final norm and head
     per_layer=[row._replace(mindformers=None) for row in [QWEN3.per_layer[0], *_ATTENTION, *_MLP]],
     ignore={"hf": ["lm_head.weight"]},
+    mtp=[row._replace(mindformers=None) for row in _V3.mtp], mtp_copies=_V3.mtp_copies,
+    mtp_prefix={"msllm": _V3.mtp_prefix["msllm"], "hf": _V3.mtp_prefix["hf"]},
+    mtp_layer_prefix={"msllm": _V3.mtp_layer_prefix["msllm"], "hf": _V3.mtp_layer_prefix["hf"]},
 )
 
 # What the family computes beyond its config.json; from_hf reads the biases and q/k norms per checkpoint
@@ -40,5 +45,4 @@ def from_hf(hf: dict, fields: dict, refuse) -> None:
 
 def to_hf(m, hf: dict) -> None:
     deepseek_v3.to_hf(m, hf)
-    hf.update(attention_bias=m.qkv_bias, use_qk_norm=m.qk_norm, partial_rotary_factor=m.rope_fraction,
-              num_nextn_predict_layers=0)  # msllm writes no multi-token-prediction layer
+    hf.update(attention_bias=m.qkv_bias, use_qk_norm=m.qk_norm, partial_rotary_factor=m.rope_fraction)
