@@ -27,7 +27,7 @@ from msllm.models.decoder import build_model
 from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule
 from tests.hf_models import build
 from tests.numerics import REORDER_RTOL
-from tests.test_families import hf_greedy
+from tests.test_families import BY_HAND, hf_greedy
 
 # 3 linear layers (2 key heads of 16 serving 4 value heads of 8, conv of 4 taps), then gated attention
 HYBRID = ModelConfig(vocab_size=300, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -188,11 +188,13 @@ def test_bad_hybrids_are_refused_in_one_line_and_write_nothing(tmp_path):
     assert "Gated DeltaNet" in one_line(e) and not (tmp_path / "onnx").exists()
 
 
-@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+# Qwen3.5-MoE and Qwen3-Next by hand (MSLLM_BY_HAND=1; passed 2026-11-27, 125 s and 133 s on a loaded 2-core
+# machine, mostly the graphs' compile; PyNative took longer): beyond CI's budget
+@pytest.mark.parametrize("case", ["qwen3_5", pytest.param("qwen3_5_moe", marks=BY_HAND), pytest.param("qwen3_next", marks=BY_HAND)])
 def test_msllm_engine_decodes_with_recurrent_state_what_transformers_generates(tmp_path, case):
     """Two prompts of 12 and 7 tokens in one batch (left-padded to 16 unalike: the padding must change
     no recurrent state or conv window), 16 greedy tokens each on the msllm engine (CPU backend's decode
-    kernels, GRAPH_MODE): the chunked prefill hands its state and conv window to one-token recurrent steps,
+    kernels): the chunked prefill hands its state and conv window to one-token recurrent steps,
     and the tokens are transformers' greedy ones. Qwen3.5-MoE: every MLP routed, with a gated shared
     expert; Qwen3-Next: its fused in_proj_qkvz / in_proj_ba and a dense layer among the MoE ones."""
     model = build(case)
