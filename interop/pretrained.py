@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from interop import InteropError, read_json
 from interop.convert import msllm_parameters, parameter_names, plan, write_json
 from interop.layouts import Source, open_source
 from interop.maps import FAMILIES
-from interop.table import entries
+from interop.table import Concat, Entry, Interleaved, Same, entries
 from msllm import checkpoint
 from msllm.config import Config, LoraConfig, ModelConfig
 from msllm.config_file import Pretrained
@@ -33,7 +33,7 @@ from msllm.staged import staged_dir
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # Architectures whose gate_proj / up_proj / down_proj PEFT (0.21) re-targets to the fused experts
 # (its transformers v4 -> v5 MoE conversion), dense MLP layers included
-PEFT_RENAMES_MLP = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+PEFT_RENAMES_MLP = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3NextForCausalLM")
 # Architectures whose experts peft_experts does not lay out: gpt-oss stores each layer's as one gate_up_proj
 # [E, h, 2f] with gate and up columns alternating (and down_proj [E, f, h]), not Qwen3-MoE's [E, 2f, h]
 PEFT_UNWRITTEN_EXPERTS = ("GptOssForCausalLM",)
@@ -117,17 +117,18 @@ class InitFrom:
 
     def __init__(self, cfg: Config):
         self.cfg, self.base = cfg, PretrainedWeights(cfg.train.init_from)
-        self.adapter = PeftAdapter(cfg.train.lora_from, self.base.architecture) if cfg.train.lora_from else None
+        lora_from = cfg.train.lora_from
+        self.adapter = PeftAdapter(lora_from, self.base.architecture, self.base.model) if lora_from else None
         if self.adapter is not None:  # before anything is built or written
             self.adapter.check_base(self.base)
-            self.adapter.check(self.base.architecture, cfg)
+            self.adapter.check(cfg)
 
     def load_base(self, params) -> None:
         self.base.load(params)
 
     def load_adapter(self, params) -> None:
         if self.adapter is not None:
-            self.adapter.load(params, self.base.architecture, self.cfg, self.base)
+            self.adapter.load(params, self.cfg, self.base)
 
     def identity(self) -> dict:
         return self.base.identity()
@@ -139,39 +140,9 @@ class InitFrom:
 def describe(init_from: str, lora_from: str | None) -> Pretrained:
     """load_config's view of train.init_from (and train.lora_from)."""
     base = PretrainedWeights(init_from)
-    lora = PeftAdapter(lora_from, base.architecture).lora if lora_from else None
+    lora = PeftAdapter(lora_from, base.architecture, base.model).lora if lora_from else None
     tokenizer = base.tokenizer
     return Pretrained(str(init_from), base.model, str(tokenizer.resolve()) if tokenizer else None, lora)
-
-
-# --- PEFT names, from the family table
-
-def hf_module_names(arch: str, cfg: Config) -> dict[str, str]:
-    """msllm module path of each adapted Linear (layers.0.attention.wq) -> its HF module
-    (model.layers.0.self_attn.q_proj), read off the table's weight rows."""
-    from msllm.lora import TARGETS
-
-    modules = {}
-    for e in entries(FAMILIES[arch].table, cfg.model):
-        module = e.name.removesuffix(".weight")
-        stored = e.stored["hf"]
-        if e.name.endswith(".weight") and module.split(".", 2)[-1] in TARGETS.values() and hasattr(stored, "name"):
-            modules[module] = stored.name.removesuffix(".weight")  # a joined tensor (Phi-3's qkv_proj) has none
-    return modules
-
-
-def peft_keys(arch: str, cfg: Config) -> dict[str, str]:
-    """msllm adapter name (layers.0.attention.wq.lora_a) -> PEFT key
-    (base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), for the configured targets."""
-    from msllm.lora import TARGETS
-
-    wanted = {TARGETS[t] for t in cfg.lora.targets if t in TARGETS}  # experts: peft_experts
-    keys = {}
-    for module, hf in hf_module_names(arch, cfg).items():
-        if module.split(".", 2)[-1] in wanted:
-            keys[f"{module}.lora_a"] = f"{PEFT_PREFIX}{hf}.lora_A.weight"
-            keys[f"{module}.lora_b"] = f"{PEFT_PREFIX}{hf}.lora_B.weight"
-    return keys
 
 
 # --- PEFT's LoRA on the experts' parameters (target_parameters, PEFT >= 0.17)
@@ -288,41 +259,127 @@ def peft_experts(cfg: Config, adapters: dict) -> tuple[dict[str, np.ndarray], di
     return tensors, expert_config(parameters, r, cfg.lora.alpha)
 
 
-def hf_leaves(arch: str) -> dict[str, str]:
-    """lora.targets name -> the HF module leaf PEFT's target_modules names (q -> q_proj, ...)."""
-    from msllm.lora import TARGETS
+# --- PEFT's LoRA on Linears (target_modules), from the family table
+#
+# A PEFT adapter sits on one Hugging Face Linear; its weight's table row says which msllm Linears that joins:
+# one (q_proj: wq), or several (Qwen3.5's in_proj_qkv: wq, wk, wv; its q_proj: each head's query wq then its
+# gate wg; Phi-3's qkv_proj). msllm adapts each Linear alone, so n joined adapters of rank r are one PEFT adapter
+# of rank n r, as the experts' gate_up_proj above: A stacks the parts' A, B is block-diagonal with its rows in the
+# stored order (a part no target adapts gets zero blocks), and alpha n alpha keeps the scale alpha / r.
 
-    one_layer = Config(model=dataclasses.replace(Config().model, num_layers=1))
-    leaves = {m.split(".", 2)[-1]: hf.rsplit(".", 1)[-1] for m, hf in hf_module_names(arch, one_layer).items()}
-    return {target: leaves[module] for target, module in TARGETS.items() if module in leaves}
+# adapter_model.safetensors metadata: the lora.targets msllm trained (a joined module's parts may be fewer)
+TARGETS_KEY = "msllm_targets"
+
+
+class PeftModule(NamedTuple):
+    """An HF Linear some lora.targets name adapts (a part of)."""
+    hf: str                          # model.layers.0.linear_attn.in_proj_qkv
+    parts: tuple[str, ...]           # the msllm Linears it joins, in row order: layers.0.attention.wq, ..
+    targets: tuple[str | None, ...]  # the lora.targets name adapting each part (None: none does)
+    entry: Entry                     # its weight's table entry: the hf rule orders lora_B's rows
+
+    @property
+    def leaf(self) -> str:
+        return self.hf.rsplit(".", 1)[-1]
+
+    def key(self, which: str) -> str:
+        return f"{PEFT_PREFIX}{self.hf}.lora_{which}.weight"
+
+    def shapes(self, rank: int) -> tuple[tuple, tuple]:
+        """lora_A [n r, in], lora_B [out, n r]."""
+        joined = len(self.parts) * rank
+        return (joined, self.entry.shape[1]), (self.entry.shape[0], joined)
+
+    def _b_entry(self, b) -> Entry:
+        return self.entry._replace(shape=tuple(b.shape), terms=(self.entry.terms[0], (b.shape[1],)))
+
+    def stored_rows(self, b: np.ndarray) -> np.ndarray:
+        """lora_B with its rows in msllm's order (the parts one after another) -> in the HF weight's order."""
+        [(_, t)] = self.entry.stored["hf"].scatter(self._b_entry(b), torch.from_numpy(b))
+        return t.numpy()
+
+    def msllm_rows(self, b: np.ndarray) -> np.ndarray:
+        return self.entry.stored["hf"].gather(self._b_entry(b), lambda name: torch.from_numpy(b)).numpy()
+
+
+def peft_modules(arch: str, model: ModelConfig) -> list[PeftModule]:
+    """Every HF Linear of `model` PEFT can adapt for some lora.targets name, layer by layer."""
+    from msllm.lora import target_of
+
+    kinds, modules = model.layer_kinds(), []
+    for e in entries(FAMILIES[arch].table, model):
+        mine, stored = e.stored["msllm"], e.stored["hf"]
+        parts = mine.parts if isinstance(mine, Concat) and mine.dim == 0 else (mine,)
+        if type(stored) not in (Same, Interleaved) or not all(
+                type(p) is Same and p.name.startswith("layers.") and p.name.endswith(".weight") for p in parts):
+            continue  # not a Linear's weight rows (a transposed, per-expert or non-layer tensor)
+        names = tuple(p.name.removesuffix(".weight") for p in parts)
+        targets = tuple(target_of(n.split(".", 2)[2], kinds[int(n.split(".")[1])] == "linear") for n in names)
+        if any(targets):
+            modules.append(PeftModule(stored.name.removesuffix(".weight"), names, targets, e))
+    return modules
+
+
+def adapted_modules(modules: list[PeftModule], targets: list[str]) -> list[PeftModule]:
+    return [m for m in modules if set(m.targets) & set(targets)]
+
+
+def joined_config(modules: list[PeftModule], rank: int, alpha: float) -> dict:
+    """rank_pattern / alpha_pattern of the adapted modules that join n > 1 msllm Linears (by leaf)."""
+    joined = {m.leaf: len(m.parts) for m in modules if len(m.parts) > 1}
+    return {"rank_pattern": {leaf: n * rank for leaf, n in joined.items()},
+            "alpha_pattern": {leaf: n * alpha for leaf, n in joined.items()}}
+
+
+def peft_linear(modules: list[PeftModule], cfg: Config, adapters: dict) -> dict[str, np.ndarray]:
+    """A run's Linear adapters as PEFT tensors, by key."""
+    r, tensors = cfg.lora.rank, {}
+    for m in adapted_modules(modules, cfg.lora.targets):
+        inp, pairs = m.entry.shape[1], []
+        for part, target, out in zip(m.parts, m.targets, m.entry.terms[0]):
+            pairs.append((adapters[f"{part}.lora_a"][None], adapters[f"{part}.lora_b"][None]) if target in cfg.lora.targets
+                         else (np.zeros((1, r, inp), np.float32), np.zeros((1, out, r), np.float32)))
+        a, b = join_experts(pairs)  # one "expert"
+        tensors[m.key("A")], tensors[m.key("B")] = a, np.ascontiguousarray(m.stored_rows(b))
+    return tensors
+
+
+def peft_targets(modules: list[PeftModule], leaves: list[str]) -> list[str]:
+    """The lora.targets names adapting a part of the listed target_modules leaves, in their order."""
+    targets = []
+    for leaf in leaves:
+        for m in modules:
+            if m.leaf == leaf:
+                targets += [t for t in m.targets if t and t not in targets]
+    return targets
 
 
 class PeftAdapter:
     """A PEFT LoRA adapter dir: adapter_config.json + adapter_model.safetensors."""
 
-    def __init__(self, path: str | Path, arch: str):
+    def __init__(self, path: str | Path, arch: str, model: ModelConfig):
         self.path = Path(path).expanduser()
         self.config_file, self.weights = self.path / PEFT_CONFIG, self.path / PEFT_WEIGHTS
         config = read_json(self.config_file)
         if config.get("peft_type", "LORA") != "LORA":
             raise InteropError(f"{self.config_file}: peft_type {config.get('peft_type')!r}; msllm trains LORA")
-        modules = config.get("target_modules")
-        leaf_to_target = {leaf: target for target, leaf in hf_leaves(arch).items()}
-        if isinstance(modules, str) or not isinstance(modules, list) or not all(m in leaf_to_target for m in modules):
-            raise InteropError(f"{self.config_file}: target_modules {modules!r}: msllm adapts a list of "
-                               f"{', '.join(leaf_to_target)}")
+        leaves = config.get("target_modules")
+        self.modules = peft_modules(arch, model)
+        known = list(dict.fromkeys(m.leaf for m in self.modules))
+        if isinstance(leaves, str) or not isinstance(leaves, list) or not all(m in known for m in leaves):
+            raise InteropError(f"{self.config_file}: target_modules {leaves!r}: msllm adapts a list of "
+                               f"{', '.join(known)}")
         for key in ("use_dora", "use_rslora"):
             if config.get(key):
                 raise InteropError(f"{self.config_file}: {key} is not supported (plain LoRA)")
         self.parameters = self._expert_parameters(config.get("target_parameters"))
         rank, alpha = int(config["r"]), float(config["lora_alpha"])
-        self._check_patterns(config, rank, alpha)
+        self._check_patterns(config, [m for m in self.modules if m.leaf in leaves], rank, alpha)
         if not self.weights.is_file():
             raise InteropError(f"{self.weights}: missing (msllm reads safetensors adapters)")
         self.reader = SafetensorsReader(self.weights)
         self.base_sha256 = self.reader.metadata.get(BASE_SHA)
-        self.lora = {"rank": rank, "alpha": alpha,
-                     "targets": [leaf_to_target[m] for m in modules] + self._expert_targets()}
+        self.lora = {"rank": rank, "alpha": alpha, "targets": self._linear_targets(leaves) + self._expert_targets()}
 
     def _expert_parameters(self, listed) -> list[str]:
         """target_parameters (mlp.experts.gate_up_proj, ...) -> the experts' parameters (gate_up_proj, ...)."""
@@ -333,13 +390,28 @@ class PeftAdapter:
                                f"{', '.join(known)}")
         return [known[p] for p in listed]
 
-    def _check_patterns(self, config: dict, rank: int, alpha: float) -> None:
-        """One rank and alpha, doubled on gate_up_proj (which joins gate and up), as export_peft writes them."""
-        expected = expert_config(self.parameters, rank, alpha)
+    def _check_patterns(self, config: dict, modules: list[PeftModule], rank: int, alpha: float) -> None:
+        """One rank and alpha, times n on a module joining n msllm Linears or weights (gate_up_proj), as
+        export_peft writes them."""
+        experts, joined = expert_config(self.parameters, rank, alpha), joined_config(modules, rank, alpha)
         for key in ("rank_pattern", "alpha_pattern"):
-            if (config.get(key) or {}) != expected[key]:
-                raise InteropError(f"{self.config_file}: {key} {config.get(key)!r}: msllm reads {expected[key]!r} "
+            expected = {**joined[key], **experts[key]}
+            if (config.get(key) or {}) != expected:
+                raise InteropError(f"{self.config_file}: {key} {config.get(key)!r}: msllm reads {expected!r} "
                                    f"(r {rank}, lora_alpha {alpha:g}, one pair per adapted projection)")
+
+    def _linear_targets(self, leaves: list[str]) -> list[str]:
+        """The Linears' targets the adapter holds: those msllm recorded, else every one its modules join."""
+        held = peft_targets(self.modules, leaves)
+        recorded = self.reader.metadata.get(TARGETS_KEY)
+        if recorded is None:
+            return held
+        targets = [t for t in recorded.split(",") if not t.startswith("experts_")]
+        idle = [leaf for leaf in leaves if not set(peft_targets(self.modules, [leaf])) & set(targets)]
+        if not set(targets) <= set(held) or idle:
+            raise InteropError(f"{self.weights}: metadata {TARGETS_KEY} {recorded!r} contradicts "
+                               f"target_modules of {self.config_file}")
+        return targets
 
     def _expert_targets(self) -> list[str]:
         """The expert targets the adapter holds: those msllm recorded, else every weight its parameters join."""
@@ -362,21 +434,23 @@ class PeftAdapter:
             raise InteropError(f"{self.path}: adapter trained on another base (sha256 {self.base_sha256[:12]}...) "
                                f"than {base.path} ({base.sha256[:12]}...)")
 
-    def check(self, arch: str, cfg: Config) -> None:
-        """The whole adapter fits the model, before anything is built or written: every tensor is there,
-        the experts' with their shapes and block structure (the others' shapes are checked as they load)."""
-        self._check_keys(arch, cfg)
-        for _ in self._expert_adapters(cfg):  # one PEFT parameter in memory at a time
+    def check(self, cfg: Config) -> None:
+        """The whole adapter fits the model, before anything is built or written: every tensor is there with
+        its shape, and the joined ones with their block structure."""
+        self._check_keys(cfg)
+        for _ in self._adapters(cfg):  # one PEFT tensor pair in memory at a time
             pass
 
-    def _check_keys(self, arch: str, cfg: Config) -> None:
-        wanted = {key: None for key in peft_keys(arch, cfg).values()}
+    def _check_keys(self, cfg: Config) -> None:
+        wanted = {}
+        for m in adapted_modules(self.modules, cfg.lora.targets):
+            wanted[m.key("A")], wanted[m.key("B")] = m.shapes(cfg.lora.rank)
         for _, p, key_a, key_b in expert_keys(cfg.model, self.parameters):
             wanted[key_a], wanted[key_b] = expert_peft_shapes(cfg.model, p, cfg.lora.rank)
         missing = [k for k in wanted if k not in self.reader.shapes]
         if missing:
             raise InteropError(f"{self.weights}: missing {missing[0]} (and {len(missing) - 1} more)")
-        wrong = [k for k, shape in wanted.items() if shape is not None and self.reader.shapes[k] != shape]
+        wrong = [k for k, shape in wanted.items() if self.reader.shapes[k] != shape]
         if wrong:
             raise InteropError(f"{self.weights}: {wrong[0]} {list(self.reader.shapes[wrong[0]])} != "
                                f"{list(wanted[wrong[0]])}")
@@ -384,9 +458,20 @@ class PeftAdapter:
     def _read(self, key: str) -> np.ndarray:
         return self.reader.read(key).to(torch.float32).numpy()
 
+    def _adapters(self, cfg: Config):
+        """(msllm name, array) of every adapter, split out of one PEFT tensor pair at a time (export_peft's
+        inverse)."""
+        for m in adapted_modules(self.modules, cfg.lora.targets):
+            kept = [t in cfg.lora.targets for t in m.targets]
+            pairs = split_experts(self._read(m.key("A")), m.msllm_rows(self._read(m.key("B"))), 1,
+                                  list(m.entry.terms[0]), kept, f"{self.weights}: {m.key('B')}")
+            for part, (a, b) in zip([p for p, keep in zip(m.parts, kept) if keep], pairs):
+                yield f"{part}.lora_a", a[0]
+                yield f"{part}.lora_b", b[0]
+        yield from self._expert_adapters(cfg)
+
     def _expert_adapters(self, cfg: Config):
-        """(msllm name, array) of the experts' adapters, split out of one PEFT parameter at a time
-        (export_peft's inverse)."""
+        """(msllm name, array) of the experts' adapters, split out of one PEFT parameter at a time."""
         from msllm.lora import EXPERT_TARGETS
 
         adapted = {EXPERT_TARGETS[t] for t in cfg.lora.targets if t in EXPERT_TARGETS}
@@ -399,19 +484,17 @@ class PeftAdapter:
                 yield f"{expert_adapter_name(i, w)}.lora_a", a
                 yield f"{expert_adapter_name(i, w)}.lora_b", b
 
-    def load(self, params, arch: str, cfg: Config, base: PretrainedWeights) -> None:
+    def load(self, params, cfg: Config, base: PretrainedWeights) -> None:
         """Copy the adapter into the model's lora_a / lora_b Parameters (InitFrom ran `check` first)."""
         from mindspore import Tensor
 
         self.check_base(base)
-        self._check_keys(arch, cfg)
-        by_name, keys = {p.name: p for p in params}, peft_keys(arch, cfg)
-        linear = [name for name in by_name if name in keys]
-        values = itertools.chain(self._expert_adapters(cfg), ((name, self._read(keys[name])) for name in linear))
-        for name, value in values:
+        self._check_keys(cfg)
+        by_name = {p.name: p for p in params}
+        for name, value in self._adapters(cfg):
             p = by_name.pop(name)
             if tuple(value.shape) != tuple(p.shape):
-                raise InteropError(f"{self.weights}: {keys.get(name, name)} {list(value.shape)} != {list(p.shape)}")
+                raise InteropError(f"{self.weights}: the adapter of {name} {list(value.shape)} != {list(p.shape)}")
             p.set_data(Tensor(value))
         if by_name:
             raise InteropError(f"{self.weights}: holds no adapter for {sorted(by_name)[0]} "
@@ -471,9 +554,10 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
     from safetensors.numpy import save_file
 
     ckpt, state, cfg, weights, adapters = _lora_run(run, base)
-    leaves = hf_leaves(weights.architecture)
+    modules = peft_modules(weights.architecture, cfg.model)
+    adapted = adapted_modules(modules, cfg.lora.targets)
     experts = [t for t in cfg.lora.targets if t.startswith("experts_")]
-    fused = [t for t in cfg.lora.targets if t not in leaves and t not in experts]
+    unplaced = [t for t in cfg.lora.targets if t not in experts and not any(t in m.targets for m in adapted)]
     dense = [t for t in cfg.lora.targets if t in ("gate", "up", "down")]
     if dense and weights.architecture in PEFT_RENAMES_MLP:
         raise InteropError(f"{ckpt}: lora.targets {dense}: PEFT reads gate_proj / up_proj / down_proj of a "
@@ -483,23 +567,25 @@ def export_peft(run: str | Path, out: str | Path, base: str | Path | None = None
         raise InteropError(f"{ckpt}: lora.targets {experts}: {weights.architecture} stores its experts as one "
                            f"gate_up_proj [E, h, 2f] with gate and up columns alternating, which msllm does not "
                            f"write as a PEFT adapter yet; `msllm lora merge` makes a full model")
-    if fused:
-        raise InteropError(f"{ckpt}: lora.targets {fused}: {weights.architecture} stores them inside a fused "
-                           f"projection, which a PEFT adapter cannot hold; `msllm lora merge` makes a full model")
-    keys = peft_keys(weights.architecture, cfg)
-    tensors = {keys[n]: np.ascontiguousarray(a) for n, a in adapters.items() if n in keys}
-    expert_config, metadata = {}, {"format": "pt", BASE_SHA: weights.sha256}
+    if unplaced:
+        raise InteropError(f"{ckpt}: lora.targets {unplaced}: {weights.architecture} stores them in no Linear "
+                           f"a PEFT adapter can hold; `msllm lora merge` makes a full model")
+    tensors = peft_linear(modules, cfg, adapters)
+    patterns = joined_config(adapted, cfg.lora.rank, cfg.lora.alpha)
+    metadata = {"format": "pt", BASE_SHA: weights.sha256, TARGETS_KEY: ",".join(cfg.lora.targets)}
     if experts:
-        expert_tensors, expert_config = peft_experts(cfg, adapters)
+        expert_tensors, expert_entries = peft_experts(cfg, adapters)
         tensors.update(expert_tensors)
         metadata[EXPERT_TARGETS_KEY] = ",".join(experts)
+        patterns = {"target_parameters": expert_entries["target_parameters"],
+                    **{key: {**patterns[key], **expert_entries[key]} for key in ("rank_pattern", "alpha_pattern")}}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
               "lora_dropout": 0.0 if experts else cfg.lora.dropout,  # PEFT's parameter LoRA refuses dropout
-              "target_modules": [leaves[t] for t in cfg.lora.targets if t not in experts], **expert_config,
+              "target_modules": list(dict.fromkeys(m.leaf for m in adapted)), **patterns,
               "base_model_name_or_path": str(weights.path.resolve()), "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
               "use_dora": False}
-    with staged_dir(out, need=sum(a.nbytes for a in adapters.values()), replace=force, sources=(run,),
+    with staged_dir(out, need=sum(a.nbytes for a in tensors.values()), replace=force, sources=(run,),
                     then="free space or choose another OUT, then export again") as tmp:
         save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata=metadata)
         write_json(tmp / PEFT_CONFIG, config)

@@ -218,11 +218,21 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params (of MoE layers, the k experts a token uses) + attention
-        scores (PaLM appendix B) of the attention layers (a Gated DeltaNet layer's chunked rule is not counted)."""
+        scores (PaLM appendix B) of the attention layers + 3 x the chunked rule of the Gated DeltaNet layers."""
         non_embed = self.num_params(active=True) - self.vocab_size * self.hidden_size * (0 if self.tie_embeddings else 1)
         # scores q k^T over the q/k head, P v over the value head (equal but for MLA)
-        attention_layers = self.num_layers - self.layer_kinds().count("linear")
-        return 6.0 * non_embed + 6.0 * attention_layers * self.num_heads * (self.head_size + self.value_size) * seq_len
+        linear_layers = self.layer_kinds().count("linear")
+        attention = 6.0 * (self.num_layers - linear_layers) * self.num_heads * (self.head_size + self.value_size) * seq_len
+        return 6.0 * non_embed + attention + 3.0 * linear_layers * self.linear_rule_flops(seq_len)
+
+    def linear_rule_flops(self, seq_len: int) -> float:
+        """Forward FLOPs per token of one Gated DeltaNet layer's chunked rule as msllm computes it, in chunks of
+        c = min(GATED_DELTA_CHUNK, seq_len) tokens, per value head: in a chunk (k beta) k^T, q k^T, u, w and the
+        chunk's own output, 2 c (3 d_k + 2 d_v); (I + A)^-1's ceil(log2 c) - 1 squarings and products, 4 c^2 each;
+        the carried state read twice and written once, 6 d_k d_v. (Backward: twice this.)"""
+        c, dk, dv = min(GATED_DELTA_CHUNK, seq_len), self.linear_key_head_dim, self.linear_value_head_dim
+        inverse = 4 * c * c * max(0, math.ceil(math.log2(c)) - 1)
+        return float(self.linear_num_value_heads * (2 * c * (3 * dk + 2 * dv) + inverse + 6 * dk * dv))
 
 
 @dataclass
@@ -349,7 +359,9 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0              # on the adapter's input; > 0 makes resume not bit-exact
     targets: list = field(default_factory=lambda: ["q", "v"])  # of q, k, v, o, gate, up, down (a dense MLP's),
-                                                               # experts_gate, experts_up, experts_down (MoE experts')
+                                                               # experts_gate, experts_up, experts_down (MoE experts'),
+                                                               # linear_qkv, linear_z, linear_b, linear_a, linear_out
+                                                               # (Gated DeltaNet layers' in_proj_* and out_proj)
 
 
 @dataclass
@@ -421,10 +433,14 @@ CHOICES = {
 LAYER_TYPES = ("full", "sliding", "linear")
 POSITION_TYPES = ("rope", "none")
 MLP_TYPES = ("dense", "moe")
+# Tokens per chunk of the Gated DeltaNet rule: [chunk, chunk] matmuls within one, the state carried across
+# (msllm/models/mixers/gated_deltanet.py); the planner counts its FLOPs and memory by it.
+GATED_DELTA_CHUNK = 64
 
 
 # What each rope_scaling type reads (msllm.models.llama.rope_inv_freq), besides its type.
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts_gate", "experts_up", "experts_down")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts_gate", "experts_up", "experts_down",
+                "linear_qkv", "linear_z", "linear_b", "linear_a", "linear_out")
 ROPE_SCALING_KEYS = {"linear": ("factor",),
                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                      "yarn": ("factor", "original_max_position_embeddings")}

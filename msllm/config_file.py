@@ -171,10 +171,6 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
                  "model.layer_types")
         need(m.linear_num_value_heads % max(m.linear_num_key_heads, 1) == 0, "model.linear_num_value_heads",
              f"must be a multiple of model.linear_num_key_heads ({m.linear_num_key_heads})", "model.linear_num_key_heads")
-        for key, value in (("parallel.tp", cfg.parallel.tp), ("parallel.cp", cfg.parallel.cp),
-                           ("parallel.pp", cfg.parallel.pp)):
-            need(value == 1, key, "must be 1 with Gated DeltaNet (linear) layers: they are not laid out over devices yet",
-                 "model.layer_types")
     need(m.num_experts >= 0 and m.moe_ffn_size >= 0, "model.num_experts", "must be >= 0 (0: dense MLPs)")
     need(m.num_experts == 0 or 1 <= m.experts_per_token <= m.num_experts, "model.experts_per_token",
          f"must be in [1, model.num_experts ({m.num_experts})]", "model.num_experts")
@@ -299,6 +295,11 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
                 or x in ("gate", "up", "down") and "dense" not in kinds]
         need(not idle, "lora.targets", f"{', '.join(idle)} adapt no layer of this model (its MLPs are "
              f"{' and '.join(sorted(kinds))}); gate / up / down adapt dense MLPs, experts_* MoE experts")
+        layers = set(m.layer_kinds())
+        idle = [x for x in cfg.lora.targets if x.startswith("linear_") and "linear" not in layers
+                or x in ("q", "k", "v", "o") and layers == {"linear"}]
+        need(not idle, "lora.targets", f"{', '.join(idle)} adapt no layer of this model: linear_* adapt Gated "
+             f"DeltaNet layers (layer_types linear), q / k / v / o attention layers")
         unmatched = [x for x in cfg.lora.targets if m.mla and (x in ("k", "v") or x == "q" and m.q_lora_rank)]
         need(not unmatched, "lora.targets", f"{', '.join(unmatched)} adapt no layer of this model: MLA (model.attention "
              f"mla) has no wk / wv{' / wq (q_lora_rank is set)' if m.q_lora_rank else ''}; o adapts its wo")

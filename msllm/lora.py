@@ -11,6 +11,9 @@ A MoE layer's stacked experts take one adapter per expert and projection (target
 experts_up, experts_down): A [E, rank, in], B [E, out, rank], named after the stacked weight
 (`layers.1.feed_forward.experts.w1.lora_a`). They adapt the weights, W_e + scale B_e A_e, which
 is the same maths as adding scale B_e A_e x to each expert's output.
+
+A hybrid's Gated DeltaNet layers take their own targets (LINEAR_TARGETS: linear_qkv, linear_z,
+linear_b, linear_a, linear_out); q, k, v and o adapt its attention layers only.
 """
 from __future__ import annotations
 
@@ -25,6 +28,12 @@ from msllm.models.moe import Experts
 # lora.targets name -> the Linear it adapts inside each block (a dense MLP's; attention's)
 TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
            "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+# lora.targets name -> the Linears it adapts inside a Gated DeltaNet block (a "linear" layer), whose
+# attention.* are its own: Hugging Face's in_proj_qkv feeds the conv as msllm's wq, wk and wv (one adapter
+# each), in_proj_z is wz, in_proj_b wb, in_proj_a wa, out_proj wo. q, k, v and o adapt no linear layer.
+LINEAR_TARGETS = {"linear_qkv": ("attention.wq", "attention.wk", "attention.wv"), "linear_z": ("attention.wz",),
+                  "linear_b": ("attention.wb",), "linear_a": ("attention.wa",), "linear_out": ("attention.wo",)}
+ATTENTION_TARGETS = ("q", "k", "v", "o")
 # lora.targets name -> the stacked weight it adapts in a MoE layer's experts
 EXPERT_TARGETS = {"experts_gate": "w1", "experts_up": "w3", "experts_down": "w2"}
 
@@ -119,19 +128,30 @@ class LoRAExperts(nn.Cell):
         return w + self.scale * np.matmul(self.lora_b[i].asnumpy(), self.lora_a[i].asnumpy())
 
 
+def block_targets(linear: bool) -> dict[str, tuple[str, ...]]:
+    """lora.targets name -> the Linears it adapts in a block (linear: a Gated DeltaNet block)."""
+    plain = {t: (module,) for t, module in TARGETS.items() if not (linear and t in ATTENTION_TARGETS)}
+    return {**plain, **LINEAR_TARGETS} if linear else plain
+
+
+def target_of(module: str, linear: bool) -> str | None:
+    """The lora.targets name that adapts `module` (attention.wq) of a block, or None."""
+    return next((t for t, modules in block_targets(linear).items() if module in modules), None)
+
+
 def targets(model: Decoder, names: list[str]):
     """(module path, parent Cell, attribute) of each targeted Linear, layer by layer: a dense MLP's
-    targets skip MoE layers (whose experts take experts_* targets)."""
-    for i, block in enumerate(model.layers):
+    targets skip MoE layers (whose experts take experts_* targets), attention's skip linear layers."""
+    for i, (block, kind) in enumerate(zip(model.layers, model.cfg.layer_kinds())):
+        adapted = block_targets(kind == "linear")
         for name in names:
-            if name in EXPERT_TARGETS:
-                continue
-            *parents, attr = TARGETS[name].split(".")
-            parent = block
-            for p in parents:
-                parent = getattr(parent, p, None)
-            if parent is not None and hasattr(parent, attr):
-                yield f"layers.{i}.{TARGETS[name]}", parent, attr
+            for module in adapted.get(name, ()):
+                *parents, attr = module.split(".")
+                parent = block
+                for p in parents:
+                    parent = getattr(parent, p, None)
+                if parent is not None and hasattr(parent, attr):
+                    yield f"layers.{i}.{module}", parent, attr
 
 
 def _replace(parent, attr: str, cell, names: dict) -> None:

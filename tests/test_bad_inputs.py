@@ -30,6 +30,9 @@ TINY = {"model.vocab_size": 384, "model.hidden_size": 64, "model.num_layers": 2,
         "model.num_kv_heads": 2, "model.ffn_size": 128, "model.max_seq_len": 64, "data.path": "{corpus}",
         "data.seq_len": 32, "train.run_dir": "{work}/run", "train.steps": 2, "train.batch_size": 2,
         "train.eval_every": 2, "train.ckpt_every": 2, "train.sample_tokens": 0}
+# TINY's layers as a hybrid: a Gated DeltaNet ("linear") layer, then attention
+HYBRID_SETS = ("model.layer_types=[linear, full]", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+               "model.linear_key_head_dim=16", "model.linear_value_head_dim=8")
 
 
 @dataclass
@@ -131,6 +134,13 @@ ROWS = [
     T("model-layers-zero", "model.num_layers=0", names=("--set", "model.num_layers")),
     T("model-heads-not-dividing", "model.num_heads=3", names=("--set", "model.num_heads")),
     T("model-kv-heads-not-dividing", "model.num_kv_heads=3", names=("--set", "model.num_kv_heads")),
+    # a hybrid (Gated DeltaNet "linear" layers beside attention) whose linear layers cannot be built
+    T("model-linear-conv-kernel-zero", *HYBRID_SETS, "model.linear_conv_kernel=0",
+      names=("--set", "model.linear_conv_kernel")),
+    T("model-linear-heads-not-dividing", *HYBRID_SETS, "model.linear_num_value_heads=3",
+      names=("--set", "model.linear_num_value_heads", "model.linear_num_key_heads (2)")),
+    T("model-linear-head-dim-missing", *[s for s in HYBRID_SETS if "key_head_dim" not in s],
+      names=("model.linear_key_head_dim", "model.layer_types")),
     T("model-head-dim-odd", "model.hidden_size=20", names=("--set", "model.num_heads")),
     T("model-rope-theta-inf", "model.rope_theta=.inf", names=("--set", "model.rope_theta")),
     T("model-rope-theta-zero", "model.rope_theta=0", names=("--set", "model.rope_theta")),
@@ -271,6 +281,8 @@ ROWS = [
     FT("lora-unknown-target", "lora.rank=4", "lora.targets=[q, qkv]", names=("--set", "lora.targets", "'qkv'")),
     FT("lora-rank-negative", "lora.rank=-2", names=("--set", "lora.rank")),
     FT("lora-alpha-zero", "lora.rank=4", "lora.alpha=0", names=("--set", "lora.alpha")),
+    FT("lora-linear-target-without-linear-layers", "lora.rank=4", "lora.targets=[q, linear_qkv]",
+       names=("--set", "lora.targets", "linear_qkv")),
     T("lora-without-init-from", "lora.rank=4", names=("lora.rank", "train.init_from")),
     FT("lora-from-wrong-base", "train.lora_from={peft}", init="{hfother}", names=("{peft}", "another base")),
     R("lora-merge-wrong-base", "lora", "merge", "{lorarun}", "{work}/out", "--base", "{hfother}",
@@ -368,6 +380,13 @@ ROWS = [
     R("hf-weights-truncated", "convert", "{hf_truncated}", "{work}/out", names=("{hf_truncated}/model.safetensors",)),
     R("hf-bin-garbage", "convert", "{hf_bin_garbage}", "{work}/out", names=("{hf_bin_garbage}/pytorch_model.bin",)),
     R("hf-no-weights", "convert", "{hf_no_weights}", "{work}/out", names=("{hf_no_weights}",)),
+    hf_row("hf-hybrid-heads-not-dividing", "hybrid_value_heads", "linear_num_value_heads", "linear_num_key_heads"),
+    hf_row("hf-hybrid-conv-kernel-zero", "hybrid_conv_zero", "linear_conv_kernel_dim"),
+    hf_row("hf-hybrid-key-heads-missing", "hybrid_key_heads_missing", "linear_num_key_heads"),
+    R("hf-hybrid-tensor-missing", "convert", "{hf_hybrid_missing}", "{work}/out",
+      names=("{hf_hybrid_missing}/model.safetensors", "missing", "model.layers.1.linear_attn.in_proj_z.weight")),
+    R("hf-hybrid-tensor-misshaped", "convert", "{hf_hybrid_misshaped}", "{work}/out",
+      names=("{hf_hybrid_misshaped}/model.safetensors", "wrong shape", "model.layers.0.linear_attn.conv1d.weight")),
 
     # --- verify
     R("verify-hf-missing", "verify", "--hf", "{work}/nope", "--ckpt", "{run}", names=("{work}/nope",)),
@@ -432,12 +451,18 @@ HF_EDITS = {  # variant -> config.json keys to set (None deletes), or raw text
     "garbage": "{not json",
     "list": "[1, 2]",
 }
+HYBRID_EDITS = {  # variant -> config.json keys of the Qwen3.5 hybrid to set (None deletes)
+    "hybrid_value_heads": {"linear_num_value_heads": 3},
+    "hybrid_conv_zero": {"linear_conv_kernel_dim": 0},
+    "hybrid_key_heads_missing": {"linear_num_key_heads": None},
+}
 
 
 def _fixtures(root: Path, corpus: Path, exports) -> dict[str, str]:
     """Everything the rows point at, built in-process once: runs, exports (copies of the session's
     CLI exports of tests/test_export.py's LLAMA run, tests/conftest.py llama_exports), HF dirs, corpora."""
     import numpy as np
+    from safetensors.torch import load_file, save_file
 
     from msllm import checkpoint, device
     from msllm.config_file import config_from_dict, save_config
@@ -536,18 +561,31 @@ def _fixtures(root: Path, corpus: Path, exports) -> dict[str, str]:
         if tok:
             shutil.copy(tok, f[name] / "tokenizer.json")
 
-    # Hugging Face dirs: one good, one per bad config.json, broken weights.
+    # Hugging Face dirs: one good, one per bad config.json, broken weights; the same of a Qwen3.5 hybrid.
+    def edited_copies(base: Path, edits: dict) -> None:
+        config = json.loads((base / "config.json").read_text())
+        for variant, edit in edits.items():
+            folder = f["hf_" + variant] = root / ("hf_" + variant)
+            shutil.copytree(base, folder)
+            if isinstance(edit, str):
+                text = edit
+            else:
+                text = json.dumps({k: v for k, v in {**config, **edit}.items() if v is not None})
+            (folder / "config.json").write_text(text)
+
     f["hf"] = root / "hf"
     build("llama2_mha").save_pretrained(f["hf"])
-    config = json.loads((f["hf"] / "config.json").read_text())
-    for variant, edit in HF_EDITS.items():
-        folder = f["hf_" + variant] = root / ("hf_" + variant)
-        shutil.copytree(f["hf"], folder)
-        if isinstance(edit, str):
-            text = edit
-        else:
-            text = json.dumps({k: v for k, v in {**config, **edit}.items() if v is not None})
-        (folder / "config.json").write_text(text)
+    edited_copies(f["hf"], HF_EDITS)
+    hybrid = root / "hf_hybrid"
+    build("qwen3_5").save_pretrained(hybrid)
+    edited_copies(hybrid, HYBRID_EDITS)
+    tensors = load_file(hybrid / "model.safetensors")
+    z, conv = "model.layers.1.linear_attn.in_proj_z.weight", "model.layers.0.linear_attn.conv1d.weight"
+    for variant, edited in (("hybrid_missing", {k: v for k, v in tensors.items() if k != z}),
+                            ("hybrid_misshaped", {**tensors, conv: tensors[conv][..., :-1].contiguous()})):
+        f["hf_" + variant] = root / ("hf_" + variant)
+        shutil.copytree(hybrid, f["hf_" + variant])
+        save_file(edited, f["hf_" + variant] / "model.safetensors", metadata={"format": "pt"})
     f["hf_truncated"] = root / "hf_truncated"
     shutil.copytree(f["hf"], f["hf_truncated"])
     weights = f["hf_truncated"] / "model.safetensors"

@@ -441,3 +441,53 @@ def test_cpu_expert_parallel_traffic_is_the_all_gather_dispatcher():
     e = P.estimate(laid, device="cpu")
     tokens = 2 * 64
     assert e["comm"]["ep"] == pytest.approx(2 * 4 * (2 * 1 / 2) * 2 * tokens * 64 * 4)
+
+
+# ---- hybrid linear attention ---------------------------------------------------------------------
+
+QWEN3_5 = REPO / "configs" / "qwen3_5_9b.yaml"
+
+
+def test_hybrid_plan_counts_the_linear_layers_rule_and_state(capsys):
+    """configs/qwen3_5_9b.yaml is the published Qwen3.5-9B text shape: transformers' Qwen3_5TextConfig defaults
+    (its "Qwen3.5-9B style") build as many parameters (on the meta device). Its 24 Gated DeltaNet layers cost
+    per token what their chunked rule does, the same at any length: twice the context grows the FLOPs by the 8
+    attention layers' scores alone, and the activations by those layers' only; a linear layer keeps no scores
+    but its chunks' [c, c] matrices and the state entering each chunk. `msllm plan` lays it out (data parallel:
+    a hybrid is not laid out over tp / cp / pp)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = load_config(QWEN3_5)
+    m = cfg.model
+    with torch.device("meta"):
+        hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig())
+    assert m.num_params() == sum(p.numel() for p in hf.parameters())
+    assert m.layer_kinds().count("linear") == 24 and m.rope_dim == 64
+
+    attention_scores = 6 * m.num_heads * (m.head_size + m.value_size)   # per attention layer, per context token
+    assert m.flops_per_token(8192) - m.flops_per_token(4096) == pytest.approx(8 * attention_scores * 4096)
+    rule = m.linear_rule_flops(4096)
+    assert rule == m.linear_rule_flops(65536) > 0
+    without_rule = 6 * (m.num_params() - m.vocab_size * m.hidden_size) + 8 * attention_scores * 4096
+    assert m.flops_per_token(4096) - without_rule == pytest.approx(3 * 24 * rule)
+
+    sh = L.sharding(m, ParallelConfig())
+    def layer(s, linear):  # noqa: E306
+        return P.layer_activations(m, sh, 1, s, 2, "none", False, linear=linear) / s
+    assert layer(4096, True) == pytest.approx(layer(65536, True))            # per token: no s^2 term
+    assert layer(65536, False) - layer(4096, False) == pytest.approx(m.num_heads * 4 * (65536 - 4096))
+    state = 4 * m.linear_num_value_heads * m.linear_key_head_dim * m.linear_value_head_dim / 64
+    narrower = load_config(QWEN3_5, ["model.linear_value_head_dim=64"]).model
+    assert P.linear_activations(m, 4096, 2) > P.linear_activations(narrower, 4096, 2) + state / 2
+    e = P.estimate(P.with_layout(cfg, ParallelConfig(dp=8), "none", 8), device="910b", flash=False)
+    e_bytes = 4 if cfg.train.precision == "fp32" else 2
+    per_layer = {kind: P.layer_activations(m, sh, 1, 4096, e_bytes, "none", False, linear=kind) for kind in (True, False)}
+    logits = 2 * 4 * 4096 * m.vocab_size
+    assert e["activations"] == pytest.approx(24 * per_layer[True] + 8 * per_layer[False] + logits)
+
+    with pytest.raises(ConfigError, match="parallel.tp: must be 1 with Gated DeltaNet"):
+        check_parallel(P.with_layout(cfg, ParallelConfig(dp=4, tp=2), global_batch=8), 8)
+    code, out, err = plan_cli(capsys, "--config", str(QWEN3_5), "--devices", "8", "--device-mem", "64GB")
+    best = [line for line in out.splitlines() if line.startswith("# best:")]
+    assert code == 0 and best and "tp 1 x pp 1" in best[0], out + err

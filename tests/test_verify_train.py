@@ -22,7 +22,8 @@ def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_train")
     out = {}
     for case in ("llama2_mha", "llama3_gqa_rope_scaling", "qwen2_bias_tied", "mistral_window", "qwen3", "gemma3", "phi3",
-                 "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss", "qwen3_5", "glm4_moe"):
+                 "qwen3_moe", "mixtral", "deepseek_v3", "smollm3", "olmo3", "gpt_oss", "qwen3_5", "glm4_moe",
+                 "qwen3_5_moe", "qwen3_next"):
         build(case).save_pretrained(root / case)
         out[case] = root / case
     return out
@@ -30,12 +31,15 @@ def hf_dirs(tmp_path_factory):
 
 # The new families: q/k norms (Qwen3, Gemma 3), sandwich (1 + w) norms, GeGLU and sliding layers
 # (Gemma 3, window 8 < SEQ), fused qkv / gate_up storage (Phi-3); Qwen3.5's Gated DeltaNet layers (the
-# chunked rule's backward by autodiff) and gated attention with partial RoPE.
+# chunked rule's backward by autodiff) and gated attention with partial RoPE, and with Qwen3.5-MoE's and
+# Qwen3-Next's experts beside a gated shared expert (Qwen3-Next: its fused in_proj_qkvz / in_proj_ba).
 @pytest.mark.parametrize("case", ["llama3_gqa_rope_scaling", "qwen2_bias_tied", "mistral_window", "qwen3", "gemma3", "phi3",
                                   "qwen3_moe", "mixtral", "deepseek_v3", "olmo3", "gpt_oss", "qwen3_5", "glm4_moe",
-                                  # by hand (MSLLM_BY_HAND=1; passed 2026-11-27, 12 s): Llama's step with NoPE tables
-                                  pytest.param("smollm3", marks=pytest.mark.skipif(
-                                      not os.environ.get("MSLLM_BY_HAND"), reason="by hand: beyond CI's budget"))])
+                                  # by hand (MSLLM_BY_HAND=1; passed 2026-11-27, 12 s): Llama's step with NoPE tables;
+                                  # Qwen3.5-MoE and Qwen3-Next (passed 2026-11-27, 139 s and 79 s on a loaded 2-core machine)
+                                  *(pytest.param(case, marks=pytest.mark.skipif(
+                                      not os.environ.get("MSLLM_BY_HAND"), reason="by hand: beyond CI's budget"))
+                                    for case in ("smollm3", "qwen3_5_moe", "qwen3_next"))])
 def test_train_steps_match_torch(hf_dirs, case):
     report = vt.verify_train(hf_dirs[case], steps=STEPS, seq_len=SEQ)
     assert report.ok, "\n".join(report.lines())
@@ -44,9 +48,12 @@ def test_train_steps_match_torch(hf_dirs, case):
     assert ("output.weight" in names) == (not tied)  # tied: the embedding is the head
     if case in ("qwen3", "gemma3", "olmo3", "glm4_moe"):
         assert "layers.1.attention.k_norm.weight" in names
-    if case == "qwen3_5":  # the linear layers' decay, gate and conv, the attention layer's output gate
+    if case in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # the linear layers' decay, gate and conv, the attention
+        # layer's output gate
         assert {"layers.0.attention.A_log", "layers.0.attention.dt_bias", "layers.2.attention.conv.weight",
                 "layers.3.attention.wg.weight"} <= names
+    if case in ("qwen3_5_moe", "qwen3_next"):  # the shared expert's sigmoid gate
+        assert "layers.0.feed_forward.shared_gate.weight" in names
     assert ("layers.1.attention.wk.bias" in names) == (case in ("qwen2_bias_tied", "gpt_oss", "glm4_moe"))
     if case == "glm4_moe":  # a MoE layer's shared expert and routed experts are compared too
         assert {"layers.1.feed_forward.shared.w1.weight", "layers.2.feed_forward.experts.w2"} <= names

@@ -40,7 +40,8 @@ def apply_recompute(model, mode: str) -> None:
         if mode == "full":
             block.recompute()
         elif mode == "selective":
-            block.attention.core.recompute()
+            if hasattr(block.attention, "core"):  # a Gated DeltaNet layer has none: its mixer is kept whole
+                block.attention.core.recompute()
             block.feed_forward.recompute()
 
 

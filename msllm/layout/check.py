@@ -32,6 +32,10 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
         names, sizes = ("dp x cp x tp x pp", (p.dp, p.cp, p.tp, p.pp)) if p.cp > 1 else ("dp x tp x pp", (p.dp, p.tp, p.pp))
         return "parallel", (f"{names} = {' x '.join(map(str, sizes))} = {p.dp * p.cp * p.tp * p.pp} "
                             f"must equal the device count {devices}")
+    for key in ("tp", "cp", "pp"):
+        if m.hybrid and getattr(p, key) > 1:
+            return f"parallel.{key}", ("must be 1 with Gated DeltaNet (linear) layers in model.layer_types: they are "
+                                       "not laid out over devices yet")
     problem = context_parallel_problem(cfg, seq)
     if problem is not None:
         return problem

@@ -52,7 +52,7 @@ import shlex
 import typing
 from dataclasses import dataclass
 
-from msllm.config import Config, ParallelConfig
+from msllm.config import GATED_DELTA_CHUNK, Config, ParallelConfig
 from msllm.errors import UserError
 from msllm.layout import table as L
 from msllm.rules import GROUPED_BLOCK_ROWS, packed_samples, resolves_to_flash
@@ -113,7 +113,8 @@ def parse_bytes(text: str) -> float:
 # ---- memory ----------------------------------------------------------------------------------------
 
 def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, recompute: str, flash: bool,
-                      flash_stats: int = 4, cp: int = 1, moe: "MoECost | None" = None, ring: bool = False) -> float:
+                      flash_stats: int = 4, cp: int = 1, moe: "MoECost | None" = None, ring: bool = False,
+                      linear: bool = False) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch of `batch` sequences, on one device.
     Under context parallel the device holds seq / cp tokens of each sequence, and every key and
     value of it (kv_local d e x cp more per token: the exchanged K/V the attention core keeps) or,
@@ -128,7 +129,8 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
                                  flash_stats a / t: 4 for a log-sum-exp (msllm's CPU kernel), 64 for
                                  FlashAttentionScore's softmax_max and softmax_sum ([b, n, s, 8] fp32)
     A MoE layer (moe given) keeps instead of the MLP term what MoECost.activations counts; an MLA layer
-    its q, its per-head keys and values and its latent instead of q and k, v.
+    its q, its per-head keys and values and its latent instead of q and k, v; a Gated DeltaNet layer (`linear`)
+    what linear_activations counts instead of attention and no scores.
     none = all four; selective (msllm's: attention core and MLP recomputed) = norms + attention;
     full = the layer input, h e / sp. Korthikanti et al.'s GPT count differs in its terms (dropout
     masks, GeLU MLP, fp16 softmax) but not in the structure: with sequence parallel every term is / t,
@@ -145,11 +147,33 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
     if m.mla:  # the layer input to wq, q and the up-projected keys and values of the device's heads, the
         # latent and rope key (whole on every tp rank)
         attention = (h + m.num_heads / t * (2 * d + m.v_head_dim) + m.kv_lora_rank + m.qk_rope_head_dim) * act_bytes
+    if linear:
+        attention = linear_activations(m, seq, act_bytes)
     if recompute == "selective":
         return tokens * (norms + attention)
     mlp = 3 * m.ffn_size * act_bytes / t if moe is None else moe.activations(act_bytes)
-    scores = m.num_heads / t * (flash_stats if flash else 4 * seq)
+    scores = 0.0 if linear else m.num_heads / t * (flash_stats if flash else 4 * seq)
     return tokens * (norms + attention + mlp + scores)
+
+
+def linear_activations(m, seq: int, act_bytes: int) -> float:
+    """Bytes per token a Gated DeltaNet layer keeps for backward (msllm's chunked rule, chunks of c tokens,
+    in fp32 whatever the compute dtype; e = act_bytes; n value heads of d_k, d_v; C conv channels):
+      projections  (3C + 2 n d_v + 2n) e   the conv's input (its window: the rows before, in the same
+                                          tensor), output and SiLU; z; beta's and the decay's inputs
+      rule inputs  4 n (8 d_k + 4 d_v + 2)  q and k (one per value head) before and after their L2 norm, k beta,
+                                          w, q and k scaled by the decays; v, v beta, u, v'; the decay and beta
+      chunk        4 n (2 + 2 log2 c) c    its [c, c] per head: decays, (k beta) k^T and q k^T, the
+                                          inverse and the powers of its series
+      state        4 n d_k d_v / c         the recurrent state entering each chunk
+      output       n d_v (8 + e)           the rule's output, normed, gated
+    Selective recompute keeps it all (it recomputes attention cores; this layer has none)."""
+    n, dk, dv = m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
+    c = min(GATED_DELTA_CHUNK, seq)
+    conv = 2 * m.linear_num_key_heads * dk + n * dv
+    projections = (3 * conv + 2 * n * dv + 2 * n) * act_bytes
+    rule = 4 * n * (8 * dk + 4 * dv + 2 + (2 + 2 * math.ceil(math.log2(c))) * c + dk * dv / c)
+    return projections + rule + n * dv * (8 + act_bytes)
 
 
 @dataclass(frozen=True)
@@ -304,17 +328,19 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     kinds = m.mlp_kinds()
     firsts = L.stage_offsets(m.num_layers, p.pp)
     stage_kinds = [kinds[first:first + n] for first, n in zip(firsts, layers)]
+    # each layer's (mixer, MLP) kinds: ("linear" for a Gated DeltaNet layer, else attention; "dense" / "moe")
+    stage_layers = [list(zip(m.layer_kinds(), kinds))[first:first + n] for first, n in zip(firsts, layers)]
 
     def activations(stage: int, recompute: str, with_flash: bool) -> float:
         in_flight = min(p.pp - stage, p.micro_batches)
         kept, rebuilt = 0.0, 0.0
-        for kind in set(stage_kinds[stage]):
-            cost = moe if kind == "moe" else None
+        for mixer, kind in set(stage_layers[stage]):
+            cost, linear = moe if kind == "moe" else None, mixer == "linear"
             per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash, dev.flash_stats, p.cp, cost,
-                                          ring_cp)
+                                          ring_cp, linear)
             full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash, dev.flash_stats, p.cp, cost,
-                                           ring_cp)
-            kept += stage_kinds[stage].count(kind) * per_layer
+                                           ring_cp, linear)
+            kept += stage_layers[stage].count((mixer, kind)) * per_layer
             rebuilt = max(rebuilt, full_layer - per_layer)  # one layer's dropped activations, rebuilt in its backward
         logits = 2 * 4 * tokens * m.vocab_size / (p.tp if sh.vocab_split else 1) if stage == p.pp - 1 else 0.0
         return kept * in_flight + rebuilt + logits
@@ -387,13 +413,22 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     moe_params = moe.matmul_params() if moe else 0.0
     # attention, norms and dense MLPs, averaged over the layers
     layer_params = (m.num_params() - moe_mlps - m.vocab_size * h * (1 if m.tie_embeddings else 2) - h) / m.num_layers
-    per_layer_flops = 6 * layer_params + 12 * h * seq
-    extra = {"none": 0.0, "selective": 4 * h * seq + 6 * h * m.ffn_size, "full": 2 * layer_params + 4 * h * seq}
+    extra = {"none": 0.0, "selective": 6 * h * m.ffn_size, "full": 2 * layer_params}
     moe_flops = 6 * moe_params * (1 + {"none": 0.0, "selective": 1 / 3, "full": 1 / 3}[t.recompute])
+    # a layer's mixing core per token: attention's scores (4 h s forward, twice that backward), a Gated DeltaNet
+    # layer's chunked rule (3 x its forward); recompute reruns attention's forward, the rule's under full only
+    rule = m.linear_rule_flops(seq) if m.hybrid else 0.0
+    linear_layers = [[mixer for mixer, _ in ks].count("linear") for ks in stage_layers]
+
+    def core_flops(k: int) -> float:
+        attention, linear = layers[k] - linear_layers[k], linear_layers[k]
+        again = {"none": 0.0, "selective": 4 * h * seq * attention, "full": 4 * h * seq * attention + rule * linear}
+        return 12 * h * seq * attention + 3 * rule * linear + again[t.recompute]
+
     rate = dev.peak_flops * dev.efficiency
     stage_time = []
     for k in range(p.pp):
-        flops = tokens * layers[k] * (per_layer_flops + extra[t.recompute])
+        flops = tokens * (layers[k] * (6 * layer_params + extra[t.recompute]) + core_flops(k))
         if k == p.pp - 1:
             flops += tokens * 6 * m.vocab_size * h
         experts = tokens * moe_layers[k] * moe_flops

@@ -310,13 +310,19 @@ class Decoder(nn.Cell):
 
 
 def init_weights(model: Decoder, seed: int) -> None:
-    """GPT-2 style init from a seeded numpy RNG: N(0, 0.02); residual outputs N(0, 0.02/sqrt(2L))."""
+    """GPT-2 style init from a seeded numpy RNG: N(0, 0.02); residual outputs N(0, 0.02/sqrt(2L)). A Gated
+    DeltaNet layer's decay as transformers starts Qwen3.5's: rates A = exp(A_log) ~ U(0.01, 16) per head, dt_bias 1
+    (at A = 16 a head forgets within a token, at 0.01 it keeps a token for ~75)."""
     rng = np.random.default_rng(seed)
     residual_std = 0.02 / math.sqrt(2 * model.cfg.num_layers)
     for name, p in model.parameters_and_names():
         if name.endswith("norm.weight"):
-            continue  # ones
-        if name.endswith("bias"):  # also a MoE router's expert_bias
+            continue  # their Cells' scale 1 (weight 1, or 0 under a (1 + w) offset)
+        if name.endswith("A_log"):
+            value = np.log(rng.uniform(0.01, 16.0, p.shape)).astype(np.float32)
+        elif name.endswith("dt_bias"):
+            value = np.ones(p.shape, np.float32)
+        elif name.endswith("bias"):  # also a MoE router's expert_bias
             value = np.zeros(p.shape, np.float32)
         else:
             std = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02

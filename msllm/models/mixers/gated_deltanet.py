@@ -23,10 +23,9 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
-from msllm.config import ModelConfig
+from msllm.config import GATED_DELTA_CHUNK, ModelConfig
 from msllm.models.layers import Linear, RMSNorm, cast
 
-CHUNK = 64
 L2_EPS = 1e-6  # q and k are normalised as the FLA kernels (and transformers' fallback) do
 
 
@@ -92,7 +91,7 @@ class ChunkedGatedDeltaRule(nn.Cell):
     pairs within a chunk and the reads and writes of the carried state, so each sample starts from a
     zero state as if it ran alone."""
 
-    def __init__(self, chunk: int = CHUNK):
+    def __init__(self, chunk: int = GATED_DELTA_CHUNK):
         super().__init__()
         self.chunk = chunk
         # [chunk, chunk] masks, sliced to a shorter sequence's one chunk: inclusive and strict lower
