@@ -7,7 +7,10 @@ Each format writes two graphs:
   cached          input_ids [batch, seq], keys, values [layers, batch, kv_heads, max_len, head_dim],
                   start [1], pad [batch] -> logits [batch, vocab] of the last token, keys, values
                   with slots start .. start+seq-1 written (msllm.inference.CachedForward): prefill,
-                  and decode with seq = 1, so generation loads one graph and one copy of the weights
+                  and decode with seq = 1, so generation loads one graph and one copy of the weights.
+                  A hybrid's also takes and returns its Gated DeltaNet layers' recurrent states and
+                  conv windows after the keys and values (ModelConfig.cache_shapes); its MindIR is
+                  this graph alone, of one token per call (write_mindir)
 ONNX writes model.onnx and cached.onnx and their weights once, as external data both point at
 (weights.onnx.data); with --embed-weights each graph file carries its own copy instead
 (self-contained files, up to protobuf's 2 GB). MindIR writes model_graph.mindir and cached_graph.mindir,

@@ -12,12 +12,15 @@ spec (ModelConfig):
     q/k norms, (offset + w) norms, sandwich norms, GeGLU, attention sinks and the embedding scale as the
     spec says;
   * MLA (msllm/models/mixers/mla.py) with its latent cache, DeepSeek-V3's grouped sigmoid router and
-    shared experts (msllm/models/moe.py).
+    shared experts (msllm/models/moe.py);
+  * partial RoPE and gated attention (Qwen3.5), and Gated DeltaNet layers (graph_opt/onnx_deltanet.py),
+    whose recurrent states and conv windows are two more caches after the keys and values.
 Two graphs, both with dynamic batch, sequence and cache length:
   model    input_ids [b, s] -> logits [b, s, vocab]
   cached   input_ids [b, s], past_keys, past_values [layers, b, kv_heads, max_len, head_dim], start [1],
            pad [b] -> logits [b, vocab] of the last token, present_keys, present_values (slots
-           start .. start+s-1 written), as msllm.inference.CachedForward: prefill, and decode with
+           start .. start+s-1 written; a hybrid's past_states / past_windows in, present_states /
+           present_windows out), as msllm.inference.CachedForward: prefill, and decode with
            s = 1. One session serves both, so the weights (and onnxruntime's packed copies of
            them) are held once; a graph with s fixed at 1 decodes no faster.
 Simple constants are emitted where they are used (one Constant node each, Casts even when

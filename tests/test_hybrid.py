@@ -241,7 +241,6 @@ def test_exported_hybrid_carries_its_state_and_generates_transformers_greedy(qwe
 
     engine.start(prompts, 2)
     saved = [c.asnumpy() if isinstance(c, ms.Tensor) else c.copy() for c in engine.cache]
-    assert np.abs(saved[2]).max() > 0.1  # the prompts left a state
     token = [5, 6]
     carried = engine.step(token)
     engine.cache, engine.next_slot = [*saved[:2], np.zeros_like(saved[2]), saved[3]], engine.next_slot - 1
