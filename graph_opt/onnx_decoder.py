@@ -55,7 +55,8 @@ LINEARS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "
            "q_a": "attention.wq_a", "q_b": "attention.wq_b", "kv_a": "attention.wkv_a", "kv_b": "attention.wkv_b",
            "shared_gate": "feed_forward.shared.w1", "shared_up": "feed_forward.shared.w3",
            "shared_down": "feed_forward.shared.w2", "output_gate": "attention.wg",
-           "z": "attention.wz", "beta": "attention.wb", "decay": "attention.wa"}
+           "z": "attention.wz", "beta": "attention.wb", "decay": "attention.wa",
+           "shared_output_gate": "feed_forward.shared_gate"}
 EMBED, FINAL_NORM, HEAD = "tok_embeddings.weight", "norm.weight", "output.weight"
 
 
@@ -313,7 +314,10 @@ class LlamaGraph:
         if w["shared_gate"] is None:
             return routed
         shared = self.activation(self.linear(x, w["shared_gate"]), self.linear(x, w["shared_up"]))
-        return self.op("Add", routed, self.linear(shared, w["shared_down"]))
+        shared = self.linear(shared, w["shared_down"])
+        if w["shared_output_gate"] is not None:  # Qwen3.5-MoE / Qwen3-Next: x sigmoid(a scalar of x) per token
+            shared = self.op("Mul", shared, self.op("Sigmoid", self.linear(x, w["shared_output_gate"])))
+        return self.op("Add", routed, shared)
 
     def window(self, visible, query_slots, key_slots, window: int):
         """visible, and within the last `window` slots of its query when window > 0."""
