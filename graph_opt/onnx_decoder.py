@@ -171,8 +171,9 @@ class LlamaGraph:
     def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-        q = self.rope(self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq), cos, sin, d)
-        k = self.rope(self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq), cos, sin, d)
+        q = self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq)
+        k = self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq)
+        q, k = self.rope(q, cos, sin, d), self.rope(k, cos, sin, d)
         v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
         if cache_k is not None:  # the new tokens' slots take the new keys and values
             source, fresh = write
@@ -422,10 +423,7 @@ class LlamaGraph:
             normed = self.rms_norm(x, w["attention_norm"])
             if recurrent[i]:
                 if states is None:  # the model graph: every row starts from a zero state and window
-                    state = self.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                       cfg.linear_value_head_dim)
-                    window = self.zeros(batch, cfg.linear_conv_kernel - 1, 2 * cfg.linear_num_key_heads *
-                                        cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+                    state, window = (self.zeros(batch, *shape[2:]) for shape in cfg.cache_shapes(1, 1)[2:])
                 else:
                     state, window = (self.op("Cast", self.op("Gather", c, slot), to=ir.DataType.FLOAT)
                                      for c in (states, windows))
@@ -463,12 +461,12 @@ def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dty
     names = CACHES[:len(cache_shapes)]
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "sequence"])
     inputs = [input_ids]
-    caches = {}
+    cached = {}  # forward's keyword arguments: the caches by name, start and pad
     if kind != "model":
-        caches = {name: ir.val(f"past_{name}", g.dtype, shape) for name, shape in zip(names, cache_shapes)}
-        inputs += [*caches.values(), ir.val("start", ir.DataType.INT64, [1]), ir.val("pad", ir.DataType.INT64, ["batch"])]
-    logits, present = g.forward(input_ids, **caches, start=inputs[-2] if caches else None,
-                                pad=inputs[-1] if caches else None)
+        cached = {name: ir.val(f"past_{name}", g.dtype, shape) for name, shape in zip(names, cache_shapes)}
+        cached.update(start=ir.val("start", ir.DataType.INT64, [1]), pad=ir.val("pad", ir.DataType.INT64, ["batch"]))
+        inputs += list(cached.values())
+    logits, present = g.forward(input_ids, **cached)
     unused = sorted(set(g.weights) - set(g.initializers))
     if unused:  # a parameter the graph does not compute: refuse rather than export another model
         raise ValueError(f"the ONNX builder does not use {unused}")
