@@ -3,9 +3,9 @@ graph_opt.onnx_decoder graph: the same projections, the depthwise causal conv as
 over [conv window, new inputs], and the gated delta rule in its recurrent form, an ONNX Scan over
 the tokens that carries the state [b, value heads, d_k, d_v]. The state and the conv window enter
 as inputs and leave updated, so the graph prefills and decodes like the KV cache does. The
-chunked form msllm trains with has no fixed-shape ONNX equivalent (its chunk count follows the
-sequence); the recurrent form is the same rule token by token (equal within fp32 reordering).
-The rule runs in fp32 whatever the export dtype, as in msllm.
+chunked form msllm trains with would need a Loop over a sequence-dependent number of padded chunks;
+the recurrent form is the same rule token by token (equal within fp32 reordering), at one
+sequential step per prompt token. The rule runs in fp32 whatever the export dtype, as in msllm.
 """
 from __future__ import annotations
 
