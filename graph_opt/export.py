@@ -7,7 +7,10 @@ Each format writes two graphs:
   cached          input_ids [batch, seq], keys, values [layers, batch, kv_heads, max_len, head_dim],
                   start [1], pad [batch] -> logits [batch, vocab] of the last token, keys, values
                   with slots start .. start+seq-1 written (msllm.inference.CachedForward): prefill,
-                  and decode with seq = 1, so generation loads one graph and one copy of the weights
+                  and decode with seq = 1, so generation loads one graph and one copy of the weights.
+                  A hybrid's also takes and returns its Gated DeltaNet layers' recurrent states and
+                  conv windows after the keys and values (ModelConfig.cache_shapes); its MindIR is
+                  this graph alone, of one token per call (write_mindir)
 ONNX writes model.onnx and cached.onnx and their weights once, as external data both point at
 (weights.onnx.data); with --embed-weights each graph file carries its own copy instead
 (self-contained files, up to protobuf's 2 GB). MindIR writes model_graph.mindir and cached_graph.mindir,
@@ -45,6 +48,7 @@ VERIFY_SHAPES = ((2, 5), (1, 11))  # (batch, seq): two batches and lengths run t
 DECODE_STEPS = 3                   # the last tokens of the longest case are fed one at a time
 ONNX_DATA = "weights.onnx.data"
 PROTOBUF_LIMIT = 2**31 - 2**26     # a ModelProto must stay under 2 GiB; keep 64 MiB for the graph itself
+HYBRID_MINDIR_TOKENS = 1           # tokens per call of a hybrid's MindIR cached graph (write_mindir)
 
 
 def verification_inputs(vocab_size: int, max_seq_len: int) -> list[np.ndarray]:
@@ -85,11 +89,12 @@ def verify_graph(export_dir: Path, manifest: dict, graph: str, inputs: list[np.n
 
 def to_half(model) -> None:
     """fp16 compute with fp16 weights stored in the file (half the size); norm weights stay fp32
-    (they scale fp32 statistics), and RoPE rows are computed in fp32 from positions, then cast."""
+    (they scale fp32 statistics), as do a Gated DeltaNet layer's decay parameters (fp32 maths), and
+    RoPE rows are computed in fp32 from positions, then cast."""
     import mindspore as ms
 
     for p in model.trainable_params():
-        if not p.name.endswith("norm.weight"):
+        if not p.name.endswith(("norm.weight", "A_log", "dt_bias")):
             p.set_data(p.astype(ms.float16))
     model.compute_dtype = ms.float16
 
@@ -134,29 +139,38 @@ def mindir_file(tmp: Path, name: str) -> str:
 def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     """Two graphs via ms.export (GRAPH_MODE) with None for every dynamic dimension: the model, and
     the cached forward that serves prefill and decode (one graph and one copy of the weights in
-    memory for generation)."""
+    memory for generation). A hybrid writes the cached forward alone, of one token per call
+    (HYBRID_MINDIR_TOKENS): the chunked rule's loop over chunks follows the sequence length, which a
+    graph of dynamic length cannot; with one token it is the recurrent step, and prefill feeds the
+    prompt through it token by token."""
     import mindspore as ms
 
-    from msllm.inference import CachedForward
+    from msllm.inference import CachedForward, RecurrentCachedForward
 
     cfg = model.cfg
     ms.set_context(mode=ms.GRAPH_MODE)
     if dtype == "fp16":
         to_half(model)
     ids = ms.Tensor(shape=[None, None], dtype=ms.int32)
-    keys, values = (ms.Tensor(shape=list(shape), dtype=ms.float16 if dtype == "fp16" else ms.float32)
-                    for shape in cfg.cache_shapes(None, None))  # batch and length dynamic
+    caches = [ms.Tensor(shape=list(shape), dtype=ms.float16 if dtype == "fp16" else ms.float32)
+              for shape in cfg.cache_shapes(None, None)]  # batch and length dynamic
     where = (ms.Tensor(shape=[1], dtype=ms.int32), ms.Tensor(shape=[None], dtype=ms.int32))  # start, pad
-    cached = CachedForward(model)
-    graphs = {"model": (model, ids), "cached": (cached, ids, keys, values, *where)}
+    if cfg.hybrid:
+        one_token = ms.Tensor(shape=[None, HYBRID_MINDIR_TOKENS], dtype=ms.int32)
+        graphs = {"cached": (RecurrentCachedForward(model), one_token, *caches, *where)}
+    else:
+        graphs = {"model": (model, ids), "cached": (CachedForward(model), ids, *caches, *where)}
     with external_weights():
         for name, (cell, *inputs) in graphs.items():
             ms.export(cell, *inputs, file_name=str(tmp / name), file_format="MINDIR")
             log(f"wrote {mindir_file(tmp, name)}")
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    link_identical(tmp / "model_variables", tmp / "cached_variables")
     cached_file = mindir_file(tmp, "cached")
-    return {"model": mindir_file(tmp, "model"), "prefill": cached_file, "decode": cached_file}
+    files = {"prefill": cached_file, "decode": cached_file}
+    if "model" in graphs:
+        link_identical(tmp / "model_variables", tmp / "cached_variables")
+        files["model"] = mindir_file(tmp, "model")
+    return files
 
 
 def write_onnx(cfg, arrays: dict[str, np.ndarray], dtype: str, tmp: Path, external_data: bool, log) -> dict[str, str]:
@@ -227,9 +241,6 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", emb
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     out = Path(out)
     cfg, ckpt_dir, state = read_checkpoint(ckpt)
-    if cfg.model.hybrid:
-        raise ExportError("a model with Gated DeltaNet (linear attention) layers is not exported yet (its recurrent "
-                          "state is no graph input / output yet); generate with the msllm engine")
     nbytes = cfg.model.num_params() * (2 if dtype == "fp16" else 4)
     if embed_weights and fmt != "onnx":
         raise ExportError("--embed-weights: only for --format onnx (MindIR keeps its weights in <name>_variables/)")
@@ -252,9 +263,11 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", emb
         manifest = {"format": fmt, "dtype": dtype, "checkpoint": str(ckpt_dir), "step": state.get("step"),
                     "files": files, "sizes": file_sizes(tmp), "config": cfg.to_dict(),
                     "export_seconds": round(export_seconds, 3)}
+        if fmt == "mindir" and cfg.model.hybrid:  # the cached graph's fixed tokens per call (write_mindir)
+            manifest["tokens_per_call"] = HYBRID_MINDIR_TOKENS
 
         diffs = {}
-        for graph in ("model", "cached"):
+        for graph in ("model", "cached") if "model" in files else ("cached",):
             diffs.update(run_isolated(verify_graph, tmp, manifest, graph, inputs, references, log=log,
                                       what=f"verifying the {graph} graph"))
         bound = TOLERANCE[dtype] * max(1.0, max(float(np.abs(r).max()) for r in references))

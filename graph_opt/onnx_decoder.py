@@ -12,12 +12,15 @@ spec (ModelConfig):
     q/k norms, (offset + w) norms, sandwich norms, GeGLU, attention sinks and the embedding scale as the
     spec says;
   * MLA (msllm/models/mixers/mla.py) with its latent cache, DeepSeek-V3's grouped sigmoid router and
-    shared experts (msllm/models/moe.py).
+    shared experts (msllm/models/moe.py);
+  * partial RoPE and gated attention (Qwen3.5), and Gated DeltaNet layers (graph_opt/onnx_deltanet.py),
+    whose recurrent states and conv windows are two more caches after the keys and values.
 Two graphs, both with dynamic batch, sequence and cache length:
   model    input_ids [b, s] -> logits [b, s, vocab]
   cached   input_ids [b, s], past_keys, past_values [layers, b, kv_heads, max_len, head_dim], start [1],
            pad [b] -> logits [b, vocab] of the last token, present_keys, present_values (slots
-           start .. start+s-1 written), as msllm.inference.CachedForward: prefill, and decode with
+           start .. start+s-1 written; a hybrid's past_states / past_windows in, present_states /
+           present_windows out), as msllm.inference.CachedForward: prefill, and decode with
            s = 1. One session serves both, so the weights (and onnxruntime's packed copies of
            them) are held once; a graph with s fixed at 1 decodes no faster.
 Simple constants are emitted where they are used (one Constant node each, Casts even when
@@ -31,7 +34,9 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from graph_opt.onnx_deltanet import gated_deltanet
 from msllm.config import ModelConfig
+from msllm.engine import CACHES
 from msllm.models.decoder import attention_kinds
 from msllm.models.layers import rope_attention_factor, rope_inv_freq
 from msllm.models.mixers.mla import LATENT_NORM_EPS
@@ -44,12 +49,14 @@ MASKED = -1e9  # the additive mask value msllm uses
 
 # Per layer, relative to "layers.{i}.": the msllm parameters of each role (norms may be absent).
 NORMS = ("attention_norm", "attention_out_norm", "ffn_norm", "ffn_out_norm", "attention.q_norm", "attention.k_norm",
-         "attention.kv_norm")
+         "attention.kv_norm", "attention.norm")
 LINEARS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
            "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2",
            "q_a": "attention.wq_a", "q_b": "attention.wq_b", "kv_a": "attention.wkv_a", "kv_b": "attention.wkv_b",
            "shared_gate": "feed_forward.shared.w1", "shared_up": "feed_forward.shared.w3",
-           "shared_down": "feed_forward.shared.w2"}
+           "shared_down": "feed_forward.shared.w2", "output_gate": "attention.wg",
+           "z": "attention.wz", "beta": "attention.wb", "decay": "attention.wa",
+           "shared_output_gate": "feed_forward.shared_gate"}
 EMBED, FINAL_NORM, HEAD = "tok_embeddings.weight", "norm.weight", "output.weight"
 
 
@@ -60,6 +67,7 @@ def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str
 
     out = {norm: named(f"layers.{i}.{norm}.weight") for norm in NORMS}
     out["sinks"] = named(f"layers.{i}.attention.core.sinks")
+    out.update({part: named(f"layers.{i}.attention.{part}") for part in ("conv.weight", "dt_bias", "A_log")})
     out["router"] = named(f"layers.{i}.feed_forward.router.weight")
     out["router_bias"] = named(f"layers.{i}.feed_forward.router.expert_bias")
     out["router_logit_bias"] = named(f"layers.{i}.feed_forward.router.bias")
@@ -106,9 +114,10 @@ class LlamaGraph:
     def linear(self, x, weight, bias=None) -> ir.Value:
         return self.op("Gemm", x, self.param(weight), *([self.param(bias)] if bias else []), transB=1)
 
-    def rms_norm(self, x, weight, latent: bool = False) -> ir.Value:
+    def rms_norm(self, x, weight, latent: bool = False, plain: bool = False) -> ir.Value:
         """Over the last axis, scaled by (norm_offset + weight); x unchanged when the norm is absent.
-        latent: MLA's latent norms (eps LATENT_NORM_EPS, no offset)."""
+        latent: MLA's latent norms (eps LATENT_NORM_EPS, no offset). plain: no offset, and the result
+        left in fp32 (a Gated DeltaNet layer's output norm)."""
         if weight is None:
             return x
         x = self.op("Cast", x, to=ir.DataType.FLOAT)
@@ -116,9 +125,9 @@ class LlamaGraph:
         eps = self.const(LATENT_NORM_EPS if latent else self.cfg.norm_eps, np.float32)
         x = self.op("Div", x, self.op("Sqrt", self.op("Add", mean_square, eps)))
         scale = self.param(weight, fp32=True)
-        if self.cfg.norm_offset and not latent:
+        if self.cfg.norm_offset and not (latent or plain):
             scale = self.op("Add", scale, self.const(self.cfg.norm_offset, np.float32))
-        return self.op("Cast", self.op("Mul", x, scale), to=self.dtype)
+        return self.op("Cast", self.op("Mul", x, scale), to=ir.DataType.FLOAT if plain else self.dtype)
 
     def heads(self, rows, n, seq, d: int = 0) -> ir.Value:
         """[b*s, n*d] -> [b, n, s, d] (d: the head size unless given)."""
@@ -129,18 +138,15 @@ class LlamaGraph:
         """x[..., start:end]."""
         return self.op("Slice", x, self.const([start]), self.const([end]), self.const([-1]))
 
-    def rope(self, x, cos, sin) -> ir.Value:
+    def rope(self, x, cos, sin, width: int = 0) -> ir.Value:
+        """Rotate-half RoPE on the first rope_dim features of each head of `width` (0: rope_dim, all of
+        them); the others pass unchanged (partial RoPE)."""
         d = self.cfg.rope_dim
-        first, second = self.part(x, 0, d // 2), self.part(x, d // 2, d)
+        rotary = self.part(x, 0, d) if width > d else x
+        first, second = self.part(rotary, 0, d // 2), self.part(rotary, d // 2, d)
         rotated = self.op("Concat", self.op("Neg", second), first, axis=-1)
-        return self.op("Add", self.op("Mul", x, cos), self.op("Mul", rotated, sin))
-
-    def head_rope(self, x, cos, sin) -> ir.Value:
-        """RoPE on each attention head's leading rope_dim features, the rest as they are (partial RoPE)."""
-        d, head = self.cfg.rope_dim, self.cfg.head_size
-        if d == head:
-            return self.rope(x, cos, sin)
-        return self.op("Concat", self.rope(self.part(x, 0, d), cos, sin), self.part(x, d, head), axis=-1)
+        rotary = self.op("Add", self.op("Mul", rotary, cos), self.op("Mul", rotated, sin))
+        return self.op("Concat", rotary, self.part(x, d, width), axis=-1) if width > d else rotary
 
     def normed_heads(self, projection, norm, n: int, seq) -> ir.Value:
         """A q or k projection as heads [b, n, s, d], its norm (if any) over each head or over the whole
@@ -165,10 +171,9 @@ class LlamaGraph:
     def attention(self, x, w, seq, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         cfg = self.cfg
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-        q = self.head_rope(self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq),
-                           cos, sin)
-        k = self.head_rope(self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq),
-                           cos, sin)
+        q = self.normed_heads(self.linear(x, w["q"], w["q_bias"]), w["attention.q_norm"], nh, seq)
+        k = self.normed_heads(self.linear(x, w["k"], w["k_bias"]), w["attention.k_norm"], nkv, seq)
+        q, k = self.rope(q, cos, sin, d), self.rope(k, cos, sin, d)
         v = self.heads(self.linear(x, w["v"], w["v_bias"]), nkv, seq)
         if cache_k is not None:  # the new tokens' slots take the new keys and values
             source, fresh = write
@@ -183,6 +188,8 @@ class LlamaGraph:
         out = self.op("MatMul", self.op("Cast", probs, to=self.dtype), v)
         out = self.op("Transpose", self.op("Reshape", out, self.shape(0, nh, -1, d)), perm=[0, 2, 1, 3])
         out = self.op("Reshape", out, self.shape(-1, nh * d))
+        if w["output_gate"] is not None:  # gated attention: each feature x sigmoid(its gate)
+            out = self.op("Mul", out, self.op("Sigmoid", self.linear(x, w["output_gate"])))
         return self.linear(out, w["o"], w["o_bias"]), k, v
 
     def rope_order(self, x, n: int) -> ir.Value:
@@ -308,7 +315,10 @@ class LlamaGraph:
         if w["shared_gate"] is None:
             return routed
         shared = self.activation(self.linear(x, w["shared_gate"]), self.linear(x, w["shared_up"]))
-        return self.op("Add", routed, self.linear(shared, w["shared_down"]))
+        shared = self.linear(shared, w["shared_down"])
+        if w["shared_output_gate"] is not None:  # Qwen3.5-MoE / Qwen3-Next: x sigmoid(a scalar of x) per token
+            shared = self.op("Mul", shared, self.op("Sigmoid", self.linear(x, w["shared_output_gate"])))
+        return self.op("Add", routed, shared)
 
     def window(self, visible, query_slots, key_slots, window: int):
         """visible, and within the last `window` slots of its query when window > 0."""
@@ -370,9 +380,22 @@ class LlamaGraph:
                                                                                      self.const(1)))
         return cos, sin, mask, (source, self.op("Unsqueeze", fresh, self.const([1])))
 
-    def forward(self, input_ids, keys=None, values=None, start=None, pad=None):
+    def real_tokens(self, seq, start, pad) -> ir.Value:
+        """As Decoder.real_tokens, as rows [b*s, 1] in the compute dtype: 1 for a token, 0 for left padding."""
+        first = self.op("Squeeze", start)
+        new_slots = self.op("Range", first, self.op("Add", first, self.op("Squeeze", seq)), self.const(1))
+        real = self.op("GreaterOrEqual", self.op("Unsqueeze", new_slots, self.const([0])),
+                       self.op("Unsqueeze", pad, self.const([1])))
+        return self.op("Reshape", self.op("Cast", real, to=self.dtype), self.shape(-1, 1))
+
+    def zeros(self, batch, *dims) -> ir.Value:
+        """fp32 zeros [batch, *dims] (batch: a 1-element int64 value)."""
+        return self.op("ConstantOfShape", self.shape(batch, *dims), value=ir.tensor(np.zeros(1, np.float32)))
+
+    def forward(self, input_ids, keys=None, values=None, states=None, windows=None, start=None, pad=None):
         """Without a cache: logits [b, s, vocab] fp32. With one: logits [b, vocab] of the last
-        token and the keys / values with the new slots written."""
+        token, and the caches with the new tokens written: keys / values at the new slots, a hybrid's
+        recurrent states and conv windows after the new tokens. Returns (logits, [caches])."""
         cfg = self.cfg
         seq = self.op("Shape", input_ids, start=1, end=2)  # [1]
         write = None
@@ -385,25 +408,40 @@ class LlamaGraph:
             else:
                 cos, sin, mask, write = self.cache_tables(seq, keys, start, pad, kind)
                 tables.append((cos, sin, mask))
+        recurrent = [kind == "linear" for kind in cfg.layer_kinds()]  # Gated DeltaNet layers
+        real = self.real_tokens(seq, start, pad) if states is not None else None
+        batch = self.op("Shape", input_ids, start=0, end=1)
 
         embed = (EMBED, self.weights[EMBED])
         x = self.op("Reshape", self.op("Gather", self.param(embed), input_ids), self.shape(-1, cfg.hidden_size))
         if cfg.embed_scale != 1.0:
             x = self.op("Mul", x, self.const(cfg.embed_scale, self.np_dtype))
-        new_keys, new_values = [], []
+        caches = [[], [], [], []]  # keys, values, states, windows: each a list of [1, ...] per layer
         for i in range(cfg.num_layers):
             w = layer_weights(self.weights, i)
-            cache_k = cache_v = None
-            if keys is not None:
-                cache_k = self.op("Gather", keys, self.const(i))
-                cache_v = self.op("Gather", values, self.const(i))
-            cos, sin, mask = tables[self.layer_kind[i]]
-            attention = self.mla if cfg.mla else self.attention
-            out, k, v = attention(self.rms_norm(x, w["attention_norm"]), w, seq, cos, sin, mask, cache_k, cache_v, write)
+            slot = self.const(recurrent[:i].count(recurrent[i]))  # the layer's index among its kind's caches
+            normed = self.rms_norm(x, w["attention_norm"])
+            if recurrent[i]:
+                if states is None:  # the model graph: every row starts from a zero state and window
+                    state, window = (self.zeros(batch, *shape[2:]) for shape in cfg.cache_shapes(1, 1)[2:])
+                else:
+                    state, window = (self.op("Cast", self.op("Gather", c, slot), to=ir.DataType.FLOAT)
+                                     for c in (states, windows))
+                out, *new = gated_deltanet(self, normed, w, seq, state, window, real, i)
+                new = [self.op("Cast", c, to=self.dtype) for c in new]
+                kept = caches[2:]
+            else:
+                cache_k = cache_v = None
+                if keys is not None:
+                    cache_k, cache_v = self.op("Gather", keys, slot), self.op("Gather", values, slot)
+                cos, sin, mask = tables[self.layer_kind[i]]
+                attention = self.mla if cfg.mla else self.attention
+                out, *new = attention(normed, w, seq, cos, sin, mask, cache_k, cache_v, write)
+                kept = caches[:2]
+            for cache, value in zip(kept, new):
+                cache.append(self.op("Unsqueeze", value, self.const([0])))
             x = self.op("Add", x, self.rms_norm(out, w["attention_out_norm"]))
             x = self.op("Add", x, self.rms_norm(self.feed_forward(self.rms_norm(x, w["ffn_norm"]), w), w["ffn_out_norm"]))
-            new_keys.append(self.op("Unsqueeze", k, self.const([0])))
-            new_values.append(self.op("Unsqueeze", v, self.const([0])))
         if keys is not None:  # logits only where the next token is read
             last = self.op("Sub", self.op("Squeeze", seq), self.const(1))
             x = self.op("Gather", self.op("Reshape", x, self.shape(-1, seq, cfg.hidden_size)), last, axis=1)
@@ -413,19 +451,22 @@ class LlamaGraph:
         if keys is None:
             logits = self.op("Reshape", logits, self.shape(-1, seq, cfg.vocab_size))
         logits = self.op("Cast", logits, to=ir.DataType.FLOAT)
-        return logits, self.op("Concat", *new_keys, axis=0), self.op("Concat", *new_values, axis=0)
+        return logits, [self.op("Concat", *cache, axis=0) for cache in caches if cache]
 
 
 def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dtype: str = "fp32") -> ir.Model:
     """One of GRAPHS as an onnx_ir Model; weights are msllm parameter arrays by name (fp32)."""
     g = LlamaGraph(cfg, weights, dtype)
     cache_shapes = [list(shape) for shape in cfg.cache_shapes("batch", "max_len")]
+    names = CACHES[:len(cache_shapes)]
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "sequence"])
     inputs = [input_ids]
+    cached = {}  # forward's keyword arguments: the caches by name, start and pad
     if kind != "model":
-        inputs += [ir.val(name, g.dtype, shape) for name, shape in zip(("past_keys", "past_values"), cache_shapes)]
-        inputs += [ir.val("start", ir.DataType.INT64, [1]), ir.val("pad", ir.DataType.INT64, ["batch"])]
-    logits, keys, values = g.forward(*inputs)
+        cached = {name: ir.val(f"past_{name}", g.dtype, shape) for name, shape in zip(names, cache_shapes)}
+        cached.update(start=ir.val("start", ir.DataType.INT64, [1]), pad=ir.val("pad", ir.DataType.INT64, ["batch"]))
+        inputs += list(cached.values())
+    logits, present = g.forward(input_ids, **cached)
     unused = sorted(set(g.weights) - set(g.initializers))
     if unused:  # a parameter the graph does not compute: refuse rather than export another model
         raise ValueError(f"the ONNX builder does not use {unused}")
@@ -433,8 +474,8 @@ def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dty
     logits.shape = ir.Shape(["batch", "sequence", cfg.vocab_size] if kind == "model" else ["batch", cfg.vocab_size])
     outputs = [logits]
     if kind != "model":
-        for value, name, shape in zip((keys, values), ("present_keys", "present_values"), cache_shapes):
-            value.name, value.dtype, value.shape = name, g.dtype, ir.Shape(shape)
+        for value, name, shape in zip(present, names, cache_shapes):
+            value.name, value.dtype, value.shape = f"present_{name}", g.dtype, ir.Shape(shape)
             outputs.append(value)
     graph = ir.Graph(inputs, outputs, nodes=g.tape.nodes, initializers=g.tape.initializers,
                      opset_imports={"": OPSET}, name=f"msllm_llama_{kind}")

@@ -12,7 +12,7 @@ import numpy as np
 
 from graph_opt import ExportError
 from graph_opt.manifest import MANIFEST, check_sizes, read_manifest
-from msllm.engine import Engine
+from msllm.engine import CACHES, Engine
 
 ENGINES = {"msllm": None, "mindir": "mindir", "onnxruntime": "onnx"}  # engine -> export format it runs
 MINDSPORE_ENGINES = ("msllm", "mindir")
@@ -23,8 +23,9 @@ class OnnxEngine(Engine):
 
     def run(self, kind, ids, *cache):
         feeds = {"input_ids": np.asarray(ids, np.int64)}
-        if cache:
-            feeds.update(zip(("past_keys", "past_values", "start", "pad"), cache))
+        if cache:  # the caches (a hybrid's recurrent states and conv windows after the keys and values), start, pad
+            names = [f"past_{name}" for name in CACHES[:len(cache) - 2]]
+            feeds.update(zip(names + ["start", "pad"], cache))
         return tuple(self.graph(kind).run(None, feeds))
 
 
@@ -48,7 +49,7 @@ def export_engine(export_dir: Path, manifest: dict) -> Engine:
 
         engine, open_graph = OnnxEngine, lambda f: ort.InferenceSession(f, providers=["CPUExecutionProvider"])
     loaders = {f: functools.partial(_load, f, open_graph) for f in set(files.values())}
-    return engine({kind: loaders[f] for kind, f in files.items()}, cfg, cache_dtype)
+    return engine({kind: loaders[f] for kind, f in files.items()}, cfg, cache_dtype, manifest.get("tokens_per_call", 0))
 
 
 def _load(path: str, open_graph: Callable):

@@ -19,6 +19,9 @@ import numpy as np
 # Prompt and cache lengths are rounded up to a power of two from these: few distinct shapes
 # (each compiled once), at most twice the work of the exact length.
 PROMPT_BUCKET, CACHE_BUCKET = 16, 64
+# The caches a cached forward takes and returns, in ModelConfig.cache_shapes' order (a hybrid's recurrent
+# states and conv windows after the attention layers' keys and values); exported graphs name them so.
+CACHES = ("keys", "values", "states", "windows")
 
 
 def bucket(n: int, smallest: int) -> int:
@@ -27,10 +30,12 @@ def bucket(n: int, smallest: int) -> int:
 
 class Engine:
     """Graph loaders by kind ("model", "prefill", "decode"); kinds given the same loader share
-    what it loads. `run` is the runtime's own call."""
+    what it loads. `run` is the runtime's own call. tokens_per_call: the tokens per row the prefill graph
+    takes in one call when it is fixed (a hybrid's MindIR: 1), so a prompt is fed in pieces of it; 0: any."""
 
-    def __init__(self, loaders: dict[str, Callable], cfg, cache_dtype=np.float32):
+    def __init__(self, loaders: dict[str, Callable], cfg, cache_dtype=np.float32, tokens_per_call: int = 0):
         self.loaders, self.graphs, self.cfg, self.cache_dtype = loaders, {}, cfg, cache_dtype
+        self.tokens_per_call = tokens_per_call
 
     def graph(self, kind: str):
         load = self.loaders[kind]
@@ -59,8 +64,10 @@ class Engine:
         cfg = self.cfg
         caches = [np.zeros(shape, self.cache_dtype)
                   for shape in cfg.cache_shapes(len(prompts), bucket(width + max_new, CACHE_BUCKET))]
-        logits, *self.cache = self.run("prefill", ids, *caches, np.zeros(1, np.int64), self.pad)
-        self.next_slot = width
+        piece = self.tokens_per_call or width
+        for at in range(0, width, piece):  # at once, or piece by piece into the cache
+            logits, *caches = self.run("prefill", ids[:, at:at + piece], *caches, np.array([at], np.int64), self.pad)
+        self.cache, self.next_slot = caches, width
         return logits
 
     def step(self, tokens: list[int]) -> np.ndarray:

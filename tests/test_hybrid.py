@@ -2,18 +2,21 @@
 chunked rule against transformers' token-by-token recurrence across chunks, packed samples against
 each sample alone, the config translation both ways and the one-line refusals. (Conversion, per-layer
 states and logits: test_interop_convert's qwen3_5 case; train steps: test_verify_train's.) Decode: the
-recurrent cache on the msllm engine against transformers' greedy tokens."""
+recurrent cache on the msllm engine, and in the exported ONNX and MindIR graphs, against transformers'
+greedy tokens."""
 import json
 
 import mindspore as ms
 import numpy as np
+import onnx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
-from graph_opt import ExportError
+from graph_opt import export as export_mod
 from graph_opt.export import export
+from graph_opt.runtime import export_engine
 from interop import InteropError
 from interop.convert import convert
 from interop.hf_config import to_hf_config, to_model_config
@@ -181,30 +184,40 @@ def test_bad_hybrids_are_refused_in_one_line_and_write_nothing(tmp_path):
     with pytest.raises(InteropError) as e:
         convert(tmp_path / "hf", tmp_path / "mf", to="mindformers", progress=False)
     assert "msllm has no mindformers layout for Qwen3_5ForCausalLM" in one_line(e) and not (tmp_path / "mf").exists()
-    # export: the recurrent state is no graph input / output yet
-    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
-    with pytest.raises(ExportError) as e:
-        export(tmp_path / "ms", "onnx", tmp_path / "onnx", log=lambda line: None)
-    assert "Gated DeltaNet" in one_line(e) and not (tmp_path / "onnx").exists()
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory):
+    """case -> a tiny random hybrid of tests/hf_models.py converted to an msllm checkpoint; two prompts of 12
+    and 7 tokens (one batch, left-padded to 16 unalike: the padding must change no recurrent state or conv
+    window) and transformers' 16 greedy tokens after each. Made once per case."""
+    made = {}
+
+    def get(case: str):
+        if case not in made:
+            root = tmp_path_factory.mktemp(case)
+            model = build(case)
+            model.save_pretrained(root / "hf")
+            convert(root / "hf", root / "ms", progress=False)
+            rng = np.random.default_rng(7)
+            prompts = [rng.integers(3, 300, n).tolist() for n in (12, 7)]
+            made[case] = root / "ms", prompts, [hf_greedy(model, p, 16) for p in prompts]
+        return made[case]
+
+    return get
 
 
 # Qwen3.5-MoE and Qwen3-Next by hand (MSLLM_BY_HAND=1; passed 2026-11-27, 125 s and 133 s on a loaded 2-core
 # machine, mostly the graphs' compile; PyNative took longer): beyond CI's budget
 @pytest.mark.parametrize("case", ["qwen3_5", pytest.param("qwen3_5_moe", marks=BY_HAND), pytest.param("qwen3_next", marks=BY_HAND)])
-def test_msllm_engine_decodes_with_recurrent_state_what_transformers_generates(tmp_path, case):
-    """Two prompts of 12 and 7 tokens in one batch (left-padded to 16 unalike: the padding must change
-    no recurrent state or conv window), 16 greedy tokens each on the msllm engine (CPU backend's decode
-    kernels): the chunked prefill hands its state and conv window to one-token recurrent steps,
-    and the tokens are transformers' greedy ones. Qwen3.5-MoE: every MLP routed, with a gated shared
+def test_msllm_engine_decodes_with_recurrent_state_what_transformers_generates(hybrid_runs, case):
+    """Two prompts of 12 and 7 tokens in one batch, 16 greedy tokens each on the msllm engine (CPU backend's
+    decode kernels, GRAPH_MODE): the chunked prefill hands its state and conv window to one-token recurrent
+    steps, and the tokens are transformers' greedy ones. Qwen3.5-MoE: every MLP routed, with a gated shared
     expert; Qwen3-Next: its fused in_proj_qkvz / in_proj_ba and a dense layer among the MoE ones."""
-    model = build(case)
-    model.save_pretrained(tmp_path / "hf")
-    convert(tmp_path / "hf", tmp_path / "ms", progress=False)
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, 300, n).tolist() for n in (12, 7)]
-    want = [hf_greedy(model, p, 16) for p in prompts]
+    run, prompts, want = hybrid_runs(case)
     device.setup("cpu", "graph")
-    cfg, ours, _, _ = load_model(tmp_path / "ms")
+    cfg, ours, _, _ = load_model(run)
     specialise(ours, cfg, training=False)
     assert generate(cell_engine(ours), prompts, 16).ids == want
 
@@ -330,3 +343,47 @@ def test_a_fresh_hybrid_starts_as_transformers_does_and_learns(tmp_path, corpus)
     loss = {r["step"]: r["loss"] for r in records if r["kind"] in ("train", "compile")}
     assert loss[1] == pytest.approx(np.log(384), abs=0.3)  # a fresh model guesses evenly
     assert loss[6] < loss[1] - 0.5, loss
+
+
+# --- export
+
+@pytest.mark.parametrize("case, fmt", [("qwen3_5", "onnx"), ("qwen3_5", "mindir"),
+                                       pytest.param("qwen3_5_moe", "onnx", marks=BY_HAND),
+                                       pytest.param("qwen3_5_moe", "mindir", marks=BY_HAND),
+                                       pytest.param("qwen3_next", "onnx", marks=BY_HAND),
+                                       pytest.param("qwen3_next", "mindir", marks=BY_HAND)])
+def test_exported_hybrid_carries_its_state_and_generates_transformers_greedy(hybrid_runs, tmp_path, case, fmt):
+    """msllm export of a hybrid: the recurrent states and conv windows are inputs and outputs of the cached
+    graph beside the keys and values; export's own verification (its graphs' logits against msllm's fp32
+    model, prefill and 3 decode steps; ONNX's full-sequence graph too) is within the fp32 reordering
+    tolerance; the exported graph, loaded by onnxruntime / MindSpore, generates transformers' greedy tokens;
+    and the state it hands on is what decoding reads (a zeroed state changes the next logits)."""
+    run, prompts, want = hybrid_runs(case)
+    out = tmp_path / fmt
+    manifest = export(run, fmt, out, log=lambda line: None)
+    scale = manifest["tolerance"] / export_mod.TOLERANCE["fp32"]  # max(1, max|logits|) of the verification
+    assert max(manifest["max_abs_diff"].values()) <= REORDER_RTOL * scale, manifest["max_abs_diff"]
+    linear, conv = 3, 2 * 2 * 16 + 4 * 8
+    if fmt == "onnx":
+        graph = onnx.load(str(out / "cached.onnx"), load_external_data=False).graph
+        shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+                  for v in [*graph.input, *graph.output]}
+        for way in ("past", "present"):
+            assert shapes[f"{way}_states"] == [linear, "batch", 4, 16, 8]
+            assert shapes[f"{way}_windows"] == [linear, "batch", 3, conv]
+            assert shapes[f"{way}_keys"][0] == 1  # the one attention layer's
+        assert "model" in manifest["files"]
+    else:  # one graph of one token per call; prefill feeds the prompt through it
+        assert manifest["tokens_per_call"] == 1 and "model" not in manifest["files"]
+        assert manifest["files"]["prefill"] == manifest["files"]["decode"] == "cached_graph.mindir"
+    device.setup("cpu", "pynative")
+    engine = export_engine(out, manifest)
+    assert generate(engine, prompts, 16).ids == want
+
+    engine.start(prompts, 2)
+    saved = [c.asnumpy() if isinstance(c, ms.Tensor) else c.copy() for c in engine.cache]
+    token = [5, 6]
+    carried = engine.step(token)
+    engine.cache, engine.next_slot = [*saved[:2], np.zeros_like(saved[2]), saved[3]], engine.next_slot - 1
+    forgotten = engine.step(token)
+    assert np.abs(carried - forgotten).max() > 100 * REORDER_RTOL * np.abs(carried).max()

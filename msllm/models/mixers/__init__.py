@@ -8,8 +8,9 @@ Every mixer is a Cell with one interface, so a block takes any of them:
 
 cache_k / cache_v are the two tensors the mixer keeps per layer for decoding (attention: each KV
 head's keys and values; MLA: one latent and one rope key per token), written at the slots `write`
-names; `cache_shapes` gives their shapes. Gated DeltaNet (linear attention) keeps a recurrent state
-instead, which the stacked caches cannot hold: a hybrid model does not decode yet. Which mixer a layer takes is data: ModelConfig.mixer_kinds().
+names; `cache_shapes` gives their shapes. Gated DeltaNet (linear attention) keeps its recurrent state
+and conv window there instead (two more caches of a hybrid, stacked over its linear layers). Which mixer
+a layer takes is data: ModelConfig.mixer_kinds().
 Adding one: docs/architecture.md, "Adding a mixer".
 """
 from __future__ import annotations
