@@ -163,6 +163,24 @@ def spawn(variant: str, kind: str, args, hf: Path) -> dict:
     return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
 
 
+def print_result(result: dict) -> int:
+    """A worker's last line: its result with the process's peak RSS, for spawn to read."""
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def save(out: str | None, subject: str, text: str, data: dict) -> None:
+    """The markdown table and the JSON beside it as <out>/<date>-<subject>-cpu.{md,json}."""
+    if not out:
+        return
+    stem = Path(out) / f"{datetime.date.today()}-{subject}-cpu"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{stem}.md").write_text(text)  # (not with_suffix: "qwen3-0.6b" has a dot)
+    Path(f"{stem}.json").write_text(json.dumps(data, indent=1))
+    print(f"saved {stem}.md and .json")
+
+
 def commit_of(side: str) -> str:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=side, capture_output=True, text=True).stdout.strip()
 
@@ -220,11 +238,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         vocab = SHAPES[args.shape][2]["vocab_size"]
-        result = (worker_msllm(args, vocab) if args.worker.startswith("msllm")
-                  else worker_torch(args, args.worker == "torch-compile"))
-        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print("RESULT " + json.dumps(result), flush=True)
-        return 0
+        return print_result(worker_msllm(args, vocab) if args.worker.startswith("msllm")
+                            else worker_torch(args, args.worker == "torch-compile"))
     variants = [v for v in args.variants.split(",") if v != "msllm-before" or args.before]
     args.before = args.before or args.after
     results = {}
@@ -239,15 +254,8 @@ def main(argv=None) -> int:
                           flush=True)
     text = report(args, results)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"{datetime.date.today()}-big-vocab-{args.shape}-cpu"
-        (out / f"{stem}.md").write_text(text)
-        (out / f"{stem}.json").write_text(json.dumps({"shape": SHAPES[args.shape][2], "args": vars(args),
-                                                      "results": {f"{k} {v}": r for (k, v), r in results.items()}},
-                                                     indent=1))
-        print(f"saved {out / stem}.md and .json")
+    save(args.out, f"big-vocab-{args.shape}", text, {"shape": SHAPES[args.shape][2], "args": vars(args),
+                                                     "results": {f"{k} {v}": r for (k, v), r in results.items()}})
     return 0
 
 

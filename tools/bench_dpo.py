@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_big_vocab import commit_of, cpu_name, time_steps  # noqa: E402
+from bench_big_vocab import commit_of, cpu_name, print_result, save, time_steps  # noqa: E402
 
 SHAPES = {
     "W1": dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
@@ -181,10 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--hf", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        result = worker_msllm(args) if args.worker.startswith("msllm") else worker_trl(args)
-        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print("RESULT " + json.dumps(result), flush=True)
-        return 0
+        return print_result(worker_msllm(args) if args.worker.startswith("msllm") else worker_trl(args))
     variants = [v for v in args.variants.split(",") if v != "msllm-before" or args.before]
     args.before = args.before or args.after
     results = {}
@@ -197,13 +193,7 @@ def main(argv=None) -> int:
                 print(round_, variant, json.dumps({k: v for k, v in r.items() if k != "step_times"}), flush=True)
     text = report(args, results)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"{datetime.date.today()}-dpo-{args.shape}-cpu"
-        (out / f"{stem}.md").write_text(text)
-        (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-        print(f"saved {out / stem}.md and .json")
+    save(args.out, f"dpo-{args.shape}", text, {"args": vars(args), "results": results})
     return 0
 
 
