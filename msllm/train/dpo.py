@@ -31,6 +31,7 @@ from msllm.config import DPOConfig
 from msllm.data.corpus import DataError
 from msllm.data.index import read_index
 from msllm.data.preference import REF_INDEX, PairRows
+from msllm.parallel import dp
 from msllm.train.logprobs import TokenLogProbs
 
 # The metrics row's names (TRL's), in the order DPOLoss returns them.
@@ -78,6 +79,7 @@ class DPOLoss(nn.Cell):
         self.reference = (None if cfg.precompute_ref or switch is None
                           else AdapterOffLogProbs(SequenceLogProbs(model, fused), switch))
         self.has_stats = True
+        self.stats_are_means = True  # over the pairs: under data parallel the step averages them over ranks
 
     def construct(self, tokens, scale, mask, ref):
         b = tokens.shape[0]
@@ -110,15 +112,17 @@ class ReferencePass(nn.Cell):
         return self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1)).reshape(b, 2)
 
 
-def precompute_reference(model, fused: bool, pairs, batch_size: int) -> np.ndarray:
-    """[len(pairs), 2] float32: the reference log-probs of every pair (msllm.data.preference.PairRows),
-    batch_size pairs per compiled call (the last batch padded with the first pairs)."""
+def precompute_reference(model, fused: bool, pairs, batch_size: int, rows=None) -> np.ndarray:
+    """[len(rows), 2] float32: the reference log-probs of the pairs `rows` (indices; all by default) of `pairs`
+    (msllm.data.preference.PairRows), batch_size pairs per compiled call (the last batch padded with
+    the first ones)."""
     cell = ReferencePass(model, fused)
     cell.set_train(False)
-    n = len(pairs)
+    rows = range(len(pairs)) if rows is None else rows
+    n = len(rows)
     out = np.empty((n, 2), np.float32)
     for start in range(0, n, batch_size):
-        idx = [(start + k) % n for k in range(batch_size)]
+        idx = [rows[(start + k) % n] for k in range(batch_size)]
         tokens = np.stack([pairs[i][0] for i in idx])
         mask = np.stack([pairs[i][1] for i in idx])
         got = cell(Tensor(tokens), Tensor(mask)).asnumpy()
@@ -126,23 +130,45 @@ def precompute_reference(model, fused: bool, pairs, batch_size: int) -> np.ndarr
     return out
 
 
-def store_reference(shard_dir: Path, model, fused: bool, batch_size: int, key: dict, resumed: bool, log) -> None:
-    """dpo.precompute_ref: both splits' reference log-probs beside the shard ({split}.ref.bin, ref.json
-    naming `key`, the model they came from), computed now with `model` as loaded unless already there.
-    A resumed run's model is no longer the reference: it must find them."""
+def reference_of(model, fused: bool, pairs, batch_size: int, rank: int = 0, world: int = 1) -> np.ndarray:
+    """precompute_reference of every pair, each of `world` data-parallel ranks computing a contiguous
+    share and all of them gathering the rest (every rank calls it). Every share has the same size (the
+    last one wraps around to the first pairs), so the ranks make the same compiled calls."""
+    if world == 1:
+        return precompute_reference(model, fused, pairs, batch_size)
+    n = len(pairs)
+    per = -(-n // world)
+    share = precompute_reference(model, fused, pairs, batch_size, [(rank * per + k) % n for k in range(per)])
+    return dp.all_gather(share).reshape(-1, 2)[:n]
+
+
+def reference_needed(shard_dir: Path, key: dict, resumed: bool) -> bool:
+    """Whether the reference log-probs of the model `key` names are still to be computed beside the
+    shard. A resumed run's model is no longer the reference: it must find them."""
     index_path = shard_dir / REF_INDEX
     if index_path.exists() and json.loads(index_path.read_text()) == key:
-        return
+        return False
     if resumed:
         raise DataError(f"{index_path}: no reference log-probs of this run's starting model (dpo.precompute_ref), "
                         f"and a resumed model is no longer the reference; start the run again without --resume")
+    return True
+
+
+def store_reference(shard_dir: Path, model, fused: bool, batch_size: int, key: dict, log, rank: int = 0,
+                    world: int = 1) -> None:
+    """dpo.precompute_ref: both splits' reference log-probs computed now with `model` as loaded, shared
+    out over the data-parallel ranks (every rank calls it), and written beside the shard ({split}.ref.bin,
+    then ref.json naming `key`, the model they came from) by every rank: the same bytes, each file
+    replaced whole, and a node that shares no run dir with rank 0 has its own shard."""
     index = read_index(shard_dir)
     for split in ("train", "val"):
         t0 = time.perf_counter()
-        ref = precompute_reference(model, fused, PairRows(shard_dir, split, index), batch_size)
-        tmp = shard_dir / f"{split}.ref.bin.tmp"
+        ref = reference_of(model, fused, PairRows(shard_dir, split, index), batch_size, rank, world)
+        tmp = shard_dir / f"{split}.ref.bin.tmp{rank}"
         ref.tofile(tmp)
         os.replace(tmp, shard_dir / f"{split}.ref.bin")
         log(f"reference log-probs of {len(ref)} {split} pairs in {time.perf_counter() - t0:.1f}s "
             f"({ref.nbytes:,} bytes beside the shard)")
-    index_path.write_text(json.dumps(key))
+    tmp = shard_dir / f"{REF_INDEX}.tmp{rank}"
+    tmp.write_text(json.dumps(key))
+    os.replace(tmp, shard_dir / REF_INDEX)
