@@ -130,16 +130,24 @@ def precompute_reference(model, fused: bool, pairs, batch_size: int, rows=None) 
     return out
 
 
-def reference_of(model, fused: bool, pairs, batch_size: int, rank: int = 0, world: int = 1) -> np.ndarray:
-    """precompute_reference of every pair, each of `world` data-parallel ranks computing a contiguous
-    share and all of them gathering the rest (every rank calls it). Every share has the same size (the
-    last one wraps around to the first pairs), so the ranks make the same compiled calls."""
+def reference_of(model, fused: bool, splits: list, batch_size: int, rank: int = 0, world: int = 1) -> list:
+    """precompute_reference of every pair of each split (PairRows), each of `world` data-parallel ranks
+    computing a contiguous share of each and all of them gathering the rest in one collective (every
+    rank calls it). Every rank's shares have the same sizes (the last one wraps around to the first
+    pairs), so the ranks make the same compiled calls."""
     if world == 1:
-        return precompute_reference(model, fused, pairs, batch_size)
-    n = len(pairs)
-    per = -(-n // world)
-    share = precompute_reference(model, fused, pairs, batch_size, [(rank * per + k) % n for k in range(per)])
-    return dp.all_gather(share).reshape(-1, 2)[:n]
+        return [precompute_reference(model, fused, pairs, batch_size) for pairs in splits]
+    shares = []
+    for pairs in splits:
+        n = len(pairs)
+        per = -(-n // world)
+        shares.append(precompute_reference(model, fused, pairs, batch_size, [(rank * per + k) % n for k in range(per)]))
+    everyone = dp.all_gather(np.concatenate(shares))  # [world, the shares' rows, 2]
+    out, at = [], 0
+    for pairs, share in zip(splits, shares):
+        out.append(everyone[:, at:at + len(share)].reshape(-1, 2)[:len(pairs)])
+        at += len(share)
+    return out
 
 
 def reference_needed(shard_dir: Path, key: dict, resumed: bool) -> bool:
@@ -160,15 +168,15 @@ def store_reference(shard_dir: Path, model, fused: bool, batch_size: int, key: d
     out over the data-parallel ranks (every rank calls it), and written beside the shard ({split}.ref.bin,
     then ref.json naming `key`, the model they came from) by every rank: the same bytes, each file
     replaced whole, and a node that shares no run dir with rank 0 has its own shard."""
-    index = read_index(shard_dir)
-    for split in ("train", "val"):
-        t0 = time.perf_counter()
-        ref = reference_of(model, fused, PairRows(shard_dir, split, index), batch_size, rank, world)
+    index, splits = read_index(shard_dir), ("train", "val")
+    t0 = time.perf_counter()
+    refs = reference_of(model, fused, [PairRows(shard_dir, split, index) for split in splits], batch_size, rank, world)
+    for split, ref in zip(splits, refs):
         tmp = shard_dir / f"{split}.ref.bin.tmp{rank}"
         ref.tofile(tmp)
         os.replace(tmp, shard_dir / f"{split}.ref.bin")
-        log(f"reference log-probs of {len(ref)} {split} pairs in {time.perf_counter() - t0:.1f}s "
-            f"({ref.nbytes:,} bytes beside the shard)")
+    log(f"reference log-probs of {' and '.join(f'{len(r)} {s}' for r, s in zip(refs, splits))} pairs in "
+        f"{time.perf_counter() - t0:.1f}s ({sum(r.nbytes for r in refs):,} bytes beside the shard)")
     tmp = shard_dir / f"{REF_INDEX}.tmp{rank}"
     tmp.write_text(json.dumps(key))
     os.replace(tmp, shard_dir / REF_INDEX)
