@@ -26,14 +26,15 @@ PROMPT, COMPLETION, N = 6, 8, 8  # 2 prompts x 4 completions
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    """A tiny Llama whose EOS (id 0 of its tokenizer) has ~0.1 probability a token, so sampled
+    """A tiny Llama whose EOS (id 0 of its tokenizer) has ~0.05 probability a token, so sampled
     completions end at different lengths and the loss normalisations differ (measured over 8-token
-    samples after the prompts of prompt_rows: 0.08 on average; 0.02 with a shift of 4)."""
+    samples after the prompts of prompt_rows: 0.05 on average; 0.02 with a shift of 4, too rare for
+    every run to end some completions early)."""
     root = tmp_path_factory.mktemp("grpo")
     model = build("llama2_mha")
-    with torch.no_grad():  # EOS's output row moved by 8 along a random direction
+    with torch.no_grad():  # EOS's output row moved by 6 along a random direction
         u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-        model.lm_head.weight[0] += 8.0 * u / u.norm() * model.model.norm.weight.sign()
+        model.lm_head.weight[0] += 6.0 * u / u.norm() * model.model.norm.weight.sign()
     model.save_pretrained(root / "policy")
     save_tokenizer(root / "policy", ["def add(x, y): return x + y", "hello world"] * 5)
     return root / "policy"
