@@ -289,6 +289,9 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         need(g.num_iterations >= 1, "grpo.num_iterations", "must be >= 1")
         need(t.ckpt_every % g.num_iterations == 0, "train.ckpt_every", f"must be a multiple of grpo.num_iterations "
              f"({g.num_iterations}): a run resumes at the start of a rollout batch", "grpo.num_iterations")
+        need(cfg.parallel.cp == 1 and cfg.parallel.ep == 1, "train.objective", "grpo runs on one worker or data "
+             "parallel only: its rollout decoder holds the whole model (set parallel.cp and parallel.ep to 1)",
+             "parallel.cp", "parallel.ep")
     if cfg.lora.rank > 0:
         kinds = set(m.mlp_kinds())
         idle = [x for x in cfg.lora.targets if x.startswith("experts_") and "moe" not in kinds

@@ -42,7 +42,11 @@ def setup(device: str = "cpu", mode: str = "graph", threads: int = 0, jit_level:
                               f"(available: {', '.join(avail)}); set train.device accordingly")
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE,
                    jit_config={"jit_level": jit_level})
-    ms.set_device(TARGETS[device])
+    try:
+        ms.set_device(TARGETS[device])
+    except RuntimeError:  # set before in this process: under msrun with the id its cluster gave this worker
+        if ms.get_current_device().device_target != TARGETS[device]:
+            raise
     if compile_cache:
         use_compile_cache(compile_cache)
     if device == "cpu":

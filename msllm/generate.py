@@ -59,10 +59,15 @@ class Generation:
 
 
 def generate(engine, prompts: list[list[int]], max_new: int, sampling: Sampling = Sampling(),
-             eos_ids=(), on_token: Callable[[int, int], bool] | None = None) -> Generation:
+             eos_ids=(), on_token: Callable[[int, int], bool] | None = None, row_seeds=None) -> Generation:
     """Up to max_new tokens after each prompt (the prompts may differ in length). A row ends at one
-    of eos_ids, or when on_token(row, token) returns True (a stop string was found)."""
-    rng = np.random.default_rng(sampling.seed)
+    of eos_ids, or when on_token(row, token) returns True (a stop string was found). The rows sample
+    from one random stream (sampling.seed), or with row_seeds each from its own, so that what a row
+    samples does not depend on the rows beside it (RL rollouts split over workers)."""
+    if row_seeds is None:
+        rngs = [np.random.default_rng(sampling.seed)] * len(prompts)
+    else:
+        rngs = [np.random.default_rng(seed) for seed in row_seeds]
     started = time.perf_counter()
     logits = engine.start(prompts, max_new)
     first_token_s = time.perf_counter() - started
@@ -73,7 +78,7 @@ def generate(engine, prompts: list[list[int]], max_new: int, sampling: Sampling 
         for row, ids in enumerate(out):
             if stopped[row] != "length":
                 continue
-            token = pick_next(logits[row], sampling, rng)
+            token = pick_next(logits[row], sampling, rngs[row])
             if token in eos_ids:
                 stopped[row] = "eos"
                 continue

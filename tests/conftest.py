@@ -54,6 +54,15 @@ def run_under_msrun(script: Path, out: Path, workers: int = 2) -> None:
     assert done.returncode == 0, (out / "logs" / f"worker_{workers - 1}.log").read_text()[-3000:]
 
 
+def msllm_under_msrun(out: Path, commands: list[list], workers: int = 2) -> None:
+    """The `msllm` commands (argument lists), one after the other, on `workers` workers of one msrun launch
+    (tests/train_worker.py: one start-up for all of them); logs in OUT/logs."""
+    import json
+
+    (out / "commands.json").write_text(json.dumps([[str(a) for a in args] for args in commands]))
+    run_under_msrun(REPO / "tests" / "train_worker.py", out, workers)
+
+
 def tiny_overrides(run_dir: Path, corpus: Path, **extra) -> list[str]:
     """--set overrides for a seconds-long CPU run on a small corpus."""
     values = {

@@ -18,7 +18,9 @@ from msllm.lora import switch_of
 from msllm.models import layers
 from msllm.train.build import build_train_step
 from msllm.train.dpo import METRICS, precompute_reference
+from tests.conftest import msllm_under_msrun
 from tests.hf_models import build, save_tokenizer
+from tests.numerics import REORDER_RTOL
 
 SEQ = 31  # rows of 32 tokens
 TEXT_ROWS = [{"prompt": "def add(x, y):", "chosen": " return x + y", "rejected": " print(1)"},
@@ -189,12 +191,14 @@ def run_args(models, rows, run, **extra):
     return ["train", "--init-from", str(models / "policy"), *sets(values)]
 
 
+LORA_RUN = {"lora.rank": 8, "lora.targets": "[q, v, down]", "dpo.beta": 0.5, "train.ckpt_every": 4}
+
+
 @pytest.fixture(scope="module")
 def lora_run(models, preference_rows, tmp_path_factory):
-    """8 DPO steps with LoRA, a checkpoint at steps 4 and 8."""
+    """8 DPO steps with LoRA, 4 pairs a step, a checkpoint at steps 4 and 8."""
     run = tmp_path_factory.mktemp("dpo_lora") / "run"
-    train_here(*run_args(models, preference_rows, run, **{"lora.rank": 8, "lora.targets": "[q, v, down]",
-                                                         "dpo.beta": 0.5, "train.ckpt_every": 4}))
+    train_here(*run_args(models, preference_rows, run, **LORA_RUN))
     return run
 
 
@@ -271,3 +275,42 @@ def test_full_fine_tune_reads_precomputed_reference_logps(models, preference_row
     assert (ref < 0).all() and json.loads((shard / preference.REF_INDEX).read_text())["init_from"]
     assert records(run, "compile")[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)
     assert records(run, "train")[-1]["loss"] < np.log(2)
+
+
+@pytest.fixture(scope="module")
+def two_workers(models, preference_rows, tmp_path_factory):
+    """lora_run's settings on 2 workers of one msrun launch at train.batch_size 2 (the same global batch of
+    4 pairs a step): name -> run dir, with the reference in the step (adapters off), and with
+    dpo.precompute_ref (each worker computing half the pairs' reference log-probs)."""
+    out = tmp_path_factory.mktemp("dpo_dp")
+    runs = {"in_step": out / "in_step", "precomputed": out / "precomputed"}
+    two = {**LORA_RUN, "train.batch_size": 2, "train.threads": 1}
+    precomputed = {**two, "dpo.precompute_ref": "true"}
+    msllm_under_msrun(out, [run_args(models, preference_rows, runs["in_step"], **two),
+                            run_args(models, preference_rows, runs["precomputed"], **precomputed)])
+    return runs
+
+
+@pytest.mark.parametrize("name", ["in_step", "precomputed"])
+def test_two_workers_train_as_one_on_the_same_global_batch(lora_run, two_workers, name):
+    """Each worker takes 2 of the step's 4 pairs; the all-reduced loss and gradients, and the metrics
+    averaged over the workers (TRL's rewards/*, logps/*: means over the pairs), are the one-worker run's
+    at every step, and so is the held-out loss. The first step differs only in summation order
+    (tests.numerics.REORDER_RTOL); later steps carry that through 8 AdamW updates at lr 5e-2, hence
+    1e-4 (measured: losses within 7e-8 and log-probs 9e-8 relative, rewards, accuracies and gradient
+    norms bitwise; rank 0's metrics alone would be the means over other pairs, another split of the
+    pairs other losses). With
+    dpo.precompute_ref the stored reference log-probs (each worker computed half) are the base model's,
+    which the one-worker run computes in the step: the same losses."""
+    one, two = lora_run, two_workers[name]
+    first = [records(run, "compile")[0]["loss"] for run in (one, two)]
+    assert first[1] == pytest.approx(first[0], rel=REORDER_RTOL)
+    want, got = records(one, "train"), records(two, "train")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(2, 9))
+    for key in ("loss", "grad_norm", *METRICS):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert records(two, "eval")[-1]["val_loss"] == pytest.approx(records(one, "eval")[-1]["val_loss"], rel=1e-4)
+    if name == "precomputed":
+        index = json.loads((two / "data" / "index.json").read_text())
+        ref = np.fromfile(two / "data" / "train.ref.bin", np.float32).reshape(index["train_pairs"], 2)
+        assert (ref < 0).all()  # every pair's, both workers' shares

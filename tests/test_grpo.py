@@ -17,20 +17,24 @@ from msllm.train.grpo import METRICS, GRPOLoss, group_advantages
 from msllm.train.optim import AdamW
 from msllm.train.rollout import rollout_rows
 from msllm.train.step import TrainStep
+from tests.conftest import msllm_under_msrun
 from tests.hf_models import build, save_tokenizer
+from tests.numerics import REORDER_RTOL
 
 PROMPT, COMPLETION, N = 6, 8, 8  # 2 prompts x 4 completions
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    """A tiny Llama whose EOS (id 0 of its tokenizer) has ~0.1 probability a token, so sampled
-    completions end at different lengths and the loss normalisations differ."""
+    """A tiny Llama whose EOS (id 0 of its tokenizer) has ~0.05 probability a token, so sampled
+    completions end at different lengths and the loss normalisations differ (measured over 8-token
+    samples after the prompts of prompt_rows: 0.05 on average; 0.02 with a shift of 4, too rare for
+    every run to end some completions early)."""
     root = tmp_path_factory.mktemp("grpo")
     model = build("llama2_mha")
-    with torch.no_grad():  # EOS's output row moved by 4 along a random direction
+    with torch.no_grad():  # EOS's output row moved by 6 along a random direction
         u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-        model.lm_head.weight[0] += 4.0 * u / u.norm() * model.model.norm.weight.sign()
+        model.lm_head.weight[0] += 6.0 * u / u.norm() * model.model.norm.weight.sign()
     model.save_pretrained(root / "policy")
     save_tokenizer(root / "policy", ["def add(x, y): return x + y", "hello world"] * 5)
     return root / "policy"
@@ -183,10 +187,10 @@ def test_rollouts_rewards_and_one_grpo_step(policy, reward_file, tmp_path):
     gen = msllm_model(open_hf(policy))
     cfg = Config(model=gen.cfg, train=TrainConfig(batch_size=N, steps=1))
     backends.specialise(gen, cfg, training=False)
-    completions, tok_s = sample_groups(cell_engine(gen), prompts, group, max_new, sampling, eos_ids=(eos,))
+    completions, seconds = sample_groups(cell_engine(gen), prompts, group, max_new, sampling, eos_ids=(eos,))
     reference = AutoModelForCausalLM.from_pretrained(policy).float().eval()
     assert completions == sample_groups(TransformersEngine(reference), prompts, group, max_new, sampling, (eos,))[0]
-    assert tok_s > 0 and all(len(c) <= max_new + 1 for c in completions)
+    assert seconds > 0 and all(len(c) <= max_new + 1 for c in completions)
     assert len({tuple(c) for c in completions[:group]}) > 1  # sampled, not greedy
 
     texts = [" ".join(map(str, c)) for c in completions]
@@ -284,13 +288,36 @@ def test_msllm_train_grpo_end_to_end(policy, reward_file, prompt_rows, tmp_path)
     assert (run / "checkpoints" / "step_0000003" / "model.safetensors").exists()
 
 
-def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, reward_file, prompt_rows, tmp_path):
+BETA = 0.5
+
+
+def kl_args(policy, reward_file, prompt_rows, run, **extra):
+    """grpo.beta and grpo.num_iterations 2 with LoRA, 4 steps, a checkpoint every 2."""
+    return grpo_args(policy, prompt_rows, run, **{"grpo.reward": f"[{reward_file}:length, {reward_file}:target]",
+                                                  "train.steps": 4, "train.ckpt_every": 2, "grpo.beta": BETA,
+                                                  "grpo.num_iterations": 2, "optim.decay": "constant", **extra})
+
+
+@pytest.fixture(scope="module")
+def kl_run(policy, reward_file, prompt_rows, tmp_path_factory):
+    """kl_args on one worker, each step's 2 prompts as 2 accumulated micro-batches of one prompt's group."""
+    from msllm.cli import main
+
+    run = tmp_path_factory.mktemp("grpo_kl") / "run"
+    args = kl_args(policy, reward_file, prompt_rows, run, **{"train.batch_size": 1, "train.accum_steps": 2})
+    assert main([str(a) for a in args]) == 0
+    return run
+
+
+def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, prompt_rows, kl_run, tmp_path):
     """grpo.beta 0.5 (the reference: the base, LoRA adapters off in the step) and grpo.num_iterations 2
     (two updates per rollout batch): rollouts at steps 1 and 3 only; step 1's loss is the ratio-1 dapo
     loss with KL 0 (the adapters start at B = 0); step 2 reuses step 1's rollouts with the kept old
     log-probs (ratio != 1, so not the ratio-1 formula); step 3's loss is TRL's formula on the logged
-    completion ids, the policy of the step-2 checkpoint and the base from transformers. A run stopped
-    at step 2 and resumed samples the same completions and logs the same losses as the whole run."""
+    completion ids, the policy of the step-2 checkpoint and the base from transformers (dapo: the KL
+    term too normalised over the whole batch's tokens; the logged KL, TRL's metric, is each
+    micro-batch's token mean, averaged). A run stopped at step 2 and resumed samples the same
+    completions and logs the same losses as the whole run."""
     import shutil
 
     from safetensors.numpy import load_file
@@ -302,11 +329,7 @@ def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, 
     from msllm.lora import apply_lora
     from msllm.train.logprobs import TokenLogProbs
 
-    run, beta = tmp_path / "run", 0.5
-    args = grpo_args(policy, prompt_rows, run, **{"grpo.reward": f"[{reward_file}:length, {reward_file}:target]",
-                                                  "train.steps": 4, "train.ckpt_every": 2, "grpo.beta": beta,
-                                                  "grpo.num_iterations": 2, "optim.decay": "constant"})
-    assert main([str(a) for a in args]) == 0
+    run, beta = kl_run, BETA
     rollouts, steps = jsonl(run / "rollouts.jsonl"), jsonl(run / "metrics.jsonl", "train")
     assert [r["step"] for r in rollouts] == [1] * 8 + [3] * 8 and [m["step"] for m in steps] == [1, 2, 3, 4]
     first, second = rollouts[:8], rollouts[8:]
@@ -330,9 +353,11 @@ def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, 
         p.set_data(ms.Tensor(adapters[p.name]))
     logp = TokenLogProbs(model)(ms.Tensor(tokens)).asnumpy()
     delta = ref.numpy() - logp
-    kl = ((np.exp(delta) - delta - 1) * mask).sum() / mask.sum()
+    per_token = (np.exp(delta) - delta - 1) * mask
+    kl = per_token.sum() / mask.sum()
     assert kl > 1e-4  # the term is not negligible at the tolerance below
-    assert steps[2]["kl"] == pytest.approx(kl, rel=1e-3)
+    micro = (slice(0, 4), slice(4, 8))  # one prompt's group each
+    assert steps[2]["kl"] == pytest.approx(np.mean([per_token[m].sum() / mask[m].sum() for m in micro]), rel=1e-3)
     assert steps[2]["loss"] == pytest.approx(dapo_at_ratio_one(second) + beta * kl, rel=1e-4)
 
     # stopped after step 2: its checkpoint, rows and rollouts; then resumed to step 4
@@ -345,6 +370,44 @@ def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, 
     resumed = jsonl(stopped / "metrics.jsonl", "train")[2:]
     assert [r["completion_ids"] for r in jsonl(stopped / "rollouts.jsonl")[8:]] == [r["completion_ids"] for r in second]
     assert [(m["step"], m["loss"]) for m in resumed] == [(m["step"], m["loss"]) for m in steps[2:]]
+
+
+@pytest.fixture(scope="module")
+def two_workers(policy, reward_file, prompt_rows, tmp_path_factory):
+    """kl_args on 2 workers of one msrun launch at train.batch_size 1 (the same global batch of 2 prompts),
+    stopped after step 2 (train.steps 2) and resumed with --resume to step 4."""
+    out = tmp_path_factory.mktemp("grpo_dp")
+    run = out / "run"
+    two = {"train.batch_size": 1, "train.threads": 1, "train.steps": 2}
+    msllm_under_msrun(out, [kl_args(policy, reward_file, prompt_rows, run, **two),
+                            ["train", "--resume", run, "--set", "train.steps=4"]])
+    return run
+
+
+ROLLOUT_KEYS = ("step", "prompt", "completion", "completion_ids", "reward", "rewards", "advantage")
+
+
+def test_grpo_on_two_workers_is_one_worker_accumulating_the_same_batch(kl_run, two_workers):
+    """Each worker samples, scores and trains on one prompt's group (kl_run: one worker, the two groups as
+    two accumulated micro-batches, 4 steps uninterrupted; here stopped after step 2 and resumed on 2
+    workers): the completions (each from its own stream, seeded by its row in the global batch), the
+    rewards and the advantages are the one worker's bit for bit, the resumed workers' step-3 rollouts
+    included (each reads its prompts and streams from the checkpoint's global position), and rank 0
+    alone writes every rollout once, in the global order. The losses (dapo: normalised by both workers'
+    completion tokens, which differ), KL, clip ratios, lengths and gradient norms equal the one-worker
+    run's: the first step up to summation order, the rest after 1 to 3 AdamW updates at lr 1e-2."""
+    one, two = kl_run, two_workers
+    want, got = jsonl(one / "rollouts.jsonl"), jsonl(two / "rollouts.jsonl")
+    assert len(got) == len(want) == 16
+    assert [{k: r[k] for k in ROLLOUT_KEYS} for r in got] == [{k: r[k] for k in ROLLOUT_KEYS} for r in want]
+    want, got = jsonl(one / "metrics.jsonl", "train"), jsonl(two / "metrics.jsonl", "train")
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3, 4]
+    assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=REORDER_RTOL, abs=1e-7)
+    for key in ("loss", "grad_norm", "reward", "reward_std", *METRICS):
+        np.testing.assert_allclose([m[key] for m in got], [m[key] for m in want], rtol=1e-4, atol=1e-7, err_msg=key)
+    assert max(m["kl"] for m in got) > 1e-4  # the KL term (adapters off in each worker's step) is exercised
+    # completions of several lengths: the workers' token counts differ, so dapo's global count matters
+    assert len({r["completion_tokens"] for r in jsonl(two / "rollouts.jsonl")}) > 1
 
 
 @pytest.mark.parametrize("train,grpo,complaint", [

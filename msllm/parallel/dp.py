@@ -26,6 +26,9 @@ def launched() -> bool:
     return "MS_SCHED_HOST" in os.environ and "MS_WORKER_NUM" in os.environ
 
 
+_JOINED: list = []  # the process joined msrun's cluster (once: it may then train more than once)
+
+
 def init_process_group() -> tuple[int, int]:
     """(rank, world) from MindSpore's communication layer; (0, 1) when not launched by msrun.
     The device context must be set first."""
@@ -33,7 +36,9 @@ def init_process_group() -> tuple[int, int]:
         return 0, 1
     from mindspore.communication import get_group_size, get_rank, init
 
-    init()
+    if not _JOINED:
+        init()
+        _JOINED.append(True)
     return get_rank(), get_group_size()
 
 
@@ -110,6 +115,19 @@ class GradAllReduce(nn.Cell):
         return reduced, loss
 
 
+class RankMean(nn.Cell):
+    """x -> its mean over all ranks: a loss cell's metrics that are means over each rank's samples (DPO's
+    rewards, GRPO's clip ratios), so that every rank logs the global batch's. `after`: a value the
+    all-reduce waits for (the gradients' reduction), so every rank issues the collectives in one order."""
+
+    def __init__(self, world: int):
+        super().__init__(auto_prefix=False)
+        self.all_reduce, self.world = ops.AllReduce(), world
+
+    def construct(self, x, after):
+        return self.all_reduce(ops.depend(x, after)) / self.world
+
+
 class _Collective(nn.Cell):
     """One collective op as a graph of its own (collectives run in GRAPH mode on CPU)."""
 
@@ -135,6 +153,16 @@ def all_gather(x: np.ndarray) -> np.ndarray:
         _GATHER.append(_Collective(ops.AllGather()))
     out = _GATHER[0](ms.Tensor(np.ascontiguousarray(x, np.float32).reshape(1, -1))).asnumpy()
     return out.reshape((-1, *x.shape))
+
+
+def all_gather_exact(x: np.ndarray) -> np.ndarray:
+    """all_gather of an array of any 2-, 4- or 8-byte dtype, bit for bit (float64 rewards, int token ids):
+    its bytes travel as 16-bit pieces, each exactly a float32."""
+    x = np.ascontiguousarray(x)
+    if x.dtype.itemsize % 2:
+        raise ValueError(f"all_gather_exact: {x.dtype} is not a whole number of 16-bit pieces")
+    pieces = all_gather(np.frombuffer(x.tobytes(), np.uint16).astype(np.float32))
+    return np.frombuffer(pieces.astype(np.uint16).tobytes(), x.dtype).reshape((-1, *x.shape))
 
 
 def weights_digest(params) -> np.ndarray:

@@ -13,7 +13,7 @@ from msllm.config import Config
 from msllm.models.decoder import Decoder, build_model
 from msllm.models.moe import bias_balance
 from msllm.parallel import ep
-from msllm.parallel.dp import GradAllReduce
+from msllm.parallel.dp import GradAllReduce, RankMean
 from msllm.parallel.zero import ShardedAdamW
 from msllm.lora import switch_of
 from msllm.train.dpo import DPOLoss
@@ -71,7 +71,9 @@ def build_train_step(cfg: Config, model: Decoder | None = None, wrap_optimizer=N
         g = cfg.grpo
         loss_cell = eval_cell = GRPOLoss(model, g.loss_type, g.epsilon, beta=g.beta, max_completion=g.max_new_tokens,
                                          temperature=g.temperature, fused=spec.fused_kernels, switch=switch_of(model),
-                                         accum_steps=t.accum_steps, head_rows=t.head_rows == "loss")
+                                         accum_steps=t.accum_steps, world=world, head_rows=t.head_rows == "loss")
+    # metrics that are means over a rank's samples are averaged over the ranks (MoE loads stay each rank's)
+    stats_reducer = RankMean(world) if world > 1 and getattr(loss_cell, "stats_are_means", False) else None
     train_step = TrainStep(model, stepped, cfg.optim.grad_clip, t.accum_steps, scaler, reducer, world,
-                           bias_balance(model, t.moe_bias_update_rate, world), loss_cell)
+                           bias_balance(model, t.moe_bias_update_rate, world), loss_cell, stats_reducer)
     return Built(model, optimizer, train_step, EvalStep(model, spec.fused_kernels, eval_cell), spec)

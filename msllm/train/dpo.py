@@ -33,6 +33,7 @@ from msllm.data.corpus import DataError
 from msllm.data.index import read_index
 from msllm.data.loader import head_rows
 from msllm.data.preference import REF_INDEX, PairRows
+from msllm.parallel import dp
 from msllm.train.logprobs import TokenLogProbs
 
 # The metrics row's names (TRL's), in the order DPOLoss returns them.
@@ -83,6 +84,7 @@ class DPOLoss(nn.Cell):
         self.reference = (None if cfg.precompute_ref or switch is None
                           else AdapterOffLogProbs(SequenceLogProbs(model, fused), switch))
         self.has_stats = True
+        self.stats_are_means = True  # over the pairs: under data parallel the step averages them over ranks
 
     def construct(self, tokens, scale, mask, *rest):
         ref = rest[0] if self.reference is None else rest[-1]
@@ -120,16 +122,17 @@ class ReferencePass(nn.Cell):
         return self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1), rows).reshape(b, 2)
 
 
-def precompute_reference(model, fused: bool, pairs, batch_size: int) -> np.ndarray:
-    """[len(pairs), 2] float32: the reference log-probs of every pair (msllm.data.preference.PairRows),
-    batch_size pairs per compiled call (the last batch padded with the first pairs), only the completion
-    positions through the head (a graph per capacity bucket)."""
+def precompute_reference(model, fused: bool, pairs, batch_size: int, rows=None) -> np.ndarray:
+    """[len(rows), 2] float32: the reference log-probs of the pairs `rows` (indices; all by default) of `pairs`
+    (msllm.data.preference.PairRows), batch_size pairs per compiled call (the last batch padded with
+    the first ones), only the completion positions through the head (a graph per capacity bucket)."""
     cell = ReferencePass(model, fused)
     cell.set_train(False)
-    n = len(pairs)
+    rows = range(len(pairs)) if rows is None else rows
+    n = len(rows)
     out = np.empty((n, 2), np.float32)
     for start in range(0, n, batch_size):
-        idx = [(start + k) % n for k in range(batch_size)]
+        idx = [rows[(start + k) % n] for k in range(batch_size)]
         tokens = np.stack([pairs[i][0] for i in idx])
         mask = np.stack([pairs[i][1] for i in idx])
         got = cell(Tensor(tokens), Tensor(mask), Tensor(head_rows(mask, 1))).asnumpy()
@@ -137,23 +140,53 @@ def precompute_reference(model, fused: bool, pairs, batch_size: int) -> np.ndarr
     return out
 
 
-def store_reference(shard_dir: Path, model, fused: bool, batch_size: int, key: dict, resumed: bool, log) -> None:
-    """dpo.precompute_ref: both splits' reference log-probs beside the shard ({split}.ref.bin, ref.json
-    naming `key`, the model they came from), computed now with `model` as loaded unless already there.
-    A resumed run's model is no longer the reference: it must find them."""
+def reference_of(model, fused: bool, splits: list, batch_size: int, rank: int = 0, world: int = 1) -> list:
+    """precompute_reference of every pair of each split (PairRows), each of `world` data-parallel ranks
+    computing a contiguous share of each and all of them gathering the rest in one collective (every
+    rank calls it). Every rank's shares have the same sizes (the last one wraps around to the first
+    pairs), so the ranks make the same compiled calls."""
+    if world == 1:
+        return [precompute_reference(model, fused, pairs, batch_size) for pairs in splits]
+    shares = []
+    for pairs in splits:
+        n = len(pairs)
+        per = -(-n // world)
+        shares.append(precompute_reference(model, fused, pairs, batch_size, [(rank * per + k) % n for k in range(per)]))
+    everyone = dp.all_gather(np.concatenate(shares))  # [world, the shares' rows, 2]
+    out, at = [], 0
+    for pairs, share in zip(splits, shares):
+        out.append(everyone[:, at:at + len(share)].reshape(-1, 2)[:len(pairs)])
+        at += len(share)
+    return out
+
+
+def reference_needed(shard_dir: Path, key: dict, resumed: bool) -> bool:
+    """Whether the reference log-probs of the model `key` names are still to be computed beside the
+    shard. A resumed run's model is no longer the reference: it must find them."""
     index_path = shard_dir / REF_INDEX
     if index_path.exists() and json.loads(index_path.read_text()) == key:
-        return
+        return False
     if resumed:
         raise DataError(f"{index_path}: no reference log-probs of this run's starting model (dpo.precompute_ref), "
                         f"and a resumed model is no longer the reference; start the run again without --resume")
-    index = read_index(shard_dir)
-    for split in ("train", "val"):
-        t0 = time.perf_counter()
-        ref = precompute_reference(model, fused, PairRows(shard_dir, split, index), batch_size)
-        tmp = shard_dir / f"{split}.ref.bin.tmp"
+    return True
+
+
+def store_reference(shard_dir: Path, model, fused: bool, batch_size: int, key: dict, log, rank: int = 0,
+                    world: int = 1) -> None:
+    """dpo.precompute_ref: both splits' reference log-probs computed now with `model` as loaded, shared
+    out over the data-parallel ranks (every rank calls it), and written beside the shard ({split}.ref.bin,
+    then ref.json naming `key`, the model they came from) by every rank: the same bytes, each file
+    replaced whole, and a node that shares no run dir with rank 0 has its own shard."""
+    index, splits = read_index(shard_dir), ("train", "val")
+    t0 = time.perf_counter()
+    refs = reference_of(model, fused, [PairRows(shard_dir, split, index) for split in splits], batch_size, rank, world)
+    for split, ref in zip(splits, refs):
+        tmp = shard_dir / f"{split}.ref.bin.tmp{rank}"
         ref.tofile(tmp)
         os.replace(tmp, shard_dir / f"{split}.ref.bin")
-        log(f"reference log-probs of {len(ref)} {split} pairs in {time.perf_counter() - t0:.1f}s "
-            f"({ref.nbytes:,} bytes beside the shard)")
-    index_path.write_text(json.dumps(key))
+    log(f"reference log-probs of {' and '.join(f'{len(r)} {s}' for r, s in zip(refs, splits))} pairs in "
+        f"{time.perf_counter() - t0:.1f}s ({sum(r.nbytes for r in refs):,} bytes beside the shard)")
+    tmp = shard_dir / f"{REF_INDEX}.tmp{rank}"
+    tmp.write_text(json.dumps(key))
+    os.replace(tmp, shard_dir / REF_INDEX)

@@ -11,9 +11,10 @@ them. Per token, with ratio r = exp(logp - old):
     loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta * r * (exp(ref - logp) - (ref - logp) - 1)
 
 aggregated as TRL's loss_type: grpo (each sequence's mean, then the mean), bnpo (over the
-micro-batch's completion tokens), dapo (over the whole batch's: with accumulation each micro-batch is
-given that count), dr_grpo (the sum over n * max_completion); under accumulation the step averages
-the micro-batches' losses, as TRL's division by the accumulation steps.
+micro-batch's completion tokens), dapo (over the whole batch's, every worker's: with accumulation or
+data parallel each micro-batch is given that count), dr_grpo (the sum over n * max_completion); the
+step averages the micro-batches' losses over accumulation and workers, as TRL divides by its
+accumulation steps and DDP averages the processes' gradients.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class ReferenceLogProbs(nn.Cell):
 
 class GRPOLoss(nn.Cell):
     """tokens [n, s+1], scale, mask [n, s], advantages [n](, batch_tokens [n])(, old_logps [n, s])
-    (, ref_logps [n, s]) -> (scale * loss, METRICS [5]). batch_tokens come with dapo and accum_steps > 1,
+    (, ref_logps [n, s]) -> (scale * loss, METRICS [5]). batch_tokens (the completion tokens of the whole
+    batch, over every worker) come with dapo and accum_steps x world > 1,
     old_logps with grpo.num_iterations > 1 (else the policy's own: it sampled them), ref_logps when
     beta > 0 (with `switch`, the adapters' one, the step computes them). With `head_rows` (train.head_rows
     loss) the first of the optional inputs are rows [n, C/n] (msllm.data.loader.head_rows of the mask):
@@ -55,7 +57,7 @@ class GRPOLoss(nn.Cell):
 
     def __init__(self, model, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
                  beta: float = 0.0, max_completion: int = 0, temperature: float = 1.0, fused: bool = False,
-                 switch=None, accum_steps: int = 1, head_rows: bool = False):
+                 switch=None, accum_steps: int = 1, world: int = 1, head_rows: bool = False):
         super().__init__(auto_prefix=False)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type {loss_type!r} not in {LOSS_TYPES}")
@@ -63,9 +65,12 @@ class GRPOLoss(nn.Cell):
         self.loss_type, self.beta, self.max_completion = loss_type, beta, max_completion
         self.low, self.high = 1.0 - epsilon, 1.0 + (epsilon if epsilon_high is None else epsilon_high)
         self.has_stats = True
+        self.stats_are_means = True  # per micro-batch: under data parallel the step averages them over ranks
         # dapo normalises by the whole batch's completion tokens; the step averages its micro-batches' losses
-        self.batch_count = loss_type == "dapo" and accum_steps > 1
-        self.accum_steps, self.head_rows = accum_steps, head_rows
+        # (accum_steps on each of world workers)
+        self.parts = accum_steps * world
+        self.batch_count = loss_type == "dapo" and self.parts > 1
+        self.head_rows = head_rows
         if beta != 0.0 and switch is not None:
             self.reference = ReferenceLogProbs(TokenLogProbs(model, fused, temperature), switch, head_rows)
 
@@ -95,7 +100,7 @@ class GRPOLoss(nn.Cell):
         elif self.loss_type == "dr_grpo":
             loss = ops.sum(per_token * mask) / (mask.shape[0] * self.max_completion)
         elif self.batch_count:
-            loss = ops.sum(per_token * mask) * self.accum_steps / ops.maximum(batch_tokens, 1.0)
+            loss = ops.sum(per_token * mask) * self.parts / ops.maximum(batch_tokens, 1.0)
         else:  # bnpo, dapo
             loss = ops.sum(per_token * mask) / count
         ratio, kl = ops.stop_gradient(ratio), ops.stop_gradient(kl)

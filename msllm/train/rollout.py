@@ -4,11 +4,17 @@
 Completions end at the model's EOS (kept, as TRL keeps it: its log-prob is trained) or after
 max_new tokens. A rollout row is prompt + completion, padded to seq_len + 1; its mask marks the labels
 that are completion tokens, so old log-probs and the loss see the same positions.
+
+Each completion samples from its own random stream, seeded by (the sampler's seed, its row in the
+global batch): under data parallel a worker samples its prompts' groups, and they are the ones one
+worker sampling the whole batch would draw. `Rollouts.pack` lays a worker's rollouts out as one
+array of fixed width, which msllm.parallel.dp.all_gather_exact gathers.
 """
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,17 +23,49 @@ from msllm.generate import Sampling, generate
 
 
 def sample_groups(engine, prompts: list[list[int]], group_size: int, max_new: int, sampling: Sampling,
-                  eos_ids=()) -> tuple[list[list[int]], float]:
-    """(completions, tokens per second): group_size per prompt, each prompt's together, each ending
-    with its EOS token when it stopped at one."""
+                  eos_ids=(), first_row: int = 0) -> tuple[list[list[int]], float]:
+    """(completions, seconds): group_size per prompt, each prompt's together, each ending with its EOS
+    token when it stopped at one. Completion i samples from the stream (sampling.seed, first_row + i)."""
     rows = [p for p in prompts for _ in range(group_size)]
     started = time.perf_counter()
     out = generate(engine, rows, max_new, Sampling(sampling.top_k, sampling.top_p, sampling.temperature, sampling.seed,
-                                                   sample=True), eos_ids=eos_ids)
+                                                   sample=True), eos_ids=eos_ids,
+                   row_seeds=[[sampling.seed, first_row + i] for i in range(len(rows))])
     seconds = time.perf_counter() - started
     eos = next(iter(eos_ids), None)
     completions = [ids + [eos] if why == "eos" else ids for ids, why in zip(out.ids, out.stopped)]
-    return completions, sum(map(len, completions)) / max(seconds, 1e-9)
+    return completions, seconds
+
+
+@dataclass
+class Rollouts:
+    """A rollout batch's completions: each one's prompt (its row in the prompt file), token ids and every
+    reward function's reward, and the seconds the worker that sampled it took for its part."""
+    prompts: np.ndarray            # [n] int64
+    completions: list[list[int]]
+    rewards: np.ndarray            # [n, functions] float64
+    seconds: np.ndarray            # [n] float64
+
+    def pack(self, max_new: int) -> np.ndarray:
+        """float64 [n, 3 + functions + max_new + 1]: prompt, seconds, rewards, length, ids (0-padded);
+        every value exact (ids and rows are integers below 2^53)."""
+        n, functions = self.rewards.shape
+        out = np.zeros((n, 3 + functions + max_new + 1), np.float64)
+        out[:, 0], out[:, 1], out[:, 2:2 + functions] = self.prompts, self.seconds, self.rewards
+        for i, ids in enumerate(self.completions):
+            out[i, 2 + functions] = len(ids)
+            out[i, 3 + functions:3 + functions + len(ids)] = ids
+        return out
+
+    @classmethod
+    def unpack(cls, packed: np.ndarray, functions: int) -> "Rollouts":
+        lengths = packed[:, 2 + functions].astype(np.int64)
+        ids = packed[:, 3 + functions:].astype(np.int64)
+        return cls(packed[:, 0].astype(np.int64), [row[:k].tolist() for row, k in zip(ids, lengths)],
+                   packed[:, 2:2 + functions].copy(), packed[:, 1].copy())
+
+    def tokens(self) -> int:
+        return sum(map(len, self.completions))
 
 
 def rollout_rows(prompts: list[list[int]], completions: list[list[int]], group_size: int, seq_len: int,

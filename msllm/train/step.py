@@ -120,10 +120,13 @@ class TrainStep(nn.Cell):
     -> (loss, grad_norm before clipping, lr, finite, loss_scale), and for a loss cell with statistics
     (LossCell.has_stats: a MoE model's routing loads [moe layers, 4, E], then an MTP model's depth losses
     [D]) those of this rank's tokens, averaged over micro-batches. `after_update(stats, finite, lr)`: a
-    Cell the model's components run once the optimizer has updated (msllm.models.moe.bias_balance), or None."""
+    Cell the model's components run once the optimizer has updated (msllm.models.moe.bias_balance), or None.
+    `stats_reducer(stats, after)`: under data parallel, the Cell that averages the loss cell's first statistic
+    over the ranks when it is a mean over each rank's samples (msllm.parallel.dp.RankMean; DPO's and GRPO's
+    metrics), or None: this rank's own."""
 
     def __init__(self, model, optimizer, grad_clip: float, accum_steps: int = 1, loss_scaler=None,
-                 grad_reducer=None, world: int = 1, after_update=None, loss_cell=None):
+                 grad_reducer=None, world: int = 1, after_update=None, loss_cell=None, stats_reducer=None):
         super().__init__(auto_prefix=False)
         if optimizer.fused:  # msllm.kernels are on (CPU): the gradient norm uses them too
             from msllm import kernels
@@ -143,6 +146,7 @@ class TrainStep(nn.Cell):
         self.sharded = hasattr(grad_reducer, "norm")
         self.world = world
         self.after_update = after_update
+        self.stats_reducer = stats_reducer
         # The statistics a loss cell also returns take no gradient (has_aux).
         self.value_and_grad = ops.value_and_grad(self.loss_cell, None, optimizer.params, has_aux=self.loss_cell.has_stats)
 
@@ -197,6 +201,8 @@ class TrainStep(nn.Cell):
             lr = ops.zeros((), ms.float32)
         if stats is not None:
             stats = hyper_map(ops.partial(_times, 1.0 / self.accum_steps), stats)
+            if self.stats_reducer is not None:  # after the gradients' all-reduce: one order on every rank
+                stats = (self.stats_reducer(stats[0], loss),) + stats[1:]
             if self.after_update is not None:  # a MoE model's: its routing loads come first
                 self.after_update(stats[0], finite, lr)
             return (loss * inv, norm, lr, finite, scale) + stats

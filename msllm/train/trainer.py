@@ -34,7 +34,7 @@ from msllm.train import nonfinite
 from msllm.models.decoder import build_model
 from msllm.train.build import build_train_step
 from msllm.train.compat import check_weights
-from msllm.train.dpo import METRICS as DPO_METRICS, store_reference
+from msllm.train.dpo import METRICS as DPO_METRICS, reference_needed, store_reference
 from msllm.train.grpo_loop import fit_grpo
 from msllm.train.optim import warmup_warning
 
@@ -164,15 +164,14 @@ class Trainer:
         self.stalls = {}  # step -> seconds training paused for its checkpoint
 
     def _reference_logps(self, fused: bool, resumed: bool) -> None:
-        """dpo.precompute_ref: the starting model's log-probs of every pair, stored beside the shard by
-        rank 0 (the others wait), then read with the pairs."""
+        """dpo.precompute_ref: the starting model's log-probs of every pair, unless already beside the
+        shard: each data-parallel rank computes its share, all of them store the gathered whole; then
+        read with the pairs. Every rank decides alike (a shared run dir, or the same files in each)."""
         t = self.cfg.train
         key = {"init_from": self.pretrained.identity() if self.pretrained else None, "lora_from": t.lora_from,
                "seed": t.seed, "precision": t.precision, "lora": self.cfg.to_dict()["lora"]}
-        if self.rank == 0:
-            store_reference(self.shard_dir, self.model, fused, t.batch_size, key, resumed, info)
-        if self.world > 1:
-            dp.barrier()
+        if reference_needed(self.shard_dir, key, resumed):
+            store_reference(self.shard_dir, self.model, fused, t.batch_size, key, info, self.replica, self.replicas)
         index = shards.read_index(self.shard_dir)
         self.train_tokens, self.val_tokens = (PairRows(self.shard_dir, split, index, with_ref=True)
                                               for split in ("train", "val"))
