@@ -185,13 +185,18 @@ def commit_of(side: str) -> str:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=side, capture_output=True, text=True).stdout.strip()
 
 
+def provenance(tool: str, args) -> list[str]:
+    """A result file's Command, Commit(s) and Machine lines (benchmarks/README.md asks for them)."""
+    return [f"* **Command**: `python tools/{tool} {' '.join(sys.argv[1:])}`",
+            (f"* **Commits**: before `{commit_of(args.before)}`, after `{commit_of(args.after)}`"
+             if args.before != args.after else f"* **Commit**: `{commit_of(args.after)}`"),
+            f"* **Machine**: {cpu_name()}; {datetime.date.today()}"]
+
+
 def report(args, results: dict) -> str:
     tokens = 8 * 128
     lines = [f"# Big-vocabulary fine-tuning on CPU, {args.shape}'s shapes: msllm before / after vs torch", "",
-             f"* **Command**: `python tools/bench_big_vocab.py {' '.join(sys.argv[1:])}`",
-             (f"* **Commits**: before `{commit_of(args.before)}`, after `{commit_of(args.after)}`"
-              if args.before != args.after else f"* **Commit**: `{commit_of(args.after)}`"),
-             f"* **Machine**: {cpu_name()}; {datetime.date.today()}",
+             *provenance("bench_big_vocab.py", args),
              f"* **Conditions**: fp32, AdamW + clip 1.0, 8 packed SFT rows x 128 tokens (~20 % loss positions), "
              f"LoRA rank {args.rank} alpha {2 * args.rank} on {TARGETS}; {args.threads} threads; {args.warmup} "
              f"warm-up steps, median of {args.steps}; variants alternated over {args.rounds} rounds (each cell: "

@@ -17,7 +17,6 @@ collated pairs, backward, AdamW's step, zero_grad.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -29,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_big_vocab import commit_of, cpu_name, print_result, save, time_steps  # noqa: E402
+from bench_big_vocab import print_result, provenance, save, time_steps  # noqa: E402
 
 SHAPES = {
     "W1": dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
@@ -141,10 +140,7 @@ def spawn(variant: str, args, hf: Path) -> dict:
 def report(args, results: dict) -> str:
     tokens = args.pairs * 2 * args.seq
     lines = [f"# DPO train step on CPU, {args.shape}: msllm vs TRL DPOTrainer + torch eager", "",
-             f"* **Command**: `python tools/bench_dpo.py {' '.join(sys.argv[1:])}`",
-             (f"* **Commits**: before `{commit_of(args.before)}`, after `{commit_of(args.after)}`"
-              if args.before != args.after else f"* **Commit**: `{commit_of(args.after)}`"),
-             f"* **Machine**: {cpu_name()}; {datetime.date.today()}",
+             *provenance("bench_dpo.py", args),
              f"* **Conditions**: fp32, {args.pairs} pairs a step ({tokens} tokens: chosen and rejected rows of "
              f"{args.seq}), LoRA rank {RANK} alpha {2 * RANK} on {TARGETS}, reference = adapters off in the step, "
              f"sigmoid loss beta 0.1, AdamW + clip 1.0; {args.threads} threads; {args.warmup} warm-up steps, "
