@@ -55,13 +55,21 @@ FAMILIES = {
                                                          "sliding_window": "seq/2", "tie_word_embeddings": False}),
     # W1-sized MoE: every MLP 8 experts of the workload's ffn, each token routed to 2
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    # DeepSeek-V3's per-head MLA sizes (q/k heads 128 + 64, values 128) on the workload's hidden size: latents
+    # scaled down with it, layer 0 dense, then 8 experts of ffn / 4 in 2 groups, top 2 from the best group, and
+    # a shared expert
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+        "moe_intermediate_size": "ffn/4", "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}),
 }
 
 
 def hf_config(w: dict, family: str = "llama"):
     import transformers
     config_class, _, extra = FAMILIES[family]
-    extra = {k: w["seq"] // 2 if v == "seq/2" else v for k, v in extra.items()}
+    extra = {k: {"seq/2": w["seq"] // 2, "ffn/4": w["ffn"] // 4}.get(v, v) if isinstance(v, str) else v
+             for k, v in extra.items()}
     return getattr(transformers, config_class)(
         vocab_size=w["vocab"], hidden_size=w["hidden"], num_hidden_layers=w["layers"], num_attention_heads=w["heads"],
         num_key_value_heads=w["kv_heads"], intermediate_size=w["ffn"], max_position_embeddings=w["seq"], **extra)
