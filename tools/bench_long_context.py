@@ -4,14 +4,17 @@ attention core against HF + torch eager (SDPA, a flash kernel on CPU). Each vari
 process; the table gives the median step time and the process's peak RSS, and the ratios to torch.
 --family deepseek_v3 gives the workload DeepSeek-V3's MLA heads (q/k 128 + 64, values 128) and MoE
 (bench_train.FAMILIES): msllm's flash kernel with value heads smaller than q/k heads against HF's
-DeepseekV3Attention on SDPA. --rounds alternates the variants' order round by round.
+DeepseekV3Attention on SDPA. torch's CPU flash kernel takes one head size for q, k and v, so there
+SDPA runs its math kernel ([s, t] scores); torch-sdpa-padded-v pads V to the q/k heads first (as HF's
+flash-attention-2 path does) so that torch's flash kernel runs. --rounds alternates the variants' order
+round by round.
 
     python tools/bench_long_context.py                       # 2K, 8K, 16K
     python tools/bench_long_context.py --seqs 32768 --variants msllm-flash
     python tools/bench_long_context.py --softmax-max 8192    # longer softmax runs need > 21 GB at 16K
     python tools/bench_long_context.py --generate 32768      # prefill a 32K-token prompt, decode 16 tokens
-    python tools/bench_long_context.py --family deepseek_v3 --seqs 16384 --variants msllm-flash,torch-sdpa \
-        --rounds 3 --out benchmarks/runs                    # the MLA goal: peak RSS within 1.25x torch SDPA's
+    python tools/bench_long_context.py --family deepseek_v3 --seqs 16384 \
+        --variants msllm-flash,torch-sdpa,torch-sdpa-padded-v --rounds 3   # the MLA goal: within 1.25x torch's RSS
 """
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train  # noqa: E402
 from bench_big_vocab import provenance  # noqa: E402
 
+# name -> (bench_train variant, msllm's train.attention or the torch side's attention implementation)
 VARIANTS = {"msllm-flash": ("msllm-graph", "flash"), "msllm-softmax": ("msllm-graph", "softmax"),
-            "torch-sdpa": ("torch-eager", "auto")}
+            "torch-sdpa": ("torch-eager", "sdpa"), "torch-sdpa-padded-v": ("torch-eager", "sdpa_padded_v")}
 
 
 def generate_probe(prompt_len: int, new: int, threads: int) -> dict:
@@ -84,9 +88,11 @@ def main(argv=None) -> int:
         for round_ in range(args.rounds):
             for name in names if round_ % 2 == 0 else names[::-1]:
                 variant, attention = VARIANTS[name]
+                torch_side = variant.startswith("torch")
                 worker = argparse.Namespace(
                     steps=args.steps, warmup=args.warmup, threads=args.threads, family=args.family, seq=seq,
-                    jit_level="O0", fused_kernels="auto", block_graph="auto", attention=attention)
+                    jit_level="O0", fused_kernels="auto", block_graph="auto",
+                    attention="auto" if torch_side else attention, torch_attention=attention if torch_side else "sdpa")
                 r = bench_train.spawn(variant, "L", worker)
                 rows.append({"seq": seq, "variant": name, "round": round_, **r})
                 print(f"  {seq:>6} {name:<14} " + (f"error: {r['error']}" if "error" in r else
@@ -109,7 +115,8 @@ def report(args, rows: list[dict]) -> str:
     args.before = args.after = str(bench_train.REPO)
     lines = [f"# Long-context train step on CPU, workload L as {args.family}: msllm vs HF + torch SDPA", "",
              *provenance("bench_long_context.py", args),
-             f"* **Conditions**: workload L {bench_train.WORKLOADS['L']} (seq as given), fp32, AdamW + clip 1.0, "
+             f"* **Conditions**: workload L {bench_train.WORKLOADS['L']} (seq as given) with "
+             f"{bench_train.FAMILIES[args.family][2] or 'no family additions'}, fp32, AdamW + clip 1.0, "
              f"{args.threads} threads, median of {args.steps} steps after {args.warmup} warm-up, each variant its "
              f"own process, {args.rounds} round(s) alternated", "",
              "| tokens | round | variant | step s | peak RSS GB | time vs torch | RSS vs torch |",
