@@ -233,6 +233,8 @@ def test_model_with_flash_core_trains_as_the_plain_model(model_cfg, packed):
         assert spec.flash == (attention == "flash")
         cpu.specialise(model, fused=True, share_blocks=False, training=True, per_sample_tables=packed,
                        flash=spec.flash)
+        assert all(isinstance(block.attention.core.softmax_attention, kernels.FlashAttention) == spec.flash
+                   for block in model.layers)
         net = LossCell(model)
         loss, grads = ms.value_and_grad(net, None, net.trainable_params())(ids, labels, *extra)
         results.append((loss.asnumpy(), [g.asnumpy() for g in grads]))
@@ -255,6 +257,8 @@ def test_cached_generation_with_flash_core_equals_plain(model_cfg):
     for flash in (False, True):
         model = decoder.build_model(model_cfg, seed=5)
         cpu.specialise(model, fused=True, share_blocks=False, training=False, flash=flash)
+        assert all(isinstance(block.attention.core.softmax_attention, kernels.FlashAttention) == flash
+                   for block in model.layers)
         models.append(model)
     caches = [[Tensor(np.zeros(shape, np.float32)) for shape in model_cfg.cache_shapes(b, t)] for _ in models]
     for step in range(7):
