@@ -194,12 +194,12 @@ class FlashAttention(nn.Cell):
         return copies.reshape(b, n * self.kv_copies, t, d)
 
     def construct(self, q, k, v, mask):
-        if self.value_pad:
-            out, softmax_max = self.attend(q, k, self.pad_v((v, ops.zeros(v.shape[:-1] + (self.value_pad,), v.dtype))),
-                                           mask)
-            b, n, s, d = out.shape
-            return self.value_part(out, (0, 0, 0, 0), (b, n, s, d - self.value_pad), (1, 1, 1, 1)), softmax_max
-        return self.attend(q, k, v, mask)
+        if not self.value_pad:
+            return self.attend(q, k, v, mask)
+        zeros = ops.zeros(v.shape[:-1] + (self.value_pad,), v.dtype)
+        out, softmax_max = self.attend(q, k, self.pad_v((v, zeros)), mask)
+        b, n, s, d = out.shape
+        return self.value_part(out, (0, 0, 0, 0), (b, n, s, d - self.value_pad), (1, 1, 1, 1)), softmax_max
 
     def attend(self, q, k, v, mask):
         if self.kv_copies > 1:
