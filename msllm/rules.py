@@ -52,7 +52,8 @@ SOFTMAX_INSTEAD = "; set train.attention: softmax (or auto)"
 
 def ascend_flash_problem(cfg: Config, packed: bool) -> tuple[str, str] | None:
     """(key, one-line reason; callers add the remedy, SOFTMAX_INSTEAD) when Ascend's FlashAttentionScore
-    cannot take this config's attention, else None: it takes fp16 / bf16 only and head sizes that are multiples of 16 up to 512. Packed
+    cannot take this config's attention, else None: it takes fp16 / bf16 only and head sizes that are multiples of 16 up to 512
+    (MLA: the q/k heads; its smaller value heads are zero-padded to them). Packed
     samples (`packed`: SFT rows, data.document_attention) take its TND layout, causal per sample, which
     msllm builds without sliding windows (MindFormers' TND form is causal only too)."""
     d = cfg.model.head_size
@@ -60,6 +61,9 @@ def ascend_flash_problem(cfg: Config, packed: bool) -> tuple[str, str] | None:
         key, why = "train.precision", "takes fp16 / bf16 only (train.precision: fp32)"
     elif d % 16 or d > 512:
         key, why = "model.head_dim", f"takes head sizes that are multiples of 16 up to 512 (this model's: {d})"
+    elif cfg.model.value_size > d:  # MLA's V is zero-padded up to the q/k head size (msllm.backends.ascend)
+        key, why = "model.v_head_dim", (f"takes one head size for q, k and v: msllm pads MLA's value heads up to the "
+                                        f"q/k heads ({d}), not q/k up to larger value heads ({cfg.model.value_size})")
     elif packed and "sliding" in cfg.model.layer_kinds():
         key = "data.document_attention" if cfg.data.document_attention else "data.path"
         why = (f"takes packed samples ({key}) causal per sample in its TND layout, which msllm does not build "
@@ -75,8 +79,8 @@ def resolves_to_flash(cfg: Config, device: str, fused: bool, seq: int, packed: b
     take FlashAttentionScore when it can (ascend_flash_problem), as Ascend LLM training does. Other
     devices have no flash core."""
     t = cfg.train
-    if t.attention == "softmax" or cfg.model.mla or cfg.model.attention_sinks:
-        return False  # no flash core takes MLA's value heads or sinks (uses_flash)
+    if t.attention == "softmax" or cfg.model.attention_sinks:
+        return False  # no flash core takes sinks (config validation refuses flash with them)
     if device == "ascend":
         return ascend_flash_problem(cfg, packed) is None
     if device != "cpu":

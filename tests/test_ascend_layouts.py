@@ -847,6 +847,83 @@ def test_mla_heads_cut_over_tp_equal_the_whole_layer(tp, q_rank):
         np.testing.assert_allclose(g, whole_g[n], rtol=1e-4, atol=1e-5, err_msg=n)
 
 
+def test_mla_on_flash_attention_score_pads_values_to_the_qk_heads():
+    """MLA on FlashAttentionScore (built and inspected on CPU; the primitive cannot run here), which takes
+    one head size for q, k and v: V zero-padded to the q/k heads (pad_v), the output sliced back to the
+    value heads (value_part). DeepSeek-V3 at dp 8 x tp 8 resolves to it (bf16, heads of 192) with golden
+    strategies (batch over dp, heads over tp, features whole) and a clean checker; a tiny MLA model
+    specialised through the backend seam carries those rows; and its pad and slice, run on CPU around the
+    softmax core in the primitive's place (what FlashAttentionScore computes at scale 1), give the unpadded
+    core's output and hand the primitive V with exactly the padded features zero."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm import backends
+    from msllm.backends import ascend
+    from msllm.models import layers
+    from msllm.models.decoder import Llama
+
+    cfg = load_config(REPO / "configs" / "deepseek_v3.yaml",
+                      ["parallel.dp=8", "parallel.tp=8", "parallel.ep=8", "parallel.sequence_parallel=true",
+                       "train.precision=bf16", "train.moe_capacity_factor=1.25"])
+    assert backends.plan(cfg).flash
+    sh = L.sharding(cfg.model, cfg.parallel)
+    got = L.op_strategies(cfg.model, sh, flash=True)
+    heads = (8, 8, 1, 1)
+    assert {k: got[C + k]["in"] for k in ("pad_v", "flash", "value_part")} == {
+        "pad_v": (heads, heads), "flash": (heads,) * 3 + ((1, 1),), "value_part": (heads,)}
+    assert not any(path.endswith((".qk", ".pv", ".softmax", ".repeat_kv")) for path in got)
+    assert L.strategy_problems(cfg.model, sh, 8, 4096) == []
+    assert L.op_input_shapes(cfg.model, 8, 4096)[C + "pad_v"][1] == (8, 128, 4096, 192 - 128)
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    tiny = config_from_dict({"model": {**MLA, "qk_nope_head_dim": 12, "q_lora_rank": 12}, "data": {"seq_len": 8},
+                             "train": {"device": "ascend", "precision": "bf16", "batch_size": 2},
+                             "parallel": {"tp": 2, "sequence_parallel": True}})
+    m = tiny.model
+    model = Llama(m)
+    spec = backends.specialise(model, tiny)
+    assert spec.flash and (m.head_size, m.v_head_dim) == (16, 6)
+    want = L.op_strategies(m, L.sharding(m, tiny.parallel), flash=True)
+    core = model.layers[0].attention.core.softmax_attention
+    assert isinstance(core, ascend.FlashAttention) and core.value_pad == 10 and core.flash.head_num == m.num_heads
+    for prim in ("pad_v", "flash", "value_part"):
+        assert tuple(applied_strategy(x) for x in getattr(core, prim).attrs["in_layout"]) == want[C + prim]["in"], prim
+
+    rng = np.random.default_rng(2)
+    b, n, s = 2, m.num_heads, 8
+    q, k = (Tensor(rng.normal(size=(b, n, s, 16)).astype(np.float32)) for _ in range(2))
+    v = Tensor(rng.normal(size=(b, n, s, 6)).astype(np.float32))
+    causal = Tensor(np.triu(np.full((s, s), -1e9, np.float32), 1))
+    softmax = layers.SoftmaxAttention(n, n)
+    handed = []
+
+    def primitive(q, k, v, mask):  # FlashAttentionScore's maths on what it would be handed
+        handed.append(v.asnumpy())
+        return softmax(q, k, v, causal)[0], None
+
+    core.attend = primitive
+    out = core(q, k, v, None)[0].asnumpy()
+    assert handed[0].shape == (b, n, s, 16) and (handed[0][..., 6:] == 0).all()
+    assert (handed[0][..., :6] == v.asnumpy()).all()
+    np.testing.assert_allclose(out, softmax(q, k, v, causal)[0].asnumpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_mla_flash_on_ascend_refuses_value_heads_larger_than_qk_heads():
+    """Padding goes one way (V up to the q/k heads): MLA value heads larger than its q/k heads take the
+    softmax core under auto, and train.attention: flash is one line naming the key."""
+    from msllm import backends
+    from msllm.config import ConfigError
+
+    data = {"model": {**MLA, "qk_nope_head_dim": 12, "v_head_dim": 32}, "data": {"seq_len": 8},
+            "train": {"device": "ascend", "precision": "bf16", "batch_size": 2}}
+    assert not backends.plan(config_from_dict(data)).flash
+    with pytest.raises(ConfigError, match=r"train.attention: flash on Ascend is FlashAttentionScore, which takes one "
+                                          r"head size .* \(32\)") as err:
+        config_from_dict({**data, "train": {**data["train"], "attention": "flash"}})
+    assert "\n" not in str(err.value)
+
+
 # ---- packed samples: FlashAttentionScore's TND form ------------------------------------------------
 
 def packed_config(dp=2, tp=2):

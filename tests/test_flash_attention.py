@@ -1,7 +1,10 @@
 """The flash attention core (msllm.kernels.FlashAttention) computes the softmax core's maths from
 visibility indices, forward and backward, without [s, t] tensors: causal, packed samples, sliding
-windows, GQA, cached forwards over left padding, odd lengths and head sizes; and a model specialised
-with it trains and generates as the plain model does."""
+windows, GQA, cached forwards over left padding, odd lengths and head sizes, value heads of another
+size than q/k heads (MLA); and a model specialised with it (Gemma-like, DeepSeek-V3-like) trains and
+generates as the plain model does."""
+import dataclasses
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -43,9 +46,10 @@ def segments_of(rng, b, s, samples):
     return np.stack([np.searchsorted(c, np.arange(s), side="right") for c in cuts]).astype(np.int32)
 
 
-# (b, heads, kv_heads, s, t, d, window, form): form plain (training), packed (SFT samples),
+# (b, heads, kv_heads, s, t, d, window, form[, dv]): form plain (training), packed (SFT samples),
 # cache (start 7, row 1 left-padded by 3) or rising (keys scaled up along the sequence, so a row's
-# largest score climbs by far more than the forward's stale-shift margin from one key block to the next).
+# largest score climbs by far more than the forward's stale-shift margin from one key block to the next);
+# dv: the value heads' size when it differs from d (MLA: nope + rope q/k features, v_head_dim values).
 CASES = [
     (2, 4, 4, 64, 64, 16, 0, "plain"),
     (1, 4, 2, 131, 131, 64, 0, "plain"),       # odd length, GQA, a vectorised head size
@@ -55,15 +59,19 @@ CASES = [
     (2, 4, 2, 5, 40, 32, 0, "cache"),          # a prefill into a static cache
     (2, 4, 2, 1, 300, 64, 50, "cache"),        # a decode step under a window
     (1, 2, 1, 260, 260, 64, 0, "rising"),
+    (1, 2, 2, 130, 130, 192, 0, "plain", 128),  # DeepSeek-V3's head sizes, vectorised widths
+    (2, 4, 4, 90, 90, 20, 0, "packed", 10),     # the tiny DeepSeek-V3's (12 + 8, 10): plain loops
+    (2, 4, 4, 1, 40, 20, 0, "cache", 10),       # a decode step over left padding
 ]
 
 
 def case_arrays(case):
     """q, k, v, query slots, query segments, key segments, window, upstream gradient (numpy)."""
-    b, heads, kv_heads, s, t, d, window, form = case
+    b, heads, kv_heads, s, t, d, window, form = case[:8]
+    dv = case[8] if len(case) > 8 else d
     rng = np.random.default_rng(s * d + window)
     q = rng.normal(size=(b, heads, s, d)).astype(np.float32) / np.sqrt(d)
-    k, v = (rng.normal(size=(b, kv_heads, t, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(b, kv_heads, t, width)).astype(np.float32) for width in (d, dv))
     slots, q_seg, k_seg = np.arange(s)[None], np.zeros((1, s)), np.zeros((1, t))
     if form == "rising":
         k *= np.linspace(0.2, 12, t, dtype=np.float32)[:, None]
@@ -73,11 +81,11 @@ def case_arrays(case):
         slots = 7 + np.arange(s)[None]
         k_seg = np.stack([np.where(np.arange(t) >= pad, 0, -1) for pad in (0, 3)])
         k_seg[:, 7 + s:] = 0  # unfilled slots: hidden by causality alone
-    up = rng.normal(size=q.shape).astype(np.float32)
+    up = rng.normal(size=q.shape[:3] + (dv,)).astype(np.float32)
     return [q, k, v] + [np.ascontiguousarray(x, np.int32) for x in (slots, q_seg, k_seg, [window])] + [up]
 
 
-CASE_IDS = [f"{c[-1]}-s{c[3]}-d{c[5]}-w{c[6]}-gqa{c[1] // c[2]}" for c in CASES]
+CASE_IDS = [f"{c[7]}-s{c[3]}-d{c[5]}-w{c[6]}-gqa{c[1] // c[2]}" + (f"-dv{c[8]}" if len(c) > 8 else "") for c in CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -97,7 +105,7 @@ def reference_attention(q, k, v, slots, q_seg, k_seg, window, up):
     q, k, v, up = (x.astype(np.float64) for x in (q, k, v, up))
     b, heads, s, _ = q.shape
     kv_heads, t = k.shape[1], k.shape[2]
-    out, lse = np.zeros_like(q), np.full((b, heads, s), np.inf)
+    out, lse = np.zeros_like(up), np.full((b, heads, s), np.inf)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     j = np.arange(t)[None]
     for i in range(b):
@@ -155,7 +163,7 @@ def test_avx2_build_of_the_kernel_equals_the_maths():
     lib = ctypes.CDLL(kernels.library("x86-64-v3"))
     for case, name in zip(CASES, CASE_IDS):
         q, k, v, slots, q_seg, k_seg, window, up = case_arrays(case)
-        out, lse = np.empty_like(q), np.empty(q.shape[:3], np.float32)
+        out, lse = np.empty_like(up), np.empty(q.shape[:3], np.float32)
         call_kernel(lib.FlashAttention, [q, k, v, slots, q_seg, k_seg, window, out, lse])
         grads = [np.empty_like(q), np.empty_like(k), np.empty_like(v)]
         call_kernel(lib.FlashAttentionGrad, [q, k, v, slots, q_seg, k_seg, window, out, lse, up, *grads])
@@ -184,6 +192,17 @@ def test_rows_that_see_no_key_are_zero_with_zero_gradients():
 GEMMA_LIKE = ModelConfig(vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, ffn_size=96,
                          max_seq_len=80, head_dim=32, qk_norm=True, sliding_window=12,
                          layer_types=["sliding", "full", "sliding"], rope_local_theta=10000.0, rope_theta=1e6)
+# tests/hf_models.py's DeepSeek-V3 shrunk to two layers: MLA (q/k heads 12 + 8, values 10, interleaved RoPE
+# part, low-rank q), a dense layer then a MoE one (sigmoid grouped router, a shared expert)
+DEEPSEEK_LIKE = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_size=96,
+                            max_seq_len=80, attention="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+                            qk_rope_head_dim=8, v_head_dim=10, rope_interleave=True, num_experts=4,
+                            experts_per_token=2, moe_ffn_size=32, shared_experts=1, router="sigmoid_grouped",
+                            expert_groups=2, topk_groups=1, routed_scaling=2.5, mlp_types=["dense", "moe"],
+                            norm_eps=1e-6, tie_embeddings=False)
+MODELS = [(GEMMA_LIKE, False), (GEMMA_LIKE, True), (DEEPSEEK_LIKE, False)]
+# its attention alone (one dense layer: the MoE layer's compile would double the decode test's time)
+MLA_ONLY = dataclasses.replace(DEEPSEEK_LIKE, num_layers=1, mlp_types=["dense"])
 
 
 class LossCell(nn.Cell):
@@ -195,24 +214,27 @@ class LossCell(nn.Cell):
         return self.loss(self.model(ids, segments=segments, positions=positions), labels)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_model_with_flash_core_trains_as_the_plain_model(packed):
-    """Loss and every parameter's gradient of a sliding/full-layer model, flash vs plain softmax."""
+@pytest.mark.parametrize("model_cfg, packed", MODELS, ids=["plain", "packed", "mla"])
+def test_model_with_flash_core_trains_as_the_plain_model(model_cfg, packed):
+    """Loss and every parameter's gradient, flash vs plain softmax: a sliding/full-layer model, and a
+    DeepSeek-V3-like one (MLA: value heads smaller than q/k heads)."""
     rng = np.random.default_rng(1)
     b, s = 2, 64
-    ids = Tensor(rng.integers(0, GEMMA_LIKE.vocab_size, (b, s)).astype(np.int32))
-    labels = Tensor(rng.integers(0, GEMMA_LIKE.vocab_size, (b, s)).astype(np.int32))
+    ids = Tensor(rng.integers(0, model_cfg.vocab_size, (b, s)).astype(np.int32))
+    labels = Tensor(rng.integers(0, model_cfg.vocab_size, (b, s)).astype(np.int32))
     segments = segments_of(rng, b, s, 3)
     positions = np.stack([np.arange(s) - np.searchsorted(row, row, side="left") for row in segments]).astype(np.int32)
     extra = (Tensor(segments), Tensor(positions)) if packed else (None, None)
     results = []
     for attention in ("softmax", "flash"):
-        model = decoder.build_model(GEMMA_LIKE, seed=2)
-        cfg = step_config(GEMMA_LIKE, attention=attention)
+        model = decoder.build_model(model_cfg, seed=2)
+        cfg = step_config(model_cfg, attention=attention)
         spec = backends.plan(cfg)
         assert spec.flash == (attention == "flash")
         cpu.specialise(model, fused=True, share_blocks=False, training=True, per_sample_tables=packed,
                        flash=spec.flash)
+        assert all(isinstance(block.attention.core.softmax_attention, kernels.FlashAttention) == spec.flash
+                   for block in model.layers)
         net = LossCell(model)
         loss, grads = ms.value_and_grad(net, None, net.trainable_params())(ids, labels, *extra)
         results.append((loss.asnumpy(), [g.asnumpy() for g in grads]))
@@ -222,20 +244,23 @@ def test_model_with_flash_core_trains_as_the_plain_model(packed):
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4 * np.abs(w).max())
 
 
-def test_cached_generation_with_flash_core_equals_plain():
+@pytest.mark.parametrize("model_cfg", [GEMMA_LIKE, MLA_ONLY], ids=["gemma", "mla"])
+def test_cached_generation_with_flash_core_equals_plain(model_cfg):
     """Prefill of left-padded rows then decode steps through a static cache: the flash-specialised
-    model's logits equal the plain model's at every step."""
+    model's logits equal the plain model's at every step (MLA: its cache of latents and rope keys,
+    expanded to q/k and value heads of different sizes)."""
     rng = np.random.default_rng(3)
     b, prompt, t = 2, 20, 40
     pad = Tensor(np.array([0, 5], np.int32))
-    ids = rng.integers(0, GEMMA_LIKE.vocab_size, (b, prompt + 6)).astype(np.int32)
+    ids = rng.integers(0, model_cfg.vocab_size, (b, prompt + 6)).astype(np.int32)
     models = []
     for flash in (False, True):
-        model = decoder.build_model(GEMMA_LIKE, seed=5)
+        model = decoder.build_model(model_cfg, seed=5)
         cpu.specialise(model, fused=True, share_blocks=False, training=False, flash=flash)
+        assert all(isinstance(block.attention.core.softmax_attention, kernels.FlashAttention) == flash
+                   for block in model.layers)
         models.append(model)
-    shape = (GEMMA_LIKE.num_layers, b, GEMMA_LIKE.num_kv_heads, t, GEMMA_LIKE.head_size)
-    caches = [[Tensor(np.zeros(shape, np.float32)) for _ in range(2)] for _ in models]
+    caches = [[Tensor(np.zeros(shape, np.float32)) for shape in model_cfg.cache_shapes(b, t)] for _ in models]
     for step in range(7):
         start, chunk = (0, ids[:, :prompt]) if step == 0 else (prompt + step - 1, ids[:, prompt + step - 1:prompt + step])
         outs = []

@@ -55,13 +55,21 @@ FAMILIES = {
                                                          "sliding_window": "seq/2", "tie_word_embeddings": False}),
     # W1-sized MoE: every MLP 8 experts of the workload's ffn, each token routed to 2
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    # DeepSeek-V3's per-head MLA sizes (q/k heads 128 + 64, values 128) on the workload's hidden size: latents
+    # scaled down with it, layer 0 dense, then 8 experts of ffn / 4 in 2 groups, top 2 from the best group, and
+    # a shared expert
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+        "moe_intermediate_size": "ffn/4", "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}),
 }
 
 
 def hf_config(w: dict, family: str = "llama"):
     import transformers
     config_class, _, extra = FAMILIES[family]
-    extra = {k: w["seq"] // 2 if v == "seq/2" else v for k, v in extra.items()}
+    extra = {k: {"seq/2": w["seq"] // 2, "ffn/4": w["ffn"] // 4}.get(v, v) if isinstance(v, str) else v
+             for k, v in extra.items()}
     return getattr(transformers, config_class)(
         vocab_size=w["vocab"], hidden_size=w["hidden"], num_hidden_layers=w["layers"], num_attention_heads=w["heads"],
         num_key_value_heads=w["kv_heads"], intermediate_size=w["ffn"], max_position_embeddings=w["seq"], **extra)
@@ -160,16 +168,38 @@ def worker_msllm(w: dict, args) -> dict:
     return result
 
 
-def hf_model(w: dict, family: str = "llama"):
+def sdpa_padded_v(module, query, key, value, attention_mask, **kwargs):
+    """HF's SDPA attention with V zero-padded to q/k's head size and the output sliced back, as HF's
+    flash-attention-2 path does for MLA: torch's CPU flash kernel takes one head size for q, k and v, so
+    plain SDPA falls back to its math kernel ([s, t] scores) when MLA's value heads are smaller."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    d = value.shape[-1]
+    out, weights = sdpa_attention_forward(module, query, key, F.pad(value, (0, query.shape[-1] - d)), attention_mask,
+                                          **kwargs)
+    return out[..., :d], weights
+
+
+def hf_model(w: dict, family: str = "llama", attention: str = "sdpa"):
+    """The transformers model of workload w; attention: its attention implementation (sdpa, or
+    sdpa_padded_v: sdpa_padded_v above)."""
     import transformers
-    return getattr(transformers, FAMILIES[family][1])(hf_config(w, family))
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config = hf_config(w, family)
+    if attention == "sdpa_padded_v":
+        transformers.AttentionInterface.register(attention, sdpa_padded_v)
+        AttentionMaskInterface.register(attention, sdpa_mask)
+        config._attn_implementation = attention
+    return getattr(transformers, FAMILIES[family][1])(config)
 
 
 def worker_torch(w: dict, args) -> dict:
     import torch
     torch.set_num_threads(args.threads or os.cpu_count())
     torch.manual_seed(0)
-    model = hf_model(w, args.family)
+    model = hf_model(w, args.family, args.torch_attention)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.from_numpy(tokens(w)).long()
@@ -211,7 +241,8 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
                  "--jit-level", args.jit_level, "--fused-kernels", args.fused_kernels,
                  "--block-graph", args.block_graph, "--attention", args.attention, "--moe-capacity", str(capacity)]
     else:
-        extra = ["--worker", "torch"] + (["--compile"] if variant == "torch-compile" else [])
+        extra = ["--worker", "torch", "--torch-attention", getattr(args, "torch_attention", "sdpa")] + (
+            ["--compile"] if variant == "torch-compile" else [])
     proc = subprocess.run([sys.executable, __file__, *common, *extra], capture_output=True, text=True,
                           env={**os.environ, "GLOG_v": "3"}, cwd=REPO)
     for line in proc.stdout.splitlines():
@@ -274,6 +305,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker", choices=["msllm", "torch"])
     p.add_argument("--mode", default="graph")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--torch-attention", default="sdpa", choices=["sdpa", "sdpa_padded_v"],
+                   help="the torch side's attention (sdpa_padded_v: MLA's V padded for torch's flash kernel)")
     p.add_argument("--layers", type=int, default=0, help="--ab: depth instead of the workload's")
     args = p.parse_args(argv)
     if args.worker:

@@ -83,9 +83,6 @@ def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
         problem = ascend_flash_problem(cfg, packed)
         if problem is not None:
             raise ConfigError("<config>", "train.attention", problem[1] + SOFTMAX_INSTEAD)
-    if t.attention == "flash" and cfg.model.mla:  # the flash cores take q/k and value heads of one size
-        raise ConfigError("<config>", "train.attention", "flash is not built for MLA (model.attention mla), whose "
-                          "value heads differ from its q/k heads; set train.attention: softmax (or auto)")
     if t.attention == "flash" and t.device == "cpu" and not fused:
         from msllm.kernels import KernelBuildError
         raise KernelBuildError("train.attention: flash needs the fused CPU kernels (g++); "

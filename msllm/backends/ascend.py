@@ -159,11 +159,18 @@ class FlashAttention(nn.Cell):
 
     packed (packed samples): the primitive in its TND layout (`varlen`, CANN's variable-length form):
     q, k, v as [b*s, heads, d] rows, causal within each sample (sparse mode 3 per sample), the samples
-    delimited by SampleEnds' ends (mask = (table, ends)). Causal only: the checker refuses windows."""
+    delimited by SampleEnds' ends (mask = (table, ends)). Causal only: the checker refuses windows.
+
+    value_pad > 0 (MLA, value heads smaller than q/k heads): the primitive takes one head size for q, k and
+    v, so V gets value_pad zero features (pad_v, a Concat) and the output's last value_pad features, which
+    are those zeros' weighted sums, are sliced off (value_part): out = P [V, 0] = [P V, 0]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, window: int = 0, kv_copies: int = 1, ring: bool = False,
-                 packed: bool = False):
+                 packed: bool = False, value_pad: int = 0):
         super().__init__()
+        self.value_pad = value_pad
+        if value_pad:
+            self.pad_v, self.value_part = ops.Concat(-1), ops.StridedSlice()
         self.num_heads, self.num_kv_heads, self.window, self.kv_copies = num_heads, num_kv_heads, window, kv_copies
         self.ring, self.packed = ring, packed
         if packed:
@@ -187,6 +194,14 @@ class FlashAttention(nn.Cell):
         return copies.reshape(b, n * self.kv_copies, t, d)
 
     def construct(self, q, k, v, mask):
+        if not self.value_pad:
+            return self.attend(q, k, v, mask)
+        zeros = ops.zeros(v.shape[:-1] + (self.value_pad,), v.dtype)
+        out, softmax_max = self.attend(q, k, self.pad_v((v, zeros)), mask)
+        b, n, s, d = out.shape
+        return self.value_part(out, (0, 0, 0, 0), (b, n, s, d - self.value_pad), (1, 1, 1, 1)), softmax_max
+
+    def attend(self, q, k, v, mask):
         if self.kv_copies > 1:
             k, v = self.repeat(k), self.repeat(v)
         if self.packed:
@@ -207,15 +222,17 @@ class FlashAttention(nn.Cell):
 
 def use_flash_attention(model, cfg: Config, packed: bool = False) -> int:
     """Swap every layer's attention core for FlashAttention with that layer's window (ring attention
-    under context parallel; the TND form for packed samples), and the model's attention_mask for the
-    compressed causal mask (with packed samples, and their ends). Returns the layers swapped."""
-    p = cfg.parallel
-    sh = L.sharding(cfg.model, p)
+    under context parallel; the TND form for packed samples; MLA's value heads zero-padded to its q/k
+    heads), and the model's attention_mask for the compressed causal mask (with packed samples, and their
+    ends). Returns the layers swapped."""
+    m, p = cfg.model, cfg.parallel
+    sh = L.sharding(m, p)
     for i, block in enumerate(model.layers):
         core = block.attention.core.softmax_attention
         window = model.windows[model.layer_kind[i]]
         block.attention.core.softmax_attention = FlashAttention(core.num_heads, core.num_kv_heads, window, sh.tp_rep,
-                                                                ring=sh.cp > 1, packed=packed)
+                                                                ring=sh.cp > 1, packed=packed,
+                                                                value_pad=m.head_size - m.value_size)
     model.attention_mask = SampleEnds(cfg.train.batch_size // p.micro_batches) if packed else CompressedCausalMask()
     return len(model.layers)
 

@@ -328,7 +328,7 @@ class FusedRope(nn.Cell):
 class FlashAttention(nn.Cell):
     """(out, lse) = softmax(q k^T over the visible keys) v, by blocks of keys with an online softmax:
     no [s, t] tensor forward or backward (flash_attention.cc says how). q [b, nh, s, d] already
-    scaled, k / v [b, nkv, t, d]; `visibility` = (query slots [s], query segments [s] or [b, s],
+    scaled, k [b, nkv, t, d], v [b, nkv, t, dv] (dv may differ from d: MLA), out [b, nh, s, dv]; `visibility` = (query slots [s], query segments [s] or [b, s],
     key segments [t] or [b, t], window [1]), int32 (msllm.models.layers.visibility). The same call as
     SoftmaxAttention, whose additive mask it replaces. Runs in fp32 whatever the compute dtype."""
 
@@ -342,7 +342,8 @@ class FlashAttention(nn.Cell):
             return (dq, dk, dv, ops.zeros_like(slot), ops.zeros_like(q_seg), ops.zeros_like(k_seg),
                     ops.zeros_like(window))
 
-        self.attention = _aot("FlashAttention", lambda q, *_: (q, q[:3]), lambda q, *_: (q, q), bprop=bprop)
+        self.attention = _aot("FlashAttention", lambda q, k, v, *_: (q[:3] + v[3:], q[:3]), lambda q, *_: (q, q),
+                              bprop=bprop)
 
     def construct(self, q, k, v, visibility):
         slot, q_seg, k_seg, window = visibility

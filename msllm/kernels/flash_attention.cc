@@ -12,6 +12,7 @@
 // probabilities are 0 in backward). Keys after the last query's slot are never read, so a decode
 // step reads only the filled part of a static cache.
 // GQA: query head h reads KV head h / (heads / kv_heads); K and V are never repeated.
+// V's head size d_value may differ from q / k's d (MLA: nope + rope features score, v_head_dim are read).
 #include <limits>
 
 #include "common.h"
@@ -222,7 +223,7 @@ void block_scores(const float *q, int64_t rows, const float *kt, int64_t d, floa
 
 template <int D>
 void forward(const float *q, const float *k, const float *v, const Visibility &vis, int64_t b, int64_t heads,
-             int64_t kv_heads, int64_t d, float *out, float *lse) {
+             int64_t kv_heads, int64_t d, int64_t d_value, float *out, float *lse) {
   const int64_t s = vis.s, t = vis.t, rep = heads / kv_heads;
   const int64_t query_blocks = (s + kQueryBlock - 1) / kQueryBlock;
   // K transposed once, block by block ([b * kv_heads][key_blocks][d][kKeyBlock]), not once per query block.
@@ -240,11 +241,11 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
     const int64_t qb = query_blocks - 1 - unit % query_blocks, bh = unit / query_blocks;
     const int64_t batch = bh / heads, head = bh % heads, kv = batch * kv_heads + head / rep;
     const int64_t i0 = qb * kQueryBlock, rows = std::min(kQueryBlock, s - i0);
-    const float *qb_rows = q + (bh * s + i0) * d, *vh = v + kv * t * d;
+    const float *qb_rows = q + (bh * s + i0) * d, *vh = v + kv * t * d_value;
     const int32_t *slot = vis.slots(batch) + i0, *q_seg = vis.query_segments(batch) + i0;
     const int32_t *k_seg = vis.key_segments(batch);
     const Range slots(slot, rows), q_segs(q_seg, rows);
-    std::vector<float> scores(kQueryBlock * kKeyBlock), acc(rows * d, 0.f);
+    std::vector<float> scores(kQueryBlock * kKeyBlock), acc(rows * d_value, 0.f);
     std::vector<float> row_max(rows, -kInf), row_sum(rows, 0.f);
     const int64_t j_end = std::min<int64_t>(t, int64_t{slots.hi} + 1);
     const int64_t j_begin = vis.window ? std::max<int64_t>(0, int64_t{slots.lo} - vis.window + 1) / kKeyBlock * kKeyBlock : 0;
@@ -263,7 +264,7 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
           if (row_max[r] != -kInf) {
             const float rescale = exp_approx((row_max[r] - block_max) * kLn2);
             row_sum[r] *= rescale;
-            for (float *ar = acc.data() + r * d, *end = ar + d; ar < end; ++ar) *ar *= rescale;
+            for (float *ar = acc.data() + r * d_value, *end = ar + d_value; ar < end; ++ar) *ar *= rescale;
           }
           row_max[r] = block_max;
         }
@@ -273,14 +274,14 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
         }
         row_sum[r] += exp2_block(sr, row_max[r]);
       }
-      accumulate(scores.data(), kKeyBlock, 1, vh + j0 * d, n, d, acc.data(), d, rows);  // acc += P V
+      accumulate(scores.data(), kKeyBlock, 1, vh + j0 * d_value, n, d_value, acc.data(), d_value, rows);  // acc += PV
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float *o = out + (bh * s + i0 + r) * d;
-      const float *ar = acc.data() + r * d;
+      float *o = out + (bh * s + i0 + r) * d_value;
+      const float *ar = acc.data() + r * d_value;
       const bool any = row_sum[r] > 0.f;
       const float inv = any ? 1.f / row_sum[r] : 0.f;
-      for (int64_t c = 0; c < d; ++c) o[c] = ar[c] * inv;
+      for (int64_t c = 0; c < d_value; ++c) o[c] = ar[c] * inv;
       lse[bh * s + i0 + r] = any ? (row_max[r] + std::log2(row_sum[r])) * kLn2 : kInf;
     }
   });
@@ -290,14 +291,15 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
 // can see it; dq rows are summed in one buffer per thread, then added up.
 template <int D>
 void backward(const float *q, const float *k, const float *v, const float *out, const float *lse, const float *d_out,
-              const Visibility &vis, int64_t b, int64_t heads, int64_t kv_heads, int64_t d, float *dq, float *dk,
-              float *dv) {
+              const Visibility &vis, int64_t b, int64_t heads, int64_t kv_heads, int64_t d, int64_t d_value, float *dq,
+              float *dk, float *dv) {
   const int64_t s = vis.s, t = vis.t, rep = heads / kv_heads;
   const int64_t q_size = b * heads * s * d;
   std::vector<float> delta(b * heads * s);  // rowsum(dO * O) = rowsum(dP * P)
   parallel_for(b * heads * s, [&](int64_t lo, int64_t hi, int) {
-    for (int64_t row = lo; row < hi; ++row) delta[row] = lane_dot<false>(d_out + row * d, out + row * d, nullptr, d);
-  }, std::max<int64_t>(1, (1 << 14) / d));
+    for (int64_t row = lo; row < hi; ++row)
+      delta[row] = lane_dot<false>(d_out + row * d_value, out + row * d_value, nullptr, d_value);
+  }, std::max<int64_t>(1, (1 << 14) / d_value));
   const int threads = pool().size();
   std::vector<std::vector<float>> dq_partial(threads - 1);
   std::fill(dq, dq + q_size, 0.f);
@@ -311,15 +313,15 @@ void backward(const float *q, const float *k, const float *v, const float *out, 
     }
     const int64_t kb = unit / (b * kv_heads), bk = unit % (b * kv_heads), batch = bk / kv_heads;
     const int64_t j0 = kb * kKeyBlock, n = std::min(kKeyBlock, t - j0);
-    const float *kh = k + (bk * t + j0) * d, *vh = v + (bk * t + j0) * d;
+    const float *kh = k + (bk * t + j0) * d, *vh = v + (bk * t + j0) * d_value;
     const int32_t *k_seg = vis.key_segments(batch) + j0;
     const Range k_segs(k_seg, n);
-    std::vector<float> kt(d * kKeyBlock), vt(d * kKeyBlock);
+    std::vector<float> kt(d * kKeyBlock), vt(d_value * kKeyBlock);
     // P, dP and dS of one query block's rows against this key block
     std::vector<float> p(kQueryBlock * kKeyBlock), dp(kQueryBlock * kKeyBlock), ds(kQueryBlock * kKeyBlock);
-    std::vector<float> dk_acc(n * d, 0.f), dv_acc(n * d, 0.f);
+    std::vector<float> dk_acc(n * d, 0.f), dv_acc(n * d_value, 0.f);
     transpose_block(kh, n, d, kt.data(), kLog2e);
-    transpose_block(vh, n, d, vt.data());
+    transpose_block(vh, n, d_value, vt.data());
     const int32_t *slot_all = vis.slots(batch), *q_seg_all = vis.query_segments(batch);
     for (int64_t i0 = 0; i0 < s; i0 += kQueryBlock) {
       const int64_t rows = std::min(kQueryBlock, s - i0);
@@ -330,7 +332,7 @@ void backward(const float *q, const float *k, const float *v, const float *out, 
         const int64_t first = (batch * heads + h) * s + i0;  // the block's first row of q, out, lse
         // P and dS = P * (dP - delta) of the block's rows against the key block (0 where hidden).
         block_scores(q + first * d, rows, kt.data(), d, p.data());
-        block_scores(d_out + first * d, rows, vt.data(), d, dp.data());
+        block_scores(d_out + first * d_value, rows, vt.data(), d_value, dp.data());
         for (int64_t r = 0; r < rows; ++r) {
           float *pr = p.data() + r * kKeyBlock, *dpr = dp.data() + r * kKeyBlock, *dsr = ds.data() + r * kKeyBlock;
           const float row_lse = lse[first + r], row_delta = delta[first + r];
@@ -343,13 +345,14 @@ void backward(const float *q, const float *k, const float *v, const float *out, 
           exp2_block(pr, row_lse * kLog2e);
           for (int64_t j = 0; j < kKeyBlock; ++j) dsr[j] = pr[j] * (dpr[j] - row_delta);
         }
-        accumulate(p.data(), 1, kKeyBlock, d_out + first * d, rows, d, dv_acc.data(), d, n);  // dV += P^T dO
+        // dV += P^T dO
+        accumulate(p.data(), 1, kKeyBlock, d_out + first * d_value, rows, d_value, dv_acc.data(), d_value, n);
         accumulate(ds.data(), 1, kKeyBlock, q + first * d, rows, d, dk_acc.data(), d, n);     // dK += dS^T Q
         accumulate(ds.data(), kKeyBlock, 1, kh, n, d, dq_rows + first * d, d, rows);          // dQ += dS K
       }
     }
     std::memcpy(dk + (bk * t + j0) * d, dk_acc.data(), sizeof(float) * n * d);
-    std::memcpy(dv + (bk * t + j0) * d, dv_acc.data(), sizeof(float) * n * d);
+    std::memcpy(dv + (bk * t + j0) * d_value, dv_acc.data(), sizeof(float) * n * d_value);
   });
   for (auto &partial : dq_partial) {
     if (partial.empty()) continue;
@@ -372,30 +375,33 @@ void by_head_size(int64_t d, Fn fn) {
 
 }  // namespace
 
-// inputs: q [b, heads, s, d] (already scaled), k, v [b, kv_heads, t, d], q_slot [s], q_seg [s] or [b, s],
-// k_seg [t] or [b, t], window [1] (int32; fp32 otherwise); outputs: out [b, heads, s, d], lse [b, heads, s].
+// inputs: q [b, heads, s, d] (already scaled), k [b, kv_heads, t, d], v [b, kv_heads, t, d_value], q_slot [s],
+// q_seg [s] or [b, s], k_seg [t] or [b, t], window [1] (int32; fp32 otherwise); outputs: out [b, heads, s, d_value],
+// lse [b, heads, s].
 extern "C" int FlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
   const Visibility vis(params, ndims, shapes, 3);
   const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
+  const int64_t d_value = shapes[2][3];  // V's head size (MLA: smaller than q/k's)
   by_head_size(d, [&](auto head_size) {
     forward<decltype(head_size)::value>(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
-                                        static_cast<const float *>(params[2]), vis, b, heads, kv_heads, d,
+                                        static_cast<const float *>(params[2]), vis, b, heads, kv_heads, d, d_value,
                                         static_cast<float *>(params[7]), static_cast<float *>(params[8]));
   });
   return 0;
 }
 
-// inputs: q, k, v, q_slot, q_seg, k_seg, window (as FlashAttention), out, lse, d_out;
-// outputs: dq, dk, dv.
+// inputs: q, k, v, q_slot, q_seg, k_seg, window (as FlashAttention), out, lse, d_out [b, heads, s, d_value];
+// outputs: dq, dk, dv (the shapes of q, k, v).
 extern "C" int FlashAttentionGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                   void *stream, void *extra) {
   const Visibility vis(params, ndims, shapes, 3);
   const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
+  const int64_t d_value = shapes[2][3];  // V's head size (MLA: smaller than q/k's)
   auto in = [&](int i) { return static_cast<const float *>(params[i]); };
   auto result = [&](int i) { return static_cast<float *>(params[i]); };
   by_head_size(d, [&](auto head_size) {
-    backward<decltype(head_size)::value>(in(0), in(1), in(2), in(7), in(8), in(9), vis, b, heads, kv_heads, d,
+    backward<decltype(head_size)::value>(in(0), in(1), in(2), in(7), in(8), in(9), vis, b, heads, kv_heads, d, d_value,
                                          result(10), result(11), result(12));
   });
   return 0;

@@ -153,6 +153,7 @@ CONDITIONS = {
     "q_proj": lambda m: not (m.mla and m.q_lora_rank),
     "mla": lambda m: m.mla,
     "mla_low_rank_q": lambda m: m.mla and m.q_lora_rank > 0,
+    "mla_value_pad": lambda m: m.mla and m.v_head_dim < m.head_size,  # FlashAttentionScore: V padded to q/k's size
 }
 
 _ROW_OUT = (("tokens", None),)
@@ -231,17 +232,21 @@ OPS = _NORM_OPS + _HEAD_NORM_OPS + _LATENT_NORM_OPS + _PROJECTION_NORM_OPS + (
     # computing only the copy of its own KV head (kv' = kv x tp_rep = tp); the copies' gradients
     # are summed over tp_rep in backward. Batch over dp, heads over tp, one mesh axis per dim (flat).
     # As ring attention (cp > 1) q, k and v are cut on the sequence alike and there is no mask.
-    # (No flash core takes MLA, whose value heads differ from its q/k heads.)
+    # MLA (one KV head per query head, so no copies): V zero-padded to the q/k head size first (pad_v, a
+    # Concat with zeros), the output's padded features sliced off after (value_part), heads cut as q's.
     Op(_ATTN, "repeat_kv", (("samples", "kv", None, "seq", None), (None, None, "copies", None, None)),
        optional=True, cores=("flash", "ring", "packed"), when="qkv"),
-    Op(_ATTN, "flash", (("samples", "heads", None, None),) * 3 + ((None, None),), cores=("flash",), flat=True,
-       when="qkv"),
+    Op(_ATTN, "pad_v", (("samples", "heads", None, None),) * 2, cores=("flash", "packed"), flat=True,
+       when="mla_value_pad"),
+    Op(_ATTN, "flash", (("samples", "heads", None, None),) * 3 + ((None, None),), cores=("flash",), flat=True),
     Op(_ATTN, "flash", (("samples", "heads", "seq", None),) * 3, cores=("ring",), flat=True, when="qkv"),
     # Packed samples: its TND form (`varlen`), q, k, v as [b*s, heads, d] rows (a replica's rows, cut
     # over dp, are its sequences), the samples' ends [b*s] cut over dp with them (per-shard offsets:
     # msllm.backends.ascend.SampleEnds), the compressed mask whole.
     Op(_ATTN, "varlen", (("samples", "heads", None),) * 3 + ((None, None), ("samples",), ("samples",)),
-       cores=("packed",), flat=True, when="qkv"),
+       cores=("packed",), flat=True),
+    Op(_ATTN, "value_part", (("samples", "heads", None, None),), cores=("flash", "packed"), flat=True,
+       when="mla_value_pad"),
     Op("layers.*.attention.wo", "matmul", (("batch", "heads"), (None, "heads")), out=_ROW_OUT),
     Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
     Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
@@ -506,6 +511,11 @@ def _mla_input_shapes(m: ModelConfig, b: int, s: int) -> dict[str, list[tuple[in
         core + "pv": [(b, nh, s, s), (b, nh, s, v)],
         core + "pt_x": [(b, nh, s, s), (b, nh, s, v)],
         core + "softmax": [(b, nh, s, s)],
+        # FlashAttentionScore: V padded to qk features, then the output sliced back to v
+        core + "pad_v": [(b, nh, s, v), (b, nh, s, qk - v)],
+        core + "flash": [(b, nh, s, qk)] * 3 + [(COMPRESSED_MASK, COMPRESSED_MASK)],
+        core + "varlen": [(n, nh, qk)] * 3 + [(COMPRESSED_MASK, COMPRESSED_MASK), (n,), (n,)],
+        core + "value_part": [(b, nh, s, qk)],
     }
 
 
