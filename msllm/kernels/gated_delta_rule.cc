@@ -5,13 +5,16 @@
 //   S  = a S' + beta k r^T                                  decay, then the delta-rule correction
 //   o  = S^T q
 // which is msllm.models.mixers.gated_deltanet.ChunkedGatedDeltaRule's maths without the chunked (WY)
-// rearrangement: no [chunk, chunk] tensor, and the state stays in L1/L2 while a head is processed.
+// rearrangement: no [chunk, chunk] tensor. Every column of S (a value channel) evolves on its own, so a
+// head's state is walked a block of kColumns columns at a time ([dk, 32] floats, 16 KB at dk 128): the
+// block stays in L1 for the whole sequence, where the whole state (64 KB) would stream from L2 per token.
 //
 // Backward, by hand (dS the gradient of the state leaving a token, from the tokens after it):
 //   dS += q dO^T;  dq = S dO = a S' dO + beta k (r . dO)
 //   e = dS^T k;  dk = beta dS r;  dbeta = e . r;  dr = dv = beta e
 //   dP = dS - k dr^T (the gradient of a S');  dk -= a S' dr;  dg = a <dP, S'>;  dS <- a dP
-//   (0 at a sample's first token: the state before it is cut)
+//   (0 at a sample's first token: the state before it is cut). dq, dk, dg and dbeta sum over columns:
+//   each column block adds its part.
 // Forward saves the state entering every `interval`-th token (checkpoints [b, n, chunks, dk, dv]);
 // backward recomputes a chunk's states S' and r from its checkpoint, then walks its tokens backwards.
 #include "common.h"
@@ -19,6 +22,8 @@
 using namespace msllm_kernels;
 
 namespace {
+
+constexpr int64_t kColumns = 32;
 
 // One (batch, head)'s rows: q, k [s, dk], v [s, dv], g, beta [s], segments [s].
 struct Head {
@@ -46,63 +51,89 @@ struct Shapes {
   }
 };
 
-// Token t forward on the state S (S' in, S out); r [dv] gets v - a S'^T k; out [dv] (if given) S^T q.
-void step(const Head &h, int64_t t, float *__restrict state, float *__restrict r, float *__restrict out) {
-  const int64_t dk = h.dk, dv = h.dv;
-  const float a = std::exp(h.g[t]), beta = h.beta[t];
-  const float *__restrict q = h.q + t * dk, *__restrict k = h.k + t * dk, *__restrict v = h.v + t * dv;
-  std::fill(r, r + dv, 0.f);
-  for (int64_t i = 0; i < dk; ++i) {
-    const float ki = k[i], *__restrict row = state + i * dv;
-    for (int64_t c = 0; c < dv; ++c) r[c] += ki * row[c];
-  }
-  for (int64_t c = 0; c < dv; ++c) r[c] = v[c] - a * r[c];
-  if (out) std::fill(out, out + dv, 0.f);
-  for (int64_t i = 0; i < dk; ++i) {
-    const float write = beta * k[i], qi = q[i];
-    float *__restrict row = state + i * dv;
-    for (int64_t c = 0; c < dv; ++c) row[c] = a * row[c] + write * r[c];
-    if (out)
-      for (int64_t c = 0; c < dv; ++c) out[c] += qi * row[c];
-  }
+// Columns [c0, c0 + w) of a [dk, dv] state to a [dk, w] block and back.
+void gather_columns(const float *state, int64_t dk, int64_t dv, int64_t c0, int64_t w, float *block) {
+  for (int64_t i = 0; i < dk; ++i) std::copy(state + i * dv + c0, state + i * dv + c0 + w, block + i * w);
 }
 
-// Token t backward: `entering` is S' (the saved state), r its forward residual, d_state the gradient of
-// the state leaving t, turned into that of the state entering it; writes dq, dk, dv, dg, dbeta of t.
+void scatter_columns(const float *block, int64_t dk, int64_t dv, int64_t c0, int64_t w, float *state) {
+  for (int64_t i = 0; i < dk; ++i) std::copy(block + i * w, block + (i + 1) * w, state + i * dv + c0);
+}
+
+// Calls fn(width) with the block width as a compile-time constant for full blocks (0: w at run time).
+template <typename Fn>
+void by_width(int64_t w, Fn fn) {
+  if (w == kColumns) return fn(std::integral_constant<int, kColumns>());
+  fn(std::integral_constant<int, 0>());
+}
+
+// Token t forward on a state block [dk, w] of columns c0.. (S' in, S out); r [w] gets v - a S'^T k;
+// out (the token's [dv] row, if given) its columns of S^T q.
+template <int W>
+void step(const Head &h, int64_t t, int64_t c0, int64_t w_any, float *__restrict state, float *__restrict r,
+          float *__restrict out) {
+  const int64_t dk = h.dk, w = W ? W : w_any;
+  const float a = std::exp(h.g[t]), beta = h.beta[t];
+  const float *__restrict q = h.q + t * dk, *__restrict k = h.k + t * dk, *__restrict v = h.v + t * h.dv + c0;
+  float read[W ? W : kColumns] = {};
+  for (int64_t i = 0; i < dk; ++i) {
+    const float ki = k[i], *__restrict row = state + i * w;
+    for (int64_t c = 0; c < w; ++c) read[c] += ki * row[c];
+  }
+  for (int64_t c = 0; c < w; ++c) r[c] = v[c] - a * read[c];
+  float o[W ? W : kColumns] = {};
+  for (int64_t i = 0; i < dk; ++i) {
+    const float write = beta * k[i], qi = q[i];
+    float *__restrict row = state + i * w;
+    for (int64_t c = 0; c < w; ++c) {
+      row[c] = a * row[c] + write * r[c];
+      o[c] += qi * row[c];
+    }
+  }
+  if (out) std::copy(o, o + w, out + c0);
+}
+
+// The gradients of one (batch, head): dq, dk [s, dk], dv [s, dv], dg, dbeta [s].
 struct Grads {
   float *dq, *dk, *dv, *dg, *dbeta;
 };
 
-void step_back(const Head &h, int64_t t, const float *__restrict entering, const float *__restrict r,
-               const float *__restrict d_out, float *__restrict d_state, float *__restrict e, const Grads &grad) {
-  const int64_t dk = h.dk, dv = h.dv;
+// Token t backward on a block of columns c0..: `entering` [dk, w] is S', r [w] its forward residual,
+// d_state [dk, w] the gradient of the state leaving t, turned into that of the state entering it. Writes
+// the block's columns of dv; adds its part of dq, dk, dg, dbeta (sums over columns).
+template <int W>
+void step_back(const Head &h, int64_t t, int64_t c0, int64_t w_any, const float *__restrict entering,
+               const float *__restrict r, const float *__restrict d_out, float *__restrict d_state, const Grads &grad) {
+  const int64_t dk = h.dk, w = W ? W : w_any;
   const float a = std::exp(h.g[t]), beta = h.beta[t];
   const float *__restrict q = h.q + t * dk, *__restrict k = h.k + t * dk;
-  float *__restrict dq = grad.dq + t * dk, *__restrict dkt = grad.dk + t * dk, *__restrict dr = grad.dv + t * dv;
-  const float r_dout = beta * lane_dot<false>(r, d_out, nullptr, dv);
-  std::fill(e, e + dv, 0.f);
+  float *__restrict dq = grad.dq + t * dk, *__restrict dkt = grad.dk + t * dk;
+  float *__restrict dr = grad.dv + t * h.dv + c0;
+  d_out += t * h.dv + c0;
+  const float r_dout = beta * lane_dot<false>(r, d_out, nullptr, w);
+  float e[W ? W : kColumns] = {};
   for (int64_t i = 0; i < dk; ++i) {
-    float *__restrict row = d_state + i * dv;
+    float *__restrict row = d_state + i * w;
     const float qi = q[i], ki = k[i];
-    for (int64_t c = 0; c < dv; ++c) row[c] += qi * d_out[c];
-    dq[i] = a * lane_dot<false>(entering + i * dv, d_out, nullptr, dv) + ki * r_dout;
-    dkt[i] = beta * lane_dot<false>(row, r, nullptr, dv);
-    for (int64_t c = 0; c < dv; ++c) e[c] += ki * row[c];
+    for (int64_t c = 0; c < w; ++c) row[c] += qi * d_out[c];
+    dq[i] += a * lane_dot<false>(entering + i * w, d_out, nullptr, w) + ki * r_dout;
+    dkt[i] += beta * lane_dot<false>(row, r, nullptr, w);
+    for (int64_t c = 0; c < w; ++c) e[c] += ki * row[c];
   }
-  grad.dbeta[t] = lane_dot<false>(e, r, nullptr, dv);
-  for (int64_t c = 0; c < dv; ++c) dr[c] = beta * e[c];
+  grad.dbeta[t] += lane_dot<false>(e, r, nullptr, w);
+  for (int64_t c = 0; c < w; ++c) dr[c] = beta * e[c];
   float da = 0.f;
   for (int64_t i = 0; i < dk; ++i) {
-    float *__restrict row = d_state + i * dv;
-    const float *__restrict s = entering + i * dv;
+    float *__restrict row = d_state + i * w;
+    const float *__restrict s = entering + i * w;
     const float ki = k[i];
-    dkt[i] -= a * lane_dot<false>(s, dr, nullptr, dv);
-    for (int64_t c = 0; c < dv; ++c) row[c] -= ki * dr[c];
-    da += lane_dot<false>(row, s, nullptr, dv);
-    for (int64_t c = 0; c < dv; ++c) row[c] *= a;
+    dkt[i] -= a * lane_dot<false>(s, dr, nullptr, w);
+    for (int64_t c = 0; c < w; ++c) row[c] -= ki * dr[c];
+    da += lane_dot<false>(row, s, nullptr, w);
+    for (int64_t c = 0; c < w; ++c) row[c] *= a;
   }
-  grad.dg[t] = a * da;
-  if (h.starts_sample(t)) std::fill(d_state, d_state + dk * dv, 0.f);
+  grad.dg[t] += a * da;
+  if (h.starts_sample(t)) std::fill(d_state, d_state + dk * w, 0.f);
 }
 
 }  // namespace
@@ -113,21 +144,26 @@ void step_back(const Head &h, int64_t t, const float *__restrict entering, const
 extern "C" int GatedDeltaRule(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
   const Shapes dims(shapes, ndims[9], shapes[9]);
-  const int64_t state_size = dims.dk * dims.dv;
+  const int64_t dk = dims.dk, dv = dims.dv, state_size = dk * dv;
+  const int64_t blocks = (dv + kColumns - 1) / kColumns;
   const float *initial = static_cast<const float *>(params[6]);
   float *out = static_cast<float *>(params[7]), *final_state = static_cast<float *>(params[8]);
   float *checkpoints = static_cast<float *>(params[9]);
-  run_units(dims.b * dims.n, [&](int64_t unit, int) {
+  run_units(dims.b * dims.n * blocks, [&](int64_t task, int) {  // a (batch, head)'s column block each
+    const int64_t unit = task / blocks, c0 = task % blocks * kColumns, w = std::min(kColumns, dv - c0);
     const Head h = dims.head(params, unit);
-    float *state = final_state + unit * state_size;
-    std::copy(initial + unit * state_size, initial + (unit + 1) * state_size, state);
-    std::vector<float> r(dims.dv);
-    for (int64_t t = 0; t < dims.s; ++t) {
-      if (dims.chunks && t % dims.interval == 0)
-        std::copy(state, state + state_size, checkpoints + (unit * dims.chunks + t / dims.interval) * state_size);
-      if (h.starts_sample(t)) std::fill(state, state + state_size, 0.f);
-      step(h, t, state, r.data(), out + (unit * dims.s + t) * dims.dv);
-    }
+    std::vector<float> state(dk * w), r(w);
+    gather_columns(initial + unit * state_size, dk, dv, c0, w, state.data());
+    by_width(w, [&](auto width) {
+      for (int64_t t = 0; t < dims.s; ++t) {
+        if (dims.chunks && t % dims.interval == 0)
+          scatter_columns(state.data(), dk, dv, c0, w,
+                          checkpoints + (unit * dims.chunks + t / dims.interval) * state_size);
+        if (h.starts_sample(t)) std::fill(state.begin(), state.end(), 0.f);
+        step<decltype(width)::value>(h, t, c0, w, state.data(), r.data(), out + (unit * dims.s + t) * dv);
+      }
+    });
+    scatter_columns(state.data(), dk, dv, c0, w, final_state + unit * state_size);
   });
   return 0;
 }
@@ -137,29 +173,40 @@ extern "C" int GatedDeltaRule(int nparam, void **params, int *ndims, int64_t **s
 extern "C" int GatedDeltaRuleGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                   void *stream, void *extra) {
   const Shapes dims(shapes, ndims[7], shapes[7]);
-  const int64_t state_size = dims.dk * dims.dv, dv = dims.dv;
+  const int64_t dk = dims.dk, dv = dims.dv, s = dims.s, state_size = dk * dv;
   auto in = [&](int i) { return static_cast<const float *>(params[i]); };
   auto result = [&](int i) { return static_cast<float *>(params[i]); };
   const float *checkpoints = in(7), *d_out = in(8), *d_final = in(9);
+  // A (batch, head) a unit: its column blocks add into the same dq, dk, dg, dbeta rows.
   run_units(dims.b * dims.n, [&](int64_t unit, int) {
     const Head h = dims.head(params, unit);
-    const Grads grad{result(10) + unit * dims.s * dims.dk, result(11) + unit * dims.s * dims.dk,
-                     result(12) + unit * dims.s * dv, result(13) + unit * dims.s, result(14) + unit * dims.s};
-    float *d_state = result(15) + unit * state_size;  // the gradient of the state, walked back to the initial one
-    std::copy(d_final + unit * state_size, d_final + (unit + 1) * state_size, d_state);
-    std::vector<float> entering(dims.interval * state_size), r(dims.interval * dv), state(state_size), e(dv);
-    for (int64_t chunk = dims.chunks - 1; chunk >= 0; --chunk) {
-      const int64_t t0 = chunk * dims.interval, n = std::min(dims.interval, dims.s - t0);
-      const float *start = checkpoints + (unit * dims.chunks + chunk) * state_size;
-      std::copy(start, start + state_size, state.data());
-      for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again
-        if (h.starts_sample(t0 + j)) std::fill(state.begin(), state.end(), 0.f);
-        std::copy(state.begin(), state.end(), entering.data() + j * state_size);
-        step(h, t0 + j, state.data(), r.data() + j * dv, nullptr);
-      }
-      for (int64_t j = n - 1; j >= 0; --j)
-        step_back(h, t0 + j, entering.data() + j * state_size, r.data() + j * dv,
-                  d_out + (unit * dims.s + t0 + j) * dv, d_state, e.data(), grad);
+    const Grads grad{result(10) + unit * s * dk, result(11) + unit * s * dk, result(12) + unit * s * dv,
+                     result(13) + unit * s, result(14) + unit * s};
+    std::fill(grad.dq, grad.dq + s * dk, 0.f);
+    std::fill(grad.dk, grad.dk + s * dk, 0.f);
+    std::fill(grad.dg, grad.dg + s, 0.f);
+    std::fill(grad.dbeta, grad.dbeta + s, 0.f);
+    const float *d_out_rows = d_out + unit * s * dv;
+    for (int64_t c0 = 0; c0 < dv; c0 += kColumns) {
+      const int64_t w = std::min(kColumns, dv - c0), block = dk * w;
+      std::vector<float> entering(dims.interval * block), r(dims.interval * w), state(block), d_state(block);
+      gather_columns(d_final + unit * state_size, dk, dv, c0, w, d_state.data());
+      by_width(w, [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        for (int64_t chunk = dims.chunks - 1; chunk >= 0; --chunk) {
+          const int64_t t0 = chunk * dims.interval, n = std::min(dims.interval, s - t0);
+          gather_columns(checkpoints + (unit * dims.chunks + chunk) * state_size, dk, dv, c0, w, state.data());
+          for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again
+            if (h.starts_sample(t0 + j)) std::fill(state.begin(), state.end(), 0.f);
+            std::copy(state.begin(), state.end(), entering.data() + j * block);
+            step<W>(h, t0 + j, c0, w, state.data(), r.data() + j * w, nullptr);
+          }
+          for (int64_t j = n - 1; j >= 0; --j)
+            step_back<W>(h, t0 + j, c0, w, entering.data() + j * block, r.data() + j * w, d_out_rows,
+                         d_state.data(), grad);
+        }
+      });
+      scatter_columns(d_state.data(), dk, dv, c0, w, result(15) + unit * state_size);
     }
   });
   return 0;
