@@ -8,6 +8,9 @@
 // rearrangement: no [chunk, chunk] tensor. Every column of S (a value channel) evolves on its own, so a
 // head's state is walked a block of kColumns columns at a time ([dk, 32] floats, 16 KB at dk 128): the
 // block stays in L1 for the whole sequence, where the whole state (64 KB) would stream from L2 per token.
+// Forward keeps a block as [dk, w] rows (its sums run over k's index: vectors of columns accumulate);
+// backward transposed, [w, dk] (most of its sums run over columns: vectors of dk accumulate, and each
+// column's one sum over dk is one horizontal add).
 //
 // Backward, by hand (dS the gradient of the state leaving a token, from the tokens after it):
 //   dS += q dO^T;  dq = S dO = a S' dO + beta k (r . dO)
@@ -24,6 +27,12 @@ using namespace msllm_kernels;
 namespace {
 
 constexpr int64_t kColumns = 32;
+constexpr int kLanes = 16;  // independent partial sums of a dot product (vectorize without -ffast-math)
+#if defined(__AVX512F__)
+constexpr int kSplit = 4;  // partial sums of a column block over dk: 4 x 2 zmm break the FMA latency chain
+#else
+constexpr int kSplit = 2;  // 2 x 4 ymm (of 16 registers)
+#endif
 
 // One (batch, head)'s rows: q, k [s, dk], v [s, dv], g, beta [s], segments [s].
 struct Head {
@@ -51,13 +60,17 @@ struct Shapes {
   }
 };
 
-// Columns [c0, c0 + w) of a [dk, dv] state to a [dk, w] block and back.
+// Columns [c0, c0 + w) of a [dk, dv] state to a block and back: [dk, w] rows, or transposed [w, dk].
+template <bool kTransposed>
 void gather_columns(const float *state, int64_t dk, int64_t dv, int64_t c0, int64_t w, float *block) {
-  for (int64_t i = 0; i < dk; ++i) std::copy(state + i * dv + c0, state + i * dv + c0 + w, block + i * w);
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t c = 0; c < w; ++c) block[kTransposed ? c * dk + i : i * w + c] = state[i * dv + c0 + c];
 }
 
+template <bool kTransposed>
 void scatter_columns(const float *block, int64_t dk, int64_t dv, int64_t c0, int64_t w, float *state) {
-  for (int64_t i = 0; i < dk; ++i) std::copy(block + i * w, block + (i + 1) * w, state + i * dv + c0);
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t c = 0; c < w; ++c) state[i * dv + c0 + c] = block[kTransposed ? c * dk + i : i * w + c];
 }
 
 // Calls fn(width) with the block width as a compile-time constant for full blocks (0: w at run time).
@@ -67,30 +80,62 @@ void by_width(int64_t w, Fn fn) {
   fn(std::integral_constant<int, 0>());
 }
 
-// Token t forward on a state block [dk, w] of columns c0.. (S' in, S out); r [w] gets v - a S'^T k;
-// out (the token's [dv] row, if given) its columns of S^T q.
+// sums[c] = sum_i weight[i] block[i][c] over a [dk, w] block, in kSplit partial sums over interleaved
+// rows so consecutive FMAs do not wait on each other.
+template <int W>
+void column_sums(const float *__restrict weight, const float *__restrict block, int64_t dk, int64_t w,
+                 float *__restrict sums) {
+  float part[kSplit][W ? W : kColumns] = {};
+  int64_t i = 0;
+  for (; i + kSplit <= dk; i += kSplit)
+    for (int u = 0; u < kSplit; ++u) {
+      const float x = weight[i + u], *__restrict row = block + (i + u) * w;
+      for (int64_t c = 0; c < w; ++c) part[u][c] += x * row[c];
+    }
+  for (; i < dk; ++i)
+    for (int64_t c = 0; c < w; ++c) part[0][c] += weight[i] * block[i * w + c];
+  for (int64_t c = 0; c < w; ++c) {
+    float total = 0.f;
+    for (int u = 0; u < kSplit; ++u) total += part[u][c];
+    sums[c] = total;
+  }
+}
+
+// Token t forward on a [dk, w] block of columns c0.. (S' in, S out); r [w] gets v - a S'^T k; out (the
+// token's [dv] row, if given) its columns of S^T q.
 template <int W>
 void step(const Head &h, int64_t t, int64_t c0, int64_t w_any, float *__restrict state, float *__restrict r,
           float *__restrict out) {
   const int64_t dk = h.dk, w = W ? W : w_any;
   const float a = std::exp(h.g[t]), beta = h.beta[t];
   const float *__restrict q = h.q + t * dk, *__restrict k = h.k + t * dk, *__restrict v = h.v + t * h.dv + c0;
-  float read[W ? W : kColumns] = {};
+  column_sums<W>(k, state, dk, w, r);
+  for (int64_t c = 0; c < w; ++c) r[c] = v[c] - a * r[c];
   for (int64_t i = 0; i < dk; ++i) {
-    const float ki = k[i], *__restrict row = state + i * w;
-    for (int64_t c = 0; c < w; ++c) read[c] += ki * row[c];
-  }
-  for (int64_t c = 0; c < w; ++c) r[c] = v[c] - a * read[c];
-  float o[W ? W : kColumns] = {};
-  for (int64_t i = 0; i < dk; ++i) {
-    const float write = beta * k[i], qi = q[i];
+    const float write = beta * k[i];
     float *__restrict row = state + i * w;
-    for (int64_t c = 0; c < w; ++c) {
-      row[c] = a * row[c] + write * r[c];
-      o[c] += qi * row[c];
-    }
+    for (int64_t c = 0; c < w; ++c) row[c] = a * row[c] + write * r[c];
   }
-  if (out) std::copy(o, o + w, out + c0);
+  column_sums<W>(q, state, dk, w, out + c0);
+}
+
+// sum_i x[i] y[i] in kLanes partial sums (vectorizes; the lanes are added once at the end).
+inline float dot(const float *__restrict x, const float *__restrict y, int64_t n) {
+  return lane_dot<false>(x, y, nullptr, n);
+}
+
+// Token t forward on a transposed [w, dk] block (backward's recompute: no output): per column c,
+// r[c] = v[c] - a S'[:, c] . k and S[:, c] = a S'[:, c] + beta r[c] k.
+void step_transposed(const Head &h, int64_t t, int64_t c0, int64_t w, float *__restrict state, float *__restrict r) {
+  const int64_t dk = h.dk;
+  const float a = std::exp(h.g[t]), beta = h.beta[t];
+  const float *__restrict k = h.k + t * dk, *__restrict v = h.v + t * h.dv + c0;
+  for (int64_t c = 0; c < w; ++c) {
+    float *__restrict column = state + c * dk;
+    r[c] = v[c] - a * dot(column, k, dk);
+    const float write = beta * r[c];
+    for (int64_t i = 0; i < dk; ++i) column[i] = a * column[i] + write * k[i];
+  }
 }
 
 // The gradients of one (batch, head): dq, dk [s, dk], dv [s, dv], dg, dbeta [s].
@@ -98,41 +143,65 @@ struct Grads {
   float *dq, *dk, *dv, *dg, *dbeta;
 };
 
-// Token t backward on a block of columns c0..: `entering` [dk, w] is S', r [w] its forward residual,
-// d_state [dk, w] the gradient of the state leaving t, turned into that of the state entering it. Writes
-// the block's columns of dv; adds its part of dq, dk, dg, dbeta (sums over columns).
-template <int W>
-void step_back(const Head &h, int64_t t, int64_t c0, int64_t w_any, const float *__restrict entering,
+// Token t backward on a transposed block of columns c0..: `entering` [w, dk] is S', r [w] its forward
+// residual, d_state [w, dk] the gradient of the state leaving t, turned into that of the state entering
+// it. Writes the block's columns of dv; adds its part of dq, dk, dg, dbeta (sums over columns). Column
+// by column: dS[:, c] += q dO[c]; e[c] = k . dS[:, c]; dr[c] = beta e[c]; dP[:, c] = dS[:, c] - k dr[c].
+void step_back(const Head &h, int64_t t, int64_t c0, int64_t w, const float *__restrict entering,
                const float *__restrict r, const float *__restrict d_out, float *__restrict d_state, const Grads &grad) {
-  const int64_t dk = h.dk, w = W ? W : w_any;
+  const int64_t dk = h.dk;
   const float a = std::exp(h.g[t]), beta = h.beta[t];
   const float *__restrict q = h.q + t * dk, *__restrict k = h.k + t * dk;
   float *__restrict dq = grad.dq + t * dk, *__restrict dkt = grad.dk + t * dk;
   float *__restrict dr = grad.dv + t * h.dv + c0;
   d_out += t * h.dv + c0;
-  const float r_dout = beta * lane_dot<false>(r, d_out, nullptr, w);
-  float e[W ? W : kColumns] = {};
-  for (int64_t i = 0; i < dk; ++i) {
-    float *__restrict row = d_state + i * w;
-    const float qi = q[i], ki = k[i];
-    for (int64_t c = 0; c < w; ++c) row[c] += qi * d_out[c];
-    dq[i] += a * lane_dot<false>(entering + i * w, d_out, nullptr, w) + ki * r_dout;
-    dkt[i] += beta * lane_dot<false>(row, r, nullptr, w);
-    for (int64_t c = 0; c < w; ++c) e[c] += ki * row[c];
+  float da[kLanes] = {}, dbeta = 0.f;
+  for (int64_t c = 0; c < w; ++c) {
+    float *__restrict column = d_state + c * dk;
+    const float *__restrict s = entering + c * dk;
+    const float read_out = a * d_out[c], write = beta * r[c];
+    float lanes[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= dk; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) {
+        const float d = column[i + l] + q[i + l] * d_out[c];
+        column[i + l] = d;
+        dq[i + l] += read_out * s[i + l];  // dq = a S' dO (+ beta k (r . dO), below)
+        dkt[i + l] += write * d;       // dk = beta dS r (- a S' dr, below)
+        lanes[l] += k[i + l] * d;
+      }
+    float e = 0.f;
+    for (; i < dk; ++i) {
+      const float d = column[i] + q[i] * d_out[c];
+      column[i] = d;
+      dq[i] += read_out * s[i];
+      dkt[i] += write * d;
+      e += k[i] * d;
+    }
+    for (int l = 0; l < kLanes; ++l) e += lanes[l];
+    dbeta += e * r[c];
+    dr[c] = beta * e;
+    const float back = a * dr[c];
+    for (i = 0; i + kLanes <= dk; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) {
+        const float p = column[i + l] - k[i + l] * dr[c];
+        da[l] += p * s[i + l];
+        dkt[i + l] -= back * s[i + l];
+        column[i + l] = a * p;
+      }
+    for (; i < dk; ++i) {
+      const float p = column[i] - k[i] * dr[c];
+      da[0] += p * s[i];
+      dkt[i] -= back * s[i];
+      column[i] = a * p;
+    }
   }
-  grad.dbeta[t] += lane_dot<false>(e, r, nullptr, w);
-  for (int64_t c = 0; c < w; ++c) dr[c] = beta * e[c];
-  float da = 0.f;
-  for (int64_t i = 0; i < dk; ++i) {
-    float *__restrict row = d_state + i * w;
-    const float *__restrict s = entering + i * w;
-    const float ki = k[i];
-    dkt[i] -= a * lane_dot<false>(s, dr, nullptr, w);
-    for (int64_t c = 0; c < w; ++c) row[c] -= ki * dr[c];
-    da += lane_dot<false>(row, s, nullptr, w);
-    for (int64_t c = 0; c < w; ++c) row[c] *= a;
-  }
-  grad.dg[t] += a * da;
+  const float r_dout = beta * dot(r, d_out, w);
+  for (int64_t i = 0; i < dk; ++i) dq[i] += k[i] * r_dout;
+  float da_total = 0.f;
+  for (int l = 0; l < kLanes; ++l) da_total += da[l];
+  grad.dg[t] += a * da_total;
+  grad.dbeta[t] += dbeta;
   if (h.starts_sample(t)) std::fill(d_state, d_state + dk * w, 0.f);
 }
 
@@ -153,17 +222,17 @@ extern "C" int GatedDeltaRule(int nparam, void **params, int *ndims, int64_t **s
     const int64_t unit = task / blocks, c0 = task % blocks * kColumns, w = std::min(kColumns, dv - c0);
     const Head h = dims.head(params, unit);
     std::vector<float> state(dk * w), r(w);
-    gather_columns(initial + unit * state_size, dk, dv, c0, w, state.data());
+    gather_columns<false>(initial + unit * state_size, dk, dv, c0, w, state.data());
     by_width(w, [&](auto width) {
       for (int64_t t = 0; t < dims.s; ++t) {
         if (dims.chunks && t % dims.interval == 0)
-          scatter_columns(state.data(), dk, dv, c0, w,
-                          checkpoints + (unit * dims.chunks + t / dims.interval) * state_size);
+          scatter_columns<false>(state.data(), dk, dv, c0, w,
+                                 checkpoints + (unit * dims.chunks + t / dims.interval) * state_size);
         if (h.starts_sample(t)) std::fill(state.begin(), state.end(), 0.f);
         step<decltype(width)::value>(h, t, c0, w, state.data(), r.data(), out + (unit * dims.s + t) * dv);
       }
     });
-    scatter_columns(state.data(), dk, dv, c0, w, final_state + unit * state_size);
+    scatter_columns<false>(state.data(), dk, dv, c0, w, final_state + unit * state_size);
   });
   return 0;
 }
@@ -190,23 +259,20 @@ extern "C" int GatedDeltaRuleGrad(int nparam, void **params, int *ndims, int64_t
     for (int64_t c0 = 0; c0 < dv; c0 += kColumns) {
       const int64_t w = std::min(kColumns, dv - c0), block = dk * w;
       std::vector<float> entering(dims.interval * block), r(dims.interval * w), state(block), d_state(block);
-      gather_columns(d_final + unit * state_size, dk, dv, c0, w, d_state.data());
-      by_width(w, [&](auto width) {
-        constexpr int W = decltype(width)::value;
-        for (int64_t chunk = dims.chunks - 1; chunk >= 0; --chunk) {
-          const int64_t t0 = chunk * dims.interval, n = std::min(dims.interval, s - t0);
-          gather_columns(checkpoints + (unit * dims.chunks + chunk) * state_size, dk, dv, c0, w, state.data());
-          for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again
-            if (h.starts_sample(t0 + j)) std::fill(state.begin(), state.end(), 0.f);
-            std::copy(state.begin(), state.end(), entering.data() + j * block);
-            step<W>(h, t0 + j, c0, w, state.data(), r.data() + j * w, nullptr);
-          }
-          for (int64_t j = n - 1; j >= 0; --j)
-            step_back<W>(h, t0 + j, c0, w, entering.data() + j * block, r.data() + j * w, d_out_rows,
-                         d_state.data(), grad);
+      gather_columns<true>(d_final + unit * state_size, dk, dv, c0, w, d_state.data());
+      for (int64_t chunk = dims.chunks - 1; chunk >= 0; --chunk) {
+        const int64_t t0 = chunk * dims.interval, n = std::min(dims.interval, s - t0);
+        gather_columns<true>(checkpoints + (unit * dims.chunks + chunk) * state_size, dk, dv, c0, w, state.data());
+        for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again
+          if (h.starts_sample(t0 + j)) std::fill(state.begin(), state.end(), 0.f);
+          std::copy(state.begin(), state.end(), entering.data() + j * block);
+          step_transposed(h, t0 + j, c0, w, state.data(), r.data() + j * w);
         }
-      });
-      scatter_columns(d_state.data(), dk, dv, c0, w, result(15) + unit * state_size);
+        for (int64_t j = n - 1; j >= 0; --j)
+          step_back(h, t0 + j, c0, w, entering.data() + j * block, r.data() + j * w, d_out_rows, d_state.data(),
+                    grad);
+      }
+      scatter_columns<true>(d_state.data(), dk, dv, c0, w, result(15) + unit * state_size);
     }
   });
   return 0;
