@@ -261,7 +261,8 @@ def test_gated_delta_rule_matches_the_chunked_graph_form(arch):
     rng = np.random.default_rng(7)
     b, n, s, dk, dv, chunk = 2, 2, 20, 16, 8, 8
     l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
-    q, k = l2(rng.normal(size=(2, b, n, s, dk))) * [[dk ** -0.5], [1.0]]
+    q, k = l2(rng.normal(size=(2, b, n, s, dk)))
+    q = q * dk ** -0.5
     v = rng.normal(size=(b, n, s, dv))
     g = -rng.uniform(0.01, 2, (b, n, 1)) * np.log1p(np.exp(rng.normal(size=(b, n, s))))  # Qwen3.5's decay range
     beta = 1 / (1 + np.exp(-rng.normal(size=(b, n, s))))
