@@ -143,6 +143,57 @@ struct Grads {
   float *dq, *dk, *dv, *dg, *dbeta;
 };
 
+// step_back's two passes over column c of the state gradient dS[:, c] (dk long; S'[:, c] is `s`), each a
+// function of its own so the compiler sees its pointers do not alias (no run-time overlap checks).
+// First: dS[:, c] += q dO[c]; dq += a dO[c] S'[:, c]; dk += beta r[c] dS[:, c]; returns e[c] = k . dS[:, c].
+__attribute__((noinline)) float column_back_first(int64_t dk, float out_c, float read_out, float write,
+                                                  const float *__restrict q, const float *__restrict k,
+                                                  const float *__restrict s, float *__restrict column,
+                                                  float *__restrict dq, float *__restrict dkt) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= dk; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float d = column[i + l] + q[i + l] * out_c;
+      column[i + l] = d;
+      dq[i + l] += read_out * s[i + l];  // dq = a S' dO (+ beta k (r . dO), in step_back)
+      dkt[i + l] += write * d;           // dk = beta dS r (- a S' dr, below)
+      lanes[l] += k[i + l] * d;
+    }
+  float e = 0.f;
+  for (; i < dk; ++i) {
+    const float d = column[i] + q[i] * out_c;
+    column[i] = d;
+    dq[i] += read_out * s[i];
+    dkt[i] += write * d;
+    e += k[i] * d;
+  }
+  for (int l = 0; l < kLanes; ++l) e += lanes[l];
+  return e;
+}
+
+// Second: dP[:, c] = dS[:, c] - k dr[c]; da += dP[:, c] * S'[:, c] (by lanes); dk -= a dr[c] S'[:, c];
+// dS[:, c] = a dP[:, c].
+__attribute__((noinline)) void column_back_second(int64_t dk, float a, float dr_c, const float *__restrict k,
+                                                  const float *__restrict s, float *__restrict column,
+                                                  float *__restrict dkt, float *__restrict da) {
+  const float back = a * dr_c;
+  int64_t i = 0;
+  for (; i + kLanes <= dk; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float p = column[i + l] - k[i + l] * dr_c;
+      da[l] += p * s[i + l];
+      dkt[i + l] -= back * s[i + l];
+      column[i + l] = a * p;
+    }
+  for (; i < dk; ++i) {
+    const float p = column[i] - k[i] * dr_c;
+    da[0] += p * s[i];
+    dkt[i] -= back * s[i];
+    column[i] = a * p;
+  }
+}
+
 // Token t backward on a transposed block of columns c0..: `entering` [w, dk] is S', r [w] its forward
 // residual, d_state [w, dk] the gradient of the state leaving t, turned into that of the state entering
 // it. Writes the block's columns of dv; adds its part of dq, dk, dg, dbeta (sums over columns). Column
@@ -157,44 +208,11 @@ void step_back(const Head &h, int64_t t, int64_t c0, int64_t w, const float *__r
   d_out += t * h.dv + c0;
   float da[kLanes] = {}, dbeta = 0.f;
   for (int64_t c = 0; c < w; ++c) {
-    float *__restrict column = d_state + c * dk;
-    const float *__restrict s = entering + c * dk;
-    const float read_out = a * d_out[c], write = beta * r[c];
-    float lanes[kLanes] = {};
-    int64_t i = 0;
-    for (; i + kLanes <= dk; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) {
-        const float d = column[i + l] + q[i + l] * d_out[c];
-        column[i + l] = d;
-        dq[i + l] += read_out * s[i + l];  // dq = a S' dO (+ beta k (r . dO), below)
-        dkt[i + l] += write * d;       // dk = beta dS r (- a S' dr, below)
-        lanes[l] += k[i + l] * d;
-      }
-    float e = 0.f;
-    for (; i < dk; ++i) {
-      const float d = column[i] + q[i] * d_out[c];
-      column[i] = d;
-      dq[i] += read_out * s[i];
-      dkt[i] += write * d;
-      e += k[i] * d;
-    }
-    for (int l = 0; l < kLanes; ++l) e += lanes[l];
+    const float e = column_back_first(dk, d_out[c], a * d_out[c], beta * r[c], q, k, entering + c * dk,
+                                      d_state + c * dk, dq, dkt);
     dbeta += e * r[c];
     dr[c] = beta * e;
-    const float back = a * dr[c];
-    for (i = 0; i + kLanes <= dk; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) {
-        const float p = column[i + l] - k[i + l] * dr[c];
-        da[l] += p * s[i + l];
-        dkt[i + l] -= back * s[i + l];
-        column[i + l] = a * p;
-      }
-    for (; i < dk; ++i) {
-      const float p = column[i] - k[i] * dr[c];
-      da[0] += p * s[i];
-      dkt[i] -= back * s[i];
-      column[i] = a * p;
-    }
+    column_back_second(dk, a, dr[c], k, entering + c * dk, d_state + c * dk, dkt, da);
   }
   const float r_dout = beta * dot(r, d_out, w);
   for (int64_t i = 0; i < dk; ++i) dq[i] += k[i] * r_dout;
