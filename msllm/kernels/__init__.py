@@ -1,6 +1,5 @@
 """Fused CPU kernels (C++: cpu_kernels.cc, flash_attention.cc, gated_delta_rule.cc, grouped_matmul.cc,
-linear_cross_entropy.cc) as
-MindSpore AOT Custom ops.
+linear_cross_entropy.cc) as MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -356,7 +355,8 @@ class FlashAttention(nn.Cell):
 
 class GatedDeltaRule(nn.Cell):
     """msllm.models.mixers.gated_deltanet.ChunkedGatedDeltaRule in C++ (gated_delta_rule.cc), the same call:
-    token by token on a state held in cache, forward and a hand-written backward, no [chunk, chunk] tensor.
+    token by token on the state, 32 value columns at a time (a block that stays in L1), forward and a
+    hand-written backward, no [chunk, chunk] tensor.
     Training saves the state every `chunk` tokens ([b, heads, s / chunk, dk, dv]), from which backward
     recomputes a chunk at a time; inference (training False) saves none. Runs in fp32."""
 
