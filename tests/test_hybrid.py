@@ -5,6 +5,7 @@ states and logits: test_interop_convert's qwen3_5 case; train steps: test_verify
 recurrent cache on the msllm engine, and in the exported ONNX and MindIR graphs, against transformers'
 greedy tokens."""
 import json
+from dataclasses import replace
 
 import mindspore as ms
 import numpy as np
@@ -124,6 +125,44 @@ def test_a_packed_row_equals_its_samples_run_alone(hybrid_model):
     # the resets matter: the same row read as one sample puts the later samples far off
     joined = hybrid_model(i32(packed), segments=i32(np.zeros_like(segments)), positions=i32(positions)).asnumpy()[0]
     assert np.abs(joined[starts[1]:] - got[starts[1]:]).max() > 100 * REORDER_RTOL * np.abs(got).max()
+
+
+def test_the_cpu_kernel_rule_trains_as_the_graph_form():
+    """A hybrid model's loss gradients (one Gated DeltaNet layer of HYBRID's shape, then gated attention) with
+    msllm.kernels.GatedDeltaRule (C++, hand-written backward) equal those with the chunked graph form
+    (autodiff): a row of three packed samples (7, 9, 8 tokens: resets inside a chunk of 8 and on one) beside a
+    row of one sample, every parameter's gradient within REORDER_RTOL of its scale (A_log, dt_bias and the
+    conv, whose gradients only the rule's backward carries, included)."""
+    from mindspore import ops
+
+    from msllm import kernels
+    device.setup("cpu", "graph")
+    model = build_model(replace(HYBRID, num_layers=2, layer_types=["linear", "full"]), seed=4)
+    rng = np.random.default_rng(11)
+    for name, p in model.parameters_and_names():  # decays as Qwen3.5's range (the init's A_log 0 is one rate)
+        if name.endswith("A_log"):
+            p.set_data(ms.Tensor(np.log(rng.uniform(0.5, 2.0, p.shape)), ms.float32))
+    s = 24
+    i32 = lambda x: ms.Tensor(np.asarray(x, np.int32))  # noqa: E731
+    tokens = i32(rng.integers(3, 300, (2, s)))
+    segments = i32([[0] * 7 + [1] * 9 + [2] * 8, [0] * s])
+    positions = i32([list(range(7)) + list(range(9)) + list(range(8)), list(range(s))])
+    probe = ms.Tensor(rng.normal(size=(2, s, HYBRID.vocab_size)).astype(np.float32))
+    params = model.trainable_params()
+    mixer = model.layers[0].attention
+
+    def loss(tokens_):
+        return (model(tokens_, segments=segments, positions=positions) * probe).sum()
+
+    grads = []
+    for rule in (ChunkedGatedDeltaRule(CHUNK), kernels.GatedDeltaRule(CHUNK)):
+        mixer.rule = rule
+        grads.append(ms.jit(ops.value_and_grad(loss, None, params))(tokens)[1])
+    assert {"layers.0.attention.A_log", "layers.0.attention.conv.weight"} <= {p.name for p in params}
+    for p, want, got in zip(params, *grads):
+        want, got = want.asnumpy(), got.asnumpy()
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err <= REORDER_RTOL, f"{p.name}: max_rel {err:.2e}"
 
 
 def test_qwen3_5_config_reads_the_hybrid_spec():

@@ -17,7 +17,7 @@ from msllm import device, kernels
 from msllm.backends.cpu import Rope, RMSNormCore
 from msllm.kernels import SoftmaxAttention
 from msllm.models.layers import CacheWrite, GeGLU, SwiGLU, scores_shape
-from tests.numerics import U32
+from tests.numerics import REORDER_RTOL, U32
 
 
 @pytest.fixture(autouse=True)
@@ -236,6 +236,67 @@ def test_adamw_update_of_many_parameters_matches_numpy(arch):
         np.testing.assert_allclose(cell.m[i].asnumpy(), m_want, rtol=1e-5, atol=1e-7, err_msg=f"m{i}")
         np.testing.assert_allclose(cell.v[i].asnumpy(), v_want, rtol=1e-5, atol=1e-7, err_msg=f"v{i}")
         np.testing.assert_allclose(cell.w[i].asnumpy(), w_want, rtol=1e-5, atol=1e-6, err_msg=f"w{i}")
+
+
+class RuleLoss(nn.Cell):
+    """(sum(out * probe) + sum(final state * state_probe), out, state) of a gated delta rule Cell over fixed
+    segments."""
+
+    def __init__(self, rule, segments, probe, state_probe):
+        super().__init__()
+        self.rule, self.segments, self.probe, self.state_probe = rule, segments, probe, state_probe
+
+    def construct(self, q, k, v, g, beta, initial):
+        out, state = self.rule(q, k, v, g, beta, self.segments, initial)
+        return (out * self.probe).sum() + (state * self.state_probe).sum(), out, state
+
+
+def rule_results(rule, case) -> list[np.ndarray]:
+    """out, state and the gradients of q, k, v, g, beta and the initial state of RuleLoss(rule) on `case`."""
+    inputs, segments, probe, state_probe = case
+    (_, out, state), grads = ms.jit(ops.value_and_grad(RuleLoss(rule, segments, probe, state_probe),
+                                                       grad_position=tuple(range(6)), has_aux=True))(*inputs)
+    return [t.asnumpy() for t in (out, state, *grads)]
+
+
+@pytest.fixture(scope="module")
+def gated_delta_case():
+    """20 tokens in chunks of 8 (two chunks and a ragged tail of 4, so three checkpoints), 2 heads with dk 20 !=
+    dv 40 (the kernel's blocks of 32 value columns: a full one and one of 8; dk not a multiple of its 16 lanes),
+    a non-zero initial state and a final-state gradient, row 1 packed with samples starting on a chunk
+    boundary (8) and inside a chunk (13); and the chunked graph form's results on it (autodiff, fp32)."""
+    from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule
+    rng = np.random.default_rng(7)
+    b, n, s, dk, dv, chunk = 2, 2, 20, 20, 40, 8
+    l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    q, k = l2(rng.normal(size=(2, b, n, s, dk)))
+    q = q * dk ** -0.5
+    v = rng.normal(size=(b, n, s, dv))
+    g = -rng.uniform(0.01, 2, (b, n, 1)) * np.log1p(np.exp(rng.normal(size=(b, n, s))))  # Qwen3.5's decay range
+    beta = 1 / (1 + np.exp(-rng.normal(size=(b, n, s))))
+    initial = rng.normal(size=(b, n, dk, dv)) / 4
+    segments = Tensor(np.array([[0] * s, [0] * 8 + [1] * 5 + [2] * 7], np.int32))
+    probe, state_probe = (Tensor(rng.normal(size=shape).astype(np.float32)) for shape in ((b, n, s, dv), initial.shape))
+    case = [Tensor(x.astype(np.float32)) for x in (q, k, v, g, beta, initial)], segments, probe, state_probe
+    device.setup("cpu", "graph")
+    return chunk, case, rule_results(ChunkedGatedDeltaRule(chunk), case)
+
+
+def test_gated_delta_rule_matches_the_chunked_graph_form(arch, gated_delta_case):
+    """The C++ rule (token by token, hand-written backward) against the chunked graph form with autodiff
+    (gated_delta_case): output, final state and the gradients of q, k, v, the decay, beta and the initial state
+    agree to REORDER_RTOL of each tensor's scale; the inference build (no checkpoints)
+    gives the same output and state."""
+    chunk, case, want = gated_delta_case
+    got = rule_results(kernels.GatedDeltaRule(chunk), case)
+    names = ("out", "state", "dq", "dk", "dv", "dg", "dbeta", "dinitial")
+    for name, w, g in zip(names, want, got):
+        err = np.abs(g - w).max() / np.abs(w).max()
+        assert err <= REORDER_RTOL, f"{name}: max_rel {err:.2e}"
+    inputs, segments = case[:2]
+    inference = ms.jit(kernels.GatedDeltaRule(chunk, training=False))(*inputs[:5], segments, inputs[5])
+    for name, w, g in zip(names, want, inference):
+        np.testing.assert_allclose(g.asnumpy(), w, rtol=0, atol=REORDER_RTOL * np.abs(w).max(), err_msg=name)
 
 
 @pytest.fixture

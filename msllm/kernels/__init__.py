@@ -1,5 +1,5 @@
-"""Fused CPU kernels (C++: cpu_kernels.cc, flash_attention.cc, grouped_matmul.cc, linear_cross_entropy.cc) as
-MindSpore AOT Custom ops.
+"""Fused CPU kernels (C++: cpu_kernels.cc, flash_attention.cc, gated_delta_rule.cc, grouped_matmul.cc,
+linear_cross_entropy.cc) as MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -31,13 +31,15 @@ import mindspore as ms
 from mindspore import nn, ops
 from mindspore.ops import signature as sig
 
+from msllm.config import GATED_DELTA_CHUNK
 from msllm.errors import UserError
 from msllm.staged import cache_root
 from msllm.models import layers
 from msllm.models.layers import cast
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.cc", "flash_attention.cc", "grouped_matmul.cc", "linear_cross_entropy.cc")]
+           for name in ("cpu_kernels.cc", "flash_attention.cc", "gated_delta_rule.cc", "grouped_matmul.cc",
+                        "linear_cross_entropy.cc")]
 HEADERS = [Path(__file__).with_name("common.h")]
 # -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
 FLAGS = ["-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
@@ -350,6 +352,37 @@ class FlashAttention(nn.Cell):
         out, lse = self.attention(cast(q, ms.float32), cast(k, ms.float32), cast(v, ms.float32), slot, q_seg, k_seg,
                                   window)
         return cast(out, q.dtype), lse
+
+
+class GatedDeltaRule(nn.Cell):
+    """msllm.models.mixers.gated_deltanet.ChunkedGatedDeltaRule in C++ (gated_delta_rule.cc), the same call:
+    token by token on the state, 32 value columns at a time (a block that stays in L1), forward and a
+    hand-written backward, no [chunk, chunk] tensor.
+    Training saves the state every `chunk` tokens ([b, heads, s / chunk, dk, dv]), from which backward
+    recomputes a chunk at a time; inference (training False) saves none. Runs in fp32."""
+
+    def __init__(self, chunk: int = GATED_DELTA_CHUNK, training: bool = True):
+        super().__init__()
+        self.chunk = chunk
+        grad = _aot("GatedDeltaRuleGrad", lambda q, k, v, g, beta, seg, initial, *_: (q, k, v, g, beta, initial),
+                    lambda *dtypes: (ms.float32,) * 6)
+
+        def bprop(q, k, v, g, beta, segments, initial, out, dout):
+            dq, dk, dv, dg, dbeta, d_initial = grad(q, k, v, g, beta, segments, initial, out[2], dout[0], dout[1])
+            return dq, dk, dv, dg, dbeta, ops.zeros_like(segments), d_initial
+
+        def shapes(q, k, v, g, beta, segments, initial):
+            b, n, s, dk = q
+            return v, initial, [b, n, -(-s // chunk), dk, v[-1]] if training else [1]
+
+        self.rule = _aot("GatedDeltaRule", shapes, lambda *dtypes: (ms.float32,) * 3, bprop=bprop)
+
+    def construct(self, q, k, v, g, beta, segments=None, initial=None):
+        b, n, s, dk = q.shape
+        segments = ops.zeros((b, s), ms.int32) if segments is None else segments.astype(ms.int32)
+        initial = ops.zeros((b, n, dk, v.shape[-1]), ms.float32) if initial is None else cast(initial, ms.float32)
+        out, state, _ = self.rule(q, k, v, g, beta, segments, initial)
+        return out, state
 
 
 class GroupedMatmul(nn.Cell):

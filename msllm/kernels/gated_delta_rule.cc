@@ -1,0 +1,297 @@
+// The gated delta rule (Gated DeltaNet's linear attention) for the CPU, forward and backward, token by
+// token. Per (batch, value head) a state S [dk, dv]; token t, with a = exp(g_t):
+//   S' = (S at a packed sample's first token: 0)           the state entering the token
+//   r  = v - a S'^T k                                       what the decayed state misses of v
+//   S  = a S' + beta k r^T                                  decay, then the delta-rule correction
+//   o  = S^T q
+// which is msllm.models.mixers.gated_deltanet.ChunkedGatedDeltaRule's maths without the chunked (WY)
+// rearrangement: no [chunk, chunk] tensor. Every column of S (a value channel) evolves on its own, so a
+// head's state is walked a block of kColumns columns at a time ([dk, 32] floats, 16 KB at dk 128): the
+// block stays in L1 for the whole sequence, where the whole state (64 KB) would stream from L2 per token.
+// Forward keeps a block as [dk, w] rows (its sums run over k's index: vectors of columns accumulate);
+// backward transposed, [w, dk] (most of its sums run over columns: vectors of dk accumulate, and each
+// column's one sum over dk is one horizontal add).
+//
+// Backward, by hand (dS the gradient of the state leaving a token, from the tokens after it):
+//   dS += q dO^T;  dq = S dO = a S' dO + beta k (r . dO)
+//   e = dS^T k;  dk = beta dS r;  dbeta = e . r;  dr = dv = beta e
+//   dP = dS - k dr^T (the gradient of a S');  dk -= a S' dr;  dg = a <dP, S'>;  dS <- a dP
+//   (0 at a sample's first token: the state before it is cut). dq, dk, dg and dbeta sum over columns:
+//   each column block adds its part.
+// Forward saves the state entering every `interval`-th token (checkpoints [b, n, chunks, dk, dv]);
+// backward recomputes a chunk's states S' and r from its checkpoint, then walks its tokens backwards.
+#include "common.h"
+
+using namespace msllm_kernels;
+
+namespace {
+
+constexpr int64_t kColumns = 32;
+constexpr int kLanes = 16;  // independent partial sums of a dot product (vectorize without -ffast-math)
+#if defined(__AVX512F__)
+constexpr int kSplit = 4;  // partial sums of a column block over dk: 4 x 2 zmm break the FMA latency chain
+#else
+constexpr int kSplit = 2;  // 2 x 4 ymm (of 16 registers)
+#endif
+
+// One (batch, head)'s rows: q, k [s, dk], v [s, dv], g, beta [s], segments [s].
+struct Head {
+  const float *q, *k, *v, *g, *beta;
+  const int32_t *segments;
+  int64_t dk, dv;
+
+  bool starts_sample(int64_t t) const { return t > 0 && segments[t] != segments[t - 1]; }
+};
+
+// The shapes both kernels read: q [b, n, s, dk], v [b, n, s, dv], segments [b, s], checkpoints
+// [b, n, chunks, dk, dv] (or [1]: the forward saves none).
+struct Shapes {
+  int64_t b, n, s, dk, dv, chunks, interval;
+
+  Shapes(int64_t **shapes, int checkpoints_ndim, int64_t *checkpoints_shape)
+      : b(shapes[0][0]), n(shapes[0][1]), s(shapes[0][2]), dk(shapes[0][3]), dv(shapes[2][3]) {
+    chunks = checkpoints_ndim == 5 ? checkpoints_shape[2] : 0;
+    interval = chunks ? (s + chunks - 1) / chunks : s;
+  }
+  Head head(void **params, int64_t unit) const {
+    auto in = [&](int i) { return static_cast<const float *>(params[i]); };
+    return {in(0) + unit * s * dk, in(1) + unit * s * dk, in(2) + unit * s * dv, in(3) + unit * s,
+            in(4) + unit * s, static_cast<const int32_t *>(params[5]) + unit / n * s, dk, dv};
+  }
+};
+
+// Columns [c0, c0 + w) of a [dk, dv] state to a block and back: [dk, w] rows, or transposed [w, dk].
+template <bool kTransposed>
+void gather_columns(const float *state, int64_t dk, int64_t dv, int64_t c0, int64_t w, float *block) {
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t c = 0; c < w; ++c) block[kTransposed ? c * dk + i : i * w + c] = state[i * dv + c0 + c];
+}
+
+template <bool kTransposed>
+void scatter_columns(const float *block, int64_t dk, int64_t dv, int64_t c0, int64_t w, float *state) {
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t c = 0; c < w; ++c) state[i * dv + c0 + c] = block[kTransposed ? c * dk + i : i * w + c];
+}
+
+// Calls fn(width) with the block width as a compile-time constant for full blocks (0: w at run time).
+template <typename Fn>
+void by_width(int64_t w, Fn fn) {
+  if (w == kColumns) return fn(std::integral_constant<int, kColumns>());
+  fn(std::integral_constant<int, 0>());
+}
+
+// sums[c] = sum_i weight[i] block[i][c] over a [dk, w] block, in kSplit partial sums over interleaved
+// rows so consecutive FMAs do not wait on each other.
+template <int W>
+void column_sums(const float *__restrict weight, const float *__restrict block, int64_t dk, int64_t w,
+                 float *__restrict sums) {
+  float part[kSplit][W ? W : kColumns] = {};
+  int64_t i = 0;
+  for (; i + kSplit <= dk; i += kSplit)
+    for (int u = 0; u < kSplit; ++u) {
+      const float x = weight[i + u], *__restrict row = block + (i + u) * w;
+      for (int64_t c = 0; c < w; ++c) part[u][c] += x * row[c];
+    }
+  for (; i < dk; ++i)
+    for (int64_t c = 0; c < w; ++c) part[0][c] += weight[i] * block[i * w + c];
+  for (int64_t c = 0; c < w; ++c) {
+    float total = 0.f;
+    for (int u = 0; u < kSplit; ++u) total += part[u][c];
+    sums[c] = total;
+  }
+}
+
+// Token t forward on a [dk, w] block of columns c0.. (S' in, S out); r [w] gets v - a S'^T k; out (the
+// token's [dv] row, if given) its columns of S^T q.
+template <int W>
+void step(const Head &h, int64_t t, int64_t c0, int64_t w_any, float *__restrict state, float *__restrict r,
+          float *__restrict out) {
+  const int64_t dk = h.dk, w = W ? W : w_any;
+  const float a = std::exp(h.g[t]), beta = h.beta[t];
+  const float *__restrict q = h.q + t * dk, *__restrict k = h.k + t * dk, *__restrict v = h.v + t * h.dv + c0;
+  column_sums<W>(k, state, dk, w, r);
+  for (int64_t c = 0; c < w; ++c) r[c] = v[c] - a * r[c];
+  for (int64_t i = 0; i < dk; ++i) {
+    const float write = beta * k[i];
+    float *__restrict row = state + i * w;
+    for (int64_t c = 0; c < w; ++c) row[c] = a * row[c] + write * r[c];
+  }
+  column_sums<W>(q, state, dk, w, out + c0);
+}
+
+// sum_i x[i] y[i] in kLanes partial sums (vectorizes; the lanes are added once at the end).
+inline float dot(const float *__restrict x, const float *__restrict y, int64_t n) {
+  return lane_dot<false>(x, y, nullptr, n);
+}
+
+// Token t forward on a transposed [w, dk] block (backward's recompute: no output): per column c,
+// r[c] = v[c] - a S'[:, c] . k and S[:, c] = a S'[:, c] + beta r[c] k.
+void step_transposed(const Head &h, int64_t t, int64_t c0, int64_t w, float *__restrict state, float *__restrict r) {
+  const int64_t dk = h.dk;
+  const float a = std::exp(h.g[t]), beta = h.beta[t];
+  const float *__restrict k = h.k + t * dk, *__restrict v = h.v + t * h.dv + c0;
+  for (int64_t c = 0; c < w; ++c) {
+    float *__restrict column = state + c * dk;
+    r[c] = v[c] - a * dot(column, k, dk);
+    const float write = beta * r[c];
+    for (int64_t i = 0; i < dk; ++i) column[i] = a * column[i] + write * k[i];
+  }
+}
+
+// The gradients of one (batch, head): dq, dk [s, dk], dv [s, dv], dg, dbeta [s].
+struct Grads {
+  float *dq, *dk, *dv, *dg, *dbeta;
+};
+
+// step_back's two passes over column c of the state gradient dS[:, c] (dk long; S'[:, c] is `s`), each a
+// function of its own so the compiler sees its pointers do not alias (no run-time overlap checks).
+// First: dS[:, c] += q dO[c]; dq += a dO[c] S'[:, c]; dk += beta r[c] dS[:, c]; returns e[c] = k . dS[:, c].
+__attribute__((noinline)) float column_back_first(int64_t dk, float out_c, float read_out, float write,
+                                                  const float *__restrict q, const float *__restrict k,
+                                                  const float *__restrict s, float *__restrict column,
+                                                  float *__restrict dq, float *__restrict dkt) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= dk; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float d = column[i + l] + q[i + l] * out_c;
+      column[i + l] = d;
+      dq[i + l] += read_out * s[i + l];  // dq = a S' dO (+ beta k (r . dO), in step_back)
+      dkt[i + l] += write * d;           // dk = beta dS r (- a S' dr, below)
+      lanes[l] += k[i + l] * d;
+    }
+  float e = 0.f;
+  for (; i < dk; ++i) {
+    const float d = column[i] + q[i] * out_c;
+    column[i] = d;
+    dq[i] += read_out * s[i];
+    dkt[i] += write * d;
+    e += k[i] * d;
+  }
+  for (int l = 0; l < kLanes; ++l) e += lanes[l];
+  return e;
+}
+
+// Second: dP[:, c] = dS[:, c] - k dr[c]; da += dP[:, c] * S'[:, c] (by lanes); dk -= a dr[c] S'[:, c];
+// dS[:, c] = a dP[:, c].
+__attribute__((noinline)) void column_back_second(int64_t dk, float a, float dr_c, const float *__restrict k,
+                                                  const float *__restrict s, float *__restrict column,
+                                                  float *__restrict dkt, float *__restrict da) {
+  const float back = a * dr_c;
+  int64_t i = 0;
+  for (; i + kLanes <= dk; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float p = column[i + l] - k[i + l] * dr_c;
+      da[l] += p * s[i + l];
+      dkt[i + l] -= back * s[i + l];
+      column[i + l] = a * p;
+    }
+  for (; i < dk; ++i) {
+    const float p = column[i] - k[i] * dr_c;
+    da[0] += p * s[i];
+    dkt[i] -= back * s[i];
+    column[i] = a * p;
+  }
+}
+
+// Token t backward on a transposed block of columns c0..: `entering` [w, dk] is S', r [w] its forward
+// residual, d_state [w, dk] the gradient of the state leaving t, turned into that of the state entering
+// it. Writes the block's columns of dv; adds its part of dq, dk, dg, dbeta (sums over columns). Column
+// by column: dS[:, c] += q dO[c]; e[c] = k . dS[:, c]; dr[c] = beta e[c]; dP[:, c] = dS[:, c] - k dr[c].
+void step_back(const Head &h, int64_t t, int64_t c0, int64_t w, const float *__restrict entering,
+               const float *__restrict r, const float *__restrict d_out, float *__restrict d_state, const Grads &grad) {
+  const int64_t dk = h.dk;
+  const float a = std::exp(h.g[t]), beta = h.beta[t];
+  const float *__restrict q = h.q + t * dk, *__restrict k = h.k + t * dk;
+  float *__restrict dq = grad.dq + t * dk, *__restrict dkt = grad.dk + t * dk;
+  float *__restrict dr = grad.dv + t * h.dv + c0;
+  d_out += t * h.dv + c0;
+  float da[kLanes] = {}, dbeta = 0.f;
+  for (int64_t c = 0; c < w; ++c) {
+    const float e = column_back_first(dk, d_out[c], a * d_out[c], beta * r[c], q, k, entering + c * dk,
+                                      d_state + c * dk, dq, dkt);
+    dbeta += e * r[c];
+    dr[c] = beta * e;
+    column_back_second(dk, a, dr[c], k, entering + c * dk, d_state + c * dk, dkt, da);
+  }
+  const float r_dout = beta * dot(r, d_out, w);
+  for (int64_t i = 0; i < dk; ++i) dq[i] += k[i] * r_dout;
+  float da_total = 0.f;
+  for (int l = 0; l < kLanes; ++l) da_total += da[l];
+  grad.dg[t] += a * da_total;
+  grad.dbeta[t] += dbeta;
+  if (h.starts_sample(t)) std::fill(d_state, d_state + dk * w, 0.f);
+}
+
+}  // namespace
+
+// inputs: q, k [b, n, s, dk] (normalised, q scaled), v [b, n, s, dv], g, beta [b, n, s] (fp32), segments
+// [b, s] (int32: packed samples), initial [b, n, dk, dv]; outputs: out [b, n, s, dv], final state [b, n, dk,
+// dv], checkpoints [b, n, chunks, dk, dv] (the state entering tokens 0, interval, 2 interval, ..; [1]: none).
+extern "C" int GatedDeltaRule(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  const Shapes dims(shapes, ndims[9], shapes[9]);
+  const int64_t dk = dims.dk, dv = dims.dv, state_size = dk * dv;
+  const int64_t blocks = (dv + kColumns - 1) / kColumns;
+  const float *initial = static_cast<const float *>(params[6]);
+  float *out = static_cast<float *>(params[7]), *final_state = static_cast<float *>(params[8]);
+  float *checkpoints = static_cast<float *>(params[9]);
+  run_units(dims.b * dims.n * blocks, [&](int64_t task, int) {  // a (batch, head)'s column block each
+    const int64_t unit = task / blocks, c0 = task % blocks * kColumns, w = std::min(kColumns, dv - c0);
+    const Head h = dims.head(params, unit);
+    std::vector<float> state(dk * w), r(w);
+    gather_columns<false>(initial + unit * state_size, dk, dv, c0, w, state.data());
+    by_width(w, [&](auto width) {
+      for (int64_t t = 0; t < dims.s; ++t) {
+        if (dims.chunks && t % dims.interval == 0)
+          scatter_columns<false>(state.data(), dk, dv, c0, w,
+                                 checkpoints + (unit * dims.chunks + t / dims.interval) * state_size);
+        if (h.starts_sample(t)) std::fill(state.begin(), state.end(), 0.f);
+        step<decltype(width)::value>(h, t, c0, w, state.data(), r.data(), out + (unit * dims.s + t) * dv);
+      }
+    });
+    scatter_columns<false>(state.data(), dk, dv, c0, w, final_state + unit * state_size);
+  });
+  return 0;
+}
+
+// inputs: q, k, v, g, beta, segments, initial (as GatedDeltaRule), checkpoints, d_out, d_final;
+// outputs: dq, dk, dv, dg, dbeta, d_initial.
+extern "C" int GatedDeltaRuleGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                  void *stream, void *extra) {
+  const Shapes dims(shapes, ndims[7], shapes[7]);
+  const int64_t dk = dims.dk, dv = dims.dv, s = dims.s, state_size = dk * dv;
+  auto in = [&](int i) { return static_cast<const float *>(params[i]); };
+  auto result = [&](int i) { return static_cast<float *>(params[i]); };
+  const float *checkpoints = in(7), *d_out = in(8), *d_final = in(9);
+  // A (batch, head) a unit: its column blocks add into the same dq, dk, dg, dbeta rows.
+  run_units(dims.b * dims.n, [&](int64_t unit, int) {
+    const Head h = dims.head(params, unit);
+    const Grads grad{result(10) + unit * s * dk, result(11) + unit * s * dk, result(12) + unit * s * dv,
+                     result(13) + unit * s, result(14) + unit * s};
+    std::fill(grad.dq, grad.dq + s * dk, 0.f);
+    std::fill(grad.dk, grad.dk + s * dk, 0.f);
+    std::fill(grad.dg, grad.dg + s, 0.f);
+    std::fill(grad.dbeta, grad.dbeta + s, 0.f);
+    const float *d_out_rows = d_out + unit * s * dv;
+    for (int64_t c0 = 0; c0 < dv; c0 += kColumns) {
+      const int64_t w = std::min(kColumns, dv - c0), block = dk * w;
+      std::vector<float> entering(dims.interval * block), r(dims.interval * w), state(block), d_state(block);
+      gather_columns<true>(d_final + unit * state_size, dk, dv, c0, w, d_state.data());
+      for (int64_t chunk = dims.chunks - 1; chunk >= 0; --chunk) {
+        const int64_t t0 = chunk * dims.interval, n = std::min(dims.interval, s - t0);
+        gather_columns<true>(checkpoints + (unit * dims.chunks + chunk) * state_size, dk, dv, c0, w, state.data());
+        for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again
+          if (h.starts_sample(t0 + j)) std::fill(state.begin(), state.end(), 0.f);
+          std::copy(state.begin(), state.end(), entering.data() + j * block);
+          step_transposed(h, t0 + j, c0, w, state.data(), r.data() + j * w);
+        }
+        for (int64_t j = n - 1; j >= 0; --j)
+          step_back(h, t0 + j, c0, w, entering.data() + j * block, r.data() + j * w, d_out_rows, d_state.data(),
+                    grad);
+      }
+      scatter_columns<true>(d_state.data(), dk, dv, c0, w, result(15) + unit * state_size);
+    }
+  });
+  return 0;
+}
