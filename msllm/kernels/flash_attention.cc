@@ -252,9 +252,9 @@ void forward(const float *q, const float *k, const float *v, const float *sinks,
     const int32_t *k_seg = vis.key_segments(batch);
     const Range slots(slot, rows), q_segs(q_seg, rows);
     std::vector<float> scores(kQueryBlock * kKeyBlock), acc(rows * d, 0.f);
-    // Every row starts with the head's sink (2^(sink - sink) = 1 in the sum, no value), or empty.
+    // Every row starts with the head's sink (2^(sink - sink) = 1 in the sum, no value), or empty (-inf).
     const float sink = sinks ? sinks[head] * kLog2e : -kInf;
-    std::vector<float> row_max(rows, sink), row_sum(rows, sinks ? 1.f : 0.f);
+    std::vector<float> row_max(rows, sink), row_sum(rows, sink == -kInf ? 0.f : 1.f);
     const int64_t j_end = std::min<int64_t>(t, int64_t{slots.hi} + 1);
     const int64_t j_begin = vis.window ? std::max<int64_t>(0, int64_t{slots.lo} - vis.window + 1) / kKeyBlock * kKeyBlock : 0;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
