@@ -246,6 +246,14 @@ GPT_OSS_LIKE = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_head
                            attention_sinks=True, router_bias=True, experts_bias=True, mlp="swiglu_clamped")
 
 
+def random_sinks(model):
+    """The sinks N(0, 2) (built as zeros): some take most of their rows, some next to nothing."""
+    rng = np.random.default_rng(4)
+    for p in model.trainable_params():
+        if p.name.endswith("core.sinks"):
+            p.set_data(Tensor(rng.normal(0, 2.0, p.shape).astype(np.float32)))
+
+
 def flash_and_softmax_steps(model_cfg, packed, seed, prepare=lambda model: None):
     """(loss, [every parameter's gradient]) of the model built with `seed` (then `prepare`d), specialised for
     training with train.attention softmax, then flash (each asserted to resolve so)."""
@@ -292,31 +300,28 @@ def test_gpt_oss_like_model_with_flash_core_trains_as_the_sink_softmax_core():
     """A gpt-oss-like model (sinks N(0, 2), a sliding and a full layer, packed samples): train.attention flash
     resolves to SinkFlashAttention, and its step's loss and every gradient (the sinks' too) equal the portable
     sink core's."""
-    def random_sinks(model):
-        rng = np.random.default_rng(4)
-        for p in model.trainable_params():
-            if p.name.endswith("core.sinks"):
-                p.set_data(Tensor(rng.normal(0, 2.0, p.shape).astype(np.float32)))
-
     results = flash_and_softmax_steps(GPT_OSS_LIKE, True, seed=3, prepare=random_sinks)
     assert_same_step(results)
     sinks = [name for name in results[1][1] if name.endswith("core.sinks")]
     assert len(sinks) == 2 and all(np.abs(results[1][1][name]).max() > 0 for name in sinks)
 
 
-def test_cached_generation_with_flash_core_equals_plain():
+@pytest.mark.parametrize("model_cfg", [GEMMA_LIKE, GPT_OSS_LIKE], ids=["gemma-like", "gpt-oss-like"])
+def test_cached_generation_with_flash_core_equals_plain(model_cfg):
     """Prefill of left-padded rows then decode steps through a static cache: the flash-specialised
-    model's logits equal the plain model's at every step."""
+    model's logits equal the plain model's at every step (gpt-oss-like: through the sinks, N(0, 2))."""
     rng = np.random.default_rng(3)
     b, prompt, t = 2, 20, 40
     pad = Tensor(np.array([0, 5], np.int32))
-    ids = rng.integers(0, GEMMA_LIKE.vocab_size, (b, prompt + 6)).astype(np.int32)
+    ids = rng.integers(0, model_cfg.vocab_size, (b, prompt + 6)).astype(np.int32)
     models = []
     for flash in (False, True):
-        model = decoder.build_model(GEMMA_LIKE, seed=5)
+        model = decoder.build_model(model_cfg, seed=5)
+        random_sinks(model)
         cpu.specialise(model, fused=True, share_blocks=False, training=False, flash=flash)
         models.append(model)
-    shape = (GEMMA_LIKE.num_layers, b, GEMMA_LIKE.num_kv_heads, t, GEMMA_LIKE.head_size)
+    assert all(isinstance(layer.attention.core.softmax_attention, kernels.FlashAttention) for layer in models[1].layers)
+    shape = (model_cfg.num_layers, b, model_cfg.num_kv_heads, t, model_cfg.head_size)
     caches = [[Tensor(np.zeros(shape, np.float32)) for _ in range(2)] for _ in models]
     for step in range(7):
         start, chunk = (0, ids[:, :prompt]) if step == 0 else (prompt + step - 1, ids[:, prompt + step - 1:prompt + step])
