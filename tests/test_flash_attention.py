@@ -3,6 +3,8 @@ visibility indices, forward and backward, without [s, t] tensors: causal, packed
 windows, GQA, cached forwards over left padding, odd lengths and head sizes; with a sink logit per head
 (SinkFlashAttention, gpt-oss) the sink softmax core's, the sinks' gradient included; and a model
 specialised with it trains and generates as the plain model does."""
+import os
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -306,7 +308,11 @@ def test_gpt_oss_like_model_with_flash_core_trains_as_the_sink_softmax_core():
     assert len(sinks) == 2 and all(np.abs(results[1][1][name]).max() > 0 for name in sinks)
 
 
-@pytest.mark.parametrize("model_cfg", [GEMMA_LIKE, GPT_OSS_LIKE], ids=["gemma-like", "gpt-oss-like"])
+# gpt-oss-like by hand (~18 s, beyond CI's budget): its decode step is the kernel's cache case with sinks
+# (test_flash_core_with_sinks_equals_the_sink_softmax_core) in the core the training test swaps in.
+@pytest.mark.parametrize("model_cfg", [GEMMA_LIKE, pytest.param(GPT_OSS_LIKE, marks=pytest.mark.skipif(
+    not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): beyond CI's budget"))],
+    ids=["gemma-like", "gpt-oss-like"])
 def test_cached_generation_with_flash_core_equals_plain(model_cfg):
     """Prefill of left-padded rows then decode steps through a static cache: the flash-specialised
     model's logits equal the plain model's at every step (gpt-oss-like: through the sinks, N(0, 2))."""
