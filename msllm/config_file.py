@@ -309,12 +309,10 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
     need(not (t.attention == "flash" and t.device == "cpu" and t.fused_kernels == "off"), "train.attention",
          "flash on CPU is a fused kernel; set train.fused_kernels: auto, or train.attention: softmax",
          "train.fused_kernels")
-    need(not (m.attention_sinks and t.attention == "flash"), "train.attention",
-         "flash is not built with model.attention_sinks: neither the CPU flash kernel nor FlashAttentionScore takes "
-         "a sink logit per head; set train.attention: softmax (or auto)", "model.attention_sinks")
     need(not (m.attention_sinks and t.device == "ascend"), "model.attention_sinks",
-         "not laid out for Ascend yet (no FlashAttentionScore form, no shard strategy for the sink column); "
-         "train on cpu", "train.device")
+         "not built for Ascend: MindSpore 2.10's FlashAttentionScore takes no sink logit per head (its real_shift "
+         "adds to the scores, a sink is an extra softmax column) and the sinks have no shard strategy; train on cpu",
+         "train.device")
     need(not (t.device == "ascend" and (m.o_bias or m.router_bias or m.experts_bias)), "model.o_bias",
          "model.o_bias / router_bias / experts_bias are not laid out for Ascend yet; train on cpu", "train.device")
     need(m.swiglu_alpha > 0 and m.swiglu_limit > 0, "model.swiglu_limit", "model.swiglu_alpha and swiglu_limit must be > 0")

@@ -52,12 +52,15 @@ SOFTMAX_INSTEAD = "; set train.attention: softmax (or auto)"
 
 def ascend_flash_problem(cfg: Config, packed: bool) -> tuple[str, str] | None:
     """(key, one-line reason; callers add the remedy, SOFTMAX_INSTEAD) when Ascend's FlashAttentionScore
-    cannot take this config's attention, else None: it takes fp16 / bf16 only and head sizes that are multiples of 16 up to 512
-    (MLA: the q/k heads; its smaller value heads are zero-padded to them). Packed
+    cannot take this config's attention, else None: it takes no sinks, fp16 / bf16 only and head sizes that are multiples
+    of 16 up to 512 (MLA: the q/k heads; its smaller value heads are zero-padded to them). Packed
     samples (`packed`: SFT rows, data.document_attention) take its TND layout, causal per sample, which
     msllm builds without sliding windows (MindFormers' TND form is causal only too)."""
     d = cfg.model.head_size
-    if cfg.train.precision == "fp32":
+    if cfg.model.attention_sinks:
+        key, why = "model.attention_sinks", ("takes no sink logit per head (in MindSpore 2.10 its real_shift adds to "
+                                             "the [s, t] scores; a sink is an extra softmax column)")
+    elif cfg.train.precision == "fp32":
         key, why = "train.precision", "takes fp16 / bf16 only (train.precision: fp32)"
     elif d % 16 or d > 512:
         key, why = "model.head_dim", f"takes head sizes that are multiples of 16 up to 512 (this model's: {d})"
@@ -79,8 +82,8 @@ def resolves_to_flash(cfg: Config, device: str, fused: bool, seq: int, packed: b
     take FlashAttentionScore when it can (ascend_flash_problem), as Ascend LLM training does. Other
     devices have no flash core."""
     t = cfg.train
-    if t.attention == "softmax" or cfg.model.attention_sinks:
-        return False  # no flash core takes sinks (config validation refuses flash with them)
+    if t.attention == "softmax":
+        return False
     if device == "ascend":
         return ascend_flash_problem(cfg, packed) is None
     if device != "cpu":

@@ -1,7 +1,7 @@
 """Attention sinks (gpt-oss): a learned logit per head in every softmax row, with no value. The attention
 mixer with model.attention_sinks against transformers' GptOssAttention (forward and every gradient), the
-cached decode path of a compiled model against its own full forward, and the one-line refusals where no
-kernel takes sinks."""
+cached decode path of a compiled model against its own full forward, and the one-line refusal on Ascend,
+whose FlashAttentionScore takes no sinks (the CPU flash kernel does: tests/test_flash_attention.py)."""
 import os
 
 import mindspore as ms
@@ -122,19 +122,24 @@ def test_cached_decode_with_sinks_equals_the_full_forward():
         np.testing.assert_allclose(logits.asnumpy(), full[:, i], rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("text, key", [
-    ("model:\n  attention_sinks: true\ntrain:\n  attention: flash\n", "train.attention"),
-    ("model:\n  attention_sinks: true\ntrain:\n  device: ascend\n  precision: bf16\n", "model.attention_sinks"),
-])
-def test_sinks_where_no_kernel_takes_them_are_refused_in_one_line(tmp_path, text, key):
+def test_sinks_on_ascend_are_refused_in_one_line_and_flash_on_cpu_is_taken(tmp_path):
+    """MindSpore 2.10's FlashAttentionScore has no sink input (its real_shift adds to the scores): sinks on
+    Ascend are one line naming that, and `auto` there never resolves to it. On CPU train.attention: flash
+    with sinks loads (the flash kernel takes them: tests/test_flash_attention.py)."""
     from msllm.config import ConfigError
     from msllm.config_file import load_config
+    from msllm.rules import ascend_flash_problem, resolves_to_flash
 
     path = tmp_path / "c.yaml"
-    path.write_text(text)
+    path.write_text("model:\n  attention_sinks: true\ntrain:\n  device: ascend\n  precision: bf16\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert err.value.key == key and "\n" not in str(err.value) and "sink" in str(err.value)
+    assert err.value.key == "model.attention_sinks" and "\n" not in str(err.value)
+    assert "FlashAttentionScore takes no sink" in str(err.value)
+    path.write_text("model:\n  attention_sinks: true\ntrain:\n  attention: flash\n")
+    cfg = load_config(path)
+    assert ascend_flash_problem(cfg, False)[0] == "model.attention_sinks"
+    assert not resolves_to_flash(cfg, "ascend", False, 4096, False) and resolves_to_flash(cfg, "cpu", True, 64, False)
 
 
 @pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): ~70 s, beyond CI's budget")

@@ -82,8 +82,9 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     which read the [s, d] and [s, s] tables per row. per_sample_tables (packed SFT samples:
     positions and masks differ per row) keeps the rope and softmax on the CPU formulations, which
     broadcast any table; the fused norm, activation and optimizer still apply.
-    flash: the attention core is msllm.kernels.FlashAttention (needs the kernels), which reads the
-    visibility indices: no [s, t] mask, score or probability tensor, training or inference.
+    flash: the attention core is msllm.kernels.FlashAttention (SinkFlashAttention with sinks; needs the
+    kernels), which reads the visibility indices: no [s, t] mask, score or probability tensor, training or
+    inference.
     """
     fp32 = model.compute_dtype == ms.float32
     decode_kernels = fused and fp32 and not training
@@ -104,12 +105,13 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.rope.head_dim)
             if decode_kernels and isinstance(cell, attention.Attention):  # the kernel's keys and values are one size,
                 cell.cache_write = kernels.FusedCacheWrite()                  # MLA's latents and rope keys are not
-        elif isinstance(cell, layers.SinkAttentionCore):
-            continue  # no fused or flash kernel takes sinks: the portable core (uses_flash refuses flash)
         elif isinstance(cell, layers.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
+            sinks = isinstance(cell, layers.SinkAttentionCore)
             if flash:
-                cell.softmax_attention = kernels.FlashAttention(n, kv)
+                cell.softmax_attention = (kernels.SinkFlashAttention if sinks else kernels.FlashAttention)(n, kv)
+            elif sinks:  # the fused softmax takes no sinks: the portable core
+                cell.softmax_attention = layers.SinkSoftmaxAttention(n, kv)
             else:
                 cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels
                                           else kernels.SoftmaxAttention(n, kv))

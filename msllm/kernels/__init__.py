@@ -337,6 +337,10 @@ class FlashAttention(nn.Cell):
     def __init__(self, num_heads: int, num_kv_heads: int):
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.attention = self.kernel()
+
+    @staticmethod
+    def kernel():
         grad = _aot("FlashAttentionGrad", lambda q, k, v, *_: (q, k, v), lambda q, k, v, *_: (q, k, v))
 
         def bprop(q, k, v, slot, q_seg, k_seg, window, out, dout):
@@ -344,8 +348,7 @@ class FlashAttention(nn.Cell):
             return (dq, dk, dv, ops.zeros_like(slot), ops.zeros_like(q_seg), ops.zeros_like(k_seg),
                     ops.zeros_like(window))
 
-        self.attention = _aot("FlashAttention", lambda q, k, v, *_: (q[:3] + v[3:], q[:3]), lambda q, *_: (q, q),
-                              bprop=bprop)
+        return _aot("FlashAttention", lambda q, k, v, *_: (q[:3] + v[3:], q[:3]), lambda q, *_: (q, q), bprop=bprop)
 
     def construct(self, q, k, v, visibility):
         slot, q_seg, k_seg, window = visibility
@@ -383,6 +386,34 @@ class GatedDeltaRule(nn.Cell):
         initial = ops.zeros((b, n, dk, v.shape[-1]), ms.float32) if initial is None else cast(initial, ms.float32)
         out, state, _ = self.rule(q, k, v, g, beta, segments, initial)
         return out, state
+
+
+class SinkFlashAttention(FlashAttention):
+    """FlashAttention whose every row also holds its head's sink logit (`sinks` [num_heads]), with no
+    value: msllm.models.layers.SinkSoftmaxAttention's maths, the call of that core. The kernel starts each
+    row's online softmax from the sink, so lse includes it; the backward kernel also returns the sinks'
+    gradient, -sum over each head's rows of exp(sink - lse) * rowsum(dO * O)."""
+
+    @staticmethod
+    def kernel():
+        def grads(q, k, v, slot, q_seg, k_seg, window, sinks, *_):
+            return q, k, v, sinks
+
+        grad = _aot("FlashAttentionSinksGrad", grads, grads)
+
+        def bprop(q, k, v, slot, q_seg, k_seg, window, sinks, out, dout):
+            dq, dk, dv, d_sinks = grad(q, k, v, slot, q_seg, k_seg, window, sinks, out[0], out[1], dout[0])
+            return (dq, dk, dv, ops.zeros_like(slot), ops.zeros_like(q_seg), ops.zeros_like(k_seg),
+                    ops.zeros_like(window), d_sinks)
+
+        return _aot("FlashAttentionSinks", lambda q, k, v, *_: (q[:3] + v[3:], q[:3]), lambda q, *_: (q, q),
+                    bprop=bprop)
+
+    def construct(self, q, k, v, visibility, sinks):
+        slot, q_seg, k_seg, window = visibility
+        out, lse = self.attention(cast(q, ms.float32), cast(k, ms.float32), cast(v, ms.float32), slot, q_seg, k_seg,
+                                  window, cast(sinks, ms.float32))
+        return cast(out, q.dtype), lse
 
 
 class GroupedMatmul(nn.Cell):

@@ -12,6 +12,13 @@
 // probabilities are 0 in backward). Keys after the last query's slot are never read, so a decode
 // step reads only the filled part of a static cache.
 // GQA: query head h reads KV head h / (heads / kv_heads); K and V are never repeated.
+//
+// Sinks (gpt-oss; the *Sinks entry points): a learned logit per query head joins every row's softmax
+// with no value. Each row's online softmax starts from it (running max = sink, running sum = 1), so
+// out and lse include its share, and a row that sees no key gets out 0, lse = sink. Backward then
+// recomputes sink-inclusive probabilities from lse, which is all dq, dk, dv need (the sink adds no dP
+// term: delta = rowsum(dO * O) is unchanged); the sink's own gradient is
+// d sink_h = -sum over head h's rows of exp(sink_h - lse) * delta. Without sinks the rows start empty.
 // V's head size d_value may differ from q / k's d (MLA: nope + rope features score, v_head_dim are read).
 #include <limits>
 
@@ -222,8 +229,8 @@ void block_scores(const float *q, int64_t rows, const float *kt, int64_t d, floa
 }
 
 template <int D>
-void forward(const float *q, const float *k, const float *v, const Visibility &vis, int64_t b, int64_t heads,
-             int64_t kv_heads, int64_t d, int64_t d_value, float *out, float *lse) {
+void forward(const float *q, const float *k, const float *v, const float *sinks, const Visibility &vis, int64_t b,
+             int64_t heads, int64_t kv_heads, int64_t d, int64_t d_value, float *out, float *lse) {
   const int64_t s = vis.s, t = vis.t, rep = heads / kv_heads;
   const int64_t query_blocks = (s + kQueryBlock - 1) / kQueryBlock;
   // K transposed once, block by block ([b * kv_heads][key_blocks][d][kKeyBlock]), not once per query block.
@@ -246,7 +253,9 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
     const int32_t *k_seg = vis.key_segments(batch);
     const Range slots(slot, rows), q_segs(q_seg, rows);
     std::vector<float> scores(kQueryBlock * kKeyBlock), acc(rows * d_value, 0.f);
-    std::vector<float> row_max(rows, -kInf), row_sum(rows, 0.f);
+    // Every row starts with the head's sink (2^(sink - sink) = 1 in the sum, no value), or empty (-inf).
+    const float sink = sinks ? sinks[head] * kLog2e : -kInf;
+    std::vector<float> row_max(rows, sink), row_sum(rows, sink == -kInf ? 0.f : 1.f);
     const int64_t j_end = std::min<int64_t>(t, int64_t{slots.hi} + 1);
     const int64_t j_begin = vis.window ? std::max<int64_t>(0, int64_t{slots.lo} - vis.window + 1) / kKeyBlock * kKeyBlock : 0;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
@@ -290,9 +299,9 @@ void forward(const float *q, const float *k, const float *v, const Visibility &v
 // Gradients for one block of keys at a time (its dk, dv owned by one thread), every query that
 // can see it; dq rows are summed in one buffer per thread, then added up.
 template <int D>
-void backward(const float *q, const float *k, const float *v, const float *out, const float *lse, const float *d_out,
-              const Visibility &vis, int64_t b, int64_t heads, int64_t kv_heads, int64_t d, int64_t d_value, float *dq,
-              float *dk, float *dv) {
+void backward(const float *q, const float *k, const float *v, const float *sinks, const float *out, const float *lse,
+              const float *d_out, const Visibility &vis, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
+              int64_t d_value, float *dq, float *dk, float *dv, float *d_sinks) {
   const int64_t s = vis.s, t = vis.t, rep = heads / kv_heads;
   const int64_t q_size = b * heads * s * d;
   std::vector<float> delta(b * heads * s);  // rowsum(dO * O) = rowsum(dP * P)
@@ -300,6 +309,17 @@ void backward(const float *q, const float *k, const float *v, const float *out, 
     for (int64_t row = lo; row < hi; ++row)
       delta[row] = lane_dot<false>(d_out + row * d_value, out + row * d_value, nullptr, d_value);
   }, std::max<int64_t>(1, (1 << 14) / d_value));
+  if (sinks) {  // d sink_h = -sum of P_sink * delta over head h's rows (every batch), P_sink = exp(sink_h - lse)
+    parallel_for(heads, [&](int64_t lo, int64_t hi, int) {
+      for (int64_t h = lo; h < hi; ++h) {
+        double total = 0;
+        for (int64_t batch = 0; batch < b; ++batch)
+          for (int64_t row = (batch * heads + h) * s, end = row + s; row < end; ++row)
+            total += std::exp(double{sinks[h]} - lse[row]) * delta[row];
+        d_sinks[h] = static_cast<float>(-total);
+      }
+    }, 1);
+  }
   const int threads = pool().size();
   std::vector<std::vector<float>> dq_partial(threads - 1);
   std::fill(dq, dq + q_size, 0.f);
@@ -373,6 +393,36 @@ void by_head_size(int64_t d, Fn fn) {
   }
 }
 
+// The entry points' bodies. With sinks, sinks [heads] (fp32) is input 7 and every later param moves one on.
+int attention_forward(void **params, int *ndims, int64_t **shapes, bool with_sinks) {
+  const Visibility vis(params, ndims, shapes, 3);
+  const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
+  const int64_t d_value = shapes[2][3];  // V's head size (MLA: smaller than q/k's)
+  const float *sinks = with_sinks ? static_cast<const float *>(params[7]) : nullptr;
+  auto in = [&](int i) { return static_cast<const float *>(params[i]); };
+  auto result = [&](int i) { return static_cast<float *>(params[i + with_sinks]); };
+  by_head_size(d, [&](auto head_size) {
+    forward<decltype(head_size)::value>(in(0), in(1), in(2), sinks, vis, b, heads, kv_heads, d, d_value, result(7),
+                                        result(8));
+  });
+  return 0;
+}
+
+int attention_backward(void **params, int *ndims, int64_t **shapes, bool with_sinks) {
+  const Visibility vis(params, ndims, shapes, 3);
+  const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
+  const int64_t d_value = shapes[2][3];  // V's head size (MLA: smaller than q/k's)
+  const float *sinks = with_sinks ? static_cast<const float *>(params[7]) : nullptr;
+  auto in = [&](int i) { return static_cast<const float *>(params[i < 7 ? i : i + with_sinks]); };
+  auto result = [&](int i) { return static_cast<float *>(params[i + with_sinks]); };
+  by_head_size(d, [&](auto head_size) {
+    backward<decltype(head_size)::value>(in(0), in(1), in(2), sinks, in(7), in(8), in(9), vis,
+                                         b, heads, kv_heads, d, d_value, result(10), result(11), result(12),
+                                         with_sinks ? result(13) : nullptr);
+  });
+  return 0;
+}
+
 }  // namespace
 
 // inputs: q [b, heads, s, d] (already scaled), k [b, kv_heads, t, d], v [b, kv_heads, t, d_value], q_slot [s],
@@ -380,29 +430,25 @@ void by_head_size(int64_t d, Fn fn) {
 // lse [b, heads, s].
 extern "C" int FlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
-  const Visibility vis(params, ndims, shapes, 3);
-  const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
-  const int64_t d_value = shapes[2][3];  // V's head size (MLA: smaller than q/k's)
-  by_head_size(d, [&](auto head_size) {
-    forward<decltype(head_size)::value>(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
-                                        static_cast<const float *>(params[2]), vis, b, heads, kv_heads, d, d_value,
-                                        static_cast<float *>(params[7]), static_cast<float *>(params[8]));
-  });
-  return 0;
+  return attention_forward(params, ndims, shapes, false);
 }
 
 // inputs: q, k, v, q_slot, q_seg, k_seg, window (as FlashAttention), out, lse, d_out [b, heads, s, d_value];
 // outputs: dq, dk, dv (the shapes of q, k, v).
 extern "C" int FlashAttentionGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                   void *stream, void *extra) {
-  const Visibility vis(params, ndims, shapes, 3);
-  const int64_t b = shapes[0][0], heads = shapes[0][1], d = shapes[0][3], kv_heads = shapes[1][1];
-  const int64_t d_value = shapes[2][3];  // V's head size (MLA: smaller than q/k's)
-  auto in = [&](int i) { return static_cast<const float *>(params[i]); };
-  auto result = [&](int i) { return static_cast<float *>(params[i]); };
-  by_head_size(d, [&](auto head_size) {
-    backward<decltype(head_size)::value>(in(0), in(1), in(2), in(7), in(8), in(9), vis, b, heads, kv_heads, d, d_value,
-                                         result(10), result(11), result(12));
-  });
-  return 0;
+  return attention_backward(params, ndims, shapes, false);
+}
+
+// FlashAttention with a sink logit per head: inputs q .. window (as FlashAttention), sinks [heads];
+// outputs out, lse (the sink's share included).
+extern "C" int FlashAttentionSinks(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                   void *stream, void *extra) {
+  return attention_forward(params, ndims, shapes, true);
+}
+
+// inputs: q .. window, sinks (as FlashAttentionSinks), out, lse, d_out; outputs: dq, dk, dv, d_sinks [heads].
+extern "C" int FlashAttentionSinksGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                       void *stream, void *extra) {
+  return attention_backward(params, ndims, shapes, true);
 }

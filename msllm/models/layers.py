@@ -342,8 +342,8 @@ class SoftmaxAttention(nn.Cell):
 class SinkSoftmaxAttention(SoftmaxAttention):
     """SoftmaxAttention whose every row also holds its head's sink logit (`sinks` [num_heads]), which
     takes a share of the softmax and contributes no value: softmax([scores + mask, sink]) without its
-    last column. No fused or flash kernel takes sinks; this portable core (autodiff) is used everywhere
-    (msllm.backends keeps it)."""
+    last column. The portable core (autodiff), kept by msllm.backends unless the CPU flash core is on
+    (msllm.kernels.SinkFlashAttention, the same maths by blocks of keys)."""
 
     def construct(self, q, k, v, mask, sinks):
         return super().construct(q, k, v, (mask, sinks))  # the sinks travel with the mask to masked_softmax
