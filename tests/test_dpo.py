@@ -312,6 +312,21 @@ def test_msllm_train_dpo_with_lora_learns_the_preferences(models, lora_run, tmp_
     assert (adapted - merged).abs().max() <= 1e-5 * merged.abs().max() < (before - merged).abs().max()
 
 
+def test_msllm_train_with_shared_prompts_is_the_two_row_run(models, preference_rows, lora_run, tmp_path):
+    """`msllm train` with dpo.share_prompt (one row a pair, through the softmax core's mask): the shard
+    says so, and steps 2 and 3 (after the LoRA updates) log lora_run's losses, gradient norms and TRL
+    metrics within fp32 rounding carried through the AdamW updates (as the two-worker test: 1e-4)."""
+    run = tmp_path / "shared"
+    train_here(*run_args(models, preference_rows, run, **{**LORA_RUN, "dpo.share_prompt": "true", "train.steps": 3,
+                                                          "train.ckpt_every": 3, "train.eval_every": 3}))
+    index = json.loads((run / "data" / "index.json").read_text())
+    assert index["share_prompt"] and (run / "data" / "train.bin").stat().st_size == index["train_pairs"] * 17 * 2
+    want, got = records(lora_run, "train")[:2], records(run, "train")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [2, 3]
+    for key in ("loss", "grad_norm", *METRICS):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
 def test_dpo_run_stopped_and_resumed_is_the_whole_run(lora_run, tmp_path):
     """The LoRA run stopped after step 4 (its checkpoint and metrics rows up to there) and resumed with
     --resume: steps 5..8 read the same pairs, and the step-8 adapters and optimizer state are bitwise the
