@@ -44,8 +44,9 @@ def segments_of(rng, b, s, samples):
 
 
 # (b, heads, kv_heads, s, t, d, window, form): form plain (training), packed (SFT samples),
-# cache (start 7, row 1 left-padded by 3) or rising (keys scaled up along the sequence, so a row's
-# largest score climbs by far more than the forward's stale-shift margin from one key block to the next).
+# cache (start 7, row 1 left-padded by 3), rising (keys scaled up along the sequence, so a row's
+# largest score climbs by far more than the forward's stale-shift margin from one key block to the next)
+# or branched (a prompt, then two completions that see it and not each other: msllm.data.preference).
 CASES = [
     (2, 4, 4, 64, 64, 16, 0, "plain"),
     (1, 4, 2, 131, 131, 64, 0, "plain"),       # odd length, GQA, a vectorised head size
@@ -55,6 +56,7 @@ CASES = [
     (2, 4, 2, 5, 40, 32, 0, "cache"),          # a prefill into a static cache
     (2, 4, 2, 1, 300, 64, 50, "cache"),        # a decode step under a window
     (1, 2, 1, 260, 260, 64, 0, "rising"),
+    (2, 2, 1, 150, 150, 16, 0, "branched"),   # DPO pairs sharing their prompt: whole key blocks of a prompt
 ]
 
 
@@ -69,6 +71,9 @@ def case_arrays(case):
         k *= np.linspace(0.2, 12, t, dtype=np.float32)[:, None]
     if form == "packed":
         q_seg = k_seg = segments_of(rng, b, s, 4)
+    if form == "branched":  # row 0: one pair (a prompt of 80, branches of 35); row 1: two, then padding
+        q_seg = k_seg = np.stack([np.repeat([0, -2, -3], [80, 35, 35]), np.repeat([0, -2, -3, 1, -4, -5, -1],
+                                                                                  [30, 20, 20, 20, 25, 25, 10])])
     if form == "cache":
         slots = 7 + np.arange(s)[None]
         k_seg = np.stack([np.where(np.arange(t) >= pad, 0, -1) for pad in (0, 3)])
@@ -103,7 +108,8 @@ def reference_attention(q, k, v, slots, q_seg, k_seg, window, up):
     for i in range(b):
         slot, qs, ks = (x[i % x.shape[0]][:, None] if n < 2 else x[i % x.shape[0]][None]
                         for n, x in enumerate((slots, q_seg, k_seg)))
-        seen = (j <= slot) & ((window[0] == 0) | (slot - j < window[0])) & (qs == ks)
+        branch = (qs <= -2) & ((-qs - 2) // 2 == ks)  # a branch also sees its prompt's segment
+        seen = (j <= slot) & ((window[0] == 0) | (slot - j < window[0])) & ((qs == ks) | branch)
         any_key = seen.any(1)
         for h in range(heads):
             g = h // (heads // kv_heads)
