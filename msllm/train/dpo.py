@@ -60,7 +60,7 @@ class PairLogProbs(nn.Cell):
             logps = self.tokens(tokens, rows, inputs[0], inputs[1]).reshape(b, 1, -1)
             sides = ops.stack([mask == 1, mask == 2], 1).astype(ms.float32)
         else:
-            rows = inputs[0] if inputs else None
+            rows = inputs[0] if len(inputs) == 1 else None
             logps = self.tokens(tokens.reshape(2 * b, -1), rows).reshape(b, 2, -1)
             sides = mask
         return ops.sum(logps * sides, -1), sides
