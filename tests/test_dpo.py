@@ -236,6 +236,23 @@ def test_a_shard_is_read_only_the_way_it_was_made(models, tmp_path):
     assert not (tmp_path / "long").exists()
 
 
+def test_shared_prompts_are_refused_where_a_prompt_cannot_branch():
+    """dpo.share_prompt on Ascend (its packed attention takes whole samples), or with Gated DeltaNet layers
+    (a recurrent state does not branch): one line naming the key."""
+    from types import SimpleNamespace
+
+    from msllm.config import ConfigError, ModelConfig
+    from msllm.config_file import load_config
+    from msllm.train.dpo import DPOLoss
+
+    with pytest.raises(ConfigError, match="dpo.share_prompt: runs on the CPU only"):
+        load_config(None, ["train.objective=dpo", "dpo.share_prompt=true", "dpo.precompute_ref=true",
+                           "train.device=ascend"])
+    hybrid = SimpleNamespace(cfg=ModelConfig(num_layers=2, layer_types=["linear", "full"]))
+    with pytest.raises(ConfigError, match="dpo.share_prompt: needs attention layers"):
+        DPOLoss(hybrid, DPOConfig(share_prompt=True, precompute_ref=True))
+
+
 def sets(values: dict) -> list[str]:
     return [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
 
