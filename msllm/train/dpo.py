@@ -3,9 +3,10 @@
 A micro-batch holds b pairs: tokens [b, 2, s+1] and completion masks [b, 2, s] (chosen first,
 msllm.data.preference), or with dpo.share_prompt one row a pair: tokens [b, s+1], mask [b, s] (1 chosen,
 2 rejected), segments and positions [b, s], the two completions branching from the prompt computed
-once. Each completion's log-probability is summed over its tokens and EOS, as TRL's DPOTrainer does, through the same head path as the cross-entropy (msllm.train.step.LossCell): the
-model's projection while the logits are small, the fused head kernel's (lse, target) otherwise, so
-no [tokens, vocab] log-softmax exists when the kernel is on. With train.head_rows loss only the
+once. Each completion's log-probability is summed over its tokens and EOS, as TRL's DPOTrainer does,
+through the same head path as the cross-entropy (msllm.train.step.LossCell): the model's projection
+while the logits are small, the fused head kernel's (lse, target) otherwise, so no [tokens, vocab]
+log-softmax exists when the kernel is on. With train.head_rows loss only the
 completion positions go through the head (msllm.data.loader.head_rows), for the policy and the reference.
 
 The reference model's log-probs come either from the data (dpo.precompute_ref: computed once by
