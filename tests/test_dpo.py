@@ -129,7 +129,8 @@ def lora_step(model, pairs, share_prompt=False, attention="auto"):
     change the model (B ~ N(0, 0.5)) -> (loss, metrics, the LoRA gradients)."""
     cfg = Config(model=model.cfg, optim=OptimConfig(lr=0.0, grad_clip=0.0),
                  train=TrainConfig(objective="dpo", batch_size=len(pairs), steps=1, attention=attention),
-                 lora=LoraConfig(rank=4, targets=["q", "v", "down"]), dpo=DPOConfig(beta=0.5, share_prompt=share_prompt))
+                 lora=LoraConfig(rank=4, targets=["q", "v", "down"]),
+                 dpo=DPOConfig(beta=0.5, share_prompt=share_prompt))
     built = build_train_step(cfg, model, wrap_optimizer=RecordGradients)
     rng = np.random.default_rng(0)
     for p in model.trainable_params():

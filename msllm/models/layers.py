@@ -216,7 +216,8 @@ def visibility(slots, query_segments, key_segments, window):
     but no sibling branch sees it (a DPO pair's chosen and rejected completions after their shared
     prompt: msllm.data.preference). Ids >= -1 (every other input) match only when equal. The attention
     core reads it through `attention_mask`: as an additive mask for the softmax core, as is by a flash
-    core (msllm.kernels.FlashAttention), which never builds [s, t]. Whether rows share it is told by rank, not by a dimension's size, which may be dynamic."""
+    core (msllm.kernels.FlashAttention), which never builds [s, t]. Whether rows share it is told by
+    rank, not by a dimension's size, which may be dynamic."""
     return slots, query_segments, key_segments, window
 
 
