@@ -238,8 +238,9 @@ def test_a_shard_is_read_only_the_way_it_was_made(models, tmp_path):
 
 
 def test_shared_prompts_are_refused_where_a_prompt_cannot_branch():
-    """dpo.share_prompt on Ascend (its packed attention takes whole samples), or with Gated DeltaNet layers
-    (a recurrent state does not branch): one line naming the key."""
+    """dpo.share_prompt on Ascend (its packed attention takes whole samples), with Gated DeltaNet layers
+    (a recurrent state does not branch) or sliding-window layers (a window counts slots, not positions):
+    one line naming the key."""
     from types import SimpleNamespace
 
     from msllm.config import ConfigError, ModelConfig
@@ -249,9 +250,11 @@ def test_shared_prompts_are_refused_where_a_prompt_cannot_branch():
     with pytest.raises(ConfigError, match="dpo.share_prompt: runs on the CPU only"):
         load_config(None, ["train.objective=dpo", "dpo.share_prompt=true", "dpo.precompute_ref=true",
                            "train.device=ascend"])
-    hybrid = SimpleNamespace(cfg=ModelConfig(num_layers=2, layer_types=["linear", "full"]))
-    with pytest.raises(ConfigError, match="dpo.share_prompt: needs attention layers"):
-        DPOLoss(hybrid, DPOConfig(share_prompt=True, precompute_ref=True))
+    for kind, complaint in (("linear", "needs attention layers"), ("sliding", "not built for sliding-window")):
+        model = SimpleNamespace(cfg=ModelConfig(num_layers=2, layer_types=[kind, "full"], sliding_window=8))
+        with pytest.raises(ConfigError, match=f"dpo.share_prompt: (is )?{complaint}"):
+            DPOLoss(model, DPOConfig(share_prompt=True, precompute_ref=True))
+        DPOLoss(model, DPOConfig(precompute_ref=True))  # two rows a pair: any layer
 
 
 def sets(values: dict) -> list[str]:

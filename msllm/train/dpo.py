@@ -93,6 +93,10 @@ class DPOLoss(nn.Cell):
         if cfg.share_prompt and "linear" in model.cfg.layer_kinds():
             raise ConfigError("the run config", "dpo.share_prompt", "needs attention layers: a linear-attention "
                               "(Gated DeltaNet) layer's state cannot branch from the prompt; set it false")
+        if cfg.share_prompt and "sliding" in model.cfg.layer_kinds():
+            raise ConfigError("the run config", "dpo.share_prompt", "is not built for sliding-window layers: a "
+                              "window counts slots of the row, and the rejected tokens sit further from the prompt "
+                              "than their positions say; set it false")
         self.model = model
         self.share_prompt = cfg.share_prompt
         self.logps = PairLogProbs(model, fused, cfg.share_prompt)
