@@ -56,7 +56,7 @@ CASES = [
     (2, 4, 2, 5, 40, 32, 0, "cache"),          # a prefill into a static cache
     (2, 4, 2, 1, 300, 64, 50, "cache"),        # a decode step under a window
     (1, 2, 1, 260, 260, 64, 0, "rising"),
-    (2, 2, 1, 150, 150, 16, 0, "branched"),   # DPO pairs sharing their prompt: whole key blocks of a prompt
+    (2, 2, 1, 192, 192, 16, 0, "branched"),   # DPO pairs sharing their prompt: whole key blocks of a prompt
 ]
 
 
@@ -71,9 +71,9 @@ def case_arrays(case):
         k *= np.linspace(0.2, 12, t, dtype=np.float32)[:, None]
     if form == "packed":
         q_seg = k_seg = segments_of(rng, b, s, 4)
-    if form == "branched":  # row 0: one pair (a prompt of 80, branches of 35); row 1: two, then padding
-        q_seg = k_seg = np.stack([np.repeat([0, -2, -3], [80, 35, 35]), np.repeat([0, -2, -3, 1, -4, -5, -1],
-                                                                                  [30, 20, 20, 20, 25, 25, 10])])
+    if form == "branched":  # row 0: one pair (prompt, branches: a key block each); row 1: two, then padding
+        q_seg = k_seg = np.stack([np.repeat([0, -2, -3], [64, 64, 64]), np.repeat([0, -2, -3, 1, -4, -5, -1],
+                                                                                  [40, 25, 25, 30, 30, 30, 12])])
     if form == "cache":
         slots = 7 + np.arange(s)[None]
         k_seg = np.stack([np.where(np.arange(t) >= pad, 0, -1) for pad in (0, 3)])

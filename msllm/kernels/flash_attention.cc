@@ -65,13 +65,20 @@ struct Range {
 
 enum class Cover { kNone, kSome, kAll };
 
+// Whether no query segment of the range q sees a key segment of the range k: no id in both, and
+// no branch among the queries whose prompt's id is among the keys' (a branch's prompt id falls as
+// its own rises: the branches q.lo .. min(q.hi, -2) have prompts (-min(q.hi, -2) - 2) / 2 .. (-q.lo - 2) / 2).
+bool unseen(const Range &q, const Range &k) {
+  if (q.lo <= k.hi && k.lo <= q.hi) return false;
+  if (q.lo > -2) return true;
+  const int32_t first = (-std::min(q.hi, -2) - 2) / 2, last = (-q.lo - 2) / 2;
+  return last < k.lo || first > k.hi;
+}
+
 // Whether queries (slots, segments) see none, some or all of keys j0 .. j0+n-1 (segments).
 Cover cover(const Range &slot, const Range &q_seg, int64_t j0, int64_t n, const Range &k_seg, int32_t window) {
   const int64_t j_last = j0 + n - 1;
-  // disjoint segment ranges see nothing, unless a query is a branch (its prompt's id lies elsewhere)
-  if (j0 > slot.hi || (window && slot.lo - j_last >= window) ||
-      (q_seg.lo >= -1 && (q_seg.hi < k_seg.lo || q_seg.lo > k_seg.hi)))
-    return Cover::kNone;
+  if (j0 > slot.hi || (window && slot.lo - j_last >= window) || unseen(q_seg, k_seg)) return Cover::kNone;
   if (j_last <= slot.lo && (!window || slot.hi - j0 < window) && q_seg.lo == q_seg.hi && k_seg.lo == k_seg.hi &&
       sees(q_seg.lo, k_seg.lo))
     return Cover::kAll;
