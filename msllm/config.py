@@ -373,6 +373,8 @@ class DPOConfig:
     precompute_ref: bool = False      # the reference model's log-probs computed once before training and stored
                                       # beside the data shard (no reference forward per step); a full fine-tune
                                       # needs it, LoRA takes the base with the adapters off in the step otherwise
+    share_prompt: bool = False        # a pair as one row: its prompt computed once, the two completions branching
+                                      # from it (msllm/data/preference.py); CPU, full-attention layers only
 
 
 @dataclass

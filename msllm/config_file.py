@@ -272,6 +272,8 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
         need(0 <= dpo.label_smoothing < 0.5, "dpo.label_smoothing", "must be in [0, 0.5)")
         need(cfg.parallel.cp == 1, "train.objective", "dpo does not run under context parallel (parallel.cp)",
              "parallel.cp")
+        need(not dpo.share_prompt or t.device == "cpu", "dpo.share_prompt", "runs on the CPU only (Ascend's packed "
+             "attention takes whole samples, not branches of a prompt); set dpo.share_prompt: false", "train.device")
     if t.objective == "grpo":
         g = cfg.grpo
         need(bool(g.reward), "grpo.reward", "needs one or more path.py:function reward functions")

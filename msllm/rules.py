@@ -42,8 +42,10 @@ GROUPED_BLOCK_ROWS = 32
 def packed_samples(cfg: Config) -> bool:
     """SFT data (a .jsonl file, or a shard made from one), or pretraining windows with
     data.document_attention: samples packed into windows, each attending only to itself, so the
-    step takes per-sample positions and masks."""
-    return cfg.data.document_attention or is_sft(cfg.data.path)
+    step takes per-sample positions and masks. DPO pairs with dpo.share_prompt too (each row's
+    completions branch from its prompt: msllm.data.preference)."""
+    return (cfg.data.document_attention or is_sft(cfg.data.path)
+            or (cfg.train.objective == "dpo" and cfg.dpo.share_prompt))
 
 
 # What a refusal of train.attention: flash on Ascend tells the user to do instead.

@@ -114,31 +114,90 @@ def test_step_loss_and_gradients_equal_trl(models, tmp_path, monkeypatch, loss_t
         assert logged[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
 
 
-def test_lora_reference_is_the_base_with_adapters_off_in_the_step(models):
+def both_layouts(path, tokenizer_json, seq_len=SEQ):
+    """The pairs of a JSONL file as two rows each [(tokens [2, L+1], mask [2, L])] and as one
+    (dpo.share_prompt) [(tokens [L+1], mask [L], segments, positions)], as PairRows yields them."""
+    _, tokens, mask = preference.encode(path, tokenizer_json, seq_len)
+    two = list(zip(tokens.reshape(-1, 2, seq_len + 1), mask.reshape(-1, 2, seq_len).astype(np.float32)))
+    _, tokens, mask = preference.encode(path, tokenizer_json, seq_len, share_prompt=True)
+    one = [(t, m.astype(np.float32), *preference.branch_tables(m)) for t, m in zip(tokens, mask)]
+    return two, one
+
+
+def lora_step(model, pairs, share_prompt=False, attention="auto"):
+    """One LoRA DPO step at lr 0 (reference: the adapters off, in the step) on `pairs` with adapters that
+    change the model (B ~ N(0, 0.5)) -> (loss, metrics, the LoRA gradients)."""
+    cfg = Config(model=model.cfg, optim=OptimConfig(lr=0.0, grad_clip=0.0),
+                 train=TrainConfig(objective="dpo", batch_size=len(pairs), steps=1, attention=attention),
+                 lora=LoraConfig(rank=4, targets=["q", "v", "down"]),
+                 dpo=DPOConfig(beta=0.5, share_prompt=share_prompt))
+    built = build_train_step(cfg, model, wrap_optimizer=RecordGradients)
+    rng = np.random.default_rng(0)
+    for p in model.trainable_params():
+        if p.name.endswith("lora_b"):
+            p.set_data(ms.Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    out = built.train_step(*(ms.Tensor(np.stack(column)) for column in zip(*pairs)))
+    return float(out[0].asnumpy()), out[-1].asnumpy(), built.train_step.optimizer.raw_gradients()
+
+
+@pytest.fixture(scope="module")
+def lora_pairs(models):
+    """The first 4 pairs in both layouts, the base model's log-probs of them (two rows a pair), the
+    LoRA step on them (two rows a pair) and its adapted model's log-probs."""
+    two, one = (pairs[:4] for pairs in both_layouts(models / "pairs.jsonl", models / "policy" / "tokenizer.json"))
+    base = precompute_reference(msllm_model(open_hf(models / "policy")), True, two, 4)
+    model = msllm_model(open_hf(models / "policy"))
+    step = lora_step(model, two)
+    adapted = precompute_reference(model, True, two, 4)
+    return {"two": two, "one": one, "base": base, "step": step, "adapted": adapted, "switch": switch_of(model)}
+
+
+def test_lora_reference_is_the_base_with_adapters_off_in_the_step(lora_pairs):
     """With LoRA and no precomputed log-probs the step's reference is the base model: the logged
     rewards give back the reference's log-probs, equal to the plain converted model's, while the
     policy's (adapters on again, nonzero B) are the adapted model's."""
-    _, tokens, mask = preference.encode(models / "pairs.jsonl", models / "policy" / "tokenizer.json", SEQ)
-    tokens, mask = tokens.reshape(-1, 2, SEQ + 1)[:4], mask.reshape(-1, 2, SEQ)[:4].astype(np.float32)
-    base = precompute_reference(msllm_model(open_hf(models / "policy")), True, list(zip(tokens, mask)), 4)
-    model = msllm_model(open_hf(models / "policy"))
-    cfg = Config(model=model.cfg, optim=OptimConfig(lr=0.0, grad_clip=0.0),
-                 train=TrainConfig(objective="dpo", batch_size=4, steps=1),
-                 lora=LoraConfig(rank=4, targets=["q", "v", "down"]), dpo=DPOConfig(beta=0.5))
-    built = build_train_step(cfg, model)
-    rng = np.random.default_rng(0)
-    for p in model.trainable_params():  # adapters that change the model
-        if p.name.endswith("lora_b"):
-            p.set_data(ms.Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
-    adapted = precompute_reference(model, True, list(zip(tokens, mask)), 4)
+    base, adapted = lora_pairs["base"], lora_pairs["adapted"]
     assert np.abs(adapted - base).max() > 0.1
-    _, _, _, _, _, stats = built.train_step(ms.Tensor(tokens), ms.Tensor(mask))
-    got = dict(zip(METRICS, stats.asnumpy()))
+    got = dict(zip(METRICS, lora_pairs["step"][1]))
     assert got["logps/chosen"] == pytest.approx(adapted[:, 0].mean(), rel=1e-5)
     assert got["logps/rejected"] == pytest.approx(adapted[:, 1].mean(), rel=1e-5)
     assert got["logps/chosen"] - got["rewards/chosen"] / 0.5 == pytest.approx(base[:, 0].mean(), rel=1e-5)
     assert got["logps/rejected"] - got["rewards/rejected"] / 0.5 == pytest.approx(base[:, 1].mean(), rel=1e-5)
-    assert float(switch_of(model).on.asnumpy()) == 1.0
+    assert float(lora_pairs["switch"].on.asnumpy()) == 1.0
+
+
+def test_shared_prompt_row_gives_each_completion_its_own_log_prob(models, lora_pairs):
+    """dpo.share_prompt: a pair's one row holds each completion's labels at the positions its own row
+    has them, and the log-probs summed over a branch equal those of the completion's row alone (the
+    same attention: the rejected branch sees the prompt and itself, not the chosen tokens). Were
+    both completions ordinary tokens of the prompt's segment, the rejected ones would see the chosen
+    ones: other log-probs."""
+    two, one = lora_pairs["two"], lora_pairs["one"]
+    for (tokens, mask), (row, sides, segments, positions) in zip(two, one):
+        for side in (0, 1):
+            at, theirs = np.flatnonzero(sides == side + 1), np.flatnonzero(mask[side])
+            np.testing.assert_array_equal(row[at + 1], tokens[side][theirs + 1])  # the labels
+            np.testing.assert_array_equal(positions[at], theirs)                # at their own positions
+    model = msllm_model(open_hf(models / "policy"))
+    got = precompute_reference(model, True, one, 4, share_prompt=True)
+    np.testing.assert_allclose(got, lora_pairs["base"], rtol=1e-6)  # measured: equal
+    seeing_chosen = [(t, m, np.where(g < -1, 0, g), p) for t, m, g, p in one]
+    wrong = precompute_reference(model, True, seeing_chosen, 4, share_prompt=True)
+    assert np.array_equal(wrong[:, 0], got[:, 0]) and np.abs(wrong[:, 1] - got[:, 1]).min() > 1e-3
+
+
+def test_shared_prompt_step_equals_the_two_row_step(models, lora_pairs):
+    """The LoRA step on the pairs as one row each, through the flash kernel, against the two-row step
+    through the softmax core, the same adapters: loss, TRL metrics and every LoRA gradient within fp32
+    rounding (the two-row step equals TRL's: test_step_loss_and_gradients_equal_trl)."""
+    want_loss, want_stats, want_grads = lora_pairs["step"]
+    loss, stats, grads = lora_step(msllm_model(open_hf(models / "policy")), lora_pairs["one"], True, "flash")
+    assert abs(want_stats[3]) > 0.05  # the policy is not the reference: margins, a loss with gradients
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    np.testing.assert_allclose(stats, want_stats, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == want_grads.keys() and len(grads) == 3 * 2 * 2  # 2 layers, 3 targets, A and B
+    worst = max(max_rel(grads[n], g)[1] for n, g in want_grads.items())
+    assert worst <= 1e-5, worst
 
 
 @pytest.mark.parametrize("row,complaint", [
@@ -154,6 +213,48 @@ def test_bad_pairs_are_one_line_naming_file_and_line(models, tmp_path, row, comp
                            print)
     assert f"{path}:3:" in str(e.value) and complaint in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "shard").exists()
+
+
+def test_a_shard_is_read_only_the_way_it_was_made(models, tmp_path):
+    """A shard of two rows a pair read with dpo.share_prompt (or one row a pair without) is one line naming
+    the key; a pair too long for one row is one line naming the row and the option."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in TEXT_ROWS))
+    tokenizer = str(models / "policy" / "tokenizer.json")
+    for made in (False, True):
+        shard = preference.prepare(rows, tokenizer, tmp_path / f"shard_{made}", SEQ, 0.25, 300, print, made)
+        index = json.loads((shard / "index.json").read_text())
+        assert len(preference.PairRows(shard, "train", index, share_prompt=made)) == 3
+        with pytest.raises(DataError) as e:
+            preference.PairRows(shard, "train", index, share_prompt=not made)
+        assert "dpo.share_prompt" in str(e.value) and "\n" not in str(e.value)
+    rows.write_text(json.dumps({"prompt": "hello " * 6, "chosen": " world" * 4, "rejected": " fox" * 4}) + "\n")
+    with pytest.raises(DataError, match="1 pair; need at least 2"):  # two rows fit: 18 + 9 tokens (one + 5 + 1 do not)
+        preference.encode(rows, models / "policy" / "tokenizer.json", SEQ)
+    with pytest.raises(DataError) as e:
+        preference.prepare(rows, tokenizer, tmp_path / "long", SEQ, 0.25, 300, print, True)
+    assert f"{rows}:1:" in str(e.value) and "dpo.share_prompt: false" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "long").exists()
+
+
+def test_shared_prompts_are_refused_where_a_prompt_cannot_branch():
+    """dpo.share_prompt on Ascend (its packed attention takes whole samples), with Gated DeltaNet layers
+    (a recurrent state does not branch) or sliding-window layers (a window counts slots, not positions):
+    one line naming the key."""
+    from types import SimpleNamespace
+
+    from msllm.config import ConfigError, ModelConfig
+    from msllm.config_file import load_config
+    from msllm.train.dpo import DPOLoss
+
+    with pytest.raises(ConfigError, match="dpo.share_prompt: runs on the CPU only"):
+        load_config(None, ["train.objective=dpo", "dpo.share_prompt=true", "dpo.precompute_ref=true",
+                           "train.device=ascend"])
+    for kind, complaint in (("linear", "needs attention layers"), ("sliding", "not built for sliding-window")):
+        model = SimpleNamespace(cfg=ModelConfig(num_layers=2, layer_types=[kind, "full"], sliding_window=8))
+        with pytest.raises(ConfigError, match=f"dpo.share_prompt: (is )?{complaint}"):
+            DPOLoss(model, DPOConfig(share_prompt=True, precompute_ref=True))
+        DPOLoss(model, DPOConfig(precompute_ref=True))  # two rows a pair: any layer
 
 
 def sets(values: dict) -> list[str]:
@@ -230,6 +331,21 @@ def test_msllm_train_dpo_with_lora_learns_the_preferences(models, lora_run, tmp_
         before = base(ids).logits
         adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()(ids).logits
     assert (adapted - merged).abs().max() <= 1e-5 * merged.abs().max() < (before - merged).abs().max()
+
+
+def test_msllm_train_with_shared_prompts_is_the_two_row_run(models, preference_rows, lora_run, tmp_path):
+    """`msllm train` with dpo.share_prompt (one row a pair, through the softmax core's mask): the shard
+    says so, and steps 2 and 3 (after the LoRA updates) log lora_run's losses, gradient norms and TRL
+    metrics within fp32 rounding carried through the AdamW updates (as the two-worker test: 1e-4)."""
+    run = tmp_path / "shared"
+    train_here(*run_args(models, preference_rows, run, **{**LORA_RUN, "dpo.share_prompt": "true", "train.steps": 3,
+                                                          "train.ckpt_every": 3, "train.eval_every": 3}))
+    index = json.loads((run / "data" / "index.json").read_text())
+    assert index["share_prompt"] and (run / "data" / "train.bin").stat().st_size == index["train_pairs"] * 17 * 2
+    want, got = records(lora_run, "train")[:2], records(run, "train")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [2, 3]
+    for key in ("loss", "grad_norm", *METRICS):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 def test_dpo_run_stopped_and_resumed_is_the_whole_run(lora_run, tmp_path):

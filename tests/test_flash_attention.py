@@ -58,8 +58,9 @@ def segments_of(rng, b, s, samples):
 
 # (b, heads, kv_heads, s, t, d, window, form[, dv]): form plain (training), packed (SFT samples),
 # cache (start 7, row 1 left-padded by 3), rising (keys scaled up along the sequence, so a row's
-# largest score climbs by far more than the forward's stale-shift margin from one key block to the next)
-# or padded (training rows, row 1 left-padded by 3: its first 3 queries see no key);
+# largest score climbs by far more than the forward's stale-shift margin from one key block to the next),
+# padded (training rows, row 1 left-padded by 3: its first 3 queries see no key) or branched (a prompt, then
+# two completions that see it and not each other: msllm.data.preference);
 # dv: the value heads' size when it differs from d (MLA: nope + rope q/k features, v_head_dim values).
 CASES = [
     (2, 4, 4, 64, 64, 16, 0, "plain"),
@@ -73,6 +74,7 @@ CASES = [
     (1, 2, 2, 130, 130, 192, 0, "plain", 128),  # DeepSeek-V3's head sizes, vectorised widths
     (2, 4, 4, 90, 90, 20, 0, "packed", 10),     # the tiny DeepSeek-V3's (12 + 8, 10): plain loops
     (2, 4, 4, 1, 40, 20, 0, "cache", 10),       # a decode step over left padding
+    (2, 2, 1, 192, 192, 16, 0, "branched"),   # DPO pairs sharing their prompt: whole key blocks of a prompt
 ]
 
 
@@ -88,6 +90,9 @@ def case_arrays(case):
         k *= np.linspace(0.2, 12, t, dtype=np.float32)[:, None]
     if form == "packed":
         q_seg = k_seg = segments_of(rng, b, s, 4)
+    if form == "branched":  # row 0: one pair (prompt, branches: a key block each); row 1: two, then padding
+        q_seg = k_seg = np.stack([np.repeat([0, -2, -3], [64, 64, 64]), np.repeat([0, -2, -3, 1, -4, -5, -1],
+                                                                                  [40, 25, 25, 30, 30, 30, 12])])
     if form in ("cache", "padded"):
         slots = slots + (7 if form == "cache" else 0)
         k_seg = np.stack([np.where(np.arange(t) >= pad, 0, -1) for pad in (0, 3)])
@@ -150,7 +155,8 @@ def reference_attention(q, k, v, slots, q_seg, k_seg, window, up, sinks=None):
     for i in range(b):
         slot, qs, ks = (x[i % x.shape[0]][:, None] if n < 2 else x[i % x.shape[0]][None]
                         for n, x in enumerate((slots, q_seg, k_seg)))
-        seen = (j <= slot) & ((window[0] == 0) | (slot - j < window[0])) & (qs == ks)
+        branch = (qs <= -2) & ((-qs - 2) // 2 == ks)  # a branch also sees its prompt's segment
+        seen = (j <= slot) & ((window[0] == 0) | (slot - j < window[0])) & ((qs == ks) | branch)
         for h in range(heads):
             g, sink = h // (heads // kv_heads), -np.inf if sinks is None else float(sinks[h])
             scores = np.where(seen, q[i, h] @ k[i, g].T, -np.inf)

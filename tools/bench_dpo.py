@@ -8,6 +8,10 @@ lora.on; TRL: peft's disable_adapter), so each step is two forwards of the pairs
 
     python tools/bench_dpo.py                        # W1 shape, 4 pairs a step, 2 rounds alternated
     python tools/bench_dpo.py --shape tiny --steps 2 # a smoke run of the tool
+    python tools/bench_dpo.py --variants msllm-after,msllm-shared,trl   # + dpo.share_prompt
+
+msllm-shared is msllm with dpo.share_prompt: each pair one row (its prompt once, the completions
+branching from it) of the longest pair's length rounded up to 32, instead of two rows of --seq.
 
 Every variant runs in a process of its own (msllm's with PYTHONPATH on its checkout) and reports the
 median step time after warm-up and its peak RSS; the variants alternate over --rounds rounds, the
@@ -65,8 +69,18 @@ def write_inputs(shape: str, out: Path, pairs: int, seq: int) -> None:
     (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def shared_row_length(pairs: Path) -> int:
+    """data.seq_len of msllm-shared's rows: the longest pair as one row (prompt, EOS-ended completions, the
+    prompt's last token again: msllm.data.preference), less its last label, rounded up to 32 tokens."""
+    words = lambda text: len(text.split())  # noqa: E731 (one token a word)
+    rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+    longest = max(words(r["prompt"]) + words(r["chosen"]) + 1 + 1 + words(r["rejected"]) + 1 for r in rows)
+    return -(-(longest - 1) // 32) * 32
+
+
 def worker_msllm(args) -> dict:
     import mindspore as ms
+    import numpy as np
 
     import msllm
     from interop.pretrained import InitFrom, describe
@@ -77,16 +91,24 @@ def worker_msllm(args) -> dict:
 
     device.setup("cpu", "graph", args.threads)
     hf = Path(args.hf)
-    cfg = load_config(None, [f"train.init_from={hf}", f"data.path={hf / 'pairs.jsonl'}", f"data.seq_len={args.seq}",
+    shared = args.worker == "msllm-shared"
+    seq = args.shared_seq if shared else args.seq
+    cfg = load_config(None, [f"train.init_from={hf}", f"data.path={hf / 'pairs.jsonl'}", f"data.seq_len={seq}",
                              f"train.batch_size={args.pairs}", f"train.threads={args.threads}", "train.steps=1000",
                              "train.objective=dpo", "optim.warmup_steps=0", "optim.grad_clip=1.0",
-                             f"lora.rank={RANK}", f"lora.alpha={2 * RANK}", f"lora.targets=[{TARGETS}]"],
+                             f"lora.rank={RANK}", f"lora.alpha={2 * RANK}", f"lora.targets=[{TARGETS}]",
+                             f"dpo.share_prompt={str(shared).lower()}"],
                       pretrained=describe)
     init = InitFrom(cfg)
     built = build_train_step(cfg, load_weights=init.load_base)
     init.load_adapter(built.model.trainable_params())
-    _, tokens, mask = preference.encode(hf / "pairs.jsonl", hf / "tokenizer.json", args.seq)
-    inputs = [ms.Tensor(tokens.reshape(args.pairs, 2, -1)), ms.Tensor(mask.reshape(args.pairs, 2, -1).astype("float32"))]
+    _, tokens, mask = preference.encode(hf / "pairs.jsonl", hf / "tokenizer.json", seq, shared)
+    if shared:  # one row a pair: tokens, mask, segments, positions
+        tables = [preference.branch_tables(m) for m in mask]
+        columns = [tokens, mask.astype("float32"), *(np.stack(t) for t in zip(*tables))]
+    else:
+        columns = [tokens.reshape(args.pairs, 2, -1), mask.reshape(args.pairs, 2, -1).astype("float32")]
+    inputs = [ms.Tensor(c) for c in columns]
     result = time_steps(lambda: built.train_step(*inputs)[0].asnumpy(), args.steps, args.warmup)
     result["msllm"] = str(Path(msllm.__file__).parents[1])
     return result
@@ -125,10 +147,10 @@ def worker_trl(args) -> dict:
 
 
 def spawn(variant: str, args, hf: Path) -> dict:
-    side = {"msllm-before": args.before, "msllm-after": args.after}.get(variant, str(REPO))
+    side = {"msllm-before": args.before, "msllm-after": args.after, "msllm-shared": args.after}.get(variant, str(REPO))
     cmd = [sys.executable, __file__, "--worker", variant, "--hf", str(hf), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--pairs", str(args.pairs),
-           "--seq", str(args.seq)]
+           "--seq", str(args.seq), "--shared-seq", str(args.shared_seq)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3", "PYTHONPATH": side},
                           cwd=side)
     for line in proc.stdout.splitlines():
@@ -142,7 +164,8 @@ def report(args, results: dict) -> str:
     lines = [f"# DPO train step on CPU, {args.shape}: msllm vs TRL DPOTrainer + torch eager", "",
              *provenance("bench_dpo.py", args),
              f"* **Conditions**: fp32, {args.pairs} pairs a step ({tokens} tokens: chosen and rejected rows of "
-             f"{args.seq}), LoRA rank {RANK} alpha {2 * RANK} on {TARGETS}, reference = adapters off in the step, "
+             f"{args.seq}; msllm-shared: one row of {args.shared_seq} a pair), LoRA rank {RANK} alpha {2 * RANK} "
+             f"on {TARGETS}, reference = adapters off in the step, "
              f"sigmoid loss beta 0.1, AdamW + clip 1.0; {args.threads} threads; {args.warmup} warm-up steps, "
              f"median of {args.steps}; variants alternated over {args.rounds} rounds", "",
              "| variant | tokens/s | vs TRL | peak RSS MB | first step s |", "|---|---|---|---|---|"]
@@ -172,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", help="directory for the markdown table and JSON")
+    p.add_argument("--shared-seq", type=int, help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--hf", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -182,6 +206,7 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         write_inputs(args.shape, Path(tmp), args.pairs, args.seq)
+        args.shared_seq = shared_row_length(Path(tmp) / "pairs.jsonl")
         for round_ in range(args.rounds):
             for variant in variants if round_ % 2 == 0 else variants[::-1]:
                 r = spawn(variant, args, Path(tmp))

@@ -225,15 +225,16 @@ class SFTWindows:
 
 
 def shard_key(kind: str, what: str, path: Path, tokenizer: str | None, out_dir: Path, seq_len: int,
-              val_fraction: float) -> tuple[Path, dict, bool]:
-    """(tokenizer.json, the key of the shard of a JSONL file of `what`, whether out_dir holds it already)."""
+              val_fraction: float, **layout) -> tuple[Path, dict, bool]:
+    """(tokenizer.json, the key of the shard of a JSONL file of `what`, whether out_dir holds it already);
+    `layout`: more settings the shard depends on."""
     if tokenizer is None:
         raise DataError(f"data.path: {path} holds {what}, which need the model's tokenizer: set train.init_from "
                         f"(or data.tokenizer)")
     tokenizer_json = Path(tokenizer).expanduser()
     stat = path.stat()
     key = {"kind": kind, "source": f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}",
-           "tokenizer": str(tokenizer_json.resolve()), "seq_len": seq_len, "val_fraction": val_fraction}
+           "tokenizer": str(tokenizer_json.resolve()), "seq_len": seq_len, "val_fraction": val_fraction, **layout}
     return tokenizer_json, key, (out_dir / INDEX).exists() and read_index(out_dir).get("key") == key
 
 

@@ -52,7 +52,7 @@ def build_shard(cfg: Config, out_dir: Path) -> Path:
     if cfg.train.objective == "dpo":
         if d.path and Path(d.path).expanduser().suffix == ".jsonl":
             return preference.prepare(Path(d.path).expanduser(), d.tokenizer, out_dir, d.seq_len, d.val_fraction,
-                                      vocab, _log)
+                                      vocab, _log, cfg.dpo.share_prompt)
         if not (d.path and preference.is_preference(Path(d.path).expanduser())):
             raise DataError(f"data.path: {d.path}: train.objective dpo reads preference pairs: a .jsonl file of "
                             f"prompt / chosen / rejected rows, or the shard built from one")

@@ -6,7 +6,10 @@
 // Which keys a query sees is computed from indices, not read from a mask:
 //   key slot j is visible from query row i  iff  j <= slot[i]                     (causal)
 //                                          and  slot[i] - j < window (window > 0)  (sliding window)
-//                                          and  q_seg[i] == k_seg[j]               (same sample)
+//                                          and  sees(q_seg[i], k_seg[j])           (same sample)
+// sees: the segments are equal, or the query's is a branch of the key's (q <= -2, (-q - 2) / 2 == k:
+// a DPO pair's chosen and rejected completions both see their shared prompt, not each other;
+// msllm.models.layers.visibility). Ids >= -1 match only when equal.
 // slot[i] is the query's cache slot (i in training, start + i in a cached forward), k_seg marks
 // packed samples and left padding (-1). A row that sees no key gets out 0 and lse +inf (its
 // probabilities are 0 in backward). Keys after the last query's slot are never read, so a decode
@@ -32,6 +35,10 @@ constexpr int64_t kQueryBlock = 48;  // query rows per work unit (a multiple of 
 constexpr int64_t kKeyBlock = 64;    // keys per block (a [kKeyBlock, d] slice of K and V stays in L1/L2)
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+inline bool sees(int32_t q_segment, int32_t k_segment) {
+  return q_segment == k_segment || (q_segment <= -2 && (-q_segment - 2) / 2 == k_segment);
+}
+
 // The index inputs: q_slot [s], q_seg [s] or [b, s], k_seg [t] or [b, t] (int32; 1-D: shared by
 // the batch); window [1].
 struct Visibility {
@@ -52,7 +59,7 @@ struct Visibility {
   const int32_t *query_segments(int64_t batch) const { return q_seg + batch % q_seg_rows * s; }
   const int32_t *key_segments(int64_t batch) const { return k_seg + batch % k_seg_rows * t; }
   bool visible(int32_t slot, int32_t q_segment, int64_t j, int32_t k_segment) const {
-    return j <= slot && (window == 0 || slot - j < window) && q_segment == k_segment;
+    return j <= slot && (window == 0 || slot - j < window) && sees(q_segment, k_segment);
   }
 };
 
@@ -66,13 +73,22 @@ struct Range {
 
 enum class Cover { kNone, kSome, kAll };
 
+// Whether no query segment of the range q sees a key segment of the range k: no id in both, and
+// no branch among the queries whose prompt's id is among the keys' (a branch's prompt id falls as
+// its own rises: the branches q.lo .. min(q.hi, -2) have prompts (-min(q.hi, -2) - 2) / 2 .. (-q.lo - 2) / 2).
+bool unseen(const Range &q, const Range &k) {
+  if (q.lo <= k.hi && k.lo <= q.hi) return false;
+  if (q.lo > -2) return true;
+  const int32_t first = (-std::min(q.hi, -2) - 2) / 2, last = (-q.lo - 2) / 2;
+  return last < k.lo || first > k.hi;
+}
+
 // Whether queries (slots, segments) see none, some or all of keys j0 .. j0+n-1 (segments).
 Cover cover(const Range &slot, const Range &q_seg, int64_t j0, int64_t n, const Range &k_seg, int32_t window) {
   const int64_t j_last = j0 + n - 1;
-  if (j0 > slot.hi || (window && slot.lo - j_last >= window) || q_seg.hi < k_seg.lo || q_seg.lo > k_seg.hi)
-    return Cover::kNone;
+  if (j0 > slot.hi || (window && slot.lo - j_last >= window) || unseen(q_seg, k_seg)) return Cover::kNone;
   if (j_last <= slot.lo && (!window || slot.hi - j0 < window) && q_seg.lo == q_seg.hi && k_seg.lo == k_seg.hi &&
-      q_seg.lo == k_seg.lo)
+      sees(q_seg.lo, k_seg.lo))
     return Cover::kAll;
   return Cover::kSome;
 }

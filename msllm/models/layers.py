@@ -211,10 +211,21 @@ def visibility(slots, query_segments, key_segments, window):
     key segments [t] or [b, t] (1-D: shared by every row; key j sits at slot j), window [1] (0: none).
     Key j is visible from query i when j <= slot[i], slot[i] - j < window, and the segments match:
     causal attention, sliding windows (as Hugging Face counts them), packed samples and left padding
-    (key segment -1) alike. The attention core reads it through `attention_mask`: as an additive mask
-    for the softmax core, as is by a flash core (msllm.kernels.FlashAttention), which never builds
-    [s, t]. Whether rows share it is told by rank, not by a dimension's size, which may be dynamic."""
+    (key segment -1) alike. Segments match when equal, or when the query's is a branch of the key's
+    (sees_segment): segment q <= -2 is branch (-q - 2) % 2 of segment (-q - 2) // 2, which it sees
+    but no sibling branch sees it (a DPO pair's chosen and rejected completions after their shared
+    prompt: msllm.data.preference). Ids >= -1 (every other input) match only when equal. The attention
+    core reads it through `attention_mask`: as an additive mask for the softmax core, as is by a flash
+    core (msllm.kernels.FlashAttention), which never builds [s, t]. Whether rows share it is told by
+    rank, not by a dimension's size, which may be dynamic."""
     return slots, query_segments, key_segments, window
+
+
+def sees_segment(query_segments, key_segments):
+    """Whether queries of these segments see keys of those (broadcast): equal, or the query a branch of the key's."""
+    branch_of = ops.floor_divide(-query_segments - 2, 2)
+    return ops.logical_or(query_segments == key_segments,
+                          ops.logical_and(query_segments <= -2, branch_of == key_segments))
 
 
 class AdditiveMask(nn.Cell):
@@ -238,7 +249,9 @@ class AdditiveMask(nn.Cell):
         if query_segments.ndim == 1 and key_segments.ndim == 1:
             mask = additive(ops.logical_and(causal, query_segments.reshape(s, 1) == key_segments.reshape(1, t)))
             return ops.broadcast_to(mask, shape) if self.broadcast else mask
-        same = query_segments.reshape(-1, s, 1) == key_segments.reshape(-1, 1, t)        # [b, s, t]
+        q_seg, k_seg = query_segments.reshape(-1, s, 1), key_segments.reshape(-1, 1, t)
+        # branches exist only in per-row segments (training rows); shared query ids (plain, cached) never branch
+        same = sees_segment(q_seg, k_seg) if query_segments.ndim == 2 else q_seg == k_seg  # [b, s, t]
         mask = additive(ops.logical_and(causal, same))
         return ops.broadcast_to(mask.reshape((-1,) + (1,) * (len(shape) - 3) + (s, t)), shape)
 

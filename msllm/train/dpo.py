@@ -1,10 +1,12 @@
 """Direct preference optimisation as a loss cell of the compiled step (train.objective: dpo).
 
 A micro-batch holds b pairs: tokens [b, 2, s+1] and completion masks [b, 2, s] (chosen first,
-msllm.data.preference). Each row's log-probability is summed over its completion and EOS, as TRL's
-DPOTrainer does, through the same head path as the cross-entropy (msllm.train.step.LossCell): the
-model's projection while the logits are small, the fused head kernel's (lse, target) otherwise, so
-no [tokens, vocab] log-softmax exists when the kernel is on. With train.head_rows loss only the
+msllm.data.preference), or with dpo.share_prompt one row a pair: tokens [b, s+1], mask [b, s] (1 chosen,
+2 rejected), segments and positions [b, s], the two completions branching from the prompt computed
+once. Each completion's log-probability is summed over its tokens and EOS, as TRL's DPOTrainer does,
+through the same head path as the cross-entropy (msllm.train.step.LossCell): the model's projection
+while the logits are small, the fused head kernel's (lse, target) otherwise, so no [tokens, vocab]
+log-softmax exists when the kernel is on. With train.head_rows loss only the
 completion positions go through the head (msllm.data.loader.head_rows), for the policy and the reference.
 
 The reference model's log-probs come either from the data (dpo.precompute_ref: computed once by
@@ -28,7 +30,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from msllm.config import DPOConfig
+from msllm.config import ConfigError, DPOConfig
 from msllm.data.corpus import DataError
 from msllm.data.index import read_index
 from msllm.data.loader import head_rows
@@ -41,61 +43,80 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected")
 
 
-class SequenceLogProbs(nn.Cell):
-    """tokens [n, s+1], mask [n, s](, rows: head rows holding the masked positions) -> [n] fp32: sum over
-    the masked positions of log p(next token)."""
+class PairLogProbs(nn.Cell):
+    """A micro-batch's pairs -> their completions' summed log-probs [b, 2] fp32 (chosen, rejected), and
+    the completions' masks [b, 2, s]. Two rows a pair: (tokens [b, 2, s+1], mask [b, 2, s][, rows]); one
+    (share_prompt): (tokens [b, s+1], mask [b, s], segments, positions [b, s][, rows]). rows: head rows of
+    the mask (msllm.data.loader.head_rows)."""
 
-    def __init__(self, model, fused: bool = False):
+    def __init__(self, model, fused: bool = False, share_prompt: bool = False):
         super().__init__(auto_prefix=False)
         self.tokens = TokenLogProbs(model, fused)
+        self.share_prompt = share_prompt
 
-    def construct(self, tokens, mask, rows=None):
-        return ops.sum(self.tokens(tokens, rows) * mask, -1)
+    def construct(self, tokens, mask, *inputs):
+        b = tokens.shape[0]
+        if self.share_prompt:
+            rows = inputs[2] if len(inputs) == 3 else None
+            logps = self.tokens(tokens, rows, inputs[0], inputs[1]).reshape(b, 1, -1)
+            sides = ops.stack([mask == 1, mask == 2], 1).astype(ms.float32)
+        else:
+            rows = inputs[0] if len(inputs) == 1 else None
+            logps = self.tokens(tokens.reshape(2 * b, -1), rows).reshape(b, 2, -1)
+            sides = mask
+        return ops.sum(logps * sides, -1), sides
 
 
 class AdapterOffLogProbs(nn.Cell):
     """The reference log-probs with LoRA: the same model with its adapters switched off (the
     AdapterSwitch's Parameter set to 0, then back to 1 once they are computed), no gradient."""
 
-    def __init__(self, logps: SequenceLogProbs, switch):
+    def __init__(self, logps: PairLogProbs, switch):
         super().__init__(auto_prefix=False)
         self.logps, self.on = logps, switch.on
 
-    def construct(self, tokens, mask, rows=None):
-        b = tokens.shape[0]
+    def construct(self, tokens, mask, *inputs):
         off = ops.assign(self.on, ops.zeros((), ms.float32))
-        ref = self.logps(ops.depend(tokens.reshape(2 * b, -1), off), mask.reshape(2 * b, -1), rows)
-        ref = ops.stop_gradient(ref.reshape(b, 2))
+        ref = ops.stop_gradient(self.logps(ops.depend(tokens, off), mask, *inputs)[0])
         return ops.depend(ref, ops.assign(self.on, ops.depend(ops.ones((), ms.float32), ref)))
 
 
 class DPOLoss(nn.Cell):
     """tokens [b, 2, s+1], scale, mask [b, 2, s], ref [b, 2] -> (scale * mean DPO loss over the pairs,
-    the metrics [6] of METRICS, means over the pairs). With train.head_rows loss the data adds the head
-    rows (msllm.data.loader.head_rows: the completion positions of the b pairs' 2b rows): after ref when
+    the metrics [6] of METRICS, means over the pairs). With dpo.share_prompt: tokens [b, s+1], scale,
+    mask [b, s], segments, positions [b, s], ref. With train.head_rows loss the data adds the head
+    rows (msllm.data.loader.head_rows: the completion positions of the micro-batch): after ref when
     it is data (dpo.precompute_ref), before it when the step computes it (its output comes last)."""
 
     def __init__(self, model, cfg: DPOConfig, fused: bool = False, switch=None):
         super().__init__(auto_prefix=False)
+        if cfg.share_prompt and "linear" in model.cfg.layer_kinds():
+            raise ConfigError("the run config", "dpo.share_prompt", "needs attention layers: a linear-attention "
+                              "(Gated DeltaNet) layer's state cannot branch from the prompt; set it false")
+        if cfg.share_prompt and "sliding" in model.cfg.layer_kinds():
+            raise ConfigError("the run config", "dpo.share_prompt", "is not built for sliding-window layers: a "
+                              "window counts slots of the row, and the rejected tokens sit further from the prompt "
+                              "than their positions say; set it false")
         self.model = model
-        self.logps = SequenceLogProbs(model, fused)
+        self.share_prompt = cfg.share_prompt
+        self.logps = PairLogProbs(model, fused, cfg.share_prompt)
         self.loss_type, self.beta, self.smoothing = cfg.loss, cfg.beta, cfg.label_smoothing
         # LoRA without precomputed reference log-probs: the step computes them with the adapters off
         self.reference = (None if cfg.precompute_ref or switch is None
-                          else AdapterOffLogProbs(SequenceLogProbs(model, fused), switch))
+                          else AdapterOffLogProbs(PairLogProbs(model, fused, cfg.share_prompt), switch))
         self.has_stats = True
         self.stats_are_means = True  # over the pairs: under data parallel the step averages them over ranks
 
     def construct(self, tokens, scale, mask, *rest):
-        ref = rest[0] if self.reference is None else rest[-1]
-        rows = None
-        if len(rest) == 2:
-            rows = rest[1] if self.reference is None else rest[0]
-        b = tokens.shape[0]
-        logps = self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1), rows).reshape(b, 2)
+        if self.reference is None:  # ref is data: after the segments and positions, before the rows
+            at = 2 if self.share_prompt else 0
+            ref, inputs = rest[at], rest[:at] + rest[at + 1:]
+        else:
+            ref, inputs = rest[-1], rest[:-1]
+        logps, sides = self.logps(tokens, mask, *inputs)
         ratios = logps - ref
         if self.loss_type == "ipo":
-            scores = ratios / ops.maximum(ops.sum(mask, -1), 1.0)
+            scores = ratios / ops.maximum(ops.sum(sides, -1), 1.0)
             losses = ops.square(scores[:, 0] - scores[:, 1] - 0.5 / self.beta)
         else:
             margin = self.beta * (ratios[:, 0] - ratios[:, 1])
@@ -110,32 +131,31 @@ class DPOLoss(nn.Cell):
 
 
 class ReferencePass(nn.Cell):
-    """tokens [b, 2, s+1], mask [b, 2, s], rows (head_rows of the mask) -> the model's summed completion
-    log-probs [b, 2]."""
+    """A micro-batch's pairs as PairLogProbs takes them, with their head rows -> the model's summed
+    completion log-probs [b, 2]."""
 
-    def __init__(self, model, fused: bool = False):
+    def __init__(self, model, fused: bool = False, share_prompt: bool = False):
         super().__init__(auto_prefix=False)
-        self.logps = SequenceLogProbs(model, fused)
+        self.logps = PairLogProbs(model, fused, share_prompt)
 
-    def construct(self, tokens, mask, rows):
-        b = tokens.shape[0]
-        return self.logps(tokens.reshape(2 * b, -1), mask.reshape(2 * b, -1), rows).reshape(b, 2)
+    def construct(self, tokens, mask, *inputs):
+        return self.logps(tokens, mask, *inputs)[0]
 
 
-def precompute_reference(model, fused: bool, pairs, batch_size: int, rows=None) -> np.ndarray:
+def precompute_reference(model, fused: bool, pairs, batch_size: int, rows=None,
+                         share_prompt: bool = False) -> np.ndarray:
     """[len(rows), 2] float32: the reference log-probs of the pairs `rows` (indices; all by default) of `pairs`
-    (msllm.data.preference.PairRows), batch_size pairs per compiled call (the last batch padded with
-    the first ones), only the completion positions through the head (a graph per capacity bucket)."""
-    cell = ReferencePass(model, fused)
+    (msllm.data.preference.PairRows, without ref), batch_size pairs per compiled call (the last batch padded
+    with the first ones), only the completion positions through the head (a graph per capacity bucket)."""
+    cell = ReferencePass(model, fused, share_prompt)
     cell.set_train(False)
     rows = range(len(pairs)) if rows is None else rows
     n = len(rows)
     out = np.empty((n, 2), np.float32)
     for start in range(0, n, batch_size):
         idx = [rows[(start + k) % n] for k in range(batch_size)]
-        tokens = np.stack([pairs[i][0] for i in idx])
-        mask = np.stack([pairs[i][1] for i in idx])
-        got = cell(Tensor(tokens), Tensor(mask), Tensor(head_rows(mask, 1))).asnumpy()
+        columns = [np.stack(column) for column in zip(*(pairs[i] for i in idx))]  # tokens, mask[, segments, positions]
+        got = cell(*map(Tensor, columns), Tensor(head_rows(columns[1], 1))).asnumpy()
         out[start:start + batch_size] = got[:min(batch_size, n - start)]
     return out
 
@@ -146,12 +166,14 @@ def reference_of(model, fused: bool, splits: list, batch_size: int, rank: int = 
     rank calls it). Every rank's shares have the same sizes (the last one wraps around to the first
     pairs), so the ranks make the same compiled calls."""
     if world == 1:
-        return [precompute_reference(model, fused, pairs, batch_size) for pairs in splits]
+        return [precompute_reference(model, fused, pairs, batch_size, share_prompt=pairs.share_prompt)
+                for pairs in splits]
     shares = []
     for pairs in splits:
         n = len(pairs)
         per = -(-n // world)
-        shares.append(precompute_reference(model, fused, pairs, batch_size, [(rank * per + k) % n for k in range(per)]))
+        mine = [(rank * per + k) % n for k in range(per)]
+        shares.append(precompute_reference(model, fused, pairs, batch_size, mine, pairs.share_prompt))
     everyone = dp.all_gather(np.concatenate(shares))  # [world, the shares' rows, 2]
     out, at = [], 0
     for pairs, share in zip(splits, shares):
@@ -180,7 +202,8 @@ def store_reference(shard_dir: Path, model, fused: bool, batch_size: int, key: d
     replaced whole, and a node that shares no run dir with rank 0 has its own shard."""
     index, splits = read_index(shard_dir), ("train", "val")
     t0 = time.perf_counter()
-    refs = reference_of(model, fused, [PairRows(shard_dir, split, index) for split in splits], batch_size, rank, world)
+    pairs = [PairRows(shard_dir, split, index, share_prompt=index.get("share_prompt", False)) for split in splits]
+    refs = reference_of(model, fused, pairs, batch_size, rank, world)
     for split, ref in zip(splits, refs):
         tmp = shard_dir / f"{split}.ref.bin.tmp{rank}"
         ref.tofile(tmp)

@@ -14,19 +14,20 @@ from msllm.train.step import fused_head
 
 
 class TokenLogProbs(nn.Cell):
-    """tokens [n, s+1](, rows [n, C/n]) -> [n, s] fp32: log p(next token) of logits / temperature at every
-    position, or with rows (C distinct flat indices into the n*s positions) at those C and 0 elsewhere."""
+    """tokens [n, s+1](, rows [n, C/n], segments, positions [n, s]) -> [n, s] fp32: log p(next token) of
+    logits / temperature at every position, or with rows (C distinct flat indices into the n*s positions)
+    at those C and 0 elsewhere. Segments and positions: the rows' samples (Decoder.sample_tables)."""
 
     def __init__(self, model, fused: bool = False, temperature: float = 1.0):
         super().__init__(auto_prefix=False)
         self.model, self.temperature = model, temperature
         self.head = fused_head(model, fused)
 
-    def construct(self, tokens, rows=None):
+    def construct(self, tokens, rows=None, segments=None, positions=None):
         labels = tokens[:, 1:].reshape(-1)
-        positions = labels.shape[0]
-        h, _ = self.model.features(tokens[:, :-1])
-        gathered = rows is not None and rows.size < positions
+        h, _ = self.model.features(tokens[:, :-1], segments, positions)
+        count = labels.shape[0]
+        gathered = rows is not None and rows.size < count
         if gathered:  # only the positions with a loss reach the head
             rows = rows.reshape(-1)
             h, labels = ops.gather(h, rows, 0), ops.gather(labels, rows, 0)
@@ -40,5 +41,5 @@ class TokenLogProbs(nn.Cell):
             lse, target = self.head(h, self.model.head_weight(), labels)
         logps = target - lse
         if gathered:  # back in place (the rows are distinct: the scatter's gradient is the gather)
-            logps = ops.scatter_nd(rows.reshape(-1, 1), logps, (positions,))
+            logps = ops.scatter_nd(rows.reshape(-1, 1), logps, (count,))
         return logps.reshape(tokens.shape[0], -1)

@@ -131,7 +131,8 @@ class Trainer:
             self.train_tokens = self.val_tokens = None
         elif t.objective == "dpo":  # preference pairs; with dpo.precompute_ref their reference log-probs, once built
             index = shards.read_index(self.shard_dir)
-            self.train_tokens, self.val_tokens = (PairRows(self.shard_dir, split, index) for split in ("train", "val"))
+            self.train_tokens, self.val_tokens = (PairRows(self.shard_dir, split, index, False, cfg.dpo.share_prompt)
+                                                  for split in ("train", "val"))
         else:
             self.train_tokens = shards.open_split(self.shard_dir, "train")
             self.val_tokens = shards.open_split(self.shard_dir, "val")
@@ -173,7 +174,7 @@ class Trainer:
         if reference_needed(self.shard_dir, key, resumed):
             store_reference(self.shard_dir, self.model, fused, t.batch_size, key, info, self.replica, self.replicas)
         index = shards.read_index(self.shard_dir)
-        self.train_tokens, self.val_tokens = (PairRows(self.shard_dir, split, index, with_ref=True)
+        self.train_tokens, self.val_tokens = (PairRows(self.shard_dir, split, index, True, self.cfg.dpo.share_prompt)
                                               for split in ("train", "val"))
 
     def _restore(self, path: Path) -> None:
@@ -278,7 +279,8 @@ class Trainer:
         data = make_dataset(self.train_tokens, cfg.data.seq_len, self.samples_per_step, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle, world=self.replicas, rank=self.replica,
                             start=self.data_position, num_batches=remaining, loss_rows=rows)
-        tokens_per_step = self.global_batch * cfg.data.seq_len * (2 if t.objective == "dpo" else 1)  # dpo: pairs
+        rows_a_pair = 2 if t.objective == "dpo" and not cfg.dpo.share_prompt else 1  # dpo: batch_size counts pairs
+        tokens_per_step = self.global_batch * cfg.data.seq_len * rows_a_pair
         flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
         info(f"model: {cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.num_layers} layers; {t.mode} mode on "
              f"{t.device}, {t.precision}; {remaining} steps of {tokens_per_step} tokens")
