@@ -12,7 +12,7 @@ import numpy as np
 
 from graph_opt import ExportError
 from graph_opt.manifest import MANIFEST, check_sizes, read_manifest
-from msllm.engine import CACHES, Engine
+from msllm.engine import Engine
 
 ENGINES = {"msllm": None, "mindir": "mindir", "onnxruntime": "onnx"}  # engine -> export format it runs
 MINDSPORE_ENGINES = ("msllm", "mindir")
@@ -23,8 +23,8 @@ class OnnxEngine(Engine):
 
     def run(self, kind, ids, *cache):
         feeds = {"input_ids": np.asarray(ids, np.int64)}
-        if cache:  # the caches (a hybrid's recurrent states and conv windows after the keys and values), start, pad
-            names = [f"past_{name}" for name in CACHES[:len(cache) - 2]]
+        if cache:  # the caches (ModelConfig.caches), start, pad
+            names = [f"past_{name}" for name in self.cfg.cache_names()]
             feeds.update(zip(names + ["start", "pad"], cache))
         return tuple(self.graph(kind).run(None, feeds))
 

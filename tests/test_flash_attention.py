@@ -234,13 +234,13 @@ def test_cached_generation_with_flash_core_equals_plain():
         model = decoder.build_model(GEMMA_LIKE, seed=5)
         cpu.specialise(model, fused=True, share_blocks=False, training=False, flash=flash)
         models.append(model)
-    shape = (GEMMA_LIKE.num_layers, b, GEMMA_LIKE.num_kv_heads, t, GEMMA_LIKE.head_size)
-    caches = [[Tensor(np.zeros(shape, np.float32)) for _ in range(2)] for _ in models]
+    caches = [tuple(Tensor(np.zeros(shape, np.float32)) for shape in GEMMA_LIKE.cache_shapes(b, t)) for _ in models]
     for step in range(7):
         start, chunk = (0, ids[:, :prompt]) if step == 0 else (prompt + step - 1, ids[:, prompt + step - 1:prompt + step])
         outs = []
-        for model, cache in zip(models, caches):
-            logits, cache[0], cache[1] = model(Tensor(chunk), cache[0], cache[1], Tensor([start], ms.int32), pad)
+        for k, model in enumerate(models):
+            logits, *written = model(Tensor(chunk), caches[k], Tensor([start], ms.int32), pad)
+            caches[k] = tuple(written)
             outs.append(logits.asnumpy())
         np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4 * np.abs(outs[0]).max(), err_msg=f"step {step}")
 
