@@ -10,6 +10,7 @@ from mindspore import Tensor, nn, ops
 from msllm import backends, device, kernels
 from msllm.backends import cpu
 from msllm.config import ModelConfig
+from msllm.inference import CachedForward
 from msllm.models import decoder, layers
 from tests.conftest import step_config
 
@@ -223,8 +224,9 @@ def test_model_with_flash_core_trains_as_the_plain_model(packed):
 
 
 def test_cached_generation_with_flash_core_equals_plain():
-    """Prefill of left-padded rows then decode steps through a static cache: the flash-specialised
-    model's logits equal the plain model's at every step."""
+    """Prefill of left-padded rows then decode steps through a static cache (the sliding layers' rings of 12
+    slots, less than the 20-token prompt): the flash-specialised model's logits equal the plain model's at
+    every step."""
     rng = np.random.default_rng(3)
     b, prompt, t = 2, 20, 40
     pad = Tensor(np.array([0, 5], np.int32))
@@ -234,13 +236,13 @@ def test_cached_generation_with_flash_core_equals_plain():
         model = decoder.build_model(GEMMA_LIKE, seed=5)
         cpu.specialise(model, fused=True, share_blocks=False, training=False, flash=flash)
         models.append(model)
-    caches = [tuple(Tensor(np.zeros(shape, np.float32)) for shape in GEMMA_LIKE.cache_shapes(b, t)) for _ in models]
+    caches = [[Tensor(np.zeros(shape, np.float32)) for shape in GEMMA_LIKE.cache_shapes(b, t)] for _ in models]
+    forwards = [CachedForward(model) for model in models]
     for step in range(7):
         start, chunk = (0, ids[:, :prompt]) if step == 0 else (prompt + step - 1, ids[:, prompt + step - 1:prompt + step])
         outs = []
-        for k, model in enumerate(models):
-            logits, *written = model(Tensor(chunk), caches[k], Tensor([start], ms.int32), pad)
-            caches[k] = tuple(written)
+        for k, forward in enumerate(forwards):
+            logits, *caches[k] = forward(Tensor(chunk), *caches[k], Tensor([start], ms.int32), pad)
             outs.append(logits.asnumpy())
         np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4 * np.abs(outs[0]).max(), err_msg=f"step {step}")
 
