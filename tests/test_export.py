@@ -196,8 +196,8 @@ def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_exports):
     weights = [out / f"{name}_variables" / "data_0" for name in ("model", "cached")]
     assert weights[0].stat().st_size > 4 * QWEN.num_params()
     assert os.path.samefile(*weights)  # one file, linked under both graphs' names
-    for name in ("model", "cached"):
-        assert (out / f"{name}_graph.mindir").stat().st_size < weights[0].stat().st_size / 2  # no weights inside
+    for name in ("model", "cached"):  # no weights inside: with them a graph file would pass data_0's size
+        assert (out / f"{name}_graph.mindir").stat().st_size < weights[0].stat().st_size
     assert manifest["sizes"]["cached_variables/data_0"] == weights[0].stat().st_size
 
 
