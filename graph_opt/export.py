@@ -16,8 +16,8 @@ ONNX writes model.onnx and cached.onnx and their weights once, as external data 
 (self-contained files, up to protobuf's 2 GB). MindIR writes model_graph.mindir and cached_graph.mindir,
 each with its weights in MindSpore's external-data layout (<name>_variables/), the two weight
 files one hard link.
-  export.json     format, dtype, config, files (by kind: model, prefill, decode), file sizes,
-                  tolerance, measured diffs, timings
+  export.json     format, dtype, config, files (by kind: model, prefill, decode), file sizes, the
+                  caches the cached graph takes (by name), tolerance, measured diffs, timings
   tokenizer.json    the run's tokenizer (its EOS ids and chat template are in export.json), so the
                     export dir is all `msllm generate` needs
 Batch, sequence and cache length are dynamic in both formats; layers, heads, head_dim and
@@ -262,6 +262,7 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", emb
                                                          inputs, log=log, what=f"export to {out}")
         manifest = {"format": fmt, "dtype": dtype, "checkpoint": str(ckpt_dir), "step": state.get("step"),
                     "files": files, "sizes": file_sizes(tmp), "config": cfg.to_dict(),
+                    "caches": list(cfg.model.cache_names()),
                     "export_seconds": round(export_seconds, 3)}
         if fmt == "mindir" and cfg.model.hybrid:  # the cached graph's fixed tokens per call (write_mindir)
             manifest["tokens_per_call"] = HYBRID_MINDIR_TOKENS

@@ -191,6 +191,20 @@ def test_prefill_and_decode_share_one_session_and_older_exports_still_load(llama
         np.testing.assert_array_equal(old_engine.step([1, 2]), want)
 
 
+def test_an_export_from_before_the_rings_is_refused_in_one_line(qwen_exports):
+    """An export of a model with sliding layers written before their caches were rings (export.json names no
+    caches: its graphs take every layer's keys and values) is refused before anything runs."""
+    from graph_opt.runtime import export_engine
+
+    out, manifest = qwen_exports("onnx")
+    assert manifest["caches"] == ["keys", "values", "ring_keys", "ring_values"]
+    del manifest["caches"]
+    with pytest.raises(ExportError, match=r"takes the caches keys, values, this msllm gives keys, values, ring_keys, "
+                                          r"ring_values \(sliding layers keep a ring\); export the run again$") as err:
+        export_engine(out, manifest)
+    assert "\n" not in str(err.value)
+
+
 def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_exports):
     out, manifest = qwen_exports("mindir")
     weights = [out / f"{name}_variables" / "data_0" for name in ("model", "cached")]
