@@ -4,20 +4,20 @@ OUT/ is assembled under a temporary name next to it (msllm.staged) and renamed i
 after the files reload and match the msllm model, so a failure never leaves a half-written export.
 Each format writes two graphs:
   model           input_ids [batch, seq] -> logits [batch, seq, vocab] fp32
-  cached          input_ids [batch, seq], keys, values [layers, batch, kv_heads, max_len, head_dim],
-                  start [1], pad [batch] -> logits [batch, vocab] of the last token, keys, values
-                  with slots start .. start+seq-1 written (msllm.inference.CachedForward): prefill,
-                  and decode with seq = 1, so generation loads one graph and one copy of the weights.
-                  A hybrid's also takes and returns its Gated DeltaNet layers' recurrent states and
-                  conv windows after the keys and values (ModelConfig.cache_shapes); its MindIR is
-                  this graph alone, of one token per call (write_mindir)
+  cached          input_ids [batch, seq], the caches (ModelConfig.caches: keys, values [layers, batch,
+                  kv_heads, max_len, head_dim]; sliding layers' ring_keys, ring_values of at most their
+                  window's slots; a hybrid's Gated DeltaNet states and conv windows), start [1], pad [batch]
+                  -> logits [batch, vocab] of the last token and the caches with slots start .. start+seq-1
+                  written (msllm.inference.CachedForward): prefill, and decode with seq = 1, so generation
+                  loads one graph and one copy of the weights. A hybrid's MindIR is this graph alone, of
+                  one token per call (write_mindir)
 ONNX writes model.onnx and cached.onnx and their weights once, as external data both point at
 (weights.onnx.data); with --embed-weights each graph file carries its own copy instead
 (self-contained files, up to protobuf's 2 GB). MindIR writes model_graph.mindir and cached_graph.mindir,
 each with its weights in MindSpore's external-data layout (<name>_variables/), the two weight
 files one hard link.
-  export.json     format, dtype, config, files (by kind: model, prefill, decode), file sizes,
-                  tolerance, measured diffs, timings
+  export.json     format, dtype, config, files (by kind: model, prefill, decode), file sizes, the
+                  caches the cached graph takes (by name), tolerance, measured diffs, timings
   tokenizer.json    the run's tokenizer (its EOS ids and chat template are in export.json), so the
                     export dir is all `msllm generate` needs
 Batch, sequence and cache length are dynamic in both formats; layers, heads, head_dim and
@@ -145,7 +145,7 @@ def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     prompt through it token by token."""
     import mindspore as ms
 
-    from msllm.inference import CachedForward, RecurrentCachedForward
+    from msllm.inference import CachedForward
 
     cfg = model.cfg
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -157,7 +157,7 @@ def write_mindir(model, dtype: str, tmp: Path, log) -> dict[str, str]:
     where = (ms.Tensor(shape=[1], dtype=ms.int32), ms.Tensor(shape=[None], dtype=ms.int32))  # start, pad
     if cfg.hybrid:
         one_token = ms.Tensor(shape=[None, HYBRID_MINDIR_TOKENS], dtype=ms.int32)
-        graphs = {"cached": (RecurrentCachedForward(model), one_token, *caches, *where)}
+        graphs = {"cached": (CachedForward(model), one_token, *caches, *where)}
     else:
         graphs = {"model": (model, ids), "cached": (CachedForward(model), ids, *caches, *where)}
     with external_weights():
@@ -262,6 +262,7 @@ def export(ckpt: str | Path, fmt: str, out: str | Path, dtype: str = "fp32", emb
                                                          inputs, log=log, what=f"export to {out}")
         manifest = {"format": fmt, "dtype": dtype, "checkpoint": str(ckpt_dir), "step": state.get("step"),
                     "files": files, "sizes": file_sizes(tmp), "config": cfg.to_dict(),
+                    "caches": list(cfg.model.cache_names()),
                     "export_seconds": round(export_seconds, 3)}
         if fmt == "mindir" and cfg.model.hybrid:  # the cached graph's fixed tokens per call (write_mindir)
             manifest["tokens_per_call"] = HYBRID_MINDIR_TOKENS

@@ -17,12 +17,12 @@ spec (ModelConfig):
     whose recurrent states and conv windows are two more caches after the keys and values.
 Two graphs, both with dynamic batch, sequence and cache length:
   model    input_ids [b, s] -> logits [b, s, vocab]
-  cached   input_ids [b, s], past_keys, past_values [layers, b, kv_heads, max_len, head_dim], start [1],
-           pad [b] -> logits [b, vocab] of the last token, present_keys, present_values (slots
-           start .. start+s-1 written; a hybrid's past_states / past_windows in, present_states /
-           present_windows out), as msllm.inference.CachedForward: prefill, and decode with
-           s = 1. One session serves both, so the weights (and onnxruntime's packed copies of
-           them) are held once; a graph with s fixed at 1 decodes no faster.
+  cached   input_ids [b, s], past_<name> for each of ModelConfig.caches (keys, values [layers, b, kv_heads,
+           max_len, head_dim]; sliding layers' ring_keys, ring_values of min(max_len, window) slots; a
+           hybrid's states, windows), start [1], pad [b] -> logits [b, vocab] of the last token and
+           present_<name> of each (slots start .. start+s-1 written), as msllm.inference.CachedForward:
+           prefill, and decode with s = 1. One session serves both, so the weights (and onnxruntime's
+           packed copies of them) are held once; a graph with s fixed at 1 decodes no faster.
 Simple constants are emitted where they are used (one Constant node each, Casts even when
 they are no-ops, like msllm's astype); graph_opt.onnx_passes folds and deduplicates them.
 Every weight given must be used: a parameter the graph does not compute is refused.
@@ -35,8 +35,7 @@ import numpy as np
 import onnx_ir as ir
 
 from graph_opt.onnx_deltanet import gated_deltanet
-from msllm.config import ModelConfig
-from msllm.engine import CACHES
+from msllm.config import CACHE_NAMES, ModelConfig
 from msllm.models.decoder import attention_kinds
 from msllm.models.layers import rope_attention_factor, rope_inv_freq
 from msllm.models.mixers.mla import LATENT_NORM_EPS
@@ -355,30 +354,43 @@ class LlamaGraph:
         mask = self.op("Where", visible, self.const(0.0, np.float32), self.const(MASKED, np.float32))
         return self.op("Tile", mask, self.const([self.cfg.num_heads // self.cfg.num_kv_heads, 1]))
 
-    def cache_tables(self, seq, keys, start, pad, kind: int):
-        """As Decoder.cache_tables: rope rows at each row's positions [b, 1, s, d], the mask over the
-        cache slots [b, 1, rep*s, t] (key slot j visible from new slot i when pad <= j <= i), and
-        where the new tokens go (source slot [t], fresh [t, 1])."""
-        first = self.op("Squeeze", start)
-        new_slots = self.op("Range", first, self.op("Add", first, self.op("Squeeze", seq)), self.const(1))  # [s]
+    def cache_tables(self, seq, length, start, pad, kind: int, first=None):
+        """As Decoder.cache_tables: rope rows at each row's positions [b, 1, s, d], the mask over the `length`
+        cached keys [b, 1, rep*s, t] (key j holds slot first + j, first None: 0; visible from new slot i when
+        pad <= first + j <= i, within the window), and where the new tokens go among them (source [t],
+        fresh [t, 1]): at index start - first."""
+        first_slot = self.op("Squeeze", start)
+        new_slots = self.op("Range", first_slot, self.op("Add", first_slot, self.op("Squeeze", seq)), self.const(1))
         positions = self.op("Max", self.op("Sub", self.op("Unsqueeze", new_slots, self.const([0])),
                                            self.op("Unsqueeze", pad, self.const([1]))), self.const(0))  # [b, s]
         cos, sin = (self.op("Unsqueeze", table, self.const([1])) for table in self.rope_at(kind, positions))
-        slots = self.op("Range", self.const(0), self.op("Gather", self.op("Shape", keys), self.const(3)), self.const(1))
+        slots = self.op("Range", self.const(0), length, self.const(1))                # key indices [t]
+        at = start
+        if first is not None:  # in key indices
+            new_slots, at = self.op("Sub", new_slots, first), self.op("Sub", start, first)
         key_slots = self.op("Unsqueeze", slots, self.const([0, 1]))  # [1, 1, t]
         query_slots = self.op("Unsqueeze", new_slots, self.const([0, 2]))  # [1, s, 1]
         visible = self.window(self.op("LessOrEqual", key_slots, query_slots), query_slots, key_slots,
                               self.kinds[kind][0])
+        held = key_slots if first is None else self.op("Add", key_slots, first)  # the slot each key holds
         visible = self.op("And", visible,
-                          self.op("GreaterOrEqual", key_slots, self.op("Unsqueeze", pad, self.const([1, 2]))))
+                          self.op("GreaterOrEqual", held, self.op("Unsqueeze", pad, self.const([1, 2]))))
         mask = self.op("Where", visible, self.const(0.0, np.float32), self.const(MASKED, np.float32))  # [b, s, t]
         rep = self.cfg.num_heads // self.cfg.num_kv_heads
         mask = self.op("Unsqueeze", self.op("Tile", mask, self.const([1, rep, 1])), self.const([1]))
-        fresh = self.op("And", self.op("GreaterOrEqual", slots, start),
-                        self.op("Less", slots, self.op("Add", start, seq)))
-        source = self.op("Clip", self.op("Sub", slots, first), self.const(0), self.op("Sub", self.op("Squeeze", seq),
-                                                                                     self.const(1)))
+        fresh = self.op("And", self.op("GreaterOrEqual", slots, at), self.op("Less", slots, self.op("Add", at, seq)))
+        source = self.op("Clip", self.op("Sub", slots, self.op("Squeeze", at)), self.const(0),
+                         self.op("Sub", self.op("Squeeze", seq), self.const(1)))
         return cos, sin, mask, (source, self.op("Unsqueeze", fresh, self.const([1])))
+
+    def ring_slots(self, seq, ring, start) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """As Decoder.ring_slots, for a ring cache `ring` [layers, b, kv, r, d]: (r [1], unroll [r + s], keep [r])."""
+        r = self.op("Shape", ring, start=3, end=4)
+        indices = self.op("Range", self.const(0), self.op("Squeeze", r), self.const(1))
+        unroll = self.op("Concat", self.op("Mod", self.op("Add", indices, start), r),
+                         self.op("ConstantOfShape", seq, value=ir.tensor(np.zeros(1, np.int64))), axis=0)
+        keep = self.op("Add", seq, self.op("Mod", self.op("Sub", self.op("Sub", indices, start), seq), r))
+        return r, unroll, keep
 
     def real_tokens(self, seq, start, pad) -> ir.Value:
         """As Decoder.real_tokens, as rows [b*s, 1] in the compute dtype: 1 for a token, 0 for left padding."""
@@ -392,81 +404,99 @@ class LlamaGraph:
         """fp32 zeros [batch, *dims] (batch: a 1-element int64 value)."""
         return self.op("ConstantOfShape", self.shape(batch, *dims), value=ir.tensor(np.zeros(1, np.float32)))
 
-    def forward(self, input_ids, keys=None, values=None, states=None, windows=None, start=None, pad=None):
-        """Without a cache: logits [b, s, vocab] fp32. With one: logits [b, vocab] of the last
-        token, and the caches with the new tokens written: keys / values at the new slots, a hybrid's
-        recurrent states and conv windows after the new tokens. Returns (logits, [caches])."""
+    def forward(self, input_ids, caches: dict | None = None, start=None, pad=None):
+        """Without caches: logits [b, s, vocab] fp32. With them (ModelConfig.caches by name): logits [b, vocab]
+        of the last token, and the caches with the new tokens written: keys / values at the new slots, a
+        ring's at their slots % its length, a hybrid's recurrent states and conv windows after the new
+        tokens. Returns (logits, [caches in ModelConfig.caches' order])."""
         cfg = self.cfg
         seq = self.op("Shape", input_ids, start=1, end=2)  # [1]
-        write = None
+        layer_kinds = cfg.layer_kinds()
+        write = ring = None
+        if caches is not None and "ring_keys" in caches:  # the sliding layers' ring, unrolled around the new tokens
+            ring = self.ring_slots(seq, caches["ring_keys"], start)
         tables = []  # (cos, sin, mask) per attention kind
         for kind, (window, _, _) in enumerate(self.kinds):
-            if keys is None:
+            if caches is None:
                 positions = self.op("Range", self.const(0), self.op("Squeeze", seq), self.const(1))
                 cos, sin = self.rope_at(kind, positions)
                 tables.append((cos, sin, self.causal_mask(positions, self.op("Squeeze", seq), window)))
-            else:
-                cos, sin, mask, write = self.cache_tables(seq, keys, start, pad, kind)
+            elif window:
+                r, _, _ = ring
+                length = self.op("Squeeze", self.op("Add", r, seq))
+                cos, sin, mask, ring_write = self.cache_tables(seq, length, start, pad, kind, self.op("Sub", start, r))
                 tables.append((cos, sin, mask))
-        recurrent = [kind == "linear" for kind in cfg.layer_kinds()]  # Gated DeltaNet layers
-        real = self.real_tokens(seq, start, pad) if states is not None else None
+            else:
+                length = self.op("Gather", self.op("Shape", caches["keys"]), self.const(3)) if "keys" in caches \
+                    else self.op("Squeeze", seq)
+                cos, sin, mask, write = self.cache_tables(seq, length, start, pad, kind)
+                tables.append((cos, sin, mask))
+        real = self.real_tokens(seq, start, pad) if caches is not None and cfg.hybrid else None
         batch = self.op("Shape", input_ids, start=0, end=1)
 
         embed = (EMBED, self.weights[EMBED])
         x = self.op("Reshape", self.op("Gather", self.param(embed), input_ids), self.shape(-1, cfg.hidden_size))
         if cfg.embed_scale != 1.0:
             x = self.op("Mul", x, self.const(cfg.embed_scale, self.np_dtype))
-        caches = [[], [], [], []]  # keys, values, states, windows: each a list of [1, ...] per layer
+        present = {name: [] for name in cfg.cache_names()}  # each a list of [1, ...] per layer
         for i in range(cfg.num_layers):
             w = layer_weights(self.weights, i)
-            slot = self.const(recurrent[:i].count(recurrent[i]))  # the layer's index among its kind's caches
+            kind = layer_kinds[i]
+            names = CACHE_NAMES[kind]
+            slot = self.const(layer_kinds[:i].count(kind))  # the layer's index among its kind's caches
             normed = self.rms_norm(x, w["attention_norm"])
-            if recurrent[i]:
-                if states is None:  # the model graph: every row starts from a zero state and window
-                    state, window = (self.zeros(batch, *shape[2:]) for shape in cfg.cache_shapes(1, 1)[2:])
+            if kind == "linear":
+                if caches is None:  # the model graph: every row starts from a zero state and window
+                    state, window = (self.zeros(batch, *cfg.caches(1, 1)[name][2:]) for name in names)
                 else:
-                    state, window = (self.op("Cast", self.op("Gather", c, slot), to=ir.DataType.FLOAT)
-                                     for c in (states, windows))
+                    state, window = (self.op("Cast", self.op("Gather", caches[name], slot), to=ir.DataType.FLOAT)
+                                     for name in names)
                 out, *new = gated_deltanet(self, normed, w, seq, state, window, real, i)
                 new = [self.op("Cast", c, to=self.dtype) for c in new]
-                kept = caches[2:]
             else:
-                cache_k = cache_v = None
-                if keys is not None:
-                    cache_k, cache_v = self.op("Gather", keys, slot), self.op("Gather", values, slot)
                 cos, sin, mask = tables[self.layer_kind[i]]
                 attention = self.mla if cfg.mla else self.attention
-                out, *new = attention(normed, w, seq, cos, sin, mask, cache_k, cache_v, write)
-                kept = caches[:2]
-            for cache, value in zip(kept, new):
-                cache.append(self.op("Unsqueeze", value, self.const([0])))
+                if caches is None:
+                    out, *new = attention(normed, w, seq, cos, sin, mask)
+                elif kind == "sliding":  # the ring unrolled, written, attended, and its last slots kept
+                    _, unroll, keep = ring
+                    cache_k, cache_v = (self.op("Gather", self.op("Gather", caches[name], slot), unroll, axis=2)
+                                        for name in names)
+                    out, *new = attention(normed, w, seq, cos, sin, mask, cache_k, cache_v, ring_write)
+                    new = [self.op("Gather", c, keep, axis=2) for c in new]
+                else:
+                    cache_k, cache_v = (self.op("Gather", caches[name], slot) for name in names)
+                    out, *new = attention(normed, w, seq, cos, sin, mask, cache_k, cache_v, write)
+            if caches is not None:
+                for name, value in zip(names, new):
+                    present[name].append(self.op("Unsqueeze", value, self.const([0])))
             x = self.op("Add", x, self.rms_norm(out, w["attention_out_norm"]))
             x = self.op("Add", x, self.rms_norm(self.feed_forward(self.rms_norm(x, w["ffn_norm"]), w), w["ffn_out_norm"]))
-        if keys is not None:  # logits only where the next token is read
+        if caches is not None:  # logits only where the next token is read
             last = self.op("Sub", self.op("Squeeze", seq), self.const(1))
             x = self.op("Gather", self.op("Reshape", x, self.shape(-1, seq, cfg.hidden_size)), last, axis=1)
         # Tied: the embedding table is the output projection (Gemm transB reads it in place).
         head = (HEAD, self.weights[HEAD]) if HEAD in self.weights else embed
         logits = self.linear(self.rms_norm(x, (FINAL_NORM, self.weights[FINAL_NORM])), head)
-        if keys is None:
+        if caches is None:
             logits = self.op("Reshape", logits, self.shape(-1, seq, cfg.vocab_size))
         logits = self.op("Cast", logits, to=ir.DataType.FLOAT)
-        return logits, [self.op("Concat", *cache, axis=0) for cache in caches if cache]
+        return logits, [self.op("Concat", *layers, axis=0) for layers in present.values() if layers]
 
 
 def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dtype: str = "fp32") -> ir.Model:
     """One of GRAPHS as an onnx_ir Model; weights are msllm parameter arrays by name (fp32)."""
     g = LlamaGraph(cfg, weights, dtype)
-    cache_shapes = [list(shape) for shape in cfg.cache_shapes("batch", "max_len")]
-    names = CACHES[:len(cache_shapes)]
+    cache_shapes = {name: list(shape) for name, shape in cfg.caches("batch", "max_len").items()}
     input_ids = ir.val("input_ids", ir.DataType.INT64, ["batch", "sequence"])
     inputs = [input_ids]
-    cached = {}  # forward's keyword arguments: the caches by name, start and pad
-    if kind != "model":
-        cached = {name: ir.val(f"past_{name}", g.dtype, shape) for name, shape in zip(names, cache_shapes)}
-        cached.update(start=ir.val("start", ir.DataType.INT64, [1]), pad=ir.val("pad", ir.DataType.INT64, ["batch"]))
-        inputs += list(cached.values())
-    logits, present = g.forward(input_ids, **cached)
+    if kind == "model":
+        logits, present = g.forward(input_ids)
+    else:
+        caches = {name: ir.val(f"past_{name}", g.dtype, shape) for name, shape in cache_shapes.items()}
+        start, pad = ir.val("start", ir.DataType.INT64, [1]), ir.val("pad", ir.DataType.INT64, ["batch"])
+        inputs += [*caches.values(), start, pad]
+        logits, present = g.forward(input_ids, caches, start, pad)
     unused = sorted(set(g.weights) - set(g.initializers))
     if unused:  # a parameter the graph does not compute: refuse rather than export another model
         raise ValueError(f"the ONNX builder does not use {unused}")
@@ -474,7 +504,7 @@ def build_graph(cfg: ModelConfig, weights: dict[str, np.ndarray], kind: str, dty
     logits.shape = ir.Shape(["batch", "sequence", cfg.vocab_size] if kind == "model" else ["batch", cfg.vocab_size])
     outputs = [logits]
     if kind != "model":
-        for value, name, shape in zip(present, names, cache_shapes):
+        for value, (name, shape) in zip(present, cache_shapes.items()):
             value.name, value.dtype, value.shape = f"present_{name}", g.dtype, ir.Shape(shape)
             outputs.append(value)
     graph = ir.Graph(inputs, outputs, nodes=g.tape.nodes, initializers=g.tape.initializers,

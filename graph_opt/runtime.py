@@ -12,7 +12,7 @@ import numpy as np
 
 from graph_opt import ExportError
 from graph_opt.manifest import MANIFEST, check_sizes, read_manifest
-from msllm.engine import CACHES, Engine
+from msllm.engine import Engine
 
 ENGINES = {"msllm": None, "mindir": "mindir", "onnxruntime": "onnx"}  # engine -> export format it runs
 MINDSPORE_ENGINES = ("msllm", "mindir")
@@ -23,8 +23,8 @@ class OnnxEngine(Engine):
 
     def run(self, kind, ids, *cache):
         feeds = {"input_ids": np.asarray(ids, np.int64)}
-        if cache:  # the caches (a hybrid's recurrent states and conv windows after the keys and values), start, pad
-            names = [f"past_{name}" for name in CACHES[:len(cache) - 2]]
+        if cache:  # the caches (ModelConfig.caches), start, pad
+            names = [f"past_{name}" for name in self.cfg.cache_names()]
             feeds.update(zip(names + ["start", "pad"], cache))
         return tuple(self.graph(kind).run(None, feeds))
 
@@ -37,6 +37,11 @@ def export_engine(export_dir: Path, manifest: dict) -> Engine:
     check_sizes(export_dir, manifest)
     files = {kind: str(Path(export_dir) / name) for kind, name in manifest["files"].items()}
     cfg = config_from_dict(manifest["config"], str(Path(export_dir) / MANIFEST)).model
+    # exports written before sliding layers kept a ring name no caches: keys, values (a hybrid's states, windows)
+    made_with = manifest.get("caches") or ["keys", "values"] + (["states", "windows"] if cfg.hybrid else [])
+    if made_with != list(cfg.cache_names()):
+        raise ExportError(f"{export_dir}: its cached graph takes the caches {', '.join(made_with)}, this msllm gives "
+                          f"{', '.join(cfg.cache_names())} (sliding layers keep a ring); export the run again")
     cache_dtype = np.float16 if manifest["dtype"] == "fp16" else np.float32
     if manifest["format"] == "mindir":
         import mindspore as ms

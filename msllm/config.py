@@ -21,6 +21,18 @@ class ConfigError(UserError, ValueError):
         self.source, self.key = source, key
 
 
+# The caches of a cached forward, two per kind of layer, in this order (ModelConfig.caches).
+CACHE_NAMES = {"full": ("keys", "values"), "sliding": ("ring_keys", "ring_values"), "linear": ("states", "windows")}
+
+
+def ring_length(window: int, length):
+    """The slots of a sliding layer's ring cache for a cache of `length` slots: its window, or fewer when the
+    whole cache is shorter. A symbolic length (a graph's dynamic dimension: None, or a name) stays symbolic."""
+    if isinstance(length, int):
+        return min(window, length)
+    return None if length is None else f"min({length}, {window})"
+
+
 @dataclass
 class ModelConfig:
     """A decoder LLM as data: sizes, then the parts that tell one family from another (the family
@@ -130,23 +142,45 @@ class ModelConfig:
         """Some layers mix with Gated DeltaNet (a recurrent state), the others with attention."""
         return "linear" in self.layer_kinds()
 
-    def cache_shapes(self, batch: int, length: int) -> tuple[tuple, ...]:
-        """Shapes of the preallocated caches a cached forward takes: per layer and row, each KV head's keys
-        and values; MLA caches one latent and one RoPE key per token (kv_lora_rank + qk_rope_head_dim
-        features, not every head's keys and values). A hybrid's attention layers keep keys and values
-        (stacked over those layers only) and its Gated DeltaNet layers two more, stacked over them: the
-        recurrent state [value heads, d_k, d_v] and the conv's last kernel - 1 inputs, whatever the length."""
-        if self.mla:
-            return ((self.num_layers, batch, 1, length, self.kv_lora_rank),
-                    (self.num_layers, batch, 1, length, self.qk_rope_head_dim))
-        linear = self.layer_kinds().count("linear")
-        shape = (self.num_layers - linear, batch, self.num_kv_heads, length, self.head_size)
-        if not linear:
-            return shape, shape
-        conv = 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
-        return (shape, shape,
-                (linear, batch, self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
-                (linear, batch, self.linear_conv_kernel - 1, conv))
+    def cache_shapes(self, batch, length) -> tuple[tuple, ...]:
+        """Shapes of the preallocated caches a cached forward takes, in order (names: cache_names)."""
+        return tuple(self.caches(batch, length).values())
+
+    def cache_names(self) -> tuple[str, ...]:
+        """The names of the caches a cached forward takes, in order (the exported graphs' past_<name> /
+        present_<name>)."""
+        return tuple(self.caches(1, 1))
+
+    def caches(self, batch, length) -> dict[str, tuple]:
+        """name -> shape of each preallocated cache a cached forward takes, for `length` slots (an int, or a
+        graph's symbolic dimension: None or a name), in order: two per kind of layer the model has
+        (layer_kinds), each stacked over the layers of its kind.
+          full     keys, values [layers, batch, kv heads, length, head_dim]: every slot. MLA caches one latent
+                   and one RoPE key per token instead (kv_lora_rank and qk_rope_head_dim features, one "head").
+          sliding  ring_keys, ring_values: the same with min(sliding_window, length) slots, a ring: slot j is
+                   kept at j % that, so the cache is flat in the context (Decoder.ring_slots).
+          linear   states [layers, batch, value heads, d_k, d_v] and windows [layers, batch, kernel - 1, conv]:
+                   a Gated DeltaNet layer's recurrent state and its conv's last inputs, whatever the length."""
+        kinds = self.layer_kinds()
+        out = {}
+        for kind, names in CACHE_NAMES.items():
+            layers = kinds.count(kind)
+            if not layers:
+                continue
+            if kind == "linear":
+                conv = (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                        + self.linear_num_value_heads * self.linear_value_head_dim)
+                shapes = ((layers, batch, self.linear_num_value_heads, self.linear_key_head_dim,
+                           self.linear_value_head_dim), (layers, batch, self.linear_conv_kernel - 1, conv))
+            else:
+                slots = length if kind == "full" else ring_length(self.sliding_window, length)
+                if self.mla:
+                    shapes = ((layers, batch, 1, slots, self.kv_lora_rank),
+                              (layers, batch, 1, slots, self.qk_rope_head_dim))
+                else:
+                    shapes = ((layers, batch, self.num_kv_heads, slots, self.head_size),) * 2
+            out.update(zip(names, shapes))
+        return out
 
     @property
     def shared_size(self) -> int:

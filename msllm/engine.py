@@ -5,7 +5,8 @@ onnxruntime engine runs without it.
 An engine answers two calls on integer arrays and returns fp32 numpy logits:
   run("model", ids)                              input_ids [b, s] -> logits [b, s, vocab]
   run("prefill" | "decode", ids, *caches, start, pad) -> (logits [b, vocab], *caches)
-(caches: keys and values; a hybrid's recurrent states and conv windows after them, ModelConfig.cache_shapes)
+(caches: ModelConfig.caches, two per kind of layer: keys and values, a sliding layers' ring of its window's
+last slots, a hybrid's recurrent states and conv windows)
 and `Engine.start` / `Engine.step` drive them for generation: prompts of any lengths are
 left-padded to a bucketed length, and the cache length is bucketed too, so a handful of shapes
 cover every request. Graphs are loaded on first use, and kinds served by one graph share it.
@@ -19,9 +20,6 @@ import numpy as np
 # Prompt and cache lengths are rounded up to a power of two from these: few distinct shapes
 # (each compiled once), at most twice the work of the exact length.
 PROMPT_BUCKET, CACHE_BUCKET = 16, 64
-# The caches a cached forward takes and returns, in ModelConfig.cache_shapes' order (a hybrid's recurrent
-# states and conv windows after the attention layers' keys and values); exported graphs name them so.
-CACHES = ("keys", "values", "states", "windows")
 
 
 def bucket(n: int, smallest: int) -> int:

@@ -16,24 +16,17 @@ from msllm.models.decoder import Decoder
 
 
 class CachedForward(nn.Cell):
-    """(input_ids [b, s], keys, values [layers, b, kv_heads, max_len, head_dim], start [1], pad [b])
-    -> (logits [b, vocab] of the last token, keys, values with slots start .. start+s-1 written)."""
+    """(input_ids [b, s], *caches, start [1], pad [b]) -> (logits [b, vocab] of the last token, *caches with the
+    slots start .. start+s-1 written): the caches ModelConfig.caches lists, in its order (keys and values
+    [layers, b, kv_heads, max_len, head_dim]; a sliding layers' ring; a hybrid's Gated DeltaNet states and
+    conv windows)."""
 
     def __init__(self, model: Decoder):
         super().__init__(auto_prefix=False)  # keep the trained parameter names
         self.model = model
 
-    def construct(self, input_ids, keys, values, start, pad):
-        return self.model(input_ids, keys, values, start, pad)
-
-
-class RecurrentCachedForward(CachedForward):
-    """A hybrid's cached forward: the attention layers' keys and values, then the Gated DeltaNet layers'
-    states [linear layers, b, value heads, d_k, d_v] and conv windows [linear layers, b, kernel - 1, conv];
-    returns them all updated after the logits."""
-
-    def construct(self, input_ids, keys, values, states, windows, start, pad):
-        return self.model(input_ids, keys, values, start, pad, None, None, states, windows)
+    def construct(self, input_ids, *inputs):
+        return self.model(input_ids, inputs[:-2], inputs[-2], inputs[-1])
 
 
 class MindSporeEngine(Engine):
@@ -53,6 +46,6 @@ def cell_engine(model: Decoder) -> MindSporeEngine:
     """The `msllm` engine: the model's own Cells, in whatever mode the process runs. Prefill and
     decode are one CachedForward; in GRAPH_MODE it compiles once per (batch, prompt bucket,
     cache bucket) shape."""
-    cached = RecurrentCachedForward(model) if model.cfg.hybrid else CachedForward(model)
+    cached = CachedForward(model)
     return MindSporeEngine({"model": lambda: model, "prefill": lambda: cached, "decode": lambda: cached}, model.cfg,
                            ms.dtype_to_nptype(model.compute_dtype))

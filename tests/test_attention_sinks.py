@@ -92,9 +92,9 @@ def rope_freqs(cfg: ModelConfig) -> np.ndarray:
 @pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): the suite's gpt-oss "
                     "greedy test (tests/test_families.py) decodes with sinks through the cache")
 def test_cached_decode_with_sinks_equals_the_full_forward():
-    """A 2-layer model with sinks, one layer sliding (window 4), compiled with the CPU backend's decode
-    kernels (which keep the sink core): prefill 5 tokens then decode 5, each step's logits equal to the
-    full forward's at that position."""
+    """A 2-layer model with sinks, one layer sliding (window 4, its cache a ring of 4 slots), compiled with
+    the CPU backend's decode kernels (which keep the sink core): prefill 5 tokens then decode 5, each
+    step's logits equal to the full forward's at that position."""
     from msllm.backends import specialise
     from msllm.config import Config
     from msllm.inference import CachedForward
@@ -112,13 +112,13 @@ def test_cached_decode_with_sinks_equals_the_full_forward():
     specialise(model, Config(model=cfg), training=False)
     assert type(model.layers[0].attention.core.softmax_attention).__name__ == "SinkSoftmaxAttention"
     forward = CachedForward(model)
-    keys, values = (ms.Tensor(np.zeros(shape, np.float32)) for shape in cfg.cache_shapes(2, 16))
+    caches = [ms.Tensor(np.zeros(shape, np.float32)) for shape in cfg.cache_shapes(2, 16)]
     pad = ms.Tensor(np.zeros(2, np.int32))
-    logits, keys, values = forward(ms.Tensor(ids[:, :5]), keys, values, ms.Tensor(np.array([0], np.int32)), pad)
+    logits, *caches = forward(ms.Tensor(ids[:, :5]), *caches, ms.Tensor(np.array([0], np.int32)), pad)
     atol = REORDER_RTOL * np.abs(full).max()
     np.testing.assert_allclose(logits.asnumpy(), full[:, 4], rtol=0, atol=atol)
     for i in range(5, 10):
-        logits, keys, values = forward(ms.Tensor(ids[:, i:i + 1]), keys, values, ms.Tensor(np.array([i], np.int32)), pad)
+        logits, *caches = forward(ms.Tensor(ids[:, i:i + 1]), *caches, ms.Tensor(np.array([i], np.int32)), pad)
         np.testing.assert_allclose(logits.asnumpy(), full[:, i], rtol=0, atol=atol)
 
 

@@ -215,7 +215,7 @@ class LogitsLossCell(LossCell):
     def construct(self, tokens, scale, mask=None, segments=None, positions=None):
         labels = self.model.local_tokens(tokens[:, 1:])
         b = tokens.shape[0]
-        h, _, _ = self.model.decode(tokens[:, :-1], None, None, None, None, segments, positions)
+        h, _, _ = self.model.decode(tokens[:, :-1], segments=segments, positions=positions)
         logits = self.model.logits(h).reshape(b, -1, self.model.cfg.vocab_size)
         if mask is None:
             return self.loss(logits, labels) * scale

@@ -30,11 +30,14 @@ from tests.numerics import REORDER_RTOL
 
 LLAMA = ModelConfig(vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
                     max_seq_len=32)
-# Qwen2-style qkv bias and tied embeddings, with llama3 rope scaling: the optional paths of the builders.
+# Qwen2-style qkv bias and tied embeddings, with llama3 rope scaling: the optional paths of the builders. The
+# first layer slides (Qwen2's use_sliding_window) with a window of 4, below the prompts export verifies with
+# (up to 8 tokens, then decode steps): its cache is a ring of 4 slots in every engine, the full layer's all of them.
 QWEN = ModelConfig(vocab_size=384, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, ffn_size=96,
                    max_seq_len=32, qkv_bias=True, tie_embeddings=True, norm_eps=1e-6,
                    rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 8})
+                                 "original_max_position_embeddings": 8},
+                   sliding_window=4, layer_types=["sliding", "full"])
 
 
 def make_run(root, model_cfg: ModelConfig, corpus):
@@ -188,13 +191,27 @@ def test_prefill_and_decode_share_one_session_and_older_exports_still_load(llama
         np.testing.assert_array_equal(old_engine.step([1, 2]), want)
 
 
+def test_an_export_from_before_the_rings_is_refused_in_one_line(qwen_exports):
+    """An export of a model with sliding layers written before their caches were rings (export.json names no
+    caches: its graphs take every layer's keys and values) is refused before anything runs."""
+    from graph_opt.runtime import export_engine
+
+    out, manifest = qwen_exports("onnx")
+    assert manifest["caches"] == ["keys", "values", "ring_keys", "ring_values"]
+    del manifest["caches"]
+    with pytest.raises(ExportError, match=r"takes the caches keys, values, this msllm gives keys, values, ring_keys, "
+                                          r"ring_values \(sliding layers keep a ring\); export the run again$") as err:
+        export_engine(out, manifest)
+    assert "\n" not in str(err.value)
+
+
 def test_mindir_weights_are_stored_once_outside_the_graphs(qwen_exports):
     out, manifest = qwen_exports("mindir")
     weights = [out / f"{name}_variables" / "data_0" for name in ("model", "cached")]
     assert weights[0].stat().st_size > 4 * QWEN.num_params()
     assert os.path.samefile(*weights)  # one file, linked under both graphs' names
-    for name in ("model", "cached"):
-        assert (out / f"{name}_graph.mindir").stat().st_size < weights[0].stat().st_size / 2  # no weights inside
+    for name in ("model", "cached"):  # no weights inside: with them a graph file would pass data_0's size
+        assert (out / f"{name}_graph.mindir").stat().st_size < weights[0].stat().st_size
     assert manifest["sizes"]["cached_variables/data_0"] == weights[0].stat().st_size
 
 
@@ -232,10 +249,10 @@ def test_clean_up_keeps_outputs(qwen_run):
     assert sum(after.values()) < sum(before.values()) and after["Constant"] == 0
     assert after["Cast"] == 1  # of the no-op casts none is left; RoPE's positions to fp32 is a real one
     rng = np.random.default_rng(2)
-    feeds = {"input_ids": rng.integers(0, 384, (2, 3)),
-             "past_keys": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32),
-             "past_values": rng.normal(size=(2, 2, 2, 5, 8)).astype(np.float32),
-             "start": np.array([1]), "pad": np.array([0, 1])}
+    feeds = {"input_ids": rng.integers(0, 384, (2, 3)), "start": np.array([3]), "pad": np.array([0, 1])}
+    for name, shape in QWEN.caches(2, 7).items():  # the full layer's 7 slots, the sliding one's ring of 4
+        feeds[f"past_{name}"] = rng.normal(size=shape).astype(np.float32)
+    assert feeds["past_keys"].shape == (1, 2, 2, 7, 8) and feeds["past_ring_keys"].shape == (1, 2, 2, 4, 8)
     results = [ort.InferenceSession(ir.to_proto(m).SerializeToString(), providers=["CPUExecutionProvider"])
                .run(None, feeds) for m in (raw, cleaned)]
     for a, b in zip(*results):
@@ -247,7 +264,8 @@ def test_onnx_initializers_are_the_checkpoint_parameters(qwen_run):
     inverse frequencies); a parameter the graph does not compute is refused rather than exported as another model."""
     _, model, _, _ = load_model(qwen_run)
     weights = {p.name: p.asnumpy() for p in model.trainable_params()}
-    assert set(build_graph(QWEN, weights, "model").graph.initializers) == set(weights) | {"rope_inv_freq"}
+    frequencies = {"rope_inv_freq", "rope_inv_freq_1"}  # the full and the sliding kind's
+    assert set(build_graph(QWEN, weights, "model").graph.initializers) == set(weights) | frequencies
 
     weights.update({f"layers.{i}.attention.extra_norm.weight": np.ones(64, np.float32) for i in range(2)})
     with pytest.raises(ValueError, match=r"does not use \['layers.0.attention.extra_norm.weight'"):

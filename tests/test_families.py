@@ -52,11 +52,18 @@ def converted(tmp_path_factory, corpus):
 
 @pytest.mark.parametrize("case", FAMILIES)
 def test_msllm_engine_generates_what_transformers_does(converted, case):
+    """Sliding layers (window 8 < the 12-token prompt) keep a ring of 8 slots in the decode cache, the full
+    layers the 64 of the cache bucket."""
     folder, prompt, want = converted[case]
     device.setup("cpu", "graph")
     cfg, model, _, _ = load_run(folder / "msllm")
     specialise(model, cfg, training=False)
-    assert generate(cell_engine(model), [prompt], NEW_TOKENS).ids == [want]
+    engine = cell_engine(model)
+    assert generate(engine, [prompt], NEW_TOKENS).ids == [want]
+    kinds = cfg.model.layer_kinds()
+    lengths = {name: cache.shape[3] for name, cache in zip(cfg.model.cache_names(), engine.cache)}
+    assert lengths.get("ring_keys") == (8 if "sliding" in kinds else None)
+    assert lengths.get("keys") == (64 if "full" in kinds else None)
 
 
 GEMMA_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "

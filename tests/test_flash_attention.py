@@ -15,6 +15,7 @@ from mindspore import Tensor, nn, ops
 from msllm import backends, device, kernels
 from msllm.backends import cpu
 from msllm.config import ModelConfig
+from msllm.inference import CachedForward
 from msllm.models import decoder, layers
 from tests.conftest import step_config
 
@@ -340,7 +341,8 @@ def test_gpt_oss_like_model_with_flash_core_trains_as_the_sink_softmax_core():
     ids=["gemma-like", "mla", "gpt-oss-like"])
 def test_cached_generation_with_flash_core_equals_plain(model_cfg):
     """Prefill of left-padded rows then decode steps through a static cache: the flash-specialised
-    model's logits equal the plain model's at every step (MLA: its cache of latents and rope keys, expanded to
+    model's logits equal the plain model's at every step (the sliding layers' rings of 12 slots, less
+    than the 20-token prompt; MLA: its cache of latents and rope keys, expanded to
     q/k and value heads of different sizes; gpt-oss-like: through the sinks, N(0, 2))."""
     rng = np.random.default_rng(3)
     b, prompt, t = 2, 20, 40
@@ -355,11 +357,12 @@ def test_cached_generation_with_flash_core_equals_plain(model_cfg):
     assert all(isinstance(layer.attention.core.softmax_attention, kernels.FlashAttention) == flash
                for flash, model in zip((False, True), models) for layer in model.layers)
     caches = [[Tensor(np.zeros(shape, np.float32)) for shape in model_cfg.cache_shapes(b, t)] for _ in models]
+    forwards = [CachedForward(model) for model in models]
     for step in range(7):
         start, chunk = (0, ids[:, :prompt]) if step == 0 else (prompt + step - 1, ids[:, prompt + step - 1:prompt + step])
         outs = []
-        for model, cache in zip(models, caches):
-            logits, cache[0], cache[1] = model(Tensor(chunk), cache[0], cache[1], Tensor([start], ms.int32), pad)
+        for k, forward in enumerate(forwards):
+            logits, *caches[k] = forward(Tensor(chunk), *caches[k], Tensor([start], ms.int32), pad)
             outs.append(logits.asnumpy())
         np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-4 * np.abs(outs[0]).max(), err_msg=f"step {step}")
 

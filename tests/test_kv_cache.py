@@ -1,5 +1,7 @@
 """Prefill + one-token decode with the preallocated KV cache computes what full recompute does,
-also for left-padded rows of a batch."""
+also for left-padded rows of a batch, and with a sliding layer's ring cache."""
+import dataclasses
+
 import mindspore as ms
 import numpy as np
 
@@ -64,6 +66,65 @@ def test_padded_batch_equals_each_prompt_alone():
         atol = REORDER_RTOL * np.abs(full).max()
         for k, got in enumerate(steps):
             np.testing.assert_allclose(got[row], full[len(r) - 3 + k], atol=atol)
+
+
+# One sliding layer (window 4: its cache a ring of 4 slots) before a full one.
+SLIDING = dataclasses.replace(CFG, sliding_window=4, layer_types=["sliding", "full"])
+
+
+def test_a_sliding_layer_keeps_only_its_window_in_a_ring():
+    """Prompts of 8 and 3 tokens (left-padded to 16, beyond the window) prefilled in one call or in calls of
+    3 tokens that wrap the ring, then decode steps: every step's logits are the full forward's, the
+    sliding layer's cache holds 4 slots whatever the cache length, and slot j sits at j % 4, holding the
+    keys the same layer computes when its cache keeps every slot."""
+    device.setup("cpu", "pynative")
+    model = build_model(SLIDING, seed=4)
+    model.set_train(False)
+    rng = np.random.default_rng(6)
+    rows = [rng.integers(0, SLIDING.vocab_size, n).tolist() for n in (11, 6)]
+    fulls = [model(ms.Tensor(np.array([r], np.int32))).asnumpy()[0] for r in rows]
+    rings = {}
+    for piece in (0, 3):
+        engine = cell_engine(model)
+        engine.tokens_per_call = piece
+        steps = [engine.start([r[:-3] for r in rows], 3)] + [engine.step([r[k] for r in rows]) for k in (-3, -2)]
+        for row, r in enumerate(rows):
+            atol = REORDER_RTOL * np.abs(fulls[row]).max()
+            for k, got in enumerate(steps):
+                np.testing.assert_allclose(got[row], fulls[row][len(r) - 4 + k], atol=atol, err_msg=f"piece {piece}")
+        caches = dict(zip(SLIDING.cache_names(), (c.asnumpy() for c in engine.cache)))
+        assert {name: c.shape for name, c in caches.items()} == {
+            "keys": (1, 2, 2, 64, 16), "values": (1, 2, 2, 64, 16), "ring_keys": (1, 2, 2, 4, 16),
+            "ring_values": (1, 2, 2, 4, 16)}
+        rings[piece] = caches["ring_keys"][0]
+    # layer 0 built full (the same weights) keeps its keys at every slot: 0 .. 17 written
+    keeping_all = cell_engine(build_model(dataclasses.replace(SLIDING, layer_types=["full", "full"]), seed=4))
+    keeping_all.start([r[:-3] for r in rows], 3)
+    keeping_all.step([r[-3] for r in rows])
+    keeping_all.step([r[-2] for r in rows])
+    every_slot = keeping_all.cache[0].asnumpy()[0]
+    for ring in rings.values():
+        for slot in range(14, 18):
+            np.testing.assert_allclose(ring[:, :, slot % 4], every_slot[:, :, slot], rtol=0,
+                                       atol=REORDER_RTOL * np.abs(every_slot).max())
+
+
+def test_caches_come_two_per_kind_of_layer_and_a_ring_holds_the_window():
+    """ModelConfig.caches: full layers keep every slot, sliding ones min(window, length) (a symbolic length of
+    an exported graph stays symbolic), Gated DeltaNet layers a state and conv window of fixed size."""
+    gemma = dataclasses.replace(CFG, num_layers=3, sliding_window=4, layer_types=["sliding", "full", "sliding"])
+    assert gemma.caches(2, 64) == {"keys": (1, 2, 2, 64, 16), "values": (1, 2, 2, 64, 16),
+                                   "ring_keys": (2, 2, 2, 4, 16), "ring_values": (2, 2, 2, 4, 16)}
+    assert gemma.caches(1, 3)["ring_keys"] == (2, 1, 2, 3, 16)  # a cache shorter than the window
+    assert gemma.caches(None, None)["ring_keys"][3] is None
+    assert gemma.caches("batch", "max_len")["ring_keys"][3] == "min(max_len, 4)"
+    mistral = dataclasses.replace(CFG, sliding_window=4)  # every layer slides: the rings alone
+    assert mistral.cache_names() == ("ring_keys", "ring_values") and mistral.cache_shapes(1, 64)[0][3] == 4
+    hybrid = dataclasses.replace(CFG, num_layers=3, layer_types=["linear", "sliding", "linear"], sliding_window=4,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                 linear_value_head_dim=8)
+    assert hybrid.caches(1, 64) == {"ring_keys": (1, 1, 2, 4, 16), "ring_values": (1, 1, 2, 4, 16),
+                                    "states": (2, 1, 4, 8, 8), "windows": (2, 1, 3, 64)}
 
 
 def test_decode_follows_the_compute_dtype():

@@ -5,10 +5,11 @@ Cells of layers.py.
 
 Parameter names follow torchtitan: tok_embeddings, layers.N.attention.wq, ...,
 layers.N.feed_forward.w1 (gate) / w2 (down) / w3 (up), norm, output. The KV cache is an optional,
-preallocated input of the model's own forward: `model(ids, keys, values, start, pad)` writes the
+preallocated input of the model's own forward: `model(ids, caches, start, pad)` writes the
 new tokens' cache entries at slots start.. and attends to the filled part (litgpt's input_pos, as
-data). Packed samples (SFT) are optional inputs too: `model(ids, segments=seg, positions=pos)` keeps
-attention inside each sample and restarts its positions.
+data); a sliding layer's cache is a ring of its window's last slots (ModelConfig.caches). Packed
+samples (SFT) are optional inputs too: `model(ids, segments=seg, positions=pos)` keeps attention
+inside each sample and restarts its positions.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from msllm.config import ModelConfig
+from msllm.config import CACHE_NAMES, ModelConfig
 from msllm.models.layers import (AdditiveMask, Embedding, FeedForward, Linear, OneRankMean, RMSNorm, WholeSequence, cast,
                                  rope_attention_factor, rope_inv_freq, visibility)
 from msllm.models.mixers import build_mixer
@@ -82,14 +83,12 @@ class Decoder(nn.Cell):
     """input_ids [b, s] int32 -> logits [b, s, vocab] fp32 (under context parallel [b, q, vocab], of the
     q tokens `local_tokens` gives this rank).
 
-    With a cache, keys / values [layers, b, kv_heads, max_len, head_dim] (preallocated; MLA's shapes:
-    ModelConfig.cache_shapes), start
-    int32 [1] and pad int32 [b]: the s new tokens sit at slots start .. start+s-1 of every row,
-    whose first pad[r] slots are left padding (the token at slot j is at position j - pad[r]).
-    A hybrid (Gated DeltaNet layers) also takes states and windows, its linear layers' recurrent states
-    and conv windows (ModelConfig.cache_shapes; keys and values then hold its attention layers only).
-    Returns (logits [b, vocab] of the last new token, keys, values with the new slots written[, states,
-    windows after the new tokens]);
+    With a cache: caches, the tuple ModelConfig.caches lists (preallocated; two per kind of layer: the full
+    layers' keys and values [layers, b, kv_heads, max_len, head_dim], the sliding layers' rings of their
+    window's last slots, a hybrid's Gated DeltaNet states and conv windows), start int32 [1] and pad int32
+    [b]: the s new tokens sit at slots start .. start+s-1 of every row, whose first pad[r] slots are left
+    padding (the token at slot j is at position j - pad[r]; a ring keeps slot j at j % its length).
+    Returns (logits [b, vocab] of the last new token, *caches with the new tokens written);
     each token attends to the filled, unpadded slots up to its own (within its layer's window).
     This is how an engine prefills (start 0) and decodes (s = 1), with the same shapes at every step.
     Parameters are always fp32 (the master copy); `compute_dtype` (fp32, fp16 or bf16) is what
@@ -113,9 +112,19 @@ class Decoder(nn.Cell):
         self.mtp = nn.CellList([MTPDepth(cfg, Block(cfg, mixer, mlp)) for _ in range(cfg.mtp_depths)])
         kinds, layer_kind = attention_kinds(cfg)
         self.layer_kind = tuple(layer_kind)
-        self.recurrent = tuple(kind == "linear" for kind in cfg.layer_kinds())  # Gated DeltaNet layers
-        # each layer's index in the caches of its kind (ModelConfig.cache_shapes stacks them per kind)
-        self.cache_slot = tuple(self.recurrent[:i].count(self.recurrent[i]) for i in range(cfg.num_layers))
+        layer_kinds = cfg.layer_kinds()
+        self.recurrent = tuple(kind == "linear" for kind in layer_kinds)  # Gated DeltaNet layers
+        self.hybrid = cfg.hybrid
+        # A cached forward's caches come two per kind of layer (ModelConfig.caches): each layer's pair, and
+        # its index in them (they stack the layers of their kind).
+        self.cache_kinds = tuple(kind for kind in CACHE_NAMES if kind in layer_kinds)
+        self.cache_pair = tuple(self.cache_kinds.index(kind) for kind in layer_kinds)
+        self.cache_slot = tuple(layer_kinds[:i].count(layer_kinds[i]) for i in range(cfg.num_layers))
+        self.pair_layers = tuple(tuple(i for i, kind in enumerate(layer_kinds) if kind == cache_kind)
+                                 for cache_kind in self.cache_kinds)
+        # which of the caches are the full layers' keys and the rings' (-1: none)
+        self.full_keys, self.ring_keys = (2 * self.cache_kinds.index(kind) if kind in self.cache_kinds else -1
+                                          for kind in ("full", "sliding"))
         self.windows = tuple(window for window, _, _ in kinds)
         # [kinds, head_dim / 2]: RoPE rows are computed from positions, so an unused context costs nothing
         self.inv_freq = Tensor(np.stack([rope_inv_freq(cfg.rope_dim, theta, scaling) for _, theta, scaling in kinds]))
@@ -181,15 +190,16 @@ class Decoder(nn.Cell):
         seen = visibility(slots, self.local_tokens(segments), segments, self.window_of(kind))
         return cos.reshape(b, 1, q, -1), sin.reshape(b, 1, q, -1), seen
 
-    def cache_tables(self, b: int, s: int, t: int, start, pad, kind: int):
-        """cos / sin [b, 1, s, d] at each row's positions and the visibility of the cache slots
-        (filled, unpadded and within the kind's window; padding is key segment -1)."""
+    def cache_tables(self, b: int, s: int, t: int, start, pad, kind: int, first=0):
+        """cos / sin [b, 1, s, d] at each row's positions and the visibility of the t cached keys, key j
+        holding slot first + j (a full cache: 0; a ring read in slot order: start - its length): those
+        filled, unpadded and within the kind's window (padding, and slots before 0, are key segment -1)."""
         new_slots = start + ops.arange(0, s, dtype=ms.int32)                       # [s]
         positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
         cos, sin = self.rope_at(kind, positions)
-        slots = ops.arange(0, t, dtype=ms.int32).reshape(1, t)
+        slots = first + ops.arange(0, t, dtype=ms.int32).reshape(1, t)
         key_segments = ops.select(slots >= pad.reshape(b, 1), ops.zeros((b, t), ms.int32), ops.full((b, t), -1, dtype=ms.int32))
-        seen = visibility(new_slots, ops.zeros_like(new_slots), key_segments, self.window_of(kind))
+        seen = visibility(new_slots - first, ops.zeros_like(new_slots), key_segments, self.window_of(kind))
         return cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1), seen
 
     @staticmethod
@@ -199,11 +209,23 @@ class Decoder(nn.Cell):
         fresh = ops.logical_and(slots >= start, slots < start + s).reshape(t, 1)
         return ops.clip(slots - start, 0, s - 1), fresh, start
 
-    def tables(self, kind: int, b: int, s: int, t: int, start, pad, segments, positions):
+    @staticmethod
+    def ring_slots(s: int, r: int, start):
+        """A sliding layer's ring of r slots (slot j kept at j % r) around s new tokens at slots start..:
+        `unroll` [r + s], the ring entries to gather as slots start - r .. start - 1 in order, then s places
+        for the new tokens (the cache write fills them: `write`), and `keep` [r], the entries of that
+        unrolled cache the ring keeps: the last r slots, each at its slot % r. A prompt longer than the
+        window attends within its own new keys, then leaves its last r in the ring."""
+        ring = ops.arange(0, r, dtype=ms.int32)
+        unroll = ops.concat((ops.floor_mod(start + ring, r), ops.zeros((s,), ms.int32)))
+        keep = s + ops.floor_mod(ring - start - s, r)
+        return unroll, keep, Decoder.cache_write_slots(s, r + s, ops.ones_like(start) * r)
+
+    def tables(self, kind: int, b: int, s: int, t: int, start, pad, segments, positions, first=0):
         """(cos, sin, mask) of one attention kind, in the compute dtype and broadcast as the backend asks."""
         cfg, dtype = self.cfg, self.compute_dtype
         if start is not None:
-            cos, sin, seen = self.cache_tables(b, s, t, start, pad, kind)
+            cos, sin, seen = self.cache_tables(b, s, t, start, pad, kind, first)
         elif segments is not None:
             cos, sin, seen = self.sample_tables(segments, positions, kind)
         else:
@@ -216,19 +238,18 @@ class Decoder(nn.Cell):
             sin = ops.broadcast_to(sin, (b, cfg.num_heads, q, cfg.rope_dim))
         return cos, sin, mask
 
-    def construct(self, input_ids, keys=None, values=None, start=None, pad=None, segments=None, positions=None,
-                  states=None, windows=None):
+    def construct(self, input_ids, caches=None, start=None, pad=None, segments=None, positions=None):
         b, s = input_ids.shape
-        h, caches, _ = self.decode(input_ids, keys, values, start, pad, segments, positions, states, windows)
-        if keys is None:
+        h, written, _ = self.decode(input_ids, caches, start, pad, segments, positions)
+        if caches is None:
             return self.logits(h).reshape(b, -1, self.cfg.vocab_size)
         last = h.reshape(b, s, -1)[:, -1]  # logits only where the next token is read
-        return (self.logits(last),) + caches
+        return (self.logits(last),) + written
 
     def features(self, input_ids, segments=None, positions=None):
         """Training: (the final-normed hidden states [b*q, hidden], which `project` turns into logits or
         a fused head reduces with head_weight, the MoE layers' routing loads)."""
-        h, _, loads = self.decode(input_ids, None, None, None, None, segments, positions)
+        h, _, loads = self.decode(input_ids, None, None, None, segments, positions)
         return self.norm(h), loads
 
     def predict_ahead(self, h, tokens):
@@ -262,51 +283,76 @@ class Decoder(nn.Cell):
         """Which of the s new tokens of each row are not left padding [b, s] (a recurrent layer skips those)."""
         return (start + ops.arange(0, s, dtype=ms.int32)).reshape(1, s) >= pad.reshape(b, 1)
 
-    def decode(self, input_ids, keys, values, start, pad, segments, positions, states=None, windows=None):
+    def decode(self, input_ids, caches=None, start=None, pad=None, segments=None, positions=None):
         """The decoder layers: -> (residual stream [b*q, hidden], the caches given with the new tokens'
-        entries written (keys and values; a hybrid's states and conv windows too), the MoE layers' routing loads).
-        A linear layer takes, in the place of a mask, the packed samples' segments (training) or which new
-        tokens are real (a cached forward)."""
+        entries written (ModelConfig.caches: keys and values, a ring's, a hybrid's states and conv windows),
+        the MoE layers' routing loads). A linear layer takes, in the place of a mask, the packed samples'
+        segments (training) or which new tokens are real (a cached forward)."""
         b, s = input_ids.shape
-        t = s if keys is None else keys.shape[3]
+        if caches is None:
+            return self.decode_whole(input_ids, segments, positions)
+        # one Unstack pass per cache: indexing keys[i] is a StridedSlice per layer, far slower on CPU
+        pairs = ()
+        for p in range(len(self.cache_kinds)):
+            pairs += ((ops.unstack(caches[2 * p], 0), ops.unstack(caches[2 * p + 1], 0)),)
+        t = caches[self.full_keys].shape[3] if self.full_keys >= 0 else s
+        r, ring = 0, None
+        if self.ring_keys >= 0:  # the sliding layers read and write their rings through these
+            r = caches[self.ring_keys].shape[3]
+            ring = self.ring_slots(s, r, start)
         kinds = ()
         for kind in range(len(self.windows)):
-            kinds += (self.tables(kind, b, s, t, start, pad, segments, positions),)
+            if self.windows[kind]:  # a sliding kind's keys: its ring unrolled (slots start - r ..), then the new ones
+                kinds += (self.tables(kind, b, s, r + s, start, pad, None, None, start - r),)
+            else:
+                kinds += (self.tables(kind, b, s, t, start, pad, None, None),)
+        write = self.cache_write_slots(s, t, start)
+        real = self.real_tokens(b, s, start, pad) if self.hybrid else None
+        input_ids = self.local_tokens(input_ids)
+        h = self.embed(input_ids.reshape(-1))
+        loads, written = (), ()
+        for i, layer in enumerate(self.layers):
+            cos, sin, mask = kinds[self.layer_kind[i]]
+            pair, slot = pairs[self.cache_pair[i]], self.cache_slot[i]
+            cache_k, cache_v = pair[0][slot], pair[1][slot]
+            if self.recurrent[i]:  # its state and conv window
+                out = layer(h, cos, sin, real, cache_k, cache_v, write)
+            elif self.windows[self.layer_kind[i]]:  # a ring
+                unroll, keep, ring_write = ring
+                cache_k, cache_v = ops.gather(cache_k, unroll, 2), ops.gather(cache_v, unroll, 2)
+                out = layer(h, cos, sin, mask, cache_k, cache_v, ring_write)
+                out = (out[0], ops.gather(out[1], keep, 2), ops.gather(out[2], keep, 2), out[3])
+            else:
+                out = layer(h, cos, sin, mask, cache_k, cache_v, write)
+            h = out[0]
+            written += ((out[1], out[2]),)
+            if layer.routed:
+                loads += (out[3],)
+        caches = ()
+        for members in self.pair_layers:  # each pair restacked over its layers
+            firsts, seconds = (), ()
+            for i in members:
+                firsts, seconds = firsts + (written[i][0],), seconds + (written[i][1],)
+            caches += (ops.stack(firsts), ops.stack(seconds))
+        return h, caches, loads
+
+    def decode_whole(self, input_ids, segments, positions):
+        """decode without a cache: each row's whole sequence, or its packed samples."""
+        b, s = input_ids.shape
+        kinds = ()
+        for kind in range(len(self.windows)):
+            kinds += (self.tables(kind, b, s, s, None, None, segments, positions),)
         input_ids = self.local_tokens(input_ids)  # context parallel: this rank's chunks of the sequence
         # The residual stream stays 2-D [b*q, hidden]: every projection is a plain 2-D matmul.
         h = self.embed(input_ids.reshape(-1))
         loads = ()
-        if keys is None:
-            for i, layer in enumerate(self.layers):
-                cos, sin, mask = kinds[self.layer_kind[i]]
-                out = layer(h, cos, sin, segments if self.recurrent[i] else mask)
-                h = out[0]
-                if layer.routed:  # a MoE layer's routing load
-                    loads += (out[3],)
-            return h, (), loads
-        write = self.cache_write_slots(s, t, start)
-        # one Unstack pass per cache: indexing keys[i] is a StridedSlice per layer, far slower on CPU
-        keys, values = ops.unstack(keys, 0), ops.unstack(values, 0)
-        real = None
-        if states is not None:
-            states, windows, real = ops.unstack(states, 0), ops.unstack(windows, 0), self.real_tokens(b, s, start, pad)
-        new_keys, new_values, new_states, new_windows = (), (), (), ()
         for i, layer in enumerate(self.layers):
             cos, sin, mask = kinds[self.layer_kind[i]]
-            slot = self.cache_slot[i]
-            if self.recurrent[i]:
-                out = layer(h, cos, sin, real, states[slot], windows[slot], write)
-                new_states, new_windows = new_states + (out[1],), new_windows + (out[2],)
-            else:
-                out = layer(h, cos, sin, mask, keys[slot], values[slot], write)
-                new_keys, new_values = new_keys + (out[1],), new_values + (out[2],)
+            out = layer(h, cos, sin, segments if self.recurrent[i] else mask)
             h = out[0]
-            if layer.routed:
+            if layer.routed:  # a MoE layer's routing load
                 loads += (out[3],)
-        caches = (ops.stack(new_keys), ops.stack(new_values))
-        if states is not None:
-            caches += (ops.stack(new_states), ops.stack(new_windows))
-        return h, caches, loads
+        return h, (), loads
 
 
 def init_weights(model: Decoder, seed: int) -> None:
