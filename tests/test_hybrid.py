@@ -367,12 +367,16 @@ def test_a_fresh_hybrid_starts_as_transformers_does_and_learns(tmp_path, fresh_r
 def test_a_hybrid_run_resumed_equals_the_uninterrupted_run_bit_for_bit(fresh_run, tmp_path):
     """fresh_run cut back to its step-3 checkpoint (and its log to step 3), then `msllm train --resume` to
     step 6 from what the checkpoint holds (weights, AdamW moments, data position): the losses of steps 4-6,
-    the held-out loss and the step-6 weights and optimizer state equal the uninterrupted run's exactly."""
+    the held-out loss and the step-6 weights and optimizer state equal the uninterrupted run's exactly. (Its
+    weight check read the attention's settings from layer 0, a Gated DeltaNet layer, and refused every hybrid.)"""
     import shutil
 
     from safetensors.numpy import load_file as load_arrays
 
     from msllm.cli import main
+    from msllm.config import ConfigError
+    from msllm.config_file import load_config
+    from msllm.train.compat import check_weights
 
     run = tmp_path / "resumed"
     shutil.copytree(fresh_run, run)
@@ -387,6 +391,12 @@ def test_a_hybrid_run_resumed_equals_the_uninterrupted_run_bit_for_bit(fresh_run
     for name in ("model.safetensors", "optim.safetensors"):
         a, b = (load_arrays(str(r / "checkpoints" / "step_0000006" / name)) for r in (fresh_run, run))
         assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a), name
+    # resume's weight check reads the attention's settings from the first attention layer (layer 0 is linear)
+    m = load_config(run / "config.yaml").model
+    weights = run / "checkpoints" / "step_0000006" / "model.safetensors"
+    check_weights(m, weights, "resumed")
+    with pytest.raises(ConfigError, match=r"holds weights of another model: model.qk_norm True \(config: False\)"):
+        check_weights(dataclasses.replace(m, qk_norm=False), weights, "resumed")
 
 
 # One msrun launch is ~70 s on CI's 2 cores (tests/test_distributed.py's budget): by hand (MSLLM_BY_HAND=1).
@@ -414,31 +424,23 @@ def test_a_hybrid_on_two_workers_trains_as_on_one(fresh_run, tmp_path, corpus):
 STEP_HYBRID = dataclasses.replace(HYBRID, num_layers=2, layer_types=["linear", "full"])
 
 
-@pytest.fixture(scope="module")
-def hybrid_step():
-    """One fp32 step of STEP_HYBRID with msllm.kernels' fused CPU kernels on tests/test_robustness.py's batch
-    of 4 x 32 tokens: loss, applied gradient, updated weights."""
-    return train_steps(fused=True, model=STEP_HYBRID)
-
-
-def test_a_hybrid_trains_with_the_fused_kernels_as_with_the_portable_ops(hybrid_step):
-    """The fused CPU kernels (linear, norms, SwiGLU, attention core, AdamW) compute what the portable
-    MindSpore ops do: the same step up to summation order."""
-    assert_same_step(train_steps(fused=False, model=STEP_HYBRID), hybrid_step, REORDER_RTOL)
-
-
-def test_selective_recompute_of_a_hybrid_recomputes_its_mlps_and_keeps_the_step(hybrid_step):
-    """train.recompute: selective marks every layer's MLP and the attention layers' cores for recomputation
-    in backward (MindSpore's recompute scope on each of their Cells), and no part of a Gated DeltaNet layer's
-    mixer (it has no core: kept whole); the step it trains is the plain one up to summation order."""
+def test_a_hybrid_trains_with_selective_recompute_and_the_fused_kernels_as_plainly():
+    """train.recompute: selective marks every layer's MLP and the attention layers' cores for recomputation in
+    backward (MindSpore's recompute scope on each of their Cells) and no part of a Gated DeltaNet layer's mixer
+    (it has no core: kept whole; marking it crashed before). One fp32 step of STEP_HYBRID on
+    tests/test_robustness.py's batch of 4 x 32 tokens so recomputed, with msllm.kernels' fused CPU kernels
+    (linear, norms, SwiGLU, attention core, AdamW), is the plain step on the portable MindSpore ops up to
+    summation order: loss, gradient norm, every applied gradient and the updated weights. (Two compiled steps,
+    not four: CI's budget.)"""
     model = build_model(STEP_HYBRID)
     apply_recompute(model, "selective")
-    recomputed = lambda cell: all((c._scope or "").startswith("recompute_") for _, c in cell.cells_and_names())  # noqa: E731
+    marked = lambda cell: (cell._scope or "").startswith("recompute_")  # noqa: E731
     linear, full = model.layers
-    assert recomputed(linear.feed_forward) and recomputed(full.feed_forward) and recomputed(full.attention.core)
-    assert not any((c._scope or "").startswith("recompute_") for _, c in linear.attention.cells_and_names())
-    assert not (full.attention.wq._scope or "").startswith("recompute_")
-    assert_same_step(train_steps(recompute="selective", fused=True, model=STEP_HYBRID), hybrid_step, REORDER_RTOL)
+    for cell in (linear.feed_forward, full.feed_forward, full.attention.core):
+        assert all(marked(c) for _, c in cell.cells_and_names())
+    assert not any(marked(c) for _, c in linear.attention.cells_and_names()) and not marked(full.attention.wq)
+    plain = train_steps(fused=False, model=STEP_HYBRID)
+    assert_same_step(train_steps(recompute="selective", fused=True, model=STEP_HYBRID), plain, REORDER_RTOL)
 
 
 # --- export
