@@ -405,17 +405,19 @@ def test_a_hybrid_on_two_workers_trains_as_on_one(fresh_run, tmp_path, corpus):
     """fresh_run's settings on 2 data-parallel workers of one msrun launch at train.batch_size 2 (the same
     global batch of 4 rows a step): each step's loss and gradient norm, and the held-out loss, are the
     one-worker run's. The first step differs only in summation order (tests.numerics.REORDER_RTOL: two means
-    of 2 rows all-reduced instead of one mean of 4); later steps carry that through AdamW at lr 1e-2."""
+    of 2 rows all-reduced instead of one mean of 4); later steps carry that through AdamW at lr 1e-2 (measured
+    2026-11-27: losses within 2.9e-7 relative, gradient norms within 2.0e-6, held-out losses 1.4e-7)."""
     from tests.conftest import msllm_under_msrun
 
     run = tmp_path / "run"
-    overrides = fresh_overrides(run, corpus, **{"train.batch_size": 2, "train.threads": 1})
+    # eval: each worker takes the first eval_batches batches of its own batch size: 4 of 2 = the 2 of 4 held out
+    overrides = fresh_overrides(run, corpus, **{"train.batch_size": 2, "train.threads": 1, "train.eval_batches": 4})
     msllm_under_msrun(tmp_path, [["train", *[a for kv in overrides for a in ("--set", kv)]]])
     want, got = records(fresh_run, "train", "compile"), records(run, "train", "compile")
     assert sorted(got) == sorted(want) == list(range(1, 7))
     assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=REORDER_RTOL)
-    for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose([got[s][key] for s in want], [want[s][key] for s in want], rtol=1e-4, err_msg=key)
+    for key, steps in (("loss", range(1, 7)), ("grad_norm", range(2, 7))):  # step 1's record: the compile's
+        np.testing.assert_allclose([got[s][key] for s in steps], [want[s][key] for s in steps], rtol=1e-4, err_msg=key)
     assert records(run, "eval")[6]["val_loss"] == pytest.approx(records(fresh_run, "eval")[6]["val_loss"], rel=1e-4)
 
 
