@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from tools import bench_train  # noqa: E402
 from tools.bench_big_vocab import provenance, save  # noqa: E402
 from tools.bench_generate import Worker, engine_worker  # noqa: E402
+from tests.test_generate import byte_tokenizer  # noqa: E402
 
 FAMILY = "qwen3_5"
 TRAIN_VARIANTS = ("msllm-graph", "torch-eager", "torch-compile")
@@ -57,8 +58,8 @@ def train(args) -> dict:
 
 
 def save_model(w: dict, context: int, out: Path) -> tuple[Path, Path]:
-    """The workload's hybrid as transformers initialises it (seed 0), room for `context` tokens, converted:
-    (the HF dir, the msllm checkpoint) under out."""
+    """The workload's hybrid as transformers initialises it (seed 0), room for `context` tokens, with
+    tests/test_generate.py's byte-level tokenizer, converted: (the HF dir, the msllm checkpoint) under out."""
     import torch
     import transformers
 
@@ -66,6 +67,7 @@ def save_model(w: dict, context: int, out: Path) -> tuple[Path, Path]:
     config.max_position_embeddings = context
     torch.manual_seed(0)
     getattr(transformers, bench_train.FAMILIES[FAMILY][1])(config).save_pretrained(out / "hf")
+    byte_tokenizer().save(str(out / "hf" / "tokenizer.json"))  # the engine loads a run with its tokenizer
     done = subprocess.run([sys.executable, "-m", "msllm.cli", "convert", str(out / "hf"), str(out / "msllm")],
                           capture_output=True, text=True, cwd=REPO)
     if done.returncode:
