@@ -4,6 +4,7 @@ each sample alone, the config translation both ways and the one-line refusals. (
 states and logits: test_interop_convert's qwen3_5 case; train steps: test_verify_train's.) Decode: the
 recurrent cache on the msllm engine, and in the exported ONNX and MindIR graphs, against transformers'
 greedy tokens."""
+import dataclasses
 import json
 from dataclasses import replace
 
@@ -22,7 +23,7 @@ from interop import InteropError
 from interop.convert import convert
 from interop.hf_config import to_hf_config, to_model_config
 from msllm import device
-from msllm.backends import specialise
+from msllm.backends import apply_recompute, specialise
 from msllm.checkpoint import load_model
 from msllm.config import ModelConfig
 from msllm.generate import generate
@@ -32,6 +33,7 @@ from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule
 from tests.hf_models import build
 from tests.numerics import REORDER_RTOL
 from tests.test_families import BY_HAND, hf_greedy
+from tests.test_robustness import assert_same_step, train_steps
 
 # 3 linear layers (2 key heads of 16 serving 4 value heads of 8, conv of 4 taps), then gated attention
 HYBRID = ModelConfig(vocab_size=300, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -349,11 +351,34 @@ FRESH_HYBRID = {"model.layer_types": "[linear, full]", "model.num_layers": 2, "m
                 "model.linear_key_head_dim": 16, "model.linear_value_head_dim": 8}
 
 
-def test_a_fresh_hybrid_starts_as_transformers_does_and_learns(tmp_path, corpus):
+@pytest.fixture(scope="module")
+def fresh_run(tmp_path_factory, corpus):
+    """msllm train from scratch on FRESH_HYBRID (tests/conftest.py's tiny run: 6 steps of 4 rows, checkpoints
+    at steps 3 and 6): the run dir."""
+    from msllm.cli import main
+
+    run = tmp_path_factory.mktemp("fresh_hybrid") / "run"
+    assert main(["train", *[a for kv in fresh_overrides(run, corpus) for a in ("--set", kv)]]) == 0
+    return run
+
+
+def fresh_overrides(run, corpus, **extra) -> list[str]:
+    from tests.conftest import tiny_overrides
+
+    return tiny_overrides(run, corpus, **FRESH_HYBRID, **{"optim.lr": 1e-2, "optim.warmup_steps": 0,
+                                                         "optim.decay": "constant", **extra})
+
+
+def records(run, *kinds) -> dict:
+    """step -> the record of `kinds` logged last for that step (a step re-run after a resume keeps its last)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if r["kind"] in kinds}
+
+
+def test_a_fresh_hybrid_starts_as_transformers_does_and_learns(tmp_path, fresh_run):
     """init_weights: dt_bias, every (1 + w) norm and the linear layers' output norm hold what a fresh
     transformers Qwen3.5 holds (1, 0 and 1), the decay rates exp(A_log) spread over its U(0.01, 16), the conv
     weights drawn with its std 0.02. msllm train from scratch on that hybrid config: the loss falls."""
-    from tests.conftest import tiny_overrides
     from tests.hf_models import CASES
 
     cls, hf_config = CASES["qwen3_5"]
@@ -373,15 +398,91 @@ def test_a_fresh_hybrid_starts_as_transformers_does_and_learns(tmp_path, corpus)
     for name in ("layers.0.attention.conv.weight", "layers.2.attention.conv.weight"):
         assert ours[name].std() == pytest.approx(0.02, rel=0.15) and theirs[name].std() == pytest.approx(0.02, rel=0.15)
 
-    from msllm.cli import main
-    run = tmp_path / "run"
-    overrides = tiny_overrides(run, corpus, **FRESH_HYBRID, **{"optim.lr": 1e-2, "optim.warmup_steps": 0,
-                                                               "optim.decay": "constant"})
-    assert main(["train", *[a for kv in overrides for a in ("--set", kv)]]) == 0
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    loss = {r["step"]: r["loss"] for r in records if r["kind"] in ("train", "compile")}
+    loss = {step: r["loss"] for step, r in records(fresh_run, "train", "compile").items()}
     assert loss[1] == pytest.approx(np.log(384), abs=0.3)  # a fresh model guesses evenly
     assert loss[6] < loss[1] - 0.5, loss
+
+
+def test_a_hybrid_run_resumed_equals_the_uninterrupted_run_bit_for_bit(fresh_run, tmp_path):
+    """fresh_run cut back to its step-3 checkpoint (and its log to step 3), then `msllm train --resume` to
+    step 6 from what the checkpoint holds (weights, AdamW moments, data position): the losses of steps 4-6,
+    the held-out loss and the step-6 weights and optimizer state equal the uninterrupted run's exactly. (Its
+    weight check read the attention's settings from layer 0, a Gated DeltaNet layer, and refused every hybrid.)"""
+    import shutil
+
+    from safetensors.numpy import load_file as load_arrays
+
+    from msllm.cli import main
+    from msllm.config import ConfigError
+    from msllm.config_file import load_config
+    from msllm.train.compat import check_weights
+
+    run = tmp_path / "resumed"
+    shutil.copytree(fresh_run, run)
+    shutil.rmtree(run / "checkpoints" / "step_0000006")
+    log = run / "metrics.jsonl"
+    kept = [line for line in log.read_text().splitlines() if json.loads(line).get("step", 0) <= 3]
+    log.write_text("".join(line + "\n" for line in kept))
+    assert main(["train", "--resume", str(run), "--set", "train.steps=6"]) == 0
+    for kinds in (("train", "compile"), ("eval",)):
+        key = "val_loss" if kinds == ("eval",) else "loss"
+        want, got = records(fresh_run, *kinds), records(run, *kinds)
+        assert max(want) == 6 and {s: r[key] for s, r in got.items()} == {s: r[key] for s, r in want.items()}
+    for name in ("model.safetensors", "optim.safetensors"):
+        a, b = (load_arrays(str(r / "checkpoints" / "step_0000006" / name)) for r in (fresh_run, run))
+        assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a), name
+    # resume's weight check reads the attention's settings from the first attention layer (layer 0 is linear)
+    m = load_config(run / "config.yaml").model
+    weights = run / "checkpoints" / "step_0000006" / "model.safetensors"
+    check_weights(m, weights, "resumed")
+    with pytest.raises(ConfigError, match=r"holds weights of another model: model.qk_norm True \(config: False\)"):
+        check_weights(dataclasses.replace(m, qk_norm=False), weights, "resumed")
+
+
+# One msrun launch is ~70 s on CI's 2 cores (tests/test_distributed.py's budget): by hand (MSLLM_BY_HAND=1).
+@BY_HAND
+def test_a_hybrid_on_two_workers_trains_as_on_one(fresh_run, tmp_path, corpus):
+    """fresh_run's settings on 2 data-parallel workers of one msrun launch at train.batch_size 2 (the same
+    global batch of 4 rows a step): each step's loss and gradient norm, and the held-out loss, are the
+    one-worker run's. The first step differs only in summation order (tests.numerics.REORDER_RTOL: two means
+    of 2 rows all-reduced instead of one mean of 4); later steps carry that through AdamW at lr 1e-2 (measured
+    2026-11-27: losses within 2.9e-7 relative, gradient norms within 2.0e-6, held-out losses 1.4e-7)."""
+    from tests.conftest import msllm_under_msrun
+
+    run = tmp_path / "run"
+    # eval: each worker takes the first eval_batches batches of its own batch size: 4 of 2 = the 2 of 4 held out
+    overrides = fresh_overrides(run, corpus, **{"train.batch_size": 2, "train.threads": 1, "train.eval_batches": 4})
+    msllm_under_msrun(tmp_path, [["train", *[a for kv in overrides for a in ("--set", kv)]]])
+    want, got = records(fresh_run, "train", "compile"), records(run, "train", "compile")
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=REORDER_RTOL)
+    for key, steps in (("loss", range(1, 7)), ("grad_norm", range(2, 7))):  # step 1's record: the compile's
+        np.testing.assert_allclose([got[s][key] for s in steps], [want[s][key] for s in steps], rtol=1e-4, err_msg=key)
+    assert records(run, "eval")[6]["val_loss"] == pytest.approx(records(fresh_run, "eval")[6]["val_loss"], rel=1e-4)
+
+
+# --- the compiled train step of a hybrid: fused kernels, selective recompute
+
+STEP_HYBRID = dataclasses.replace(HYBRID, num_layers=2, layer_types=["linear", "full"])
+
+
+def test_a_hybrid_trains_with_selective_recompute_and_the_fused_kernels_as_plainly():
+    """train.recompute: selective marks every layer's MLP and the attention layers' cores for recomputation in
+    backward (MindSpore's recompute scope on each of their Cells) and no part of a Gated DeltaNet layer's mixer
+    (it has no core: kept whole; marking it crashed before). One fp32 step of STEP_HYBRID on
+    tests/test_robustness.py's batch of 4 x 32 tokens so recomputed, with msllm.kernels' fused CPU kernels
+    (linear, norms, SwiGLU, attention core, AdamW), is the plain step on the portable MindSpore ops up to
+    summation order: loss, gradient norm, every applied gradient and the updated weights. (Two compiled steps,
+    not four: CI's budget.)"""
+    model = build_model(STEP_HYBRID)
+    apply_recompute(model, "selective")
+    marked = lambda cell: (cell._scope or "").startswith("recompute_")  # noqa: E731
+    linear, full = model.layers
+    for cell in (linear.feed_forward, full.feed_forward, full.attention.core):
+        assert all(marked(c) for _, c in cell.cells_and_names())
+    assert not any(marked(c) for _, c in linear.attention.cells_and_names()) and not marked(full.attention.wq)
+    plain = train_steps(fused=False, model=STEP_HYBRID)
+    assert_same_step(train_steps(recompute="selective", fused=True, model=STEP_HYBRID), plain, REORDER_RTOL)
 
 
 # --- export

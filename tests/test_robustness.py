@@ -29,10 +29,11 @@ class Run(NamedTuple):
     weights: dict   # name -> value after the last step
 
 
-def train_steps(steps=1, precision="fp32", accum=1, recompute="none", loss_scale=2.0 ** 16, fused=False) -> Run:
+def train_steps(steps=1, precision="fp32", accum=1, recompute="none", loss_scale=2.0 ** 16, fused=False,
+                model: ModelConfig = CFG) -> Run:
     device.setup("cpu", "graph")
     # block_graph shared where it may be (it excludes recompute), so both paths are exercised
-    cfg = step_config(CFG, OptimConfig(warmup_steps=1), steps=10, seed=0, precision=precision, accum_steps=accum,
+    cfg = step_config(model, OptimConfig(warmup_steps=1), steps=10, seed=0, precision=precision, accum_steps=accum,
                       recompute=recompute, loss_scale=loss_scale, fused_kernels="auto" if fused else "off",
                       block_graph="shared" if recompute == "none" else "inlined")
     built = build_train_step(cfg, wrap_optimizer=Recorded)

@@ -169,9 +169,10 @@ class Worker:
     """An engine_worker subprocess: `greedy_ids` once loaded, then `seconds(steps)` on request, so
     the engines (and torch, in this process) can be timed in turns rather than minutes apart."""
 
-    def __init__(self, engine: str, path: Path, prompt_ids: list[int], new: int, log: Path):
+    def __init__(self, engine: str, path: Path, prompt_ids: list[int], new: int, log: Path,
+                 script: Path = Path(__file__)):  # another tool's script may answer for engines of its own
         self.log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--engine-worker", engine, str(path),
+        self.proc = subprocess.Popen([sys.executable, str(script), "--engine-worker", engine, str(path),
                                       json.dumps(prompt_ids), str(new)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -44,15 +44,20 @@ WORKLOADS = {
     "W2": dict(vocab=8192, hidden=1024, layers=8, heads=16, kv_heads=4, ffn=2816, seq=512, batch=4),
     # long context (tools/bench_long_context.py): a small model whose attention dominates; --seq sets the length
     "L": dict(vocab=4096, hidden=256, layers=2, heads=4, kv_heads=4, ffn=704, seq=2048, batch=1),
+    # a seconds-long smoke run of a tool (tools/bench_hybrid.py --workload T)
+    "T": dict(vocab=512, hidden=64, layers=4, heads=4, kv_heads=4, ffn=128, seq=32, batch=2),
 }
 VARIANTS = ("msllm-graph", "msllm-pynative", "torch-eager", "torch-compile", "mindformers")
-# Family -> (transformers config class, model class, what the family adds to the workload's shape):
-# Qwen3's head_dim 128 apart from hidden / heads, Gemma 3's sliding window half the sequence.
+# Family -> (transformers config class, model class, what the family adds to the workload's shape, a value or
+# a function of the workload): Qwen3's head_dim 128 apart from hidden / heads, Gemma 3's sliding window half
+# the sequence; Qwen3.5 its default 3 Gated DeltaNet layers to 1 gated attention layer, as many value heads
+# as attention heads over hidden / heads features each, half as many key heads (Qwen3.5's ratios).
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 128}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 64, "query_pre_attn_scalar": 64,
-                                                         "sliding_window": "seq/2", "tie_word_embeddings": False}),
+                                                         "sliding_window": lambda w: w["seq"] // 2,
+                                                         "tie_word_embeddings": False}),
     # W1-sized MoE: every MLP 8 experts of the workload's ffn, each token routed to 2
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
     # DeepSeek-V3's per-head MLA sizes (q/k heads 128 + 64, values 128) on the workload's hidden size: latents
@@ -61,15 +66,18 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
         "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
-        "moe_intermediate_size": "ffn/4", "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}),
+        "moe_intermediate_size": lambda w: w["ffn"] // 4, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        "head_dim": lambda w: w["hidden"] // w["heads"], "linear_num_key_heads": lambda w: w["heads"] // 2,
+        "linear_num_value_heads": lambda w: w["heads"], "linear_key_head_dim": lambda w: w["hidden"] // w["heads"],
+        "linear_value_head_dim": lambda w: w["hidden"] // w["heads"]}),
 }
 
 
 def hf_config(w: dict, family: str = "llama"):
     import transformers
     config_class, _, extra = FAMILIES[family]
-    extra = {k: {"seq/2": w["seq"] // 2, "ffn/4": w["ffn"] // 4}.get(v, v) if isinstance(v, str) else v
-             for k, v in extra.items()}
+    extra = {k: v(w) if callable(v) else v for k, v in extra.items()}
     return getattr(transformers, config_class)(
         vocab_size=w["vocab"], hidden_size=w["hidden"], num_hidden_layers=w["layers"], num_attention_heads=w["heads"],
         num_key_value_heads=w["kv_heads"], intermediate_size=w["ffn"], max_position_embeddings=w["seq"], **extra)

@@ -16,13 +16,18 @@ def stored_shapes(path: Path) -> dict[str, tuple]:
     return dict(SafetensorsReader(path).shapes)
 
 
-def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int, head_dim: int) -> dict:
+def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int, head_dim: int,
+                   attention_layer: int | None = 0) -> dict:
     """The model.* values msllm's tensor names and shapes imply. num_heads is not visible in them;
-    num_kv_heads is, given the configured head_dim, when the hidden size agrees."""
-    implied = {"qkv_bias": "layers.0.attention.wq.bias" in shapes, "tie_embeddings": "output.weight" not in shapes,
-               "qk_norm": "layers.0.attention.q_norm.weight" in shapes,
+    num_kv_heads is, given the configured head_dim, when the hidden size agrees. The attention's values
+    (bias, q/k norms, KV heads) are read from layer `attention_layer`, the first attention layer (a
+    hybrid's first layers are Gated DeltaNet ones); None: the model has none."""
+    implied = {"tie_embeddings": "output.weight" not in shapes,
                "sandwich_norm": "layers.0.ffn_out_norm.weight" in shapes,
                "pre_norm": "layers.0.ffn_norm.weight" in shapes or "layers.0.ffn_out_norm.weight" not in shapes}
+    attention = f"layers.{attention_layer}.attention."
+    if attention_layer is not None:
+        implied.update(qkv_bias=attention + "wq.bias" in shapes, qk_norm=attention + "q_norm.weight" in shapes)
     if "tok_embeddings.weight" in shapes:
         implied["vocab_size"], implied["hidden_size"] = shapes["tok_embeddings.weight"]
     layers = {int(name.split(".")[1]) for name in shapes if name.startswith("layers.")}
@@ -30,8 +35,8 @@ def implied_config(shapes: dict[str, tuple], hidden_size: int, num_heads: int, h
         implied["num_layers"] = max(layers) + 1
     if "layers.0.feed_forward.w1.weight" in shapes:
         implied["ffn_size"] = shapes["layers.0.feed_forward.w1.weight"][0]
-    if "layers.0.attention.wk.weight" in shapes and implied.get("hidden_size") == hidden_size:
-        implied["num_kv_heads"] = shapes["layers.0.attention.wk.weight"][0] // head_dim
+    if attention_layer is not None and attention + "wk.weight" in shapes and implied.get("hidden_size") == hidden_size:
+        implied["num_kv_heads"] = shapes[attention + "wk.weight"][0] // head_dim
     return implied
 
 
@@ -41,8 +46,10 @@ def check_weights(m: ModelConfig, path: Path, source: str) -> None:
         shapes = stored_shapes(path)
     except (OSError, UserError):
         return  # unreadable: loading it says so
+    attention_layer = next((i for i, kind in enumerate(m.layer_kinds()) if kind != "linear"), None)
     differ = [f"model.{key} {value!r} (config: {getattr(m, key)!r})"
-              for key, value in implied_config(shapes, m.hidden_size, m.num_heads, m.head_size).items()
+              for key, value in implied_config(shapes, m.hidden_size, m.num_heads, m.head_size,
+                                               attention_layer).items()
               if getattr(m, key) != value]
     if differ:
         raise ConfigError(source, "model", f"{path.name} holds weights of another model: " + ", ".join(differ)
