@@ -11,7 +11,8 @@ from interop.convert import plan
 from interop.verify import max_rel, msllm_model, open_hf
 from interop.verify_train import TENSOR_GATE, RecordGradients, to_msllm
 from msllm import backends
-from msllm.config import Config, OptimConfig, TrainConfig
+from msllm.config import Config, GRPOConfig, OptimConfig, TrainConfig
+from msllm.data.loader import head_rows
 from msllm.models import layers
 from msllm.train.grpo import METRICS, GRPOLoss, group_advantages
 from msllm.train.optim import AdamW
@@ -19,7 +20,8 @@ from msllm.train.rollout import rollout_rows
 from msllm.train.step import TrainStep
 from tests.conftest import msllm_under_msrun
 from tests.hf_models import build, save_tokenizer
-from tests.numerics import REORDER_RTOL
+from tests.numerics import (FP16_RTOL, REORDER_RTOL, assert_close_to_scale, assert_overflow_is_skipped, step_variants,
+                            weights)
 
 PROMPT, COMPLETION, N = 6, 8, 8  # 2 prompts x 4 completions
 
@@ -121,6 +123,51 @@ def test_policy_loss_and_gradients_equal_trl_on_fixed_completions(policy, tmp_pa
         if key in theirs:
             assert got[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
     assert got["completions/mean_length"] == pytest.approx(completion_mask.float().sum(1).mean().item())
+
+
+@pytest.fixture(scope="module")
+def precision_steps(policy):
+    """One GRPO step (full fine-tune, dapo, the policy's own old log-probs: ratio 1) on 8 fixed completions of
+    2 prompts, some ending early, from the policy's weights: fp32, fp32 with full recompute, fp16 with a loss
+    scale of 2^16 (tests.numerics.step_variants); the expected loss -sum(A * length) / sum(length); the inputs."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 300, (N, PROMPT + COMPLETION)).astype(np.int32)
+    lengths = np.array([8, 5, 8, 3, 6, 8, 1, 7])
+    mask = np.zeros((N, PROMPT + COMPLETION - 1), np.float32)
+    for row, length in enumerate(lengths):
+        mask[row, PROMPT - 1:PROMPT - 1 + length] = 1
+    advantages = group_advantages(rng.normal(size=N), 4)
+    policy = msllm_model(open_hf(policy))
+    cfg = Config(model=policy.cfg, optim=OptimConfig(grad_clip=0.0), grpo=GRPOConfig(max_new_tokens=COMPLETION),
+                 train=TrainConfig(objective="grpo", batch_size=2, steps=2, loss_scale=2.0 ** 16))
+    inputs = [tokens, mask, advantages, head_rows(mask, 1)]
+    steps = step_variants(cfg, weights(policy.trainable_params()), inputs, fp32={}, recompute={"recompute": "full"},
+                          fp16={"precision": "fp16"})
+    return steps, -(advantages * lengths).sum() / lengths.sum(), inputs
+
+
+def test_grpo_recompute_is_the_plain_step(precision_steps):
+    """Full recompute runs each block's forward again in backward: the plain step's loss, metrics, gradients."""
+    steps = precision_steps[0]
+    (plain, plain_grads, _), (got, grads, _) = steps["fp32"], steps["recompute"]
+    assert got == plain
+    assert all(np.array_equal(grads[n], g) for n, g in plain_grads.items())
+
+
+def test_grpo_fp16_is_fp32_within_fp16_rounding_and_an_overflow_is_skipped(precision_steps):
+    """fp16 compute with loss scaling: at ratio 1 the loss is -sum(A * length) / sum(length) whatever the
+    log-probs (fp32's up to its own rounding: the scale is divided out), the gradient -A grad(log-prob) / tokens
+    is fp32's within FP16_RTOL of its scale (tests.numerics: the 2-layer model's fp16 roundings). Then a scale
+    of 2^40 overflows fp16 in backward: the step is skipped (weights untouched), the scale halves."""
+    steps, expected, inputs = precision_steps
+    (want, want_grads, _), (got, grads, built) = steps["fp32"], steps["fp16"]
+    loss, norm, lr, finite, scale, *stats = got
+    assert finite == 1.0 and scale == 2.0 ** 16 and lr == want[2]
+    assert loss == pytest.approx(expected, rel=1e-6) and want[0] == pytest.approx(expected, rel=1e-6)
+    assert dict(zip(METRICS, stats)) == dict(zip(METRICS, want[5:]))  # ratio 1: no clipping, no KL; lengths
+    assert norm == pytest.approx(want[1], rel=FP16_RTOL)
+    assert_close_to_scale(grads, want_grads, FP16_RTOL)
+    assert_overflow_is_skipped(built, inputs)
 
 
 class TransformersEngine:

@@ -7,9 +7,10 @@ hidden states go through the head, as the SFT loss does.
 """
 from __future__ import annotations
 
+import mindspore as ms
 from mindspore import nn, ops
 
-from msllm.models.layers import fits_whole
+from msllm.models.layers import cast, fits_whole
 from msllm.train.step import fused_head
 
 
@@ -33,7 +34,9 @@ class TokenLogProbs(nn.Cell):
         if self.temperature != 1.0:  # (h W^T) / T = (h / T) W^T: the head path stays the same
             h = h / self.temperature
         if self.head is None or fits_whole(h.shape[0], self.model.cfg.vocab_size):
-            logits = self.model.project(h).reshape(labels.shape[0], -1)
+            # fp32 as the cross-entropy's (layers.CausalLMLoss): an fp16 logsumexp over the vocabulary
+            # would round each log-prob to fp16 at its full magnitude
+            logits = cast(self.model.project(h), ms.float32).reshape(labels.shape[0], -1)
             lse = ops.logsumexp(logits, -1)
             target = ops.gather_elements(logits, 1, labels.reshape(-1, 1)).reshape(-1)
         else:
