@@ -282,8 +282,10 @@ def test_msllm_train_dpo_with_lora_learns_the_preferences(models, lora_run, tmp_
 def test_dpo_run_stopped_and_resumed_is_the_whole_run(lora_run, tmp_path):
     """The LoRA run stopped after step 4 (its checkpoint and metrics rows up to there) and resumed with
     --resume: steps 5..8 read the same pairs, and the step-8 adapters and optimizer state are bitwise the
-    whole run's, as are each step's gradient norm and TRL metrics. The logged loss scalar may differ in
-    float32's last bit (seen: 3e-8 at steps 6..8 with identical weights), so it is compared to 1e-6."""
+    whole run's, as are each step's loss, gradient norm and TRL metrics. (The loss differed in float32's last
+    bit at steps 6..8 while MindSpore's CPU Softplus kernel computed it: its rounding follows a thread split
+    that varies over a graph's first launches, the whole run's 6th to 15th and the resumed run's 2nd to 11th;
+    msllm.train.dpo.softplus.)"""
     import shutil
 
     from safetensors.numpy import load_file
@@ -304,7 +306,7 @@ def test_dpo_run_stopped_and_resumed_is_the_whole_run(lora_run, tmp_path):
                 if r["kind"] in ("compile", "train") and r["step"] > 4]
     whole, resumed = after_4(lora_run), after_4(stopped)
     assert [r["step"] for r in whole] == [r["step"] for r in resumed] == [5, 6, 7, 8]
-    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole], rel=1e-6)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
     for key in ("grad_norm", *METRICS):
         assert [r[key] for r in resumed[1:]] == [r[key] for r in whole[1:]], key
 
