@@ -39,8 +39,8 @@ from bench_dpo import RANK, SHAPES, TARGETS, write_model  # noqa: E402
 EOS = 2  # bench_dpo's tokenizer: </s>
 REWARD = '''
 def reward(completions, prompts=None, **columns):
-    """Rewards that differ within a group: the completion's word count modulo 5."""
-    return [float(len(c.split()) % 5) for c in completions]
+    """Rewards that differ within a group: the completion's words (token ids w<id>) with an even id."""
+    return [float(sum(w[-1] in "02468" for w in c.split())) for c in completions]
 '''
 
 
@@ -124,7 +124,7 @@ def step_msllm(args) -> dict:
     values = {"data.path": hf / "prompts.jsonl", "data.seq_len": args.prompt_len + args.new, "train.run_dir": run,
               "train.objective": "grpo", "train.steps": steps, "train.batch_size": args.prompts,
               "train.log_every": 1, "train.ckpt_every": steps, "train.sample_tokens": 0, "train.threads": args.threads,
-              "data.shuffle": "false", "optim.lr": 1e-5, "optim.warmup_steps": 0, "optim.decay": "constant",
+              "data.shuffle": "false", "optim.lr": 1e-5, "optim.min_lr": 0.0, "optim.warmup_steps": 0, "optim.decay": "constant",
               "optim.grad_clip": 1.0, "lora.rank": RANK, "lora.alpha": 2 * RANK, "lora.targets": f"[{TARGETS}]",
               "grpo.reward": f"[{hf / 'rewards.py'}:reward]", "grpo.group_size": args.group,
               "grpo.max_new_tokens": args.new, "grpo.loss_type": "dapo"}
