@@ -129,7 +129,7 @@ def step_variants(cfg, weights: dict, inputs: list, **variants) -> dict:
     for name, train in variants.items():
         varied = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
         built = build_train_step(varied, wrap_optimizer=Recorded,
-                                 load_weights=lambda params: checkpoint.load_into(params, weights, "the test's weights"))
+                                 load_weights=lambda params: checkpoint.load_into(params, weights, "the weights"))
         *outs, stats = built.train_step(*(ms.Tensor(x) for x in inputs))
         out[name] = ([float(x.asnumpy()) for x in outs] + stats.asnumpy().tolist(),
                      built.train_step.optimizer.gradients(), built)

@@ -346,9 +346,9 @@ def test_grpo_loop_skips_overflow_steps_and_stops_as_sft(policy, reward_file, pr
     from msllm.cli import main
 
     run = tmp_path / "run"
-    args = grpo_args(policy, prompt_rows, run, **{"grpo.reward": f"[{reward_file}:length]", "grpo.reward_weights": "[1.0]",
-                                                  "train.precision": "fp16", "train.loss_scale": 2.0 ** 40,
-                                                  "train.max_bad_steps": 2})
+    args = grpo_args(policy, prompt_rows, run, **{"grpo.reward": f"[{reward_file}:length]",
+                                                  "grpo.reward_weights": "[1.0]", "train.precision": "fp16",
+                                                  "train.loss_scale": 2.0 ** 40, "train.max_bad_steps": 2})
     assert main([str(a) for a in args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "2 consecutive non-finite steps (last at step 2)" in err[-1] and "--resume" in err[-1]

@@ -124,7 +124,8 @@ def step_msllm(args) -> dict:
     values = {"data.path": hf / "prompts.jsonl", "data.seq_len": args.prompt_len + args.new, "train.run_dir": run,
               "train.objective": "grpo", "train.steps": steps, "train.batch_size": args.prompts,
               "train.log_every": 1, "train.ckpt_every": steps, "train.sample_tokens": 0, "train.threads": args.threads,
-              "data.shuffle": "false", "optim.lr": 1e-5, "optim.min_lr": 0.0, "optim.warmup_steps": 0, "optim.decay": "constant",
+              "data.shuffle": "false", "optim.lr": 1e-5, "optim.min_lr": 0.0, "optim.warmup_steps": 0,
+              "optim.decay": "constant",
               "optim.grad_clip": 1.0, "lora.rank": RANK, "lora.alpha": 2 * RANK, "lora.targets": f"[{TARGETS}]",
               "grpo.reward": f"[{hf / 'rewards.py'}:reward]", "grpo.group_size": args.group,
               "grpo.max_new_tokens": args.new, "grpo.loss_type": "dapo"}
@@ -202,7 +203,8 @@ def report(args, results: dict) -> str:
         runs = {v: r for (p, v), r in results.items() if p == part}
         if not runs:
             continue
-        lines += [f"## ({'a' if part == 'rollout' else 'b'}) {'rollout generation' if part == 'rollout' else 'a whole GRPO step'}",
+        title = "(a) rollout generation" if part == "rollout" else "(b) a whole GRPO step"
+        lines += [f"## {title}",
                   "", f"| variant | {unit} | vs {base} | peak RSS MB | first call s |", "|---|---|---|---|---|"]
         key = "tokens_per_s" if part == "rollout" else "step_s"
         value = {v: statistics.median(r[key] for r in rs) for v, rs in runs.items() if all(key in r for r in rs)}

@@ -150,8 +150,11 @@ def fit_grpo(trainer) -> dict:
         loss, norm, lr, finite, scale, stats = trainer.train_step(*rollout["inputs"])
         loss = float(loss.asnumpy())
         read = -(-(step - trainer.start_step) // every) * prompts  # prompts read so far (a checkpoint's position)
-        bad_run = 0 if bool(finite.asnumpy()) else trainer.skip_update(step, loss, bad_run + 1, scale,
-                                                                       rollout["inputs"][0], trainer.data_position + read)
+        if bool(finite.asnumpy()):
+            bad_run = 0
+        else:
+            bad_run = trainer.skip_update(step, loss, bad_run + 1, scale, rollout["inputs"][0],
+                                          trainer.data_position + read)
         last = {"kind": "train", "step": step, "loss": loss, "lr": float(lr.asnumpy()),
                 "grad_norm": float(norm.asnumpy()), **rollout["metrics"], "step_s": time.perf_counter() - t0,
                 "loss_scale": float(scale.asnumpy()), "skipped_steps": trainer.skipped,

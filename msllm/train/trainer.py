@@ -282,7 +282,8 @@ class Trainer:
         if stopping:
             path = self.save(step, data_position)
             self.report_checkpoints(wait=True, final=step)
-            where = f"; where it started: {self.run_dir / nonfinite.REPORT_DIR / nonfinite.REPORT_FILE}" if located else ""
+            report = self.run_dir / nonfinite.REPORT_DIR / nonfinite.REPORT_FILE
+            where = f"; where it started: {report}" if located else ""
             raise NonFiniteError(
                 f"{bad_run} consecutive non-finite steps (last at step {step}); checkpoint {path}{where}. "
                 f"Lower optim.lr, raise optim.warmup_steps or tighten optim.grad_clip, or use "
