@@ -16,9 +16,14 @@ adamw_step_bound, never with a fixed atol.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import mindspore as ms
 import numpy as np
 
 from interop.verify_train import RecordGradients
+from msllm import checkpoint
+from msllm.train.build import build_train_step
 
 U32 = 2.0 ** -24                  # fp32 unit roundoff
 U16 = 2.0 ** -11                  # fp16 unit roundoff
@@ -114,3 +119,31 @@ def decoder_rtol(m, tokens: int, seq: int) -> tuple[float, float]:
     tensor's own scale (max|g|, as assert_close_to_scale)."""
     forward, backward = decoder_path_terms(m, tokens, seq)
     return 2 * forward * U32, 2 * backward * U32
+
+
+def step_variants(cfg, weights: dict, inputs: list, **variants) -> dict:
+    """One compiled step of cfg's objective on `inputs` for each variant (name -> train.* overrides:
+    precision, recompute, ...), each on a new model holding `weights`: name -> (outputs as floats: loss, grad
+    norm, lr, finite, loss scale, then the loss cell's statistics; the gradients applied; the Built step)."""
+    out = {}
+    for name, train in variants.items():
+        varied = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+        built = build_train_step(varied, wrap_optimizer=Recorded,
+                                 load_weights=lambda params: checkpoint.load_into(params, weights, "the weights"))
+        *outs, stats = built.train_step(*(ms.Tensor(x) for x in inputs))
+        out[name] = ([float(x.asnumpy()) for x in outs] + stats.asnumpy().tolist(),
+                     built.train_step.optimizer.gradients(), built)
+    return out
+
+
+def assert_overflow_is_skipped(built, inputs: list) -> None:
+    """An fp16 step (`built`, build_train_step's) at a loss scale of 2^40, whose gradients overflow fp16 in
+    backward: reported non-finite, weights and optimizer state untouched, the scale halved."""
+    scaler = built.train_step.loss_scaler
+    scaler.scale_value.set_data(ms.Tensor(2.0 ** 40, ms.float32))
+    before = weights(built.model.trainable_params() + built.optimizer.state_parameters())
+    _, _, lr, finite, scale, *_ = built.train_step(*(ms.Tensor(x) for x in inputs))
+    assert (bool(finite.asnumpy()), float(scale.asnumpy()), float(lr.asnumpy())) == (False, 2.0 ** 40, 0.0)
+    assert float(scaler.scale_value.asnumpy()) == 2.0 ** 39
+    after = weights(built.model.trainable_params() + built.optimizer.state_parameters())
+    assert all(np.array_equal(before[n], after[n]) for n in before)

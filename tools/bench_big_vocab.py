@@ -155,12 +155,30 @@ def spawn(variant: str, kind: str, args, hf: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--kind", kind, "--hf", str(hf), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--rank", str(args.rank),
            "--shape", args.shape]
-    env = {**os.environ, "GLOG_v": "3", "PYTHONPATH": side}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=side)
+    return run_worker(cmd, side)
+
+
+def run_worker(cmd: list, side: str) -> dict:
+    """A worker process (cmd) run with PYTHONPATH and cwd on the checkout `side`: its print_result line, or
+    {"error": the last line of its stderr}."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3", "PYTHONPATH": side},
+                          cwd=side)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
     return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+
+
+def alternate(variants: list, rounds: int, run) -> dict:
+    """variant -> [run(variant) of each round], the variants run in turn, their order flipped every round
+    (a drift of the machine's speed then falls on each side alike)."""
+    results = {}
+    for round_ in range(rounds):
+        for variant in variants if round_ % 2 == 0 else variants[::-1]:
+            r = results.setdefault(variant, [])
+            r.append(run(variant))
+            print(round_, variant, json.dumps({k: v for k, v in r[-1].items() if not k.endswith("_times")}), flush=True)
+    return results
 
 
 def print_result(result: dict) -> int:

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_big_vocab import print_result, provenance, save, time_steps  # noqa: E402
+from bench_big_vocab import alternate, print_result, provenance, run_worker, save, time_steps  # noqa: E402
 
 SHAPES = {
     "W1": dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
@@ -43,9 +41,9 @@ SHAPES = {
 RANK, TARGETS = 8, "q,k,v,o"
 
 
-def write_inputs(shape: str, out: Path, pairs: int, seq: int) -> None:
-    """The HF model, the tokenizer and pairs.jsonl in `out`."""
-    import numpy as np
+def write_model(shape: str, out: Path):
+    """The HF model (random weights, seed 0) and its word-level tokenizer in `out`; -> text(n, rng): n
+    random words, each one token."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -58,8 +56,16 @@ def write_inputs(shape: str, out: Path, pairs: int, seq: int) -> None:
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>").save_pretrained(out)
+    return lambda n, rng: " ".join(f"w{i}" for i in rng.integers(3, vocab, n))
+
+
+def write_inputs(shape: str, out: Path, pairs: int, seq: int) -> None:
+    """The HF model, the tokenizer and pairs.jsonl in `out`."""
+    import numpy as np
+
+    words = write_model(shape, out)
     rng = np.random.default_rng(0)
-    text = lambda n: " ".join(f"w{i}" for i in rng.integers(3, vocab, n))  # noqa: E731
+    text = lambda n: words(n, rng)  # noqa: E731
     rows = []
     for _ in range(pairs):
         prompt = int(rng.integers(64, 129))
@@ -151,12 +157,7 @@ def spawn(variant: str, args, hf: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--hf", str(hf), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--pairs", str(args.pairs),
            "--seq", str(args.seq), "--shared-seq", str(args.shared_seq)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3", "PYTHONPATH": side},
-                          cwd=side)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return run_worker(cmd, side)
 
 
 def report(args, results: dict) -> str:
@@ -203,15 +204,10 @@ def main(argv=None) -> int:
         return print_result(worker_msllm(args) if args.worker.startswith("msllm") else worker_trl(args))
     variants = [v for v in args.variants.split(",") if v != "msllm-before" or args.before]
     args.before = args.before or args.after
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         write_inputs(args.shape, Path(tmp), args.pairs, args.seq)
         args.shared_seq = shared_row_length(Path(tmp) / "pairs.jsonl")
-        for round_ in range(args.rounds):
-            for variant in variants if round_ % 2 == 0 else variants[::-1]:
-                r = spawn(variant, args, Path(tmp))
-                results.setdefault(variant, []).append(r)
-                print(round_, variant, json.dumps({k: v for k, v in r.items() if k != "step_times"}), flush=True)
+        results = alternate(variants, args.rounds, lambda variant: spawn(variant, args, Path(tmp)))
     text = report(args, results)
     print(text)
     save(args.out, f"dpo-{args.shape}", text, {"args": vars(args), "results": results})

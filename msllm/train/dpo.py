@@ -43,6 +43,15 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected")
 
 
+def softplus(x):
+    """log(1 + e^x) by log1p and exp (x itself beyond 20, where they agree in fp32): MindSpore 2.10's CPU
+    Softplus and Log kernels round an element differently by how a launch splits the elements over threads,
+    which a timed search varies over a graph's first ~15 launches, so a step's loss would differ in the last
+    bit between a run and its resume. (Not relu(x) + log1p(e^-|x|): its gradient at x = 0, where every DPO
+    run starts, is 0.)"""
+    return ops.select(x > 20.0, x, ops.log1p(ops.exp(ops.minimum(x, 20.0))))
+
+
 class PairLogProbs(nn.Cell):
     """A micro-batch's pairs -> their completions' summed log-probs [b, 2] fp32 (chosen, rejected), and
     the completions' masks [b, 2, s]. Two rows a pair: (tokens [b, 2, s+1], mask [b, 2, s][, rows]); one
@@ -121,7 +130,7 @@ class DPOLoss(nn.Cell):
         else:
             margin = self.beta * (ratios[:, 0] - ratios[:, 1])
             # -log sigmoid(x) = softplus(-x)
-            losses = (1.0 - self.smoothing) * ops.softplus(-margin) + self.smoothing * ops.softplus(margin)
+            losses = (1.0 - self.smoothing) * softplus(-margin) + self.smoothing * softplus(margin)
         rewards = ops.stop_gradient(self.beta * ratios)
         chosen, rejected = rewards[:, 0], rewards[:, 1]
         logps = ops.stop_gradient(logps)

@@ -140,7 +140,7 @@ def fit_grpo(trainer) -> dict:
     split = f", {trainer.samples_per_step} on each of {trainer.replicas} workers" if trainer.replicas > 1 else ""
     info(f"grpo: {t.steps - trainer.start_step} steps on {batches} rollout batches of {prompts} prompts{split} x "
          f"{g.group_size} completions (up to {g.max_new_tokens} tokens), rewards {', '.join(rewards)}")
-    last, rollout = {}, {}
+    last, rollout, bad_run = {}, {}, 0
     heartbeat = Heartbeat(t.hang_timeout_s, trainer.rank)  # under msllm launch: its hang watchdog reads it
     heartbeat.beat(trainer.start_step)
     for step in range(trainer.start_step + 1, t.steps + 1):
@@ -149,18 +149,22 @@ def fit_grpo(trainer) -> dict:
             rollout = roll_out(trainer, engine, generator, order, rewards, weights, eos, step)
         loss, norm, lr, finite, scale, stats = trainer.train_step(*rollout["inputs"])
         loss = float(loss.asnumpy())
+        read = -(-(step - trainer.start_step) // every) * prompts  # prompts read so far (a checkpoint's position)
+        if bool(finite.asnumpy()):
+            bad_run = 0
+        else:
+            bad_run = trainer.skip_update(step, loss, bad_run + 1, scale, rollout["inputs"][0],
+                                          trainer.data_position + read)
         last = {"kind": "train", "step": step, "loss": loss, "lr": float(lr.asnumpy()),
                 "grad_norm": float(norm.asnumpy()), **rollout["metrics"], "step_s": time.perf_counter() - t0,
+                "loss_scale": float(scale.asnumpy()), "skipped_steps": trainer.skipped,
                 **dict(zip(METRICS, map(float, stats.asnumpy())))}
-        if not bool(finite.asnumpy()):
-            trainer.skipped += 1
         trainer.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  reward {last['reward']:.3f} "
                                   f"(std {last['reward_std']:.3f})  length {last['completions/mean_length']:.1f}  "
                                   f"clip {last['clip_ratio/region_mean']:.2%}  "
                                   f"{last['rollout_tokens_per_s']:,.0f} rollout tok/s")
         heartbeat.beat(step, None if step == trainer.start_step + 1 else last["step_s"])
         if step % t.ckpt_every == 0 or step == t.steps:
-            read = -(-(step - trainer.start_step) // every) * prompts
             trainer.save(step, data_position=trainer.data_position + read)
             heartbeat.beat(step)
     trainer.report_checkpoints(wait=True, final=t.steps)

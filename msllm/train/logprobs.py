@@ -7,9 +7,10 @@ hidden states go through the head, as the SFT loss does.
 """
 from __future__ import annotations
 
+import mindspore as ms
 from mindspore import nn, ops
 
-from msllm.models.layers import fits_whole
+from msllm.models.layers import cast, fits_whole
 from msllm.train.step import fused_head
 
 
@@ -34,12 +35,14 @@ class TokenLogProbs(nn.Cell):
         if self.temperature != 1.0:  # (h W^T) / T = (h / T) W^T: the head path stays the same
             h = h / self.temperature
         if self.head is None or fits_whole(h.shape[0], self.model.cfg.vocab_size):
-            logits = self.model.project(h).reshape(labels.shape[0], -1)
-            lse = ops.logsumexp(logits, -1)
-            target = ops.gather_elements(logits, 1, labels.reshape(-1, 1)).reshape(-1)
+            # fp32 as the cross-entropy's (layers.CausalLMLoss): an fp16 log-softmax would round each log-prob
+            # at its full magnitude. LogSoftmax, not logsumexp: MindSpore 2.10's CPU Log kernel rounds by how a
+            # launch splits it over threads, which varies over a graph's first launches (a resume would differ)
+            logits = cast(self.model.project(h), ms.float32).reshape(labels.shape[0], -1)
+            logps = ops.gather_elements(ops.log_softmax(logits, -1), 1, labels.reshape(-1, 1)).reshape(-1)
         else:
             lse, target = self.head(h, self.model.head_weight(), labels)
-        logps = target - lse
+            logps = target - lse
         if gathered:  # back in place (the rows are distinct: the scatter's gradient is the gather)
             logps = ops.scatter_nd(rows.reshape(-1, 1), logps, (count,))
         return logps.reshape(tokens.shape[0], -1)

@@ -263,6 +263,34 @@ class Trainer:
                                  f"warning: checkpoint of step {w.step} not written: {w.error}. Training goes on; "
                                  f"the next checkpoint tries again")
 
+    def skip_update(self, step: int, loss: float, bad_run: int, scale, tokens, data_position=None) -> int:
+        """A step whose gradients were not finite (fp16 overflow, or a NaN / Inf): the step left the weights
+        and optimizer as they were (and lowered the loss scale); logged and counted here. bad_run: the
+        consecutive such steps, this one included (returned). train.max_bad_steps of them stop the run
+        with a checkpoint (data_position: as for save) and NonFiniteError."""
+        t = self.cfg.train
+        self.skipped += 1
+        scaler = self.train_step.loss_scaler
+        info(f"step {step}: non-finite gradients (loss {loss}); update skipped"
+             + (f", loss scale now {float(scaler.scale_value.asnumpy()):g}" if scaler is not None else ""))
+        stopping = bad_run >= t.max_bad_steps
+        # rank 0 locates the first one by an eager re-run: one process (no cp group) re-running LossCell on
+        # next-token batches, not DPO's or GRPO's loss
+        located = self.cfg.parallel.cp == 1 and t.objective not in ("dpo", "grpo")
+        if self.rank == 0 and located and self.nonfinite_report is None and (t.debug_nonfinite or stopping):
+            self.nonfinite_report = nonfinite.report(self.run_dir, step, self.model, tokens.asnumpy(),
+                                                     float(scale.asnumpy()), self.cfg, t.accum_steps)
+        if stopping:
+            path = self.save(step, data_position)
+            self.report_checkpoints(wait=True, final=step)
+            report = self.run_dir / nonfinite.REPORT_DIR / nonfinite.REPORT_FILE
+            where = f"; where it started: {report}" if located else ""
+            raise NonFiniteError(
+                f"{bad_run} consecutive non-finite steps (last at step {step}); checkpoint {path}{where}. "
+                f"Lower optim.lr, raise optim.warmup_steps or tighten optim.grad_clip, or use "
+                f"train.precision=fp32, then resume with --resume {self.run_dir}")
+        return bad_run
+
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         remaining = t.steps - self.start_step
@@ -307,28 +335,7 @@ class Trainer:
                 self.metrics.log({"kind": "compile", "step": step, "first_step_s": compile_s, "loss": loss},
                                  f"step {step}: first step (compile + run) {compile_s:.1f}s, loss {loss:.4f}")
                 window_t, window_steps = time.perf_counter(), 0
-            if bool(finite.asnumpy()):
-                bad_run = 0
-            else:
-                bad_run += 1
-                self.skipped += 1
-                info(f"step {step}: non-finite gradients (loss {loss}); update skipped"
-                     + (f", loss scale now {float(self.train_step.loss_scaler.scale_value.asnumpy()):g}"
-                        if self.train_step.loss_scaler is not None else ""))
-                stopping = bad_run >= t.max_bad_steps
-                if self.rank == 0 and self.nonfinite_report is None and (t.debug_nonfinite or stopping) \
-                        and cfg.parallel.cp == 1 and t.objective != "dpo":
-                    # the eager re-run is one process (no cp group) and re-runs LossCell, not DPO's loss
-                    self.nonfinite_report = nonfinite.report(self.run_dir, step, self.model, batch[0].asnumpy(),
-                                                             float(scale.asnumpy()), cfg, t.accum_steps)
-                if stopping:
-                    path = self.save(step)
-                    self.report_checkpoints(wait=True, final=step)
-                    raise NonFiniteError(
-                        f"{bad_run} consecutive non-finite steps (last at step {step}); checkpoint {path}; where "
-                        f"it started: {self.run_dir / nonfinite.REPORT_DIR / nonfinite.REPORT_FILE}. "
-                        f"Lower optim.lr, raise optim.warmup_steps or tighten optim.grad_clip, or use "
-                        f"train.precision=fp32, then resume with --resume {self.run_dir}")
+            bad_run = 0 if bool(finite.asnumpy()) else self.skip_update(step, loss, bad_run + 1, scale, batch[0])
             if window_steps and (step % t.log_every == 0 or step == t.steps):
                 dt = time.perf_counter() - window_t
                 tps = window_steps * tokens_per_step / dt
