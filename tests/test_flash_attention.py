@@ -383,8 +383,9 @@ def test_converted_128k_context_is_kept_and_costs_nothing_until_used():
     held = sum(int(np.prod(t.shape)) for t in (model.inv_freq, model.kind_windows))
     assert held < 100  # [kinds, head_dim / 2] frequencies, not [131072, head_dim] tables
     t = 8
-    cache = [Tensor(np.zeros((1, 1, cfg.num_kv_heads, t, cfg.head_size), np.float32)) for _ in range(2)]
-    near, far = (model(Tensor(np.array([[5, 6, 7]], np.int32)), *cache, Tensor([0], ms.int32), Tensor([-start], ms.int32))[0]
+    cache = [Tensor(np.zeros(shape, np.float32)) for shape in cfg.cache_shapes(1, t)]
+    forward = CachedForward(model)
+    near, far = (forward(Tensor(np.array([[5, 6, 7]], np.int32)), *cache, Tensor([0], ms.int32), Tensor([-start], ms.int32))[0]
                  for start in (0, 100000))
     np.testing.assert_allclose(far.asnumpy(), near.asnumpy(), rtol=1e-3, atol=1e-4)
     cos, sin = model.rope_at(0, Tensor(np.array([100000, 131071], np.int32)))
