@@ -44,7 +44,7 @@ def logits_np(model, ids, segments=None):
     if segments is None:
         return model(ids).asnumpy()[0]
     seg = np.asarray([segments], np.int32)
-    return model(ids, None, None, None, None, Tensor(seg), Tensor(sft.positions(seg))).asnumpy()[0]
+    return model(ids, None, None, None, Tensor(seg), Tensor(sft.positions(seg))).asnumpy()[0]
 
 
 def test_packed_samples_equal_the_samples_run_one_by_one(eager):
