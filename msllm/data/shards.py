@@ -42,12 +42,17 @@ def build_shard(cfg: Config, out_dir: Path) -> Path:
                             f"model's tokenizer (train.init_from)")
         tokenizer_json = Path(d.tokenizer).expanduser()
         prompts.read_prompts(Path(d.path).expanduser(), tokenizer_json, d.seq_len, cfg.grpo.max_new_tokens)
-        make_dir(out_dir.parent, "train.run_dir")
+        sides = {side: tokenizer_json.with_name(side).read_bytes() for side in
+                 ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if tokenizer_json.with_name(side).is_file()}
+        index = {"kind": "prompts", "source": str(d.path)}
+        if (out_dir / INDEX).is_file() and read_index(out_dir) == index and all(
+                (out_dir / side).is_file() and (out_dir / side).read_bytes() == data for side, data in sides.items()):
+            return out_dir  # already in place (rank 0's copy, or a run resumed): replacing it would pull the
+        make_dir(out_dir.parent, "train.run_dir")  # tokenizer from under another rank reading it
         with staged_dir(out_dir, need=2 * tokenizer_json.stat().st_size, then="free space, then run again") as tmp:
-            for side in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-                if tokenizer_json.with_name(side).is_file():
-                    (tmp / side).write_bytes(tokenizer_json.with_name(side).read_bytes())
-            (tmp / INDEX).write_text(json.dumps({"kind": "prompts", "source": str(d.path)}))
+            for side, data in sides.items():
+                (tmp / side).write_bytes(data)
+            (tmp / INDEX).write_text(json.dumps(index))
         return out_dir
     if cfg.train.objective == "dpo":
         if d.path and Path(d.path).expanduser().suffix == ".jsonl":
