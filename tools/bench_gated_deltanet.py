@@ -16,10 +16,8 @@ between the frameworks; what the first steps allocated and kept, as MindSpore's 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_big_vocab import print_result, provenance, save  # noqa: E402
+from bench_big_vocab import alternate, print_result, provenance, run_worker, save  # noqa: E402
 
 SHAPES = {  # Qwen3.5's linear layers: 16 key heads of 128 (its 9B: 32 value heads; here as many as key heads)
     "qwen3.5": dict(hidden=2048, key_heads=16, value_heads=16, key_dim=128, value_dim=128, seq=16384),
@@ -135,12 +133,7 @@ def spawn(variant: str, args) -> dict:
     side = args.before if variant.startswith("msllm-before") else args.after
     cmd = [sys.executable, __file__, "--worker", variant, "--shape", args.shape, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3", "PYTHONPATH": side},
-                          cwd=side)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return run_worker(cmd, side)
 
 
 def report(args, results: dict) -> str:
@@ -193,12 +186,7 @@ def main(argv=None) -> int:
         return print_result(worker_msllm(args, kernel=args.worker.endswith("kernel")))
     variants = [v for v in args.variants.split(",") if not v.startswith("msllm-before") or args.before]
     args.before = args.before or args.after
-    results = {}
-    for round_ in range(args.rounds):
-        for variant in variants if round_ % 2 == 0 else variants[::-1]:
-            r = spawn(variant, args)
-            results.setdefault(variant, []).append(r)
-            print(round_, variant, json.dumps({k: v for k, v in r.items() if k != "step_times"}), flush=True)
+    results = alternate(variants, args.rounds, lambda variant: spawn(variant, args))
     text = report(args, results)
     print(text)
     save(args.out, f"gated-deltanet-{args.shape}", text, {"args": vars(args), "results": results})
