@@ -212,8 +212,6 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
                  "are laid out on data parallel only)", "model.mtp_loss_weight")
         need(t.objective == "auto", "train.objective", "dpo and grpo take no MTP loss: set model.mtp_loss_weight 0",
              "model.mtp_loss_weight")
-        need(not packed_samples(cfg), "data.path", "packed samples (SFT rows, data.document_attention) take no MTP "
-             "loss yet: its look-ahead would cross samples; set model.mtp_loss_weight 0", "model.mtp_loss_weight")
     if m.mlp_types is not None:
         need(len(m.mlp_types) == m.num_layers, "model.mlp_types",
              f"needs one entry per layer ({m.num_layers}), got {len(m.mlp_types)}", "model.num_layers")

@@ -211,6 +211,42 @@ def test_mtp_loss_and_gradients_equal_torch(checkpoint):
             np.testing.assert_allclose(got.numpy(), theirs[name].numpy(), atol=2e-5 * scale, err_msg=name)
 
 
+def test_packed_row_mtp_loss_is_its_samples_run_one_by_one(checkpoint):
+    """SFT samples packed in one row (msllm.data.sft.pack: prompt tokens unlearnt, segments, positions restarting)
+    give the DeepSeek-V3 model with two MTP depths the main and per-depth losses of the same samples each in a
+    row of its own (causal from position 0, no segments; the shorter padded after its end, unlearnt): a target
+    k + 1 ahead that lies in the next sample counts nowhere, and no depth attends across samples."""
+    from msllm.data.sft import pack, positions
+    from msllm.train.step import LossCell
+
+    root = checkpoint[0]
+    device.setup("cpu", "pynative")
+    cfg, model, _, _ = load_model(root / "ms")
+    model.cfg = dataclasses.replace(cfg.model, mtp_loss_weight=WEIGHT)
+    cell = LossCell(model)
+    rng = np.random.default_rng(5)
+    samples = [(rng.integers(3, 300, n).tolist(), [0] * p + [1] * (n - p)) for n, p in ((8, 2), (6, 1))]
+
+    def losses(tokens, mask, segments=None):
+        """(main loss, depth losses [2]): each a mean over the batch's learnt targets."""
+        extra = () if segments is None else (Tensor(segments), Tensor(positions(segments)))
+        loss, _, depth = cell(Tensor(tokens), Tensor(1.0, ms.float32), Tensor(mask.astype(np.float32)), *extra)
+        depth = depth.asnumpy().astype(np.float64)
+        return float(loss.asnumpy()) - WEIGHT * depth.mean(), depth
+
+    tokens, mask, segments = pack(samples, 13, 0)
+    assert tokens.shape == (1, 14) and segments.max() == 2  # one row holding both samples
+    packed = losses(tokens, mask, segments.astype(np.int32))
+    rows, learnt = np.zeros((2, 8), np.int32), np.zeros((2, 7), np.float32)
+    for r, (ids, resp) in enumerate(samples):  # the label of input j is token j + 1
+        rows[r, :len(ids)], learnt[r, :len(ids) - 1] = ids, resp[1:]
+    main, depths = losses(rows, learnt)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    assert packed[0] == pytest.approx(main, rel=2e-5)
+    np.testing.assert_allclose(packed[1], depths, rtol=2e-5)
+    assert min(depths) > 4.0  # a random model: each depth's loss ~ ln(300)
+
+
 def test_glm4_moe_mtp_layer_converts_both_ways_and_trains_as_torch(tmp_path):
     """GLM-4.5 names its MTP layer as DeepSeek-V3 does (layer L, enorm / hnorm / eh_proj / shared_head and the
     copies) around its own decoder layer (GQA with biases, partial RoPE): HF -> msllm -> HF is bitwise and the
@@ -348,8 +384,6 @@ def test_training_logs_each_depths_loss_and_the_sequence_balance_loss(tmp_path, 
 
 @pytest.mark.parametrize("sets, key, why", [
     (["model.mtp_loss_weight=0.3"], "model.mtp_loss_weight", "needs model.mtp_depths in [1"),
-    (["model.mtp_depths=1", "model.mtp_loss_weight=0.3", "data.document_attention=true"], "data.path",
-     "look-ahead would cross samples"),
     (["model.mtp_depths=1", "model.mtp_loss_weight=0.3", "parallel.tp=2"], "parallel.tp", "MTP blocks"),
     (["model.num_experts=4", "model.router_seq_aux_loss_coef=0.001", "parallel.cp=2"], "parallel.cp",
      "the loss needs it whole")])

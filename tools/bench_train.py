@@ -17,6 +17,8 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
                                                          # the workload's shape as Qwen3 / Gemma 3 (their spec)
     python tools/bench_train.py --family mixtral --moe-capacity 0,1.25 --variants msllm-graph,torch-eager,torch-compile
                                                          # 8 experts top-2: dropless and capacity dispatch
+    python tools/bench_train.py --family gpt_oss --variants msllm-graph,torch-eager,torch-compile
+                                                         # sinks, alternating windows, 4 experts top-2
 
 --ab builds both msllm steps in one process and alternates them (--rounds rounds of
 --steps-per-round steps each, the order flipped every round), so a machine that drifts
@@ -67,6 +69,11 @@ FAMILIES = {
         "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
         "moe_intermediate_size": lambda w: w["ffn"] // 4, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}),
+    # gpt-oss: every MLP 4 experts of the workload's ffn (top 2, biased router and experts, clamped SwiGLU),
+    # a sink logit per head, sliding (half the sequence) and full layers alternating, YaRN as published
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": lambda w: w["hidden"] // w["heads"], "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": lambda w: w["seq"] // 2}),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
         "head_dim": lambda w: w["hidden"] // w["heads"], "linear_num_key_heads": lambda w: w["heads"] // 2,
         "linear_num_value_heads": lambda w: w["heads"], "linear_key_head_dim": lambda w: w["hidden"] // w["heads"],

@@ -252,15 +252,17 @@ class Decoder(nn.Cell):
         h, _, loads = self.decode(input_ids, None, None, None, segments, positions)
         return self.norm(h), loads
 
-    def predict_ahead(self, h, tokens):
+    def predict_ahead(self, h, tokens, segments=None, positions=None):
         """Multi-token prediction in training: h the final-normed states [b*s, hidden] of tokens[:, :-1]
         (tokens [b, s+1]) -> for each depth k = 1, 2, .. its final-normed states [b*s, hidden], whose targets
         are tokens[:, k+1:] at the first s - k positions of each row (mtp_targets). Every depth computes all s
         positions with the tables of the last layer's kind, as its blocks are built like that layer (and
         share its compiled graph); the last k - 1 take id 0 as the token k ahead, past the window: attention
-        is causal, so the positions with a target never see them."""
+        is causal, so the positions with a target never see them. Packed samples (segments, positions [b, s])
+        attend within their own sample as in the layers; a position whose token k ahead lies in the next
+        sample mixes it in, but has no target (mtp_targets), and no position with one attends to it."""
         b, s = tokens.shape[0], tokens.shape[1] - 1
-        cos, sin, mask = self.tables(self.layer_kind[-1], b, s, s, None, None, None, None)
+        cos, sin, mask = self.tables(self.layer_kind[-1], b, s, s, None, None, segments, positions)
         ahead = ()
         for i, depth in enumerate(self.mtp):
             ids = tokens[:, i + 1:]                                              # the token i + 1 ahead
@@ -376,13 +378,20 @@ def init_weights(model: Decoder, seed: int) -> None:
         p.set_data(Tensor(value))
 
 
-def mtp_targets(tokens, k: int):
+def mtp_targets(tokens, k: int, mask=None, segments=None):
     """Depth k's targets of tokens [b, s+1]: labels [b*s], the token k + 1 ahead of each position (0 past the
-    window), and mask [b*s] fp32, 1 at the s - k positions that have one."""
+    window), and mask [b*s] fp32, 1 at the s - k positions that have one. With the next-token mask [b, s]
+    (SFT's response labels), position j has one where the label of j + k is learnt, and with segments [b, s]
+    (packed samples) where j + k is also in j's sample: no target crosses into the next sample."""
     b, s = tokens.shape[0], tokens.shape[1] - 1
     labels = ops.concat((tokens[:, k + 1:], ops.zeros((b, k), tokens.dtype)), 1)
-    mask = (ops.arange(0, s, dtype=ms.int32) < s - k).astype(ms.float32)
-    return labels.reshape(-1), ops.broadcast_to(mask.reshape(1, s), (b, s)).reshape(-1)
+    if mask is None:
+        ahead = (ops.arange(0, s, dtype=ms.int32) < s - k).astype(ms.float32)
+        return labels.reshape(-1), ops.broadcast_to(ahead.reshape(1, s), (b, s)).reshape(-1)
+    ahead = cast(mask[:, k:], ms.float32)
+    if segments is not None:
+        ahead = ahead * (segments[:, k:] == segments[:, :-k]).astype(ms.float32)
+    return labels.reshape(-1), ops.concat((ahead, ops.zeros((b, k), ms.float32)), 1).reshape(-1)
 
 
 # The name the decoder had when Llama was its only family.

@@ -79,7 +79,7 @@ class LossCell(nn.Cell):
     def construct(self, tokens, scale, mask=None, segments=None, positions=None, rows=None):
         labels = self.model.local_tokens(tokens[:, 1:]).reshape(-1)
         h, loads = self.model.features(tokens[:, :-1], segments, positions)
-        states = h
+        states, packed_mask = h, mask
         count = None
         if mask is not None:
             mask = self.model.local_tokens(mask).reshape(-1)
@@ -94,8 +94,8 @@ class LossCell(nn.Cell):
             stats += (self.extra.stats(loads),)
         if self.mtp_weight > 0:
             depth_losses = ()
-            for i, ahead in enumerate(self.model.predict_ahead(states, tokens)):
-                depth_losses += (self.next_token_loss(ahead, *mtp_targets(tokens, i + 1)),)
+            for i, ahead in enumerate(self.model.predict_ahead(states, tokens, segments, positions)):
+                depth_losses += (self.next_token_loss(ahead, *mtp_targets(tokens, i + 1, packed_mask, segments)),)
             depth_losses = ops.stack(depth_losses)
             loss = loss + self.mtp_weight * ops.mean(depth_losses)
             stats += (ops.stop_gradient(depth_losses),)
