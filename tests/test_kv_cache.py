@@ -72,6 +72,26 @@ def test_padded_batch_equals_each_prompt_alone():
 SLIDING = dataclasses.replace(CFG, sliding_window=4, layer_types=["sliding", "full"])
 
 
+def decode_rows(cfg):
+    """Prompts of 8 and 3 tokens (left-padded to 16, beyond the window) and the 3 tokens fed after each."""
+    rng = np.random.default_rng(6)
+    return [rng.integers(0, cfg.vocab_size, n).tolist() for n in (11, 6)]
+
+
+def decodes_as_the_full_forward(model, rows, piece: int):
+    """The engine prefills rows[:-3] (in calls of `piece` tokens; 0: one call) and decodes two of the last three
+    tokens: asserts every step's logits are the full forward's; returns the engine."""
+    fulls = [model(ms.Tensor(np.array([r], np.int32))).asnumpy()[0] for r in rows]
+    engine = cell_engine(model)
+    engine.tokens_per_call = piece
+    steps = [engine.start([r[:-3] for r in rows], 3)] + [engine.step([r[k] for r in rows]) for k in (-3, -2)]
+    for row, r in enumerate(rows):
+        atol = REORDER_RTOL * np.abs(fulls[row]).max()
+        for k, got in enumerate(steps):
+            np.testing.assert_allclose(got[row], fulls[row][len(r) - 4 + k], atol=atol, err_msg=f"piece {piece}")
+    return engine
+
+
 def test_a_sliding_layer_keeps_only_its_window_in_a_ring():
     """Prompts of 8 and 3 tokens (left-padded to 16, beyond the window) prefilled in one call or in calls of
     3 tokens that wrap the ring, then decode steps: every step's logits are the full forward's, the
@@ -80,18 +100,10 @@ def test_a_sliding_layer_keeps_only_its_window_in_a_ring():
     device.setup("cpu", "pynative")
     model = build_model(SLIDING, seed=4)
     model.set_train(False)
-    rng = np.random.default_rng(6)
-    rows = [rng.integers(0, SLIDING.vocab_size, n).tolist() for n in (11, 6)]
-    fulls = [model(ms.Tensor(np.array([r], np.int32))).asnumpy()[0] for r in rows]
+    rows = decode_rows(SLIDING)
     rings = {}
     for piece in (0, 3):
-        engine = cell_engine(model)
-        engine.tokens_per_call = piece
-        steps = [engine.start([r[:-3] for r in rows], 3)] + [engine.step([r[k] for r in rows]) for k in (-3, -2)]
-        for row, r in enumerate(rows):
-            atol = REORDER_RTOL * np.abs(fulls[row]).max()
-            for k, got in enumerate(steps):
-                np.testing.assert_allclose(got[row], fulls[row][len(r) - 4 + k], atol=atol, err_msg=f"piece {piece}")
+        engine = decodes_as_the_full_forward(model, rows, piece)
         caches = dict(zip(SLIDING.cache_names(), (c.asnumpy() for c in engine.cache)))
         assert {name: c.shape for name, c in caches.items()} == {
             "keys": (1, 2, 2, 64, 16), "values": (1, 2, 2, 64, 16), "ring_keys": (1, 2, 2, 4, 16),
@@ -107,6 +119,23 @@ def test_a_sliding_layer_keeps_only_its_window_in_a_ring():
         for slot in range(14, 18):
             np.testing.assert_allclose(ring[:, :, slot % 4], every_slot[:, :, slot], rtol=0,
                                        atol=REORDER_RTOL * np.abs(every_slot).max())
+
+
+def test_a_hybrid_with_a_sliding_layer_decodes_as_its_full_forward():
+    """A Gated DeltaNet layer, a sliding layer (ring of 4) and a full one (transformers has no such hybrid msllm
+    reads): prefill in calls of 3 tokens (the recurrent state and conv window handed on, the ring wrapped), then
+    decode steps, each step's logits the full forward's; the caches are the ring, the full layer's slots and the
+    linear layer's state and conv window. (One-call prefill of a hybrid: tests/test_hybrid.py's greedy test.)"""
+    hybrid = dataclasses.replace(SLIDING, num_layers=3, layer_types=["linear", "sliding", "full"],
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                 linear_value_head_dim=8)
+    device.setup("cpu", "pynative")
+    model = build_model(hybrid, seed=5)
+    model.set_train(False)
+    engine = decodes_as_the_full_forward(model, decode_rows(hybrid), 3)
+    assert {name: c.shape for name, c in zip(hybrid.cache_names(), engine.cache)} == {
+        "keys": (1, 2, 2, 64, 16), "values": (1, 2, 2, 64, 16), "ring_keys": (1, 2, 2, 4, 16),
+        "ring_values": (1, 2, 2, 4, 16), "states": (1, 2, 4, 8, 8), "windows": (1, 2, 3, 64)}
 
 
 def test_caches_come_two_per_kind_of_layer_and_a_ring_holds_the_window():
