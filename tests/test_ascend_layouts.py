@@ -306,6 +306,30 @@ def gemma_like(tp: int, **train):
                              "parallel": {"tp": tp, "sequence_parallel": tp > 1}})
 
 
+def test_generation_after_ascend_training_reads_the_ring_through_the_portable_core():
+    """The end-of-run sample re-specialises the trained model for generation (backends.specialise, training
+    False): on Ascend the FlashAttentionScore cores, whose masks describe one sequence from slot 0, go back to
+    the portable softmax core and the decoder's additive mask, which read the decode cache's slots, padding and
+    the sliding layers' rings (window 12, wrapped by 16-token left-padded prompts). Run here on CPU: the decode
+    steps equal the full forward of the same model (FlashAttentionScore itself cannot run here)."""
+    import mindspore as ms
+
+    from msllm import backends
+    from msllm.backends import ascend
+    from msllm.models.decoder import Llama
+    from tests.test_kv_cache import decode_rows, decodes_as_the_full_forward
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    cfg = gemma_like(2)
+    model = Llama(cfg.model)
+    assert backends.specialise(model, cfg).flash
+    backends.specialise(model, cfg, training=False)
+    model.set_train(False)
+    assert not any(isinstance(block.attention.core.softmax_attention, ascend.FlashAttention) for block in model.layers)
+    engine = decodes_as_the_full_forward(model, decode_rows(cfg.model), 0)
+    assert engine.cache[2].shape[3] == 12  # ring_keys: the window's slots
+
+
 @pytest.mark.parametrize("tp", [2, 8])   # kv = tp: K/V heads as they are; kv < tp: 4 copies of each
 def test_flash_attention_swapped_in_per_layer_kind_with_the_table_layouts(tp):
     """Through the backend seam (built and inspected on CPU; FlashAttentionScore cannot run here):

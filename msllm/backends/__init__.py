@@ -121,6 +121,9 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
     elif spec.device == "ascend" and training:  # generated and checked here; executed only on Ascend
         from msllm.backends import ascend
         ascend.specialise(model, cfg, flash=spec.flash, packed=spec.packed)
+    elif spec.device == "ascend":  # generation decodes through the cache's own mask (rings included)
+        from msllm.backends import ascend
+        ascend.use_portable_attention(model)
     if spec.device == "cpu":  # sequences split over the cp group, experts over the ep group (training)
         from msllm.parallel import cp, ep
         cp.specialise(model, cfg, training)

@@ -28,7 +28,7 @@ from mindspore.ops.operations.nn_ops import FlashAttentionScore
 from msllm.config import Config
 from msllm.layout import table as L
 from msllm.layout.check import check_execution
-from msllm.models.layers import HeadNorm, RMSNorm
+from msllm.models.layers import AdditiveMask, HeadNorm, RMSNorm, SoftmaxAttention
 from msllm.models.moe import GroupedCapacityDispatch
 from msllm.rules import COMPRESSED_MASK
 
@@ -235,6 +235,24 @@ def use_flash_attention(model, cfg: Config, packed: bool = False) -> int:
                                                                 value_pad=m.head_size - m.value_size)
     model.attention_mask = SampleEnds(cfg.train.batch_size // p.micro_batches) if packed else CompressedCausalMask()
     return len(model.layers)
+
+
+def use_portable_attention(model) -> int:
+    """Generation with a model use_flash_attention specialised for training (the end-of-run sample): every
+    FlashAttention core back to the portable softmax core, and the decoder's additive mask back. The flash
+    forms take one whole sequence from slot 0 (a band, the compressed causal mask, packed ends); a decode
+    step's [s, t] mask is none of them: slots not written yet, left padding, and a sliding layer's ring
+    read in slot order (Decoder.ring_slots). Returns the layers swapped back."""
+    swapped = 0
+    for block in model.layers:
+        core = block.attention.core
+        if isinstance(core.softmax_attention, FlashAttention):
+            flash = core.softmax_attention
+            core.softmax_attention = SoftmaxAttention(flash.num_heads, flash.num_kv_heads)
+            swapped += 1
+    if swapped:
+        model.attention_mask = AdditiveMask(model.cfg.num_heads, model.cfg.num_kv_heads)
+    return swapped
 
 
 # ---- layouts -------------------------------------------------------------------------------------
