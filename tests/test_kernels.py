@@ -16,7 +16,7 @@ from mindspore import Tensor, nn, ops
 from msllm import device, kernels
 from msllm.backends.cpu import Rope, RMSNormCore
 from msllm.kernels import SoftmaxAttention
-from msllm.models.layers import CacheWrite, GeGLU, SwiGLU, scores_shape
+from msllm.models.layers import CacheWrite, ClampedSwiGLU, GeGLU, SwiGLU, scores_shape
 from tests.numerics import REORDER_RTOL, U32
 
 
@@ -69,6 +69,24 @@ def test_swiglu_forward_and_backward_match_portable(arch):
     np.testing.assert_allclose(loss.asnumpy(), loss_ref.asnumpy(), rtol=1e-5)
     np.testing.assert_allclose(dup.asnumpy(), dup_ref.asnumpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dgate.asnumpy(), dgate_ref.asnumpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_clamped_swiglu_forward_and_backward_match_portable(arch):
+    """gpt-oss's activation at limit 0.5 (most inputs clamped, some exactly on a bound) and its alpha: the
+    kernel's output and both gradients equal the portable Cell's autodiff, zero where a clamp cuts."""
+    rng = np.random.default_rng(2)
+    gate = np.concatenate([rng.normal(0, 1, 20_000), [0.5, -0.5, 0.0, 40.0, -40.0]]).reshape(-1, 5)
+    up = np.concatenate([rng.normal(0, 1, 20_000), [0.5, -0.5, 0.5, -0.5, 7.0]]).reshape(-1, 5)
+    inputs = [Tensor(x.astype(np.float32)) for x in (gate, up, rng.normal(size=gate.shape))]
+    portable, fused = ClampedSwiGLU(1.702, 0.5), kernels.FusedClampedSwiGLU(1.702, 0.5)
+    np.testing.assert_allclose(fused(*inputs[:2]).asnumpy(), portable(*inputs[:2]).asnumpy(), rtol=1e-6, atol=1e-6)
+    loss_ref, (dgate_ref, dup_ref) = value_and_grads(portable, *inputs)
+    loss, (dgate, dup) = value_and_grads(fused, *inputs)
+    np.testing.assert_allclose(loss.asnumpy(), loss_ref.asnumpy(), rtol=1e-5)
+    np.testing.assert_allclose(dup.asnumpy(), dup_ref.asnumpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dgate.asnumpy(), dgate_ref.asnumpy(), rtol=1e-5, atol=1e-6)
+    assert (dup.asnumpy()[np.abs(up) > 0.5] == 0).all() and (dgate.asnumpy()[gate > 0.5] == 0).all()
+    assert (dup.asnumpy()[np.abs(up) < 0.5] != 0).mean() > 0.99
 
 
 def test_geglu_forward_and_backward_match_portable_and_torch(arch):

@@ -117,8 +117,9 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
                                           else kernels.SoftmaxAttention(n, kv))
         elif isinstance(cell, (layers.FeedForward, moe.Experts)):
             geglu = cell.activation == "geglu_tanh"
-            if cell.activation == "swiglu_clamped":
-                pass  # no fused kernel clamps: the portable activation
+            if cell.activation == "swiglu_clamped":  # alpha and limit as the activation in place holds them
+                clamped = kernels.FusedClampedSwiGLU if fused_fp32 or decode_kernels else layers.ClampedSwiGLU
+                cell.act = clamped(cell.act.alpha, cell.act.limit)
             elif fused_fp32 or decode_kernels:
                 cell.act = kernels.FusedGeGLU() if geglu else kernels.FusedSwiGLU()
             else:

@@ -189,6 +189,25 @@ class FusedSwiGLU(nn.Cell):
         return self.swiglu(gate, up)
 
 
+class FusedClampedSwiGLU(nn.Cell):
+    """gpt-oss's clamped SwiGLU as one C++ pass forward and one backward (fp32); see
+    msllm.models.layers.ClampedSwiGLU."""
+
+    def __init__(self, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.alpha_limit = ms.Tensor([alpha, limit], ms.float32)
+        grad = _aot("ClampedSwiGLUGrad", lambda g, u, c, d: (g, g, c), lambda g, u, c, d: (g, g, c))
+
+        def bprop(gate, up, alpha_limit, out, dout):
+            return grad(gate, up, alpha_limit, dout)
+
+        self.clamped_swiglu = _aot("ClampedSwiGLU", bprop=bprop)
+
+    def construct(self, gate, up):
+        return self.clamped_swiglu(gate, up, self.alpha_limit)
+
+
 class FusedGeGLU(nn.Cell):
     """gelu_tanh(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.layers.GeGLU."""
 

@@ -103,6 +103,49 @@ extern "C" int SwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shape
   return 0;
 }
 
+// gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit),
+// h = g * sigmoid(alpha * g) * (u + 1), one pass instead of two clamps, a scale, Sigmoid, an add and
+// two Muls. inputs: gate, up [same shape], alpha_limit [2] (fp32); output: h.
+extern "C" int ClampedSwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  const float *__restrict gate = static_cast<const float *>(params[0]);
+  const float *__restrict up = static_cast<const float *>(params[1]);
+  const float alpha = static_cast<const float *>(params[2])[0], limit = static_cast<const float *>(params[2])[1];
+  float *__restrict h = static_cast<float *>(params[3]);
+  parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float g = std::min(gate[i], limit), u = std::min(std::max(up[i], -limit), limit);
+      h[i] = g * sigmoid(alpha * g) * (u + 1.0f);
+    }
+  });
+  return 0;
+}
+
+// Its gradient, s = sigmoid(alpha * g) recomputed; a clamp passes the gradient where its input is within
+// the bounds, ends included (as MindSpore's and torch's clamp do):
+//   d up = dh * g * s [|up| <= limit],  d gate = dh * (u + 1) * s * (1 + alpha * g * (1 - s)) [gate <= limit].
+// inputs: gate, up, alpha_limit, dh; outputs: d gate, d up, d alpha_limit (zeros: constants).
+extern "C" int ClampedSwiGLUGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *stream, void *extra) {
+  const float *__restrict gate = static_cast<const float *>(params[0]);
+  const float *__restrict up = static_cast<const float *>(params[1]);
+  const float alpha = static_cast<const float *>(params[2])[0], limit = static_cast<const float *>(params[2])[1];
+  const float *__restrict dh = static_cast<const float *>(params[3]);
+  float *__restrict dgate = static_cast<float *>(params[4]);
+  float *__restrict dup = static_cast<float *>(params[5]);
+  float *__restrict dconst = static_cast<float *>(params[6]);
+  dconst[0] = dconst[1] = 0.0f;
+  parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float g = std::min(gate[i], limit), u = std::min(std::max(up[i], -limit), limit);
+      const float s = sigmoid(alpha * g);
+      dup[i] = (up[i] >= -limit && up[i] <= limit) ? dh[i] * g * s : 0.0f;
+      dgate[i] = gate[i] <= limit ? dh[i] * (u + 1.0f) * s * (1.0f + alpha * g * (1.0f - s)) : 0.0f;
+    }
+  });
+  return 0;
+}
+
 // GeGLU activation with the tanh approximation (Gemma): h = gelu_tanh(gate) * up. As
 // 1 + tanh(u) = 2 sigmoid(2u), gelu_tanh(g) = g * sigmoid(2u), u = c (g + 0.044715 g^3), c = sqrt(2/pi).
 // inputs: gate, up [same shape, fp32]; output: h.
