@@ -123,16 +123,16 @@ def test_a_sliding_layer_keeps_only_its_window_in_a_ring():
 
 def test_a_hybrid_with_a_sliding_layer_decodes_as_its_full_forward():
     """A Gated DeltaNet layer, a sliding layer (ring of 4) and a full one (transformers has no such hybrid msllm
-    reads): prefill in calls of 3 tokens (the recurrent state and conv window handed on, the ring wrapped), then
-    decode steps, each step's logits the full forward's; the caches are the ring, the full layer's slots and the
-    linear layer's state and conv window. (One-call prefill of a hybrid: tests/test_hybrid.py's greedy test.)"""
+    reads): 16-token left-padded prompts prefilled in one call (the window's last 4 slots left in the ring), then
+    decode steps that hand on the recurrent state and conv window and wrap the ring, each step's logits the full
+    forward's; the caches are the ring, the full layer's slots and the linear layer's state and conv window."""
     hybrid = dataclasses.replace(SLIDING, num_layers=3, layer_types=["linear", "sliding", "full"],
                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                                  linear_value_head_dim=8)
     device.setup("cpu", "pynative")
     model = build_model(hybrid, seed=5)
     model.set_train(False)
-    engine = decodes_as_the_full_forward(model, decode_rows(hybrid), 3)
+    engine = decodes_as_the_full_forward(model, decode_rows(hybrid), 0)
     assert {name: c.shape for name, c in zip(hybrid.cache_names(), engine.cache)} == {
         "keys": (1, 2, 2, 64, 16), "values": (1, 2, 2, 64, 16), "ring_keys": (1, 2, 2, 4, 16),
         "ring_values": (1, 2, 2, 4, 16), "states": (1, 2, 4, 8, 8), "windows": (1, 2, 3, 64)}
