@@ -280,3 +280,65 @@ def test_moe_dispatch_groups_are_each_ranks_tokens_cut_to_bound_the_one_hot_mask
         g = L.dispatch_groups(dp, tokens)
         per_group = dp * tokens // g
         assert g % dp == 0 and (per_group == tokens or L.DISPATCH_GROUP_TOKENS <= per_group < 2 * L.DISPATCH_GROUP_TOKENS)
+
+
+def hybrid(**kw) -> ModelConfig:
+    """A Gated DeltaNet layer (2 key heads of 8 serving 4 value heads of 8, conv of 4 taps), then attention."""
+    values = dict(qkv_bias=False, layer_types=["linear", "full"], linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel=4)
+    return tiny(**{**values, **kw})
+
+
+@pytest.mark.parametrize("dp, tp, sp", [
+    (1, 2, False),   # a key head (and its two value heads) a rank
+    (2, 2, True),    # dp x tp, sequence parallel
+])
+def test_hybrid_sharded_forward_and_backward_equal_unsharded(dp, tp, sp):
+    """A hybrid's Gated DeltaNet layer as the table cuts it over tp: each rank runs the delta rule on the key
+    heads its wq / wk slices hold, with those heads' value heads, gates, decays and conv channels (every
+    slice checked against the heads of wq's), and gives every rank the unsharded gradient's slice."""
+    m = hybrid()
+    params = init_params(m, seed=9)
+    ids, labels = batch(m)
+    ref_loss, ref_grads = reference(params, m, ids, labels)
+    sh = L.sharding(m, ParallelConfig(dp=dp, tp=tp, sequence_parallel=sp))
+    assert L.strategy_problems(m, sh, ids.shape[0], ids.shape[1]) == []
+    loss, model = loss_and_grads(params, m, sh, ids, labels)
+    loss_tol, grad_tol = tolerances(m, ids)
+    assert abs(loss - ref_loss) <= loss_tol * ref_loss
+    assert_ranks_hold_the_reference(model, ref_grads, sh, grad_tol)
+    # each rank holds one key head's rows of everything per head: q and k (8 features), its two value heads'
+    p, (dk, nv) = "layers.0.attention.", (m.linear_key_head_dim, m.linear_num_value_heads)
+    for r, coords in enumerate(model.ranks.coords):
+        head = coords["tp_kv"] * sh.tp_rep + coords["tp_rep"]
+        w = model.weights[r]
+        assert np.array_equal(w[p + "wk.weight"], params[p + "wk.weight"][head * dk:(head + 1) * dk])
+        assert np.array_equal(w[p + "conv_v.weight"], params[p + "conv_v.weight"][head * 16:(head + 1) * 16])
+        assert np.array_equal(w[p + "A_log"], params[p + "A_log"][head * 2:(head + 1) * 2])
+        assert w[p + "wo.weight"].shape == (m.hidden_size, nv // tp * m.linear_value_head_dim)
+
+
+def test_hybrid_oracle_at_one_rank_is_msllms_model():
+    """The oracle's Gated DeltaNet layer (token by token, torch) is msllm's (chunked, MindSpore PyNative):
+    loss and every gradient, the convs', decays' and gated norm's included."""
+    import mindspore as ms
+    from mindspore import Tensor
+    from msllm.models.decoder import Llama
+    from msllm.models.layers import CausalLMLoss
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    m = hybrid()
+    params = init_params(m, seed=10)
+    ids, labels = batch(m, b=2)
+    ours, ref_grads = reference(params, m, ids, labels)
+    model = Llama(m)
+    for name, p in model.parameters_and_names():
+        p.set_data(Tensor(params[name]))
+    loss_fn, weights = CausalLMLoss(), model.trainable_params()
+    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, weights)
+    want, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
+    loss_tol, grad_tol = tolerances(m, ids)
+    assert abs(ours - float(want)) <= loss_tol * float(want)
+    assert {p.name for p in weights} == set(ref_grads)
+    for p, g in zip(weights, grads):
+        assert rel(ref_grads[p.name], g.asnumpy()) <= grad_tol, (p.name, rel(ref_grads[p.name], g.asnumpy()))

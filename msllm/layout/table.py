@@ -97,14 +97,19 @@ PARAMS = (
     ("layers.*.attention.wkv_a.weight",  (None, None),    "replicated"),
     ("layers.*.attention.wkv_b.weight",  ("heads", None), "column"),
     ("layers.*.attention.kv_norm.weight", (None,),        "replicated"),
-    # Gated DeltaNet (linear attention): refused over tp for now (its heads over tp, with the conv and state
-    # per head, are not laid out yet), so its wq / wk / wv / wo take attention's rows above; the rest whole
-    ("layers.*.attention.wz.weight",     (None, None),    "replicated"),
-    ("layers.*.attention.wb.weight",     (None, None),    "replicated"),
-    ("layers.*.attention.wa.weight",     (None, None),    "replicated"),
-    ("layers.*.attention.conv.weight",   (None, None, None), "replicated"),
-    ("layers.*.attention.dt_bias",       (None,),         "replicated"),
-    ("layers.*.attention.A_log",         (None,),         "replicated"),
+    # Gated DeltaNet (linear attention): its heads over tp, everything per head cut with them. Each key head's
+    # run of value heads is consecutive, so a contiguous cut of wq / wk (key heads) cuts wv, wz, wb, wa,
+    # dt_bias, A_log and the three convs (value heads) at the same head boundaries: a rank runs the rule on
+    # its own heads and only wo's row-parallel sum crosses ranks. Its wq / wk / wv / wo take attention's rows
+    # above (same names): wk / wv cut by "kv", so a hybrid over tp needs tp to divide the attention
+    # layers' KV heads (kv = tp_kv = tp; msllm.layout.check refuses other tp). The gated norm is per
+    # feature of a head, shared by all heads: whole.
+    ("layers.*.attention.wz.weight",     ("heads", None), "column"),
+    ("layers.*.attention.wb.weight",     ("heads", None), "column"),
+    ("layers.*.attention.wa.weight",     ("heads", None), "column"),
+    ("layers.*.attention.conv_*.weight", ("heads", None, None), "column"),
+    ("layers.*.attention.dt_bias",       ("heads",),      "column"),
+    ("layers.*.attention.A_log",         ("heads",),      "column"),
     ("layers.*.attention.norm.weight",   (None,),         "replicated"),
     ("layers.*.feed_forward.w1.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w3.weight",  ("ffn", None),   "column"),
