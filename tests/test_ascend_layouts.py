@@ -3,6 +3,7 @@ through MindSpore's API on CPU-built tiny models (Primitive.shard and pipeline_s
 and ignored on a stand-alone CPU graph; nothing here executes a parallel step)."""
 import fnmatch
 import math
+import re
 
 import numpy as np
 import pytest
@@ -1060,4 +1061,60 @@ def test_glm4_5_air_is_laid_out_by_the_table_and_the_backend_applies_it():
     applied = ascend.specialise(net, tiny)  # raises on a required row the model lacks
     assert applied[A + "wq.matmul"] == applied[A + "wo.matmul"] == 2 and applied[F + "experts.matmul"] == 1
     assert applied[F + "w1.matmul"] == 1  # the dense layer only
+    np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen3_5_hybrid_golden_strategies_and_the_backend_applies_them():
+    """Qwen3.5-9B on 8 devices (dp 2 x tp 4, sequence parallel) passes the checker: its Gated DeltaNet
+    layers' 16 key heads (each serving 2 value heads) cut 4 a rank with every per-head tensor (the three
+    convs, dt_bias, A_log, z / beta / decay inputs), wo row-parallel, the gated norm whole; the attention
+    layers as Qwen3's plus the output gate's columns. tp must divide the key heads and the KV heads (one
+    line each). A tiny hybrid carries every row the table requires and computes the same logits with the
+    strategies set."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm.backends import ascend
+    from msllm.config import ConfigError
+    from msllm.models.decoder import Llama
+
+    overrides = ["parallel.dp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "train.batch_size=8"]
+    cfg = load_config(REPO / "configs" / "qwen3_5_9b.yaml", overrides)
+    check_parallel(cfg, devices=8)
+    m, sh = cfg.model, L.sharding(cfg.model, cfg.parallel)
+    head_norm = {"square": ((2, 4, 1),), "mean": ((2, 4, 1),), "add": ((2, 4, 1), (1, 1, 1)), "rsqrt": ((2, 4, 1),),
+                 "scale": ((2, 4, 1), (2, 4, 1)), "weigh": ((2, 4, 1), (1,))}
+    column = {"in": ((2, 1), (4, 1)), "out": None}
+    want = {**golden(2, 4, 8, 4, (2, 4, 1, 1, 1)), A + "wg.matmul": column, A + "wz.matmul": column,
+            A + "wb.matmul": column, A + "wa.matmul": column,
+            **{f"{A}{w}_norm.core.{prim}": {"in": s, "out": None} for w in "qk" for prim, s in head_norm.items()}}
+    assert L.op_strategies(m, sh) == want
+    shapes = L.param_shapes(m)
+    held = {"layers.0.attention.wq.weight": (512, 4096), "layers.0.attention.wk.weight": (512, 4096),
+            "layers.0.attention.wv.weight": (1024, 4096), "layers.0.attention.wz.weight": (1024, 4096),
+            "layers.0.attention.wb.weight": (8, 4096), "layers.0.attention.conv_q.weight": (512, 1, 4),
+            "layers.0.attention.conv_v.weight": (1024, 1, 4), "layers.0.attention.A_log": (8,),
+            "layers.0.attention.dt_bias": (8,), "layers.0.attention.norm.weight": (128,),
+            "layers.0.attention.wo.weight": (4096, 1024), "layers.3.attention.wk.weight": (256, 4096),
+            "layers.3.attention.wg.weight": (1024, 4096)}
+    assert {p: L.shard_shape(shapes[p], L.param_entry(p)[0], sh) for p in held} == held
+    for tp, why in ((32, "model.linear_num_key_heads (16 % 32"), (8, "model.num_kv_heads (4 % 8")):
+        with pytest.raises(ConfigError, match=rf"parallel.tp: must divide {re.escape(why)}"):
+            check_parallel(load_config(REPO / "configs" / "qwen3_5_9b.yaml", [f"parallel.tp={tp}"]), devices=tp)
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    spec = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn_size=32,
+                max_seq_len=16, qk_norm=True, attn_output_gate=True, norm_offset=1.0, layer_types=["linear", "full"],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    tiny = config_from_dict({"model": spec, "data": {"seq_len": 8}, "train": {"batch_size": 2},
+                             "parallel": {"dp": 2, "tp": 2, "sequence_parallel": True}})
+    check_parallel(tiny, 4)
+    net = Llama(tiny.model)
+    rng = np.random.default_rng(4)
+    for p in net.get_parameters():
+        p.set_data(Tensor(rng.normal(0, 0.3, p.shape).astype(np.float32)))
+    ids = Tensor(rng.integers(0, 64, (4, 8)).astype(np.int32))
+    plain = net(ids).asnumpy()
+    applied = ascend.specialise(net, tiny)  # raises on a required row the model lacks
+    assert applied[A + "wz.matmul"] == applied[A + "wg.matmul"] == 1 and applied[A + "wo.matmul"] == 2
     np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)
