@@ -467,6 +467,8 @@ class ShardedLlama:
             att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, mask), q, k, v, kv_of)
         o = [merge(oi) for oi, _ in att]
         attn_out = self.row_out([oi @ wi.T for oi, wi in zip(o, self.w(p + "attention.wo.weight"))])
+        if m.o_bias:  # whole on every rank, added once after the row reduction (gpt-oss)
+            attn_out = [yi + bi for yi, bi in zip(attn_out, self.w(p + "attention.wo.bias"))]
         if m.sandwich_norm:
             attn_out = self.norm(attn_out, p + "attention_out_norm.weight", (b, s, i, "attn_out"), gather=False)
         x = [xi + yi for xi, yi in zip(x, attn_out)]
@@ -584,6 +586,9 @@ class ShardedLlama:
         dy = dx
         if m.sandwich_norm:
             dy = self.norm_back(dy, p + "attention_out_norm.weight", (b, s, i, "attn_out"))
+        if m.o_bias:  # each rank's rows' share (its tokens under sequence parallel: summed over tp)
+            shares = [dyi.sum(0) for dyi in dy]
+            self.add_grad(p + "attention.wo.bias", self.ranks.all_reduce(shares) if self.split_tokens() else shares)
         dy = self.row_out_back(dy)
         wo = self.w(p + "attention.wo.weight")
         self.add_grad(p + "attention.wo.weight", [dyi.T @ oi for dyi, oi in zip(dy, o)])

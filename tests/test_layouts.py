@@ -54,16 +54,16 @@ def reference(params, m, ids, labels):
     return loss, model.grads[0]
 
 
-@pytest.mark.parametrize("kv, dp, tp, sp, vocab", [
-    (4, 1, 2, False, 64),   # tp 2, kv heads split
-    (4, 1, 4, False, 64),   # tp 4 = kv heads
-    (2, 1, 4, False, 64),   # GQA kv < tp: each KV head held by 2 ranks
-    (1, 1, 4, True, 64),    # MQA under sequence parallel
-    (2, 2, 4, True, 64),    # dp x tp, kv < tp, sequence parallel
-    (4, 2, 2, True, 66),    # vocab not divisible by tp: embedding and head replicated (dp fallback)
+@pytest.mark.parametrize("kv, dp, tp, sp, vocab, o_bias", [
+    (4, 1, 2, False, 64, False),   # tp 2, kv heads split
+    (4, 1, 4, False, 64, True),    # tp 4 = kv heads; wo's bias (gpt-oss) added once after the row reduction
+    (2, 1, 4, False, 64, False),   # GQA kv < tp: each KV head held by 2 ranks
+    (1, 1, 4, True, 64, False),    # MQA under sequence parallel
+    (2, 2, 4, True, 64, True),     # dp x tp, kv < tp, sequence parallel: wo's bias on each rank's tokens
+    (4, 2, 2, True, 66, False),    # vocab not divisible by tp: embedding and head replicated (dp fallback)
 ])
-def test_sharded_forward_and_backward_equal_unsharded(kv, dp, tp, sp, vocab):
-    m = tiny(num_kv_heads=kv, vocab_size=vocab)
+def test_sharded_forward_and_backward_equal_unsharded(kv, dp, tp, sp, vocab, o_bias):
+    m = tiny(num_kv_heads=kv, vocab_size=vocab, o_bias=o_bias)
     params = init_params(m, seed=3)
     ids, labels = batch(m)
     ref_loss, ref_grads = reference(params, m, ids, labels)
@@ -162,7 +162,8 @@ def test_pipeline_stages_in_sequence_equal_the_whole_model(pp, micro, tp):
 
 
 def test_oracle_at_one_rank_is_msllms_llama():
-    """The oracle's unsharded model is msllm's: loss and every gradient against MindSpore (PyNative)."""
+    """The oracle's unsharded model is msllm's: loss and every gradient against MindSpore (PyNative), the
+    q / k / v / o biases' included."""
     import mindspore as ms
     from mindspore import Tensor
 
@@ -171,7 +172,7 @@ def test_oracle_at_one_rank_is_msllms_llama():
     from msllm.models.layers import CausalLMLoss
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    m = tiny(num_kv_heads=2)
+    m = tiny(num_kv_heads=2, o_bias=True)
     params = init_params(m, seed=5)
     ids, labels = batch(m, b=2)
     ref_loss, ref_grads = reference(params, m, ids, labels)
