@@ -621,8 +621,14 @@ MOE = dict(vocab_size=64, hidden_size=16, num_layers=2, num_heads=4, num_kv_head
            num_experts=4, experts_per_token=2, moe_ffn_size=8, norm_topk_prob=False)
 
 
-def moe_config(factor=1.25, **layout):
-    return config_from_dict({"model": MOE, "data": {"seq_len": 8}, "train": {"batch_size": 2,
+# gpt-oss's MoE: a bias on the router's logits, biases on each expert's gate, up and down, the clamped SwiGLU
+# (a limit the gates and ups cross here), top k renormalised
+GPT_OSS_MOE = dict(router_bias=True, experts_bias=True, mlp="swiglu_clamped", swiglu_alpha=1.702, swiglu_limit=1.0,
+                   norm_topk_prob=True)
+
+
+def moe_config(factor=1.25, model=None, **layout):
+    return config_from_dict({"model": {**MOE, **(model or {})}, "data": {"seq_len": 8}, "train": {"batch_size": 2,
                              "moe_capacity_factor": factor}, "parallel": layout})
 
 
@@ -685,19 +691,21 @@ def test_expert_parallel_checker_rules():
         assert err.value.key == key and text in str(err.value), str(err.value)
 
 
-def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer():
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer(gpt_oss):
     """The one-process oracle of Ascend's expert parallel: 4 data-parallel ranks in ep groups of 2, each
     dispatching its own tokens ([E, C, h], numpy), an all-to-all within its ep group handing each rank
     the rows of the experts the table gives it, each rank computing only those experts with its slice of
     the weights, the all-to-all back and a local combine, equal the whole MoE layer as MindSpore
     computes it with one dispatch group per rank (GroupedCapacityDispatch, groups 4). The rows a rank
-    receives are the slice the table's layout of the experts' BatchMatMul gives it."""
+    receives are the slice the table's layout of the experts' BatchMatMul gives it. gpt-oss's MoE: the
+    router's bias whole on every rank, each rank's experts' biases the table's slice of them."""
     import mindspore as ms
     from mindspore import Tensor
 
     from msllm.models.moe import GroupedCapacityDispatch, MoE
 
-    cfg = moe_config(factor=0.75, dp=4, ep=2)
+    cfg = moe_config(factor=0.75, model=GPT_OSS_MOE if gpt_oss else None, dp=4, ep=2)
     m, sh = cfg.model, L.sharding(cfg.model, cfg.parallel)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     layer = MoE(m)
@@ -712,13 +720,24 @@ def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer():
     assert load[2].sum() > 0  # the capacity drops choices: the oracle must drop the same ones
 
     router = layer.router.weight.asnumpy()
+    router_bias = layer.router.bias.asnumpy() if gpt_oss else 0.0
     weights = {w: getattr(layer.experts, w).asnumpy() for w in ("w1", "w2", "w3")}
+    biases = {b: getattr(layer.experts, b).bias.asnumpy() if gpt_oss else np.zeros((e, 1), np.float32)
+              for b in ("b1", "b2", "b3")}
 
-    def route(xr):  # softmax top-k, unnormalised, and each expert's first c choices in token order
-        logits = xr @ router.T
+    def act(gate, up):
+        if not gpt_oss:
+            return gate / (1 + np.exp(-gate)) * up
+        gate, up = np.minimum(gate, m.swiglu_limit), np.clip(up, -m.swiglu_limit, m.swiglu_limit)
+        return gate / (1 + np.exp(-m.swiglu_alpha * gate)) * (up + 1)
+
+    def route(xr):  # softmax top-k (renormalised for gpt-oss), and each expert's first c choices in token order
+        logits = xr @ router.T + router_bias
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         chosen = np.argsort(-probs, -1, kind="stable")[:, :k]
+        if gpt_oss:
+            probs = probs / np.take_along_axis(probs, chosen, -1).sum(-1, keepdims=True)
         rows, slots, seen = np.zeros((e, c, h), np.float32), [], np.zeros(e, int)
         for t in range(n):
             for ex in chosen[t]:
@@ -739,8 +758,10 @@ def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer():
         table_slice = L.shard_slices(global_rows.shape, layout, sh, {"dp": r})
         np.testing.assert_array_equal(received, global_rows[table_slice])
         w1, w2, w3 = (weights[w][mine] for w in ("w1", "w2", "w3"))
-        gate, up = received @ w1.transpose(0, 2, 1), received @ w3.transpose(0, 2, 1)
-        out = (gate / (1 + np.exp(-gate)) * up) @ w2.transpose(0, 2, 1)               # [E/ep, ep*C, h]
+        b1, b2, b3 = (biases[b][L.shard_slices(biases[b].shape, L.param_entry(f"layers.0.feed_forward.experts.{b}.bias")[0],
+                                               sh, {"dp": r})][:, None] for b in ("b1", "b2", "b3"))
+        gate, up = received @ w1.transpose(0, 2, 1) + b1, received @ w3.transpose(0, 2, 1) + b3
+        out = act(gate, up) @ w2.transpose(0, 2, 1) + b2                              # [E/ep, ep*C, h]
         for i, q in enumerate(group):                                                 # all-to-all back
             back[q][mine] = out[:, i * c:(i + 1) * c]
     oracle = np.zeros_like(x)
