@@ -1139,3 +1139,28 @@ def test_qwen3_5_hybrid_golden_strategies_and_the_backend_applies_them():
     applied = ascend.specialise(net, tiny)  # raises on a required row the model lacks
     assert applied[A + "wz.matmul"] == applied[A + "wg.matmul"] == 1 and applied[A + "wo.matmul"] == 2
     np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_is_laid_out_over_tp_and_ep_and_its_sinks_stay_refused_on_ascend():
+    """gpt-oss-20b on 64 devices (dp 8 with ep 8, tp 8, sequence parallel): q / k / v and their biases cut by
+    heads (8 KV heads, one a tp rank), wo's bias whole (added once after the row reduction), the router and
+    its bias whole, the experts and their biases over ep (4 of 32 a rank). Its attention sinks stay refused
+    on Ascend in one line with the reason: FlashAttentionScore takes no sink column."""
+    from msllm.config import ConfigError
+
+    overrides = ["train.device=ascend", "parallel.dp=8", "parallel.tp=8", "parallel.ep=8",
+                 "parallel.sequence_parallel=true", "train.batch_size=1", "train.moe_capacity_factor=1.25"]
+    with pytest.raises(ConfigError, match="model.attention_sinks: not built for Ascend: MindSpore 2.10's "
+                                          "FlashAttentionScore takes no sink logit per head"):
+        load_config(REPO / "configs" / "gpt_oss_20b.yaml", overrides)
+    cfg = load_config(REPO / "configs" / "gpt_oss_20b.yaml", overrides + ["model.attention_sinks=false"])
+    check_parallel(cfg, devices=64)
+    sh, shapes = L.sharding(cfg.model, cfg.parallel), L.param_shapes(cfg.model)
+    want = {"layers.0.attention.wq.weight": (512, 2880), "layers.0.attention.wq.bias": (512,),
+            "layers.0.attention.wk.bias": (64,), "layers.0.attention.wo.weight": (2880, 512),
+            "layers.0.attention.wo.bias": (2880,), "layers.0.feed_forward.router.weight": (32, 2880),
+            "layers.0.feed_forward.router.bias": (32,), "layers.0.feed_forward.experts.w1": (4, 2880, 2880),
+            "layers.0.feed_forward.experts.b1.bias": (4, 2880), "layers.0.feed_forward.experts.b2.bias": (4, 2880)}
+    assert {p: L.shard_shape(shapes[p], L.param_entry(p)[0], sh) for p in want} == want
+    got = {k: v["in"] for k, v in L.op_strategies(cfg.model, sh).items()}
+    assert got[F + "experts.matmul"] == ((8, 1, 1), (8, 1, 1)) and got[A + "wk.matmul"] == ((8, 1), (8, 1))
