@@ -161,33 +161,36 @@ def test_pipeline_stages_in_sequence_equal_the_whole_model(pp, micro, tp):
     assert sum(len(model.grads[0]) for model, _ in stages) == len(params)
 
 
-def test_oracle_at_one_rank_is_msllms_llama():
-    """The oracle's unsharded model is msllm's: loss and every gradient against MindSpore (PyNative), the
-    q / k / v / o biases' included."""
+def assert_oracle_is_msllms_model(m: ModelConfig, seed: int):
+    """The oracle's one-rank model against msllm's (MindSpore, PyNative) on the same weights: loss and every
+    gradient. Returns (the oracle's loss, the weights, ids, labels)."""
     import mindspore as ms
     from mindspore import Tensor
-
     from msllm.models.decoder import Llama
-
     from msllm.models.layers import CausalLMLoss
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    m = tiny(num_kv_heads=2, o_bias=True)
-    params = init_params(m, seed=5)
+    params = init_params(m, seed=seed)
     ids, labels = batch(m, b=2)
-    ref_loss, ref_grads = reference(params, m, ids, labels)
-
+    ours, ref_grads = reference(params, m, ids, labels)
     model = Llama(m)
     for name, p in model.parameters_and_names():
         p.set_data(Tensor(params[name]))
-    loss_fn = CausalLMLoss()
-    weights = model.trainable_params()
+    loss_fn, weights = CausalLMLoss(), model.trainable_params()
     grad_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, weights)
-    loss, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
+    want, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
     loss_tol, grad_tol = tolerances(m, ids)
-    assert abs(float(loss) - ref_loss) <= loss_tol * ref_loss
+    assert abs(ours - float(want)) <= loss_tol * float(want)
+    assert {p.name for p in weights} == set(ref_grads)
     for p, g in zip(weights, grads):
-        assert rel(g.asnumpy(), ref_grads[p.name]) <= grad_tol, p.name
+        assert rel(ref_grads[p.name], g.asnumpy()) <= grad_tol, (p.name, rel(ref_grads[p.name], g.asnumpy()))
+    return ours, params, ids, labels
+
+
+def test_oracle_at_one_rank_is_msllms_llama():
+    """The oracle's unsharded model is msllm's: loss and every gradient against MindSpore (PyNative), the
+    q / k / v / o biases' included."""
+    assert_oracle_is_msllms_model(tiny(num_kv_heads=2, o_bias=True), seed=5)
 
 
 def gemma_like(**kw) -> ModelConfig:
@@ -216,27 +219,8 @@ def test_gemma_like_oracle_at_one_rank_is_msllms_llama():
     """The oracle's Gemma-3-like model is msllm's (MindSpore, PyNative): loss and every gradient, the
     q/k and sandwich norms', GeGLU's and the scaled embedding's included. Its window and RoPE bases
     matter: the same weights with only full layers give another loss."""
-    import mindspore as ms
-    from mindspore import Tensor
-    from msllm.models.decoder import Llama
-    from msllm.models.layers import CausalLMLoss
-
-    ms.set_context(mode=ms.PYNATIVE_MODE)
     m = gemma_like()
-    params = init_params(m, seed=7)
-    ids, labels = batch(m, b=2)
-    ours, ref_grads = reference(params, m, ids, labels)
-    model = Llama(m)
-    for name, p in model.parameters_and_names():
-        p.set_data(Tensor(params[name]))
-    loss_fn, weights = CausalLMLoss(), model.trainable_params()
-    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, weights)
-    want, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
-    loss_tol, grad_tol = tolerances(m, ids)
-    assert abs(ours - float(want)) <= loss_tol * float(want)
-    assert {p.name for p in weights} == set(ref_grads)
-    for p, g in zip(weights, grads):
-        assert rel(ref_grads[p.name], g.asnumpy()) <= grad_tol, (p.name, rel(ref_grads[p.name], g.asnumpy()))
+    ours, params, ids, labels = assert_oracle_is_msllms_model(m, seed=7)
     full = gemma_like(layer_types=["full", "full"])
     assert abs(forward_loss(params, full, L.sharding(full, ParallelConfig()), ids, labels) - ours) > 1e-3 * ours
 
@@ -322,24 +306,4 @@ def test_hybrid_sharded_forward_and_backward_equal_unsharded(dp, tp, sp):
 def test_hybrid_oracle_at_one_rank_is_msllms_model():
     """The oracle's Gated DeltaNet layer (token by token, torch) is msllm's (chunked, MindSpore PyNative):
     loss and every gradient, the convs', decays' and gated norm's included."""
-    import mindspore as ms
-    from mindspore import Tensor
-    from msllm.models.decoder import Llama
-    from msllm.models.layers import CausalLMLoss
-
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    m = hybrid()
-    params = init_params(m, seed=10)
-    ids, labels = batch(m, b=2)
-    ours, ref_grads = reference(params, m, ids, labels)
-    model = Llama(m)
-    for name, p in model.parameters_and_names():
-        p.set_data(Tensor(params[name]))
-    loss_fn, weights = CausalLMLoss(), model.trainable_params()
-    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, weights)
-    want, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
-    loss_tol, grad_tol = tolerances(m, ids)
-    assert abs(ours - float(want)) <= loss_tol * float(want)
-    assert {p.name for p in weights} == set(ref_grads)
-    for p, g in zip(weights, grads):
-        assert rel(ref_grads[p.name], g.asnumpy()) <= grad_tol, (p.name, rel(ref_grads[p.name], g.asnumpy()))
+    assert_oracle_is_msllms_model(hybrid(), seed=10)
