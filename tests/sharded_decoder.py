@@ -271,15 +271,16 @@ def gated_deltanet(a, w, m: ModelConfig, b: int, s: int):
     dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
     nk, nv = w["wq.weight"].shape[0] // dk, w["wv.weight"].shape[0] // dv
 
-    def part(name, d):  # projection, conv, [b, s, heads, d]
-        return causal_conv((a @ w[name + ".weight"].T).reshape(b, s, -1), w[f"conv_{name[1]}.weight"]).reshape(b, s, -1, d)
+    def part(which, d):  # projection, its conv, [b, s, heads, d]
+        projected = (a @ w[f"w{which}.weight"].T).reshape(b, s, -1)
+        return causal_conv(projected, w[f"conv_{which}.weight"]).reshape(b, s, -1, d)
 
     def unit(x):
         return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
-    q = unit(part("wq", dk)).repeat_interleave(nv // nk, 2) * dk ** -0.5
-    k = unit(part("wk", dk)).repeat_interleave(nv // nk, 2)
-    v = part("wv", dv)
+    q = unit(part("q", dk)).repeat_interleave(nv // nk, 2) * dk ** -0.5
+    k = unit(part("k", dk)).repeat_interleave(nv // nk, 2)
+    v = part("v", dv)
     beta = torch.sigmoid(a @ w["wb.weight"].T).reshape(b, s, nv)
     g = (-torch.exp(w["A_log"]) * torch.nn.functional.softplus(a @ w["wa.weight"].T + w["dt_bias"])).reshape(b, s, nv)
     state, outs = torch.zeros(b, nv, dk, dv, dtype=a.dtype), []

@@ -758,8 +758,9 @@ def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer(gpt_oss):
         table_slice = L.shard_slices(global_rows.shape, layout, sh, {"dp": r})
         np.testing.assert_array_equal(received, global_rows[table_slice])
         w1, w2, w3 = (weights[w][mine] for w in ("w1", "w2", "w3"))
-        b1, b2, b3 = (biases[b][L.shard_slices(biases[b].shape, L.param_entry(f"layers.0.feed_forward.experts.{b}.bias")[0],
-                                               sh, {"dp": r})][:, None] for b in ("b1", "b2", "b3"))
+        cuts = {b: L.param_entry(f"layers.0.feed_forward.experts.{b}.bias")[0] for b in biases}
+        b1, b2, b3 = (biases[b][L.shard_slices(biases[b].shape, cuts[b], sh, {"dp": r})][:, None]
+                      for b in ("b1", "b2", "b3"))
         gate, up = received @ w1.transpose(0, 2, 1) + b1, received @ w3.transpose(0, 2, 1) + b3
         out = act(gate, up) @ w2.transpose(0, 2, 1) + b2                              # [E/ep, ep*C, h]
         for i, q in enumerate(group):                                                 # all-to-all back

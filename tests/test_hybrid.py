@@ -396,8 +396,9 @@ def test_a_fresh_hybrid_starts_as_transformers_does_and_learns(tmp_path, fresh_r
     for rates in (np.exp(np.concatenate([v[n] for n in v if n.endswith("A_log")])) for v in (ours, theirs)):
         assert 0.01 <= rates.min() and rates.max() <= 16 and rates.max() - rates.min() > 4
     for layer in (0, 2):  # the three convs together: Hugging Face's one conv1d
-        convs = [np.concatenate([v[f"layers.{layer}.attention.conv_{part}.weight"] for part in "qkv"]) for v in (ours, theirs)]
-        assert all(conv.std() == pytest.approx(0.02, rel=0.15) for conv in convs)
+        for weights in (ours, theirs):
+            conv = np.concatenate([weights[f"layers.{layer}.attention.conv_{part}.weight"] for part in "qkv"])
+            assert conv.std() == pytest.approx(0.02, rel=0.15)
 
     loss = {step: r["loss"] for step, r in records(fresh_run, "train", "compile").items()}
     assert loss[1] == pytest.approx(np.log(384), abs=0.3)  # a fresh model guesses evenly
