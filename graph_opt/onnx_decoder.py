@@ -66,7 +66,8 @@ def layer_weights(weights: dict[str, np.ndarray], i: int) -> dict[str, tuple[str
 
     out = {norm: named(f"layers.{i}.{norm}.weight") for norm in NORMS}
     out["sinks"] = named(f"layers.{i}.attention.core.sinks")
-    out.update({part: named(f"layers.{i}.attention.{part}") for part in ("conv.weight", "dt_bias", "A_log")})
+    out.update({part: named(f"layers.{i}.attention.{part}")
+                for part in ("conv_q.weight", "conv_k.weight", "conv_v.weight", "dt_bias", "A_log")})
     out["router"] = named(f"layers.{i}.feed_forward.router.weight")
     out["router_bias"] = named(f"layers.{i}.feed_forward.router.expert_bias")
     out["router_logit_bias"] = named(f"layers.{i}.feed_forward.router.bias")

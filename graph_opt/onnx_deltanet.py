@@ -56,8 +56,8 @@ def gated_deltanet(g, x, w, seq, state, window, real, layer: int):
     qkv = g.op("Reshape", g.op("Cast", qkv, to=FLOAT), g.shape(-1, seq, channels))
     inputs = g.op("Concat", window, qkv, axis=1)                      # [b, kernel - 1 + s, conv]
     new_window = g.op("Slice", inputs, seq, g.const([INT64_MAX]), g.const([1]))
-    conv = g.op("Conv", g.op("Transpose", inputs, perm=[0, 2, 1]), g.param(w["conv.weight"], fp32=True),
-                group=channels)
+    weight = g.op("Concat", *(g.param(w[f"conv_{part}.weight"], fp32=True) for part in "qkv"), axis=0)  # one Conv
+    conv = g.op("Conv", g.op("Transpose", inputs, perm=[0, 2, 1]), weight, group=channels)
     conv = g.op("Transpose", conv, perm=[0, 2, 1])                    # [b, s, conv]
     conv = g.op("Mul", conv, g.op("Sigmoid", conv))
 

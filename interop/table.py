@@ -60,8 +60,7 @@ def named_dims(m: ModelConfig) -> dict[str, int]:
             "q_rank": m.q_lora_rank, "kv_rank": m.kv_lora_rank, "kv_a": m.kv_lora_rank + m.qk_rope_head_dim,
             "kv_b": m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), "o": m.num_heads * m.value_size,
             "heads": m.num_heads, "one": 1,
-            # Gated DeltaNet: q, k, v through the conv, value heads and their features, the conv's taps
-            "conv": 2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim,
+            # Gated DeltaNet: q / k and v features, key heads, value heads and their features, the conv's taps
             "lin_k": m.linear_num_key_heads * m.linear_key_head_dim, "lin_k_heads": m.linear_num_key_heads,
             "lin_v": m.linear_num_value_heads * m.linear_value_head_dim, "lin_heads": m.linear_num_value_heads,
             "lin_head_v": m.linear_value_head_dim, "conv_kernel": m.linear_conv_kernel}

@@ -313,8 +313,6 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
          "not built for Ascend: MindSpore 2.10's FlashAttentionScore takes no sink logit per head (its real_shift "
          "adds to the scores, a sink is an extra softmax column) and the sinks have no shard strategy; train on cpu",
          "train.device")
-    need(not (t.device == "ascend" and (m.o_bias or m.router_bias or m.experts_bias)), "model.o_bias",
-         "model.o_bias / router_bias / experts_bias are not laid out for Ascend yet; train on cpu", "train.device")
     need(m.swiglu_alpha > 0 and m.swiglu_limit > 0, "model.swiglu_limit", "model.swiglu_alpha and swiglu_limit must be > 0")
     need(not (m.attention_sinks and m.mla), "model.attention_sinks", "are built for model.attention gqa, not mla",
          "model.attention")

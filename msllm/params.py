@@ -104,6 +104,8 @@ def gated_deltanet_shapes(m: "ModelConfig") -> dict[str, tuple[int, ...]]:
     """A Gated DeltaNet layer's parameters (msllm/models/mixers/gated_deltanet.py), in its order."""
     h, nv = m.hidden_size, m.linear_num_value_heads
     key, value = m.linear_num_key_heads * m.linear_key_head_dim, nv * m.linear_value_head_dim
+    kernel = m.linear_conv_kernel
     return {"wq.weight": (key, h), "wk.weight": (key, h), "wv.weight": (value, h), "wz.weight": (value, h), "wb.weight": (nv, h),
-            "wa.weight": (nv, h), "conv.weight": (2 * key + value, 1, m.linear_conv_kernel), "dt_bias": (nv,),
-            "A_log": (nv,), "norm.weight": (m.linear_value_head_dim,), "wo.weight": (h, value)}
+            "wa.weight": (nv, h), "conv_q.weight": (key, 1, kernel), "conv_k.weight": (key, 1, kernel),
+            "conv_v.weight": (value, 1, kernel), "dt_bias": (nv,), "A_log": (nv,),
+            "norm.weight": (m.linear_value_head_dim,), "wo.weight": (h, value)}

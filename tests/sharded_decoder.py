@@ -26,6 +26,11 @@ The Gemma 3 / Qwen3 parts, forward and backward: q/k norms on the heads each ran
 table's q/k norm rows put them (checked against the rank's wq / wk slices; their replicated weights'
 gradients summed over the ranks), sandwich norms on the residual stream, (offset + w) norms, GeGLU,
 scaled embeddings and scores, and per layer its attention kind: a sliding window's mask and its RoPE base.
+
+A hybrid's Gated DeltaNet layers: each rank runs the delta rule token by token (the recurrent form, not
+msllm's chunked one) on the key heads and their value heads its weight slices hold, in torch for its
+autograd; only wo's row-parallel sum (and the input gradient's) crosses ranks, and the gated norm's
+whole weight gets the sum of the ranks' gradients.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import math
 from functools import reduce
 
 import numpy as np
+import torch
 
 from msllm.config import ModelConfig
 from msllm.layout import table as L
@@ -250,6 +256,45 @@ def merge(x):  # [b, n, s, d] -> [b*s, n*d]
     return x.transpose(0, 2, 1, 3).reshape(b * s, n * d)
 
 
+def causal_conv(x, w):
+    """Depthwise causal conv then SiLU: x [b, s, c], w [c, 1, kernel] (tap kernel - 1 reads the token itself)."""
+    kernel = w.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, 0, kernel - 1, 0))
+    out = sum(padded[:, j:j + x.shape[1]] * w[:, 0, j] for j in range(kernel))
+    return torch.nn.functional.silu(out)
+
+
+def gated_deltanet(a, w, m: ModelConfig, b: int, s: int):
+    """A Gated DeltaNet layer on the heads of weights `w` (the rank's slices, torch): a [b*s, h] -> the rank's
+    partial output [b*s, h] (its heads' share of wo). Per value head a state S [dk, dv]: each token decays
+    it by exp(g), writes beta k (v - S^T k)^T, reads S^T q."""
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    nk, nv = w["wq.weight"].shape[0] // dk, w["wv.weight"].shape[0] // dv
+
+    def part(which, d):  # projection, its conv, [b, s, heads, d]
+        projected = (a @ w[f"w{which}.weight"].T).reshape(b, s, -1)
+        return causal_conv(projected, w[f"conv_{which}.weight"]).reshape(b, s, -1, d)
+
+    def unit(x):
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    q = unit(part("q", dk)).repeat_interleave(nv // nk, 2) * dk ** -0.5
+    k = unit(part("k", dk)).repeat_interleave(nv // nk, 2)
+    v = part("v", dv)
+    beta = torch.sigmoid(a @ w["wb.weight"].T).reshape(b, s, nv)
+    g = (-torch.exp(w["A_log"]) * torch.nn.functional.softplus(a @ w["wa.weight"].T + w["dt_bias"])).reshape(b, s, nv)
+    state, outs = torch.zeros(b, nv, dk, dv, dtype=a.dtype), []
+    for t in range(s):
+        state = state * torch.exp(g[:, t, :, None, None])
+        error = v[:, t] - torch.einsum("bnkv,bnk->bnv", state, k[:, t])
+        state = state + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
+        outs.append(torch.einsum("bnkv,bnk->bnv", state, q[:, t]))
+    out = torch.stack(outs, 1)                                       # [b, s, nv, dv]
+    out = out * torch.rsqrt((out * out).mean(-1, keepdim=True) + m.norm_eps) * w["norm.weight"]
+    z = (a @ w["wz.weight"].T).reshape(b, s, nv, dv)
+    return (out * torch.nn.functional.silu(z)).reshape(b * s, nv * dv) @ w["wo.weight"].T
+
+
 # ---- the sharded model --------------------------------------------------------------------------
 
 class ShardedLlama:
@@ -360,11 +405,38 @@ class ShardedLlama:
         """Backward of row_out: every rank needs the whole output gradient."""
         return self.ranks.all_gather(dy) if self.split_tokens() else dy
 
+    # -- a Gated DeltaNet layer's mixer: each rank's heads in torch (autograd), wo's partial sums reduced
+    def linear_mixer(self, a, i, b, s):
+        p = f"layers.{i}.attention."
+        leaves = []
+        for r, ai in enumerate(a):
+            w = {n[len(p):]: torch.tensor(v, requires_grad=True) for n, v in self.weights[r].items() if n.startswith(p)}
+            at = torch.tensor(ai, requires_grad=True)
+            leaves.append((at, w, gated_deltanet(at, w, self.m, b, s)))
+        self.caches[(b, s, i), "linear"] = leaves
+        return self.row_out([out.detach().numpy() for _, _, out in leaves])
+
+    def linear_mixer_back(self, dy, i, b, s):
+        p = f"layers.{i}.attention."
+        leaves = self.caches.pop(((b, s, i), "linear"))
+        for (at, w, out), dyi in zip(leaves, self.row_out_back(dy)):
+            out.backward(torch.tensor(dyi))
+        names = list(leaves[0][1])
+        for name in names:
+            grads = [w[name].grad.numpy() for _, w, _ in leaves]
+            if L.param_entry(p + name)[1] == "replicated":  # the gated norm: every rank's heads used it
+                grads = self.ranks.all_reduce(grads)
+            self.add_grad(p + name, grads)
+        return self.column_in_back([at.grad.numpy() for at, _, _ in leaves])
+
     # -- a transformer block
     def block(self, i, x, b, s):
         m, p = self.m, f"layers.{i}."
         d = m.head_size
         a = self.norm(x, p + "attention_norm.weight", (b, s, i))
+        if m.layer_kinds()[i] == "linear":
+            x = [xi + yi for xi, yi in zip(x, self.linear_mixer(a, i, b, s))]
+            return self.mlp(i, x, b, s, (a,))
         proj = {}
         for name in ("wq", "wk", "wv"):
             w = self.w(p + f"attention.{name}.weight")
@@ -396,9 +468,15 @@ class ShardedLlama:
             att = each(lambda qi, ki, vi, kvi: attention(qi, ki, vi, kvi, mask), q, k, v, kv_of)
         o = [merge(oi) for oi, _ in att]
         attn_out = self.row_out([oi @ wi.T for oi, wi in zip(o, self.w(p + "attention.wo.weight"))])
+        if m.o_bias:  # whole on every rank, added once after the row reduction (gpt-oss)
+            attn_out = [yi + bi for yi, bi in zip(attn_out, self.w(p + "attention.wo.bias"))]
         if m.sandwich_norm:
             attn_out = self.norm(attn_out, p + "attention_out_norm.weight", (b, s, i, "attn_out"), gather=False)
         x = [xi + yi for xi, yi in zip(x, attn_out)]
+        return self.mlp(i, x, b, s, (a, q, k, v, kv_of, copies, att, o))
+
+    def mlp(self, i, x, b, s, mixer_cache):
+        m, p = self.m, f"layers.{i}."
         a2 = self.norm(x, p + "ffn_norm.weight", (b, s, i, "ffn"))
         g = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w1.weight"))]
         u = [ai @ wi.T for ai, wi in zip(a2, self.w(p + "feed_forward.w3.weight"))]
@@ -408,7 +486,7 @@ class ShardedLlama:
         if m.sandwich_norm:
             mlp_out = self.norm(mlp_out, p + "ffn_out_norm.weight", (b, s, i, "ffn_out"), gather=False)
         x = [xi + yi for xi, yi in zip(x, mlp_out)]
-        self.caches[(b, s, i), "block"] = (a, q, k, v, kv_of, copies, att, o, a2, g, u, hmid)
+        self.caches[(b, s, i), "block"] = mixer_cache + (a2, g, u, hmid)
         return x
 
     # -- context parallel: each cp group is a ring over its ranks' chunks, in chunk order
@@ -484,7 +562,7 @@ class ShardedLlama:
     def block_back(self, i, dx, b, s):
         m, p = self.m, f"layers.{i}."
         d = m.head_size
-        a, q, k, v, kv_of, copies, att, o, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
+        *mixer_cache, a2, g, u, hmid = self.caches.pop(((b, s, i), "block"))
         # MLP (its sandwich norm first: it normed the MLP's output on the residual stream's rows)
         dy = dx
         if m.sandwich_norm:
@@ -501,10 +579,17 @@ class ShardedLlama:
         da2 = self.column_in_back([dgi @ w1 + dui @ w3 for dgi, dui, w1, w3 in zip(
             dg, du, self.w(p + "feed_forward.w1.weight"), self.w(p + "feed_forward.w3.weight"))])
         dx = [dxi + gi for dxi, gi in zip(dx, self.norm_back(da2, p + "ffn_norm.weight", (b, s, i, "ffn")))]
+        if m.layer_kinds()[i] == "linear":
+            da = self.linear_mixer_back(dx, i, b, s)
+            return [dxi + gi for dxi, gi in zip(dx, self.norm_back(da, p + "attention_norm.weight", (b, s, i)))]
+        a, q, k, v, kv_of, copies, att, o = mixer_cache
         # attention
         dy = dx
         if m.sandwich_norm:
             dy = self.norm_back(dy, p + "attention_out_norm.weight", (b, s, i, "attn_out"))
+        if m.o_bias:  # each rank's rows' share (its tokens under sequence parallel: summed over tp)
+            shares = [dyi.sum(0) for dyi in dy]
+            self.add_grad(p + "attention.wo.bias", self.ranks.all_reduce(shares) if self.split_tokens() else shares)
         dy = self.row_out_back(dy)
         wo = self.w(p + "attention.wo.weight")
         self.add_grad(p + "attention.wo.weight", [dyi.T @ oi for dyi, oi in zip(dy, o)])

@@ -3,6 +3,7 @@ through MindSpore's API on CPU-built tiny models (Primitive.shard and pipeline_s
 and ignored on a stand-alone CPU graph; nothing here executes a parallel step)."""
 import fnmatch
 import math
+import re
 
 import numpy as np
 import pytest
@@ -644,8 +645,14 @@ MOE = dict(vocab_size=64, hidden_size=16, num_layers=2, num_heads=4, num_kv_head
            num_experts=4, experts_per_token=2, moe_ffn_size=8, norm_topk_prob=False)
 
 
-def moe_config(factor=1.25, **layout):
-    return config_from_dict({"model": MOE, "data": {"seq_len": 8}, "train": {"batch_size": 2,
+# gpt-oss's MoE: a bias on the router's logits, biases on each expert's gate, up and down, the clamped SwiGLU
+# (a limit the gates and ups cross here), top k renormalised
+GPT_OSS_MOE = dict(router_bias=True, experts_bias=True, mlp="swiglu_clamped", swiglu_alpha=1.702, swiglu_limit=1.0,
+                   norm_topk_prob=True)
+
+
+def moe_config(factor=1.25, model=None, **layout):
+    return config_from_dict({"model": {**MOE, **(model or {})}, "data": {"seq_len": 8}, "train": {"batch_size": 2,
                              "moe_capacity_factor": factor}, "parallel": layout})
 
 
@@ -708,19 +715,21 @@ def test_expert_parallel_checker_rules():
         assert err.value.key == key and text in str(err.value), str(err.value)
 
 
-def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer():
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer(gpt_oss):
     """The one-process oracle of Ascend's expert parallel: 4 data-parallel ranks in ep groups of 2, each
     dispatching its own tokens ([E, C, h], numpy), an all-to-all within its ep group handing each rank
     the rows of the experts the table gives it, each rank computing only those experts with its slice of
     the weights, the all-to-all back and a local combine, equal the whole MoE layer as MindSpore
     computes it with one dispatch group per rank (GroupedCapacityDispatch, groups 4). The rows a rank
-    receives are the slice the table's layout of the experts' BatchMatMul gives it."""
+    receives are the slice the table's layout of the experts' BatchMatMul gives it. gpt-oss's MoE: the
+    router's bias whole on every rank, each rank's experts' biases the table's slice of them."""
     import mindspore as ms
     from mindspore import Tensor
 
     from msllm.models.moe import GroupedCapacityDispatch, MoE
 
-    cfg = moe_config(factor=0.75, dp=4, ep=2)
+    cfg = moe_config(factor=0.75, model=GPT_OSS_MOE if gpt_oss else None, dp=4, ep=2)
     m, sh = cfg.model, L.sharding(cfg.model, cfg.parallel)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     layer = MoE(m)
@@ -735,13 +744,24 @@ def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer():
     assert load[2].sum() > 0  # the capacity drops choices: the oracle must drop the same ones
 
     router = layer.router.weight.asnumpy()
+    router_bias = layer.router.bias.asnumpy() if gpt_oss else 0.0
     weights = {w: getattr(layer.experts, w).asnumpy() for w in ("w1", "w2", "w3")}
+    biases = {b: getattr(layer.experts, b).bias.asnumpy() if gpt_oss else np.zeros((e, 1), np.float32)
+              for b in ("b1", "b2", "b3")}
 
-    def route(xr):  # softmax top-k, unnormalised, and each expert's first c choices in token order
-        logits = xr @ router.T
+    def act(gate, up):
+        if not gpt_oss:
+            return gate / (1 + np.exp(-gate)) * up
+        gate, up = np.minimum(gate, m.swiglu_limit), np.clip(up, -m.swiglu_limit, m.swiglu_limit)
+        return gate / (1 + np.exp(-m.swiglu_alpha * gate)) * (up + 1)
+
+    def route(xr):  # softmax top-k (renormalised for gpt-oss), and each expert's first c choices in token order
+        logits = xr @ router.T + router_bias
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         chosen = np.argsort(-probs, -1, kind="stable")[:, :k]
+        if gpt_oss:
+            probs = probs / np.take_along_axis(probs, chosen, -1).sum(-1, keepdims=True)
         rows, slots, seen = np.zeros((e, c, h), np.float32), [], np.zeros(e, int)
         for t in range(n):
             for ex in chosen[t]:
@@ -762,8 +782,11 @@ def test_expert_parallel_oracle_all_to_all_ranks_equal_the_whole_layer():
         table_slice = L.shard_slices(global_rows.shape, layout, sh, {"dp": r})
         np.testing.assert_array_equal(received, global_rows[table_slice])
         w1, w2, w3 = (weights[w][mine] for w in ("w1", "w2", "w3"))
-        gate, up = received @ w1.transpose(0, 2, 1), received @ w3.transpose(0, 2, 1)
-        out = (gate / (1 + np.exp(-gate)) * up) @ w2.transpose(0, 2, 1)               # [E/ep, ep*C, h]
+        cuts = {b: L.param_entry(f"layers.0.feed_forward.experts.{b}.bias")[0] for b in biases}
+        b1, b2, b3 = (biases[b][L.shard_slices(biases[b].shape, cuts[b], sh, {"dp": r})][:, None]
+                      for b in ("b1", "b2", "b3"))
+        gate, up = received @ w1.transpose(0, 2, 1) + b1, received @ w3.transpose(0, 2, 1) + b3
+        out = act(gate, up) @ w2.transpose(0, 2, 1) + b2                              # [E/ep, ep*C, h]
         for i, q in enumerate(group):                                                 # all-to-all back
             back[q][mine] = out[:, i * c:(i + 1) * c]
     oracle = np.zeros_like(x)
@@ -1085,3 +1108,84 @@ def test_glm4_5_air_is_laid_out_by_the_table_and_the_backend_applies_it():
     assert applied[A + "wq.matmul"] == applied[A + "wo.matmul"] == 2 and applied[F + "experts.matmul"] == 1
     assert applied[F + "w1.matmul"] == 1  # the dense layer only
     np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen3_5_hybrid_golden_strategies_and_the_backend_applies_them():
+    """Qwen3.5-9B on 8 devices (dp 2 x tp 4, sequence parallel) passes the checker: its Gated DeltaNet
+    layers' 16 key heads (each serving 2 value heads) cut 4 a rank with every per-head tensor (the three
+    convs, dt_bias, A_log, z / beta / decay inputs), wo row-parallel, the gated norm whole; the attention
+    layers as Qwen3's plus the output gate's columns. tp must divide the key heads and the KV heads (one
+    line each). A tiny hybrid carries every row the table requires and computes the same logits with the
+    strategies set."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msllm.backends import ascend
+    from msllm.config import ConfigError
+    from msllm.models.decoder import Llama
+
+    overrides = ["parallel.dp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "train.batch_size=8"]
+    cfg = load_config(REPO / "configs" / "qwen3_5_9b.yaml", overrides)
+    check_parallel(cfg, devices=8)
+    m, sh = cfg.model, L.sharding(cfg.model, cfg.parallel)
+    head_norm = {"square": ((2, 4, 1),), "mean": ((2, 4, 1),), "add": ((2, 4, 1), (1, 1, 1)), "rsqrt": ((2, 4, 1),),
+                 "scale": ((2, 4, 1), (2, 4, 1)), "weigh": ((2, 4, 1), (1,))}
+    column = {"in": ((2, 1), (4, 1)), "out": None}
+    want = {**golden(2, 4, 8, 4, (2, 4, 1, 1, 1)), A + "wg.matmul": column, A + "wz.matmul": column,
+            A + "wb.matmul": column, A + "wa.matmul": column,
+            **{f"{A}{w}_norm.core.{prim}": {"in": s, "out": None} for w in "qk" for prim, s in head_norm.items()}}
+    assert L.op_strategies(m, sh) == want
+    shapes = L.param_shapes(m)
+    held = {"layers.0.attention.wq.weight": (512, 4096), "layers.0.attention.wk.weight": (512, 4096),
+            "layers.0.attention.wv.weight": (1024, 4096), "layers.0.attention.wz.weight": (1024, 4096),
+            "layers.0.attention.wb.weight": (8, 4096), "layers.0.attention.conv_q.weight": (512, 1, 4),
+            "layers.0.attention.conv_v.weight": (1024, 1, 4), "layers.0.attention.A_log": (8,),
+            "layers.0.attention.dt_bias": (8,), "layers.0.attention.norm.weight": (128,),
+            "layers.0.attention.wo.weight": (4096, 1024), "layers.3.attention.wk.weight": (256, 4096),
+            "layers.3.attention.wg.weight": (1024, 4096)}
+    assert {p: L.shard_shape(shapes[p], L.param_entry(p)[0], sh) for p in held} == held
+    for tp, why in ((32, "model.linear_num_key_heads (16 % 32"), (8, "model.num_kv_heads (4 % 8")):
+        with pytest.raises(ConfigError, match=rf"parallel.tp: must divide {re.escape(why)}"):
+            check_parallel(load_config(REPO / "configs" / "qwen3_5_9b.yaml", [f"parallel.tp={tp}"]), devices=tp)
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    spec = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn_size=32,
+                max_seq_len=16, qk_norm=True, attn_output_gate=True, norm_offset=1.0, layer_types=["linear", "full"],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    tiny = config_from_dict({"model": spec, "data": {"seq_len": 8}, "train": {"batch_size": 2},
+                             "parallel": {"dp": 2, "tp": 2, "sequence_parallel": True}})
+    check_parallel(tiny, 4)
+    net = Llama(tiny.model)
+    rng = np.random.default_rng(4)
+    for p in net.get_parameters():
+        p.set_data(Tensor(rng.normal(0, 0.3, p.shape).astype(np.float32)))
+    ids = Tensor(rng.integers(0, 64, (4, 8)).astype(np.int32))
+    plain = net(ids).asnumpy()
+    applied = ascend.specialise(net, tiny)  # raises on a required row the model lacks
+    assert applied[A + "wz.matmul"] == applied[A + "wg.matmul"] == 1 and applied[A + "wo.matmul"] == 2
+    np.testing.assert_allclose(net(ids).asnumpy(), plain, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_is_laid_out_over_tp_and_ep_and_its_sinks_stay_refused_on_ascend():
+    """gpt-oss-20b on 64 devices (dp 8 with ep 8, tp 8, sequence parallel): q / k / v and their biases cut by
+    heads (8 KV heads, one a tp rank), wo's bias whole (added once after the row reduction), the router and
+    its bias whole, the experts and their biases over ep (4 of 32 a rank). Its attention sinks stay refused
+    on Ascend in one line with the reason: FlashAttentionScore takes no sink column."""
+    from msllm.config import ConfigError
+
+    overrides = ["train.device=ascend", "parallel.dp=8", "parallel.tp=8", "parallel.ep=8",
+                 "parallel.sequence_parallel=true", "train.batch_size=1", "train.moe_capacity_factor=1.25"]
+    with pytest.raises(ConfigError, match="model.attention_sinks: not built for Ascend: MindSpore 2.10's "
+                                          "FlashAttentionScore takes no sink logit per head"):
+        load_config(REPO / "configs" / "gpt_oss_20b.yaml", overrides)
+    cfg = load_config(REPO / "configs" / "gpt_oss_20b.yaml", overrides + ["model.attention_sinks=false"])
+    check_parallel(cfg, devices=64)
+    sh, shapes = L.sharding(cfg.model, cfg.parallel), L.param_shapes(cfg.model)
+    want = {"layers.0.attention.wq.weight": (512, 2880), "layers.0.attention.wq.bias": (512,),
+            "layers.0.attention.wk.bias": (64,), "layers.0.attention.wo.weight": (2880, 512),
+            "layers.0.attention.wo.bias": (2880,), "layers.0.feed_forward.router.weight": (32, 2880),
+            "layers.0.feed_forward.router.bias": (32,), "layers.0.feed_forward.experts.w1": (4, 2880, 2880),
+            "layers.0.feed_forward.experts.b1.bias": (4, 2880), "layers.0.feed_forward.experts.b2.bias": (4, 2880)}
+    assert {p: L.shard_shape(shapes[p], L.param_entry(p)[0], sh) for p in want} == want
+    got = {k: v["in"] for k, v in L.op_strategies(cfg.model, sh).items()}
+    assert got[F + "experts.matmul"] == ((8, 1, 1), (8, 1, 1)) and got[A + "wk.matmul"] == ((8, 1), (8, 1))

@@ -54,16 +54,16 @@ def reference(params, m, ids, labels):
     return loss, model.grads[0]
 
 
-@pytest.mark.parametrize("kv, dp, tp, sp, vocab", [
-    (4, 1, 2, False, 64),   # tp 2, kv heads split
-    (4, 1, 4, False, 64),   # tp 4 = kv heads
-    (2, 1, 4, False, 64),   # GQA kv < tp: each KV head held by 2 ranks
-    (1, 1, 4, True, 64),    # MQA under sequence parallel
-    (2, 2, 4, True, 64),    # dp x tp, kv < tp, sequence parallel
-    (4, 2, 2, True, 66),    # vocab not divisible by tp: embedding and head replicated (dp fallback)
+@pytest.mark.parametrize("kv, dp, tp, sp, vocab, o_bias", [
+    (4, 1, 2, False, 64, False),   # tp 2, kv heads split
+    (4, 1, 4, False, 64, True),    # tp 4 = kv heads; wo's bias (gpt-oss) added once after the row reduction
+    (2, 1, 4, False, 64, False),   # GQA kv < tp: each KV head held by 2 ranks
+    (1, 1, 4, True, 64, False),    # MQA under sequence parallel
+    (2, 2, 4, True, 64, True),     # dp x tp, kv < tp, sequence parallel: wo's bias on each rank's tokens
+    (4, 2, 2, True, 66, False),    # vocab not divisible by tp: embedding and head replicated (dp fallback)
 ])
-def test_sharded_forward_and_backward_equal_unsharded(kv, dp, tp, sp, vocab):
-    m = tiny(num_kv_heads=kv, vocab_size=vocab)
+def test_sharded_forward_and_backward_equal_unsharded(kv, dp, tp, sp, vocab, o_bias):
+    m = tiny(num_kv_heads=kv, vocab_size=vocab, o_bias=o_bias)
     params = init_params(m, seed=3)
     ids, labels = batch(m)
     ref_loss, ref_grads = reference(params, m, ids, labels)
@@ -161,32 +161,36 @@ def test_pipeline_stages_in_sequence_equal_the_whole_model(pp, micro, tp):
     assert sum(len(model.grads[0]) for model, _ in stages) == len(params)
 
 
-def test_oracle_at_one_rank_is_msllms_llama():
-    """The oracle's unsharded model is msllm's: loss and every gradient against MindSpore (PyNative)."""
+def assert_oracle_is_msllms_model(m: ModelConfig, seed: int):
+    """The oracle's one-rank model against msllm's (MindSpore, PyNative) on the same weights: loss and every
+    gradient. Returns (the oracle's loss, the weights, ids, labels)."""
     import mindspore as ms
     from mindspore import Tensor
-
     from msllm.models.decoder import Llama
-
     from msllm.models.layers import CausalLMLoss
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    m = tiny(num_kv_heads=2)
-    params = init_params(m, seed=5)
+    params = init_params(m, seed=seed)
     ids, labels = batch(m, b=2)
-    ref_loss, ref_grads = reference(params, m, ids, labels)
-
+    ours, ref_grads = reference(params, m, ids, labels)
     model = Llama(m)
     for name, p in model.parameters_and_names():
         p.set_data(Tensor(params[name]))
-    loss_fn = CausalLMLoss()
-    weights = model.trainable_params()
+    loss_fn, weights = CausalLMLoss(), model.trainable_params()
     grad_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, weights)
-    loss, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
+    want, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
     loss_tol, grad_tol = tolerances(m, ids)
-    assert abs(float(loss) - ref_loss) <= loss_tol * ref_loss
+    assert abs(ours - float(want)) <= loss_tol * float(want)
+    assert {p.name for p in weights} == set(ref_grads)
     for p, g in zip(weights, grads):
-        assert rel(g.asnumpy(), ref_grads[p.name]) <= grad_tol, p.name
+        assert rel(ref_grads[p.name], g.asnumpy()) <= grad_tol, (p.name, rel(ref_grads[p.name], g.asnumpy()))
+    return ours, params, ids, labels
+
+
+def test_oracle_at_one_rank_is_msllms_llama():
+    """The oracle's unsharded model is msllm's: loss and every gradient against MindSpore (PyNative), the
+    q / k / v / o biases' included."""
+    assert_oracle_is_msllms_model(tiny(num_kv_heads=2, o_bias=True), seed=5)
 
 
 def gemma_like(**kw) -> ModelConfig:
@@ -215,27 +219,8 @@ def test_gemma_like_oracle_at_one_rank_is_msllms_llama():
     """The oracle's Gemma-3-like model is msllm's (MindSpore, PyNative): loss and every gradient, the
     q/k and sandwich norms', GeGLU's and the scaled embedding's included. Its window and RoPE bases
     matter: the same weights with only full layers give another loss."""
-    import mindspore as ms
-    from mindspore import Tensor
-    from msllm.models.decoder import Llama
-    from msllm.models.layers import CausalLMLoss
-
-    ms.set_context(mode=ms.PYNATIVE_MODE)
     m = gemma_like()
-    params = init_params(m, seed=7)
-    ids, labels = batch(m, b=2)
-    ours, ref_grads = reference(params, m, ids, labels)
-    model = Llama(m)
-    for name, p in model.parameters_and_names():
-        p.set_data(Tensor(params[name]))
-    loss_fn, weights = CausalLMLoss(), model.trainable_params()
-    grad_fn = ms.value_and_grad(lambda x, y: loss_fn(model(x), y), None, weights)
-    want, grads = grad_fn(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)))
-    loss_tol, grad_tol = tolerances(m, ids)
-    assert abs(ours - float(want)) <= loss_tol * float(want)
-    assert {p.name for p in weights} == set(ref_grads)
-    for p, g in zip(weights, grads):
-        assert rel(ref_grads[p.name], g.asnumpy()) <= grad_tol, (p.name, rel(ref_grads[p.name], g.asnumpy()))
+    ours, params, ids, labels = assert_oracle_is_msllms_model(m, seed=7)
     full = gemma_like(layer_types=["full", "full"])
     assert abs(forward_loss(params, full, L.sharding(full, ParallelConfig()), ids, labels) - ours) > 1e-3 * ours
 
@@ -280,3 +265,45 @@ def test_moe_dispatch_groups_are_each_ranks_tokens_cut_to_bound_the_one_hot_mask
         g = L.dispatch_groups(dp, tokens)
         per_group = dp * tokens // g
         assert g % dp == 0 and (per_group == tokens or L.DISPATCH_GROUP_TOKENS <= per_group < 2 * L.DISPATCH_GROUP_TOKENS)
+
+
+def hybrid(**kw) -> ModelConfig:
+    """A Gated DeltaNet layer (2 key heads of 8 serving 4 value heads of 8, conv of 4 taps), then attention."""
+    values = dict(qkv_bias=False, layer_types=["linear", "full"], linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel=4)
+    return tiny(**{**values, **kw})
+
+
+@pytest.mark.parametrize("dp, tp, sp", [
+    (1, 2, False),   # a key head (and its two value heads) a rank
+    (2, 2, True),    # dp x tp, sequence parallel
+])
+def test_hybrid_sharded_forward_and_backward_equal_unsharded(dp, tp, sp):
+    """A hybrid's Gated DeltaNet layer as the table cuts it over tp: each rank runs the delta rule on the key
+    heads its wq / wk slices hold, with those heads' value heads, gates, decays and conv channels (every
+    slice checked against the heads of wq's), and gives every rank the unsharded gradient's slice."""
+    m = hybrid()
+    params = init_params(m, seed=9)
+    ids, labels = batch(m)
+    ref_loss, ref_grads = reference(params, m, ids, labels)
+    sh = L.sharding(m, ParallelConfig(dp=dp, tp=tp, sequence_parallel=sp))
+    assert L.strategy_problems(m, sh, ids.shape[0], ids.shape[1]) == []
+    loss, model = loss_and_grads(params, m, sh, ids, labels)
+    loss_tol, grad_tol = tolerances(m, ids)
+    assert abs(loss - ref_loss) <= loss_tol * ref_loss
+    assert_ranks_hold_the_reference(model, ref_grads, sh, grad_tol)
+    # each rank holds one key head's rows of everything per head: q and k (8 features), its two value heads'
+    p, (dk, nv) = "layers.0.attention.", (m.linear_key_head_dim, m.linear_num_value_heads)
+    for r, coords in enumerate(model.ranks.coords):
+        head = coords["tp_kv"] * sh.tp_rep + coords["tp_rep"]
+        w = model.weights[r]
+        assert np.array_equal(w[p + "wk.weight"], params[p + "wk.weight"][head * dk:(head + 1) * dk])
+        assert np.array_equal(w[p + "conv_v.weight"], params[p + "conv_v.weight"][head * 16:(head + 1) * 16])
+        assert np.array_equal(w[p + "A_log"], params[p + "A_log"][head * 2:(head + 1) * 2])
+        assert w[p + "wo.weight"].shape == (m.hidden_size, nv // tp * m.linear_value_head_dim)
+
+
+def test_hybrid_oracle_at_one_rank_is_msllms_model():
+    """The oracle's Gated DeltaNet layer (token by token, torch) is msllm's (chunked, MindSpore PyNative):
+    loss and every gradient, the convs', decays' and gated norm's included."""
+    assert_oracle_is_msllms_model(hybrid(), seed=10)

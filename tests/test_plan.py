@@ -453,8 +453,8 @@ def test_hybrid_plan_counts_the_linear_layers_rule_and_state(capsys):
     (its "Qwen3.5-9B style") build as many parameters (on the meta device). Its 24 Gated DeltaNet layers cost
     per token what their chunked rule does, the same at any length: twice the context grows the FLOPs by the 8
     attention layers' scores alone, and the activations by those layers' only; a linear layer keeps no scores
-    but its chunks' [c, c] matrices and the state entering each chunk. `msllm plan` lays it out (data parallel:
-    a hybrid is not laid out over tp / cp / pp)."""
+    but its chunks' [c, c] matrices and the state entering each chunk. `msllm plan` lays it out (over dp and tp:
+    a hybrid is not laid out over cp / pp)."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -486,8 +486,12 @@ def test_hybrid_plan_counts_the_linear_layers_rule_and_state(capsys):
     logits = 2 * 4 * 4096 * m.vocab_size
     assert e["activations"] == pytest.approx(24 * per_layer[True] + 8 * per_layer[False] + logits)
 
-    with pytest.raises(ConfigError, match="parallel.tp: must be 1 with Gated DeltaNet"):
-        check_parallel(P.with_layout(cfg, ParallelConfig(dp=4, tp=2), global_batch=8), 8)
+    tp2 = L.sharding(m, ParallelConfig(dp=4, tp=2))
+    assert P.layer_activations(m, tp2, 1, 4096, 2, "selective", False, linear=True) == pytest.approx(
+        4096 * (4 * m.hidden_size * 2 + P.linear_activations(m, 4096, 2) / 2))  # its heads over tp
+    check_parallel(P.with_layout(cfg, ParallelConfig(dp=4, tp=2), global_batch=8), 8)
+    with pytest.raises(ConfigError, match="parallel.pp: must be 1 with Gated DeltaNet"):
+        check_parallel(P.with_layout(cfg, ParallelConfig(dp=4, pp=2, micro_batches=2), global_batch=8), 8)
     code, out, err = plan_cli(capsys, "--config", str(QWEN3_5), "--devices", "8", "--device-mem", "64GB")
     best = [line for line in out.splitlines() if line.startswith("# best:")]
-    assert code == 0 and best and "tp 1 x pp 1" in best[0], out + err
+    assert code == 0 and best and "dp 2 x tp 4 x pp 1" in best[0], out + err  # its heads over tp now fit

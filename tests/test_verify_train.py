@@ -50,7 +50,7 @@ def test_train_steps_match_torch(hf_dirs, case):
         assert "layers.1.attention.k_norm.weight" in names
     if case in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # the linear layers' decay, gate and conv, the attention
         # layer's output gate
-        assert {"layers.0.attention.A_log", "layers.0.attention.dt_bias", "layers.2.attention.conv.weight",
+        assert {"layers.0.attention.A_log", "layers.0.attention.dt_bias", "layers.2.attention.conv_k.weight",
                 "layers.3.attention.wg.weight"} <= names
     if case in ("qwen3_5_moe", "qwen3_next"):  # the shared expert's sigmoid gate
         assert "layers.0.feed_forward.shared_gate.weight" in names

@@ -32,10 +32,13 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
         names, sizes = ("dp x cp x tp x pp", (p.dp, p.cp, p.tp, p.pp)) if p.cp > 1 else ("dp x tp x pp", (p.dp, p.tp, p.pp))
         return "parallel", (f"{names} = {' x '.join(map(str, sizes))} = {p.dp * p.cp * p.tp * p.pp} "
                             f"must equal the device count {devices}")
-    for key in ("tp", "cp", "pp"):
+    for key in ("cp", "pp"):
         if m.hybrid and getattr(p, key) > 1:
             return f"parallel.{key}", ("must be 1 with Gated DeltaNet (linear) layers in model.layer_types: they are "
-                                       "not laid out over devices yet")
+                                       "laid out over tp and dp only")
+    problem = linear_attention_problem(cfg)
+    if problem is not None:
+        return problem
     problem = context_parallel_problem(cfg, seq)
     if problem is not None:
         return problem
@@ -72,6 +75,22 @@ def layout_problem(cfg: Config, devices: int | None = None, global_batch: int | 
     problems = strategy_problems(m, sh, batch // p.micro_batches, seq, cfg.train.moe_capacity_factor or 1.0)
     if problems:
         return "parallel", f"layout table: {problems[0]}"
+    return None
+
+
+def linear_attention_problem(cfg: Config) -> tuple[str, str] | None:
+    """(key, message) when parallel.tp cannot cut a hybrid's Gated DeltaNet layers by head (msllm.layout.table):
+    tp must divide their key heads (their value heads are a multiple), and the attention layers' KV heads,
+    whose wk / wv rows (cut over tp_kv) the linear layers' wk / wv share."""
+    p, m = cfg.parallel, cfg.model
+    if not m.hybrid or p.tp == 1:
+        return None
+    if m.linear_num_key_heads % p.tp:
+        return "parallel.tp", (f"must divide model.linear_num_key_heads ({m.linear_num_key_heads} % {p.tp} != 0): "
+                               f"each rank runs whole Gated DeltaNet key heads")
+    if m.num_kv_heads % p.tp:
+        return "parallel.tp", (f"must divide model.num_kv_heads ({m.num_kv_heads} % {p.tp} != 0) in a hybrid: the "
+                               f"Gated DeltaNet layers' wk / wv take the attention layers' KV-head cut")
     return None
 
 

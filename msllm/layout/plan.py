@@ -130,7 +130,7 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
                                  FlashAttentionScore's softmax_max and softmax_sum ([b, n, s, 8] fp32)
     A MoE layer (moe given) keeps instead of the MLP term what MoECost.activations counts; an MLA layer
     its q, its per-head keys and values and its latent instead of q and k, v; a Gated DeltaNet layer (`linear`)
-    what linear_activations counts instead of attention and no scores.
+    what linear_activations counts / t instead of attention and no scores.
     none = all four; selective (msllm's: attention core and MLP recomputed) = norms + attention;
     full = the layer input, h e / sp. Korthikanti et al.'s GPT count differs in its terms (dropout
     masks, GeLU MLP, fp16 softmax) but not in the structure: with sequence parallel every term is / t,
@@ -147,8 +147,8 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
     if m.mla:  # the layer input to wq, q and the up-projected keys and values of the device's heads, the
         # latent and rope key (whole on every tp rank)
         attention = (h + m.num_heads / t * (2 * d + m.v_head_dim) + m.kv_lora_rank + m.qk_rope_head_dim) * act_bytes
-    if linear:
-        attention = linear_activations(m, seq, act_bytes)
+    if linear:  # every tensor of it is per head, its heads cut over tp
+        attention = linear_activations(m, seq, act_bytes) / t
     if recompute == "selective":
         return tokens * (norms + attention)
     mlp = 3 * m.ffn_size * act_bytes / t if moe is None else moe.activations(act_bytes)

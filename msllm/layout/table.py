@@ -97,14 +97,19 @@ PARAMS = (
     ("layers.*.attention.wkv_a.weight",  (None, None),    "replicated"),
     ("layers.*.attention.wkv_b.weight",  ("heads", None), "column"),
     ("layers.*.attention.kv_norm.weight", (None,),        "replicated"),
-    # Gated DeltaNet (linear attention): refused over tp for now (its heads over tp, with the conv and state
-    # per head, are not laid out yet), so its wq / wk / wv / wo take attention's rows above; the rest whole
-    ("layers.*.attention.wz.weight",     (None, None),    "replicated"),
-    ("layers.*.attention.wb.weight",     (None, None),    "replicated"),
-    ("layers.*.attention.wa.weight",     (None, None),    "replicated"),
-    ("layers.*.attention.conv.weight",   (None, None, None), "replicated"),
-    ("layers.*.attention.dt_bias",       (None,),         "replicated"),
-    ("layers.*.attention.A_log",         (None,),         "replicated"),
+    # Gated DeltaNet (linear attention): its heads over tp, everything per head cut with them. Each key head's
+    # run of value heads is consecutive, so a contiguous cut of wq / wk (key heads) cuts wv, wz, wb, wa,
+    # dt_bias, A_log and the three convs (value heads) at the same head boundaries: a rank runs the rule on
+    # its own heads and only wo's row-parallel sum crosses ranks. Its wq / wk / wv / wo take attention's rows
+    # above (same names): wk / wv cut by "kv", so a hybrid over tp needs tp to divide the attention
+    # layers' KV heads (kv = tp_kv = tp; msllm.layout.check refuses other tp). The gated norm is per
+    # feature of a head, shared by all heads: whole.
+    ("layers.*.attention.wz.weight",     ("heads", None), "column"),
+    ("layers.*.attention.wb.weight",     ("heads", None), "column"),
+    ("layers.*.attention.wa.weight",     ("heads", None), "column"),
+    ("layers.*.attention.conv_*.weight", ("heads", None, None), "column"),
+    ("layers.*.attention.dt_bias",       ("heads",),      "column"),
+    ("layers.*.attention.A_log",         ("heads",),      "column"),
     ("layers.*.attention.norm.weight",   (None,),         "replicated"),
     ("layers.*.feed_forward.w1.weight",  ("ffn", None),   "column"),
     ("layers.*.feed_forward.w3.weight",  ("ffn", None),   "column"),
@@ -154,6 +159,8 @@ CONDITIONS = {
     "mla": lambda m: m.mla,
     "mla_low_rank_q": lambda m: m.mla and m.q_lora_rank > 0,
     "mla_value_pad": lambda m: m.mla and m.v_head_dim < m.head_size,  # FlashAttentionScore: V padded to q/k's size
+    "output_gate": lambda m: m.attn_output_gate,
+    "linear": lambda m: m.hybrid,                   # Gated DeltaNet layers (their wq / wk / wv / wo: attention's rows)
 }
 
 _ROW_OUT = (("tokens", None),)
@@ -203,6 +210,7 @@ _PROJECTION_NORM_OPS = (_norm_ops("layers.*.attention.q_norm.core", "qk_norm_pro
 OPS = _NORM_OPS + _HEAD_NORM_OPS + _LATENT_NORM_OPS + _PROJECTION_NORM_OPS + (
     Op("tok_embeddings", "gather", (("vocab", None), ("batch",))),
     Op("layers.*.attention.wq", "matmul", (("batch", None), ("heads", None)), when="q_proj"),
+    Op("layers.*.attention.wg", "matmul", (("batch", None), ("heads", None)), when="output_gate"),
     Op("layers.*.attention.wk", "matmul", (("batch", None), ("kv", None)), when="qkv"),
     Op("layers.*.attention.wv", "matmul", (("batch", None), ("kv", None)), when="qkv"),
     # MLA: latents whole on every rank, expanded to the rank's heads (its keys' shared RoPE part is
@@ -248,6 +256,12 @@ OPS = _NORM_OPS + _HEAD_NORM_OPS + _LATENT_NORM_OPS + _PROJECTION_NORM_OPS + (
     Op(_ATTN, "value_part", (("samples", "heads", None, None),), cores=("flash", "packed"), flat=True,
        when="mla_value_pad"),
     Op("layers.*.attention.wo", "matmul", (("batch", "heads"), (None, "heads")), out=_ROW_OUT),
+    # Gated DeltaNet: the gate z, beta and decay inputs column-parallel by value head, as wv. The rule itself
+    # (conv, chunked matmuls, gated norm) has no rows: every tensor in it is per head, and MindSpore's default
+    # strategies apply there.
+    Op("layers.*.attention.wz", "matmul", (("batch", None), ("heads", None)), when="linear"),
+    Op("layers.*.attention.wb", "matmul", (("batch", None), ("heads", None)), when="linear"),
+    Op("layers.*.attention.wa", "matmul", (("batch", None), ("heads", None)), when="linear"),
     Op("layers.*.feed_forward.w1", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
     Op("layers.*.feed_forward.w3", "matmul", (("batch", None), ("ffn", None)), when="dense_mlp"),
     Op("layers.*.feed_forward.act", "sigmoid", (("batch", "ffn"),), when="dense_mlp"),
@@ -449,6 +463,7 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, gr
     shapes = {
         "tok_embeddings.gather": [(v, h), (n,)],
         a + "wq.matmul": [(n, h), (nh * d, h)],
+        a + "wg.matmul": [(n, h), (nh * d, h)],
         a + "wk.matmul": [(n, h), (kv * d, h)],
         a + "wv.matmul": [(n, h), (kv * d, h)],
         a + "rope.matmul": [(b * nh * s, d), (d, d)],
@@ -479,6 +494,10 @@ def op_input_shapes(m: ModelConfig, batch: int, seq: int, kv_copies: int = 1, gr
             ff + "dispatch.from_experts": [(e, g, c, h)],
             ff + "dispatch.combine_rows": [(g, n // g, e * c), (g, e * c, h)],
         })
+    if m.hybrid:
+        values = m.linear_num_value_heads * m.linear_value_head_dim
+        shapes.update({a + "wz.matmul": [(n, h), (values, h)], a + "wb.matmul": [(n, h), (m.linear_num_value_heads, h)],
+                       a + "wa.matmul": [(n, h), (m.linear_num_value_heads, h)]})
     if m.mla:
         shapes.update(_mla_input_shapes(m, b, s))
     projection = {"q_norm": nh * d, "k_norm": kv * d} if m.qk_norm and m.qk_norm_scope == "projection" else {}

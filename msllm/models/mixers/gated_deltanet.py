@@ -11,8 +11,11 @@ head serves a run of consecutive value heads.
 Training and prefill use the chunked form: within a chunk of 64 tokens a few matmuls (the intra-chunk
 part, a unit lower-triangular inverse), across chunks the state carried one chunk at a time, so no
 tensor is larger than [chunk, chunk] per head and memory stays linear in the sequence; autodiff gives
-the backward. Names: attention.wq, wk, wv (the conv's three input parts), wz, wb, wa, conv, dt_bias,
-A_log, norm, wo.
+the backward. Names: attention.wq, wk, wv, wz, wb, wa, conv_q, conv_k, conv_v, dt_bias, A_log, norm, wo.
+
+The conv is three depthwise convs, one per projection (Hugging Face's conv1d is their channels
+concatenated: interop/maps/qwen3_5.py), so every per-head tensor is a contiguous run of key heads and a
+tensor-parallel rank's slice of each is one block (msllm.layout.table).
 """
 from __future__ import annotations
 
@@ -179,7 +182,8 @@ class GatedDeltaNet(nn.Cell):
         self.wz = Linear(h, values)
         self.wb = Linear(h, self.num_value_heads)
         self.wa = Linear(h, self.num_value_heads)
-        self.conv = CausalConv(2 * keys + values, cfg.linear_conv_kernel)
+        self.conv_q, self.conv_k = CausalConv(keys, cfg.linear_conv_kernel), CausalConv(keys, cfg.linear_conv_kernel)
+        self.conv_v = CausalConv(values, cfg.linear_conv_kernel)
         self.dt_bias = Parameter(Tensor(np.ones(self.num_value_heads, np.float32)), name="dt_bias")
         self.A_log = Parameter(Tensor(np.zeros(self.num_value_heads, np.float32)), name="A_log")
         self.norm = RMSNorm(self.value_dim, cfg.norm_eps)  # scales by w (not 1 + w) in every family that has it
@@ -201,11 +205,14 @@ class GatedDeltaNet(nn.Cell):
         segments = mask
         if cache_k is not None:
             x, segments = x * cast(mask.reshape(-1, 1), x.dtype), None
-        qkv = ops.concat((self.wq(x), self.wk(x), self.wv(x)), -1)
-        qkv, window = self.conv(qkv.reshape(b, s, -1), segments, cache_v)
-        q = l2_normalise(self.heads(qkv[..., :keys], b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
-        k = l2_normalise(self.heads(qkv[..., keys:2 * keys], b, s, self.num_key_heads, self.key_dim))
-        v = self.heads(qkv[..., 2 * keys:], b, s, self.num_value_heads, self.value_dim)
+        # the cached window holds the three convs' channels side by side, q then k then v
+        windows = (None,) * 3 if cache_v is None else ops.split(cache_v, (keys, keys, cache_v.shape[-1] - 2 * keys), -1)
+        q, window_q = self.conv_q(self.wq(x).reshape(b, s, -1), segments, windows[0])
+        k, window_k = self.conv_k(self.wk(x).reshape(b, s, -1), segments, windows[1])
+        v, window_v = self.conv_v(self.wv(x).reshape(b, s, -1), segments, windows[2])
+        q = l2_normalise(self.heads(q, b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
+        k = l2_normalise(self.heads(k, b, s, self.num_key_heads, self.key_dim))
+        v = self.heads(v, b, s, self.num_value_heads, self.value_dim)
         beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
         g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
         out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, cache_k)
@@ -214,4 +221,5 @@ class GatedDeltaNet(nn.Cell):
         out = cast(out * z * ops.sigmoid(z), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
         if cache_k is None:
             return self.wo(out), cache_k, cache_v
+        window = ops.concat((window_q, window_k, window_v), -1)
         return self.wo(out), cast(state, cache_k.dtype), cast(window, cache_v.dtype)
