@@ -172,6 +172,12 @@ def test_watchdog_judges_each_rank_by_its_own_deadline(tmp_path, monkeypatch):
     assert watchdog.stalled(tmp_path, now + 40) == ("hung: rank 1 made no step for 40 s (deadline 30 s) after step 4; "
                                                      "Python stacks in the worker logs")
     assert watchdog.stalled(tmp_path, now + 80).startswith("hung: ranks 0, 1 made no step for 80 s (deadline 75 s)")
+    # the first eval compiles a graph: its allowance holds through the beats after it, until a timed step
+    beats[1].beat(4, compiling=True)
+    beats[1].beat(4)
+    assert json.loads(watchdog.beat_path(tmp_path, 1).read_text())["deadline_s"] == watchdog.FIRST_STEP_S
+    beats[1].beat(5, 0.5)
+    assert json.loads(watchdog.beat_path(tmp_path, 1).read_text())["deadline_s"] == 30.0
     monkeypatch.delenv("MSLLM_PID_DIR")
     watchdog.Heartbeat(30.0, 0).beat(1, 1.0)                   # outside msllm launch: nothing written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0.beat", "rank_1.beat"]

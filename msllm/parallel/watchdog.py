@@ -19,7 +19,7 @@ from collections import deque
 from pathlib import Path
 
 MEDIAN_FACTOR = 10        # a step this many times the recent median is a hang...
-FIRST_STEP_S = 1800.0     # ...except before the first step (compile), which may take this long
+FIRST_STEP_S = 1800.0     # ...except before the first step or eval (compile), which may take this long
 STACK_DUMP_WAIT_S = 2.0   # for the workers to write their stacks before the group is stopped
 
 
@@ -35,15 +35,19 @@ class Heartbeat:
         self.path = beat_path(Path(log_dir), rank) if log_dir else None
         self.hang_timeout_s = hang_timeout_s
         self.recent = deque(maxlen=20)
+        self.compiling = False
 
-    def beat(self, step: int, step_s: float | None = None) -> None:
+    def beat(self, step: int, step_s: float | None = None, compiling: bool = False) -> None:
         """After a step (step_s: its time), or after other work (a checkpoint, an eval) to say the
-        worker is still alive."""
+        worker is still alive. `compiling`: a graph compiles next (the first eval), on this rank or on
+        one this rank waits for; the compile's allowance holds until the next timed step."""
         if self.path is None:
             return
         if step_s is not None:
             self.recent.append(step_s)
-        if not self.recent:  # before the first step: the compile's allowance
+            self.compiling = False
+        self.compiling = self.compiling or compiling
+        if not self.recent or self.compiling:  # the compile's allowance
             deadline = max(self.hang_timeout_s, FIRST_STEP_S)
         else:
             deadline = max(self.hang_timeout_s, MEDIAN_FACTOR * statistics.median(self.recent))

@@ -318,7 +318,7 @@ class Trainer:
              f"{self.replicas} worker{'s' if self.replicas > 1 else ''}"
              + (f", each sequence split over {cfg.parallel.cp} ranks (parallel.cp)" if cfg.parallel.cp > 1 else "")
              + (", optimizer state sharded (ZeRO-1)" if cfg.parallel.optimizer_shard and self.world > 1 else ""))
-        step, last, bad_run = self.start_step, {}, 0
+        step, last, bad_run, evaluated = self.start_step, {}, 0, False
         window_t, window_steps = time.perf_counter(), 0
         heartbeat = Heartbeat(t.hang_timeout_s, self.rank)  # under msllm launch: its hang watchdog reads it
         heartbeat.beat(step)
@@ -362,8 +362,12 @@ class Trainer:
                                           if "mtp_loss/1" in last else "")
                                        + (f" dropped {last['dropped']:.1%}" if t.moe_capacity_factor else ""))
                 window_t, window_steps = time.perf_counter(), 0
+            evaluating = step % t.eval_every == 0 or step == t.steps
+            if evaluating and not evaluated:  # the eval graph compiles now; the other ranks wait for it
+                heartbeat.beat(step, compiling=True)
+                evaluated = True
             # rank 0's cp or ep group (its ranks compute one sequence or one layer's experts together)
-            if (step % t.eval_every == 0 or step == t.steps) and self.rank < cfg.parallel.cp * cfg.parallel.ep:
+            if evaluating and self.rank < cfg.parallel.cp * cfg.parallel.ep:
                 val = evaluate(self.eval_step, self.val_tokens, cfg)
                 last["val_loss"] = val
                 self.metrics.log({"kind": "eval", "step": step, "val_loss": val},
