@@ -13,7 +13,8 @@ lora.on; TRL: peft's disable_adapter), so each step is two forwards of the pairs
 
 msllm-shared is msllm with dpo.share_prompt: each pair one row (its prompt once, the completions
 branching from it) of the longest pair's length rounded up to 32, instead of two rows of --seq;
-msllm-shared-flash the same with train.attention: flash (the CPU flash kernel instead of the softmax core).
+msllm-shared-flash the same with train.attention: flash (the CPU flash kernel instead of the softmax core),
+msllm-before-shared msllm-shared on the --before checkout.
 
 Every variant runs in a process of its own (msllm's with PYTHONPATH on its checkout) and reports the
 median step time after warm-up and its peak RSS; the variants alternate over --rounds rounds, the
@@ -100,7 +101,7 @@ def worker_msllm(args) -> dict:
 
     device.setup("cpu", "graph", args.threads)
     hf = Path(args.hf)
-    shared = args.worker.startswith("msllm-shared")
+    shared = "shared" in args.worker
     attention = "flash" if args.worker.endswith("-flash") else "auto"
     seq = args.shared_seq if shared else args.seq
     cfg = load_config(None, [f"train.init_from={hf}", f"data.path={hf / 'pairs.jsonl'}", f"data.seq_len={seq}",
@@ -159,8 +160,7 @@ def worker_trl(args) -> dict:
 
 
 def spawn(variant: str, args, hf: Path) -> dict:
-    side = {"msllm-before": args.before, "msllm-after": args.after, "msllm-shared": args.after,
-            "msllm-shared-flash": args.after}.get(variant, str(REPO))
+    side = args.before if variant.startswith("msllm-before") else args.after if variant.startswith("msllm") else str(REPO)
     cmd = [sys.executable, __file__, "--worker", variant, "--hf", str(hf), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--pairs", str(args.pairs),
            "--seq", str(args.seq), "--shared-seq", str(args.shared_seq)]
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return print_result(worker_msllm(args) if args.worker.startswith("msllm") else worker_trl(args))
-    variants = [v for v in args.variants.split(",") if v != "msllm-before" or args.before]
+    variants = [v for v in args.variants.split(",") if not v.startswith("msllm-before") or args.before]
     args.before = args.before or args.after
     with tempfile.TemporaryDirectory() as tmp:
         write_inputs(args.shape, Path(tmp), args.pairs, args.seq)
