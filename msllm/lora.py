@@ -81,8 +81,9 @@ class LoRALinear(nn.Cell):
         h = x.reshape(-1, self.in_features)
         if self.dropout > 0 and self.training:
             h = ops.dropout(h, p=self.dropout)
-        low = self.matmul(h, cast(self.lora_a, h.dtype))
-        return y + (self.matmul(low, cast(self.lora_b, h.dtype)) * cast(self.scale * self.on, h.dtype)).reshape(y.shape)
+        # scaled at rank width ([N, r], not [N, out]): one small multiply forward and backward
+        low = self.matmul(h, cast(self.lora_a, h.dtype)) * cast(self.scale * self.on, h.dtype)
+        return y + self.matmul(low, cast(self.lora_b, h.dtype)).reshape(y.shape)
 
 
 class LoRAExperts(nn.Cell):

@@ -11,6 +11,7 @@ import torch
 from interop.convert import plan
 from interop.verify import max_rel, msllm_model, open_hf
 from interop.verify_train import TENSOR_GATE, RecordGradients, to_msllm
+from msllm import kernels
 from msllm.config import Config, DPOConfig, LoraConfig, OptimConfig, TrainConfig
 from msllm.data import preference
 from msllm.data.corpus import DataError
@@ -187,12 +188,18 @@ def test_shared_prompt_row_gives_each_completion_its_own_log_prob(models, lora_p
     assert np.array_equal(wrong[:, 0], got[:, 0]) and np.abs(wrong[:, 1] - got[:, 1]).min() > 1e-3
 
 
-def test_shared_prompt_step_equals_the_two_row_step(models, lora_pairs):
-    """The LoRA step on the pairs as one row each, through the flash kernel, against the two-row step
-    through the softmax core, the same adapters: loss, TRL metrics and every LoRA gradient within fp32
-    rounding (the two-row step equals TRL's: test_step_loss_and_gradients_equal_trl)."""
+@pytest.mark.parametrize("attention,core", [("softmax", kernels.FusedSoftmaxAttention), ("flash", kernels.FlashAttention)])
+def test_shared_prompt_step_equals_the_two_row_step(models, lora_pairs, attention, core):
+    """The LoRA step on the pairs as one row each, through the fused CPU rope and the fused softmax (each
+    row's own [1, s, d] and [1, s, t] tables) or the flash kernel, against the two-row step through the
+    softmax core, the same adapters: loss, TRL metrics and every LoRA gradient within fp32 rounding (the
+    two-row step equals TRL's: test_step_loss_and_gradients_equal_trl)."""
     want_loss, want_stats, want_grads = lora_pairs["step"]
-    loss, stats, grads = lora_step(msllm_model(open_hf(models / "policy")), lora_pairs["one"], True, "flash")
+    model = msllm_model(open_hf(models / "policy"))
+    loss, stats, grads = lora_step(model, lora_pairs["one"], True, attention)
+    cells = [cell for _, cell in model.cells_and_names()]
+    assert any(isinstance(cell, kernels.FusedRope) for cell in cells)
+    assert any(isinstance(getattr(cell, "softmax_attention", None), core) for cell in cells)
     assert abs(want_stats[3]) > 0.05  # the policy is not the reference: margins, a loss with gradients
     assert loss == pytest.approx(want_loss, rel=1e-5)
     np.testing.assert_allclose(stats, want_stats, rtol=1e-5, atol=1e-6)

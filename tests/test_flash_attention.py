@@ -298,8 +298,7 @@ def flash_and_softmax_steps(model_cfg, packed, seed, prepare=lambda model: None)
         cfg = step_config(model_cfg, attention=attention)
         spec = backends.plan(cfg)
         assert spec.flash == (attention == "flash")
-        cpu.specialise(model, fused=True, share_blocks=False, training=True, per_sample_tables=packed,
-                       flash=spec.flash)
+        cpu.specialise(model, fused=True, share_blocks=False, training=True, flash=spec.flash)
         flash_core = kernels.SinkFlashAttention if model_cfg.attention_sinks else kernels.FlashAttention
         cores = [c.softmax_attention for _, c in model.cells_and_names() if isinstance(c, layers.AttentionCore)]
         assert cores and all(isinstance(c, flash_core) == spec.flash for c in cores)
@@ -433,9 +432,8 @@ def test_a_packed_document_computes_what_it_computes_alone(flash):
     segments = np.array([[1] * first + [2] * second], np.int32)
     positions = np.array([list(range(first)) + list(range(second))], np.int32)
     model = decoder.build_model(GEMMA_LIKE, seed=8)
-    cpu.specialise(model, fused=True, share_blocks=False, training=True, per_sample_tables=True, flash=flash)
-    packed = model(Tensor(ids), segments=Tensor(segments), positions=Tensor(positions)).asnumpy()[0, first:]
     cpu.specialise(model, fused=True, share_blocks=False, training=True, flash=flash)
+    packed = model(Tensor(ids), segments=Tensor(segments), positions=Tensor(positions)).asnumpy()[0, first:]
     alone = model(Tensor(ids[:, first:])).asnumpy()[0]
     np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-5)
 

@@ -138,18 +138,24 @@ def test_softmax_attention_matches_portable(arch, heads, kv_heads):
     b, s, d = 2, 40, 16
     q, upstream = (rng.normal(size=(b, heads, s, d)).astype(np.float32) for _ in range(2))
     k, v = (rng.normal(size=(b, kv_heads, s, d)).astype(np.float32) for _ in range(2))
-    causal = Tensor(np.triu(np.full((s, s), -1e9, np.float32), k=1))
-    broadcast = ops.broadcast_to(causal, scores_shape(heads, kv_heads, b, s, s))
+    shape = scores_shape(heads, kv_heads, b, s, s)
+    causal = np.triu(np.full((s, s), -1e9, np.float32), k=1)
+    packed = causal.copy()
+    packed[15:, :15] = -1e9  # the second row holds two samples: its queries from 15 on see only keys from 15 on
+    rows = Tensor(np.stack([causal, packed]).reshape((b,) + (1,) * (len(shape) - 3) + (s, s)))
     inputs = [Tensor(x) for x in (q, k, v, upstream)]
-    want = ops.grad(AttentionLoss(SoftmaxAttention(heads, kv_heads), broadcast), grad_position=(0, 1, 2))(*inputs)
-    want_out = SoftmaxAttention(heads, kv_heads)(*inputs[:3], broadcast)[0].asnumpy()
-    # The fused softmax takes the mask as Llama passes it ([s, s]) or already broadcast.
-    for mask in (causal, broadcast):
-        fused = kernels.FusedSoftmaxAttention(heads, kv_heads)
-        np.testing.assert_allclose(fused(*inputs[:3], mask)[0].asnumpy(), want_out, rtol=1e-5, atol=1e-5)
-        got = ops.grad(AttentionLoss(fused, mask), grad_position=(0, 1, 2))(*inputs)
-        for name, g, w in zip("qkv", got, want):
-            np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+    # The fused softmax takes the mask as Llama passes it ([s, s]), already broadcast, or each batch row's
+    # own ([b, 1, s, s], [b, 1, 1, s, s] with GQA: packed samples).
+    for masks in ((Tensor(causal), ops.broadcast_to(Tensor(causal), shape)), (rows,)):
+        broadcast = ops.broadcast_to(masks[0], shape)
+        want = ops.grad(AttentionLoss(SoftmaxAttention(heads, kv_heads), broadcast), grad_position=(0, 1, 2))(*inputs)
+        want_out = SoftmaxAttention(heads, kv_heads)(*inputs[:3], broadcast)[0].asnumpy()
+        for mask in masks:
+            fused = kernels.FusedSoftmaxAttention(heads, kv_heads)
+            np.testing.assert_allclose(fused(*inputs[:3], mask)[0].asnumpy(), want_out, rtol=1e-5, atol=1e-5)
+            got = ops.grad(AttentionLoss(fused, mask), grad_position=(0, 1, 2))(*inputs)
+            for name, g, w in zip("qkv", got, want):
+                np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
 
 
 class RopeLoss(nn.Cell):
@@ -161,11 +167,12 @@ class RopeLoss(nn.Cell):
         return (self.rope(x, self.cos, self.sin) * upstream).sum()
 
 
-@pytest.mark.parametrize("x_shape", [(2 * 24, 3 * 16), (2, 24, 3 * 16)])  # [b*s, n*d] and [b, s, n*d]
-def test_rope_matches_portable(arch, x_shape):
+@pytest.mark.parametrize("x_shape,table", [((2 * 24, 3 * 16), (24, 16)), ((2, 24, 3 * 16), (24, 16)),
+                                           ((2 * 24, 3 * 16), (2, 1, 24, 16))])  # [b*s, n*d], [b, s, n*d]; rows' own
+def test_rope_matches_portable(arch, x_shape, table):
     rng = np.random.default_rng(4)
     s, d = 24, 16
-    angles = rng.uniform(0, 6, (s, d)).astype(np.float32)  # any table: checks the indexing, not RoPE's values
+    angles = rng.uniform(0, 6, table).astype(np.float32)  # any table: checks the indexing, not RoPE's values
     cos, sin = Tensor(np.cos(angles)), Tensor(np.sin(angles))
     x = Tensor(rng.normal(size=x_shape).astype(np.float32))
     upstream = Tensor(rng.normal(size=(2, 3, s, d)).astype(np.float32))

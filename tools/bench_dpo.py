@@ -9,9 +9,12 @@ lora.on; TRL: peft's disable_adapter), so each step is two forwards of the pairs
     python tools/bench_dpo.py                        # W1 shape, 4 pairs a step, 2 rounds alternated
     python tools/bench_dpo.py --shape tiny --steps 2 # a smoke run of the tool
     python tools/bench_dpo.py --variants msllm-after,msllm-shared,trl   # + dpo.share_prompt
+    python tools/bench_dpo.py --variants msllm-shared,msllm-shared-flash,trl   # its attention core
 
 msllm-shared is msllm with dpo.share_prompt: each pair one row (its prompt once, the completions
-branching from it) of the longest pair's length rounded up to 32, instead of two rows of --seq.
+branching from it) of the longest pair's length rounded up to 32, instead of two rows of --seq;
+msllm-shared-flash the same with train.attention: flash (the CPU flash kernel instead of the softmax core),
+msllm-before-shared msllm-shared on the --before checkout.
 
 Every variant runs in a process of its own (msllm's with PYTHONPATH on its checkout) and reports the
 median step time after warm-up and its peak RSS; the variants alternate over --rounds rounds, the
@@ -93,17 +96,19 @@ def worker_msllm(args) -> dict:
     from msllm import device
     from msllm.config_file import load_config
     from msllm.data import preference
+    from msllm.data.loader import head_rows
     from msllm.train.build import build_train_step
 
     device.setup("cpu", "graph", args.threads)
     hf = Path(args.hf)
-    shared = args.worker == "msllm-shared"
+    shared = "shared" in args.worker
+    attention = "flash" if args.worker.endswith("-flash") else "auto"
     seq = args.shared_seq if shared else args.seq
     cfg = load_config(None, [f"train.init_from={hf}", f"data.path={hf / 'pairs.jsonl'}", f"data.seq_len={seq}",
                              f"train.batch_size={args.pairs}", f"train.threads={args.threads}", "train.steps=1000",
                              "train.objective=dpo", "optim.warmup_steps=0", "optim.grad_clip=1.0",
                              f"lora.rank={RANK}", f"lora.alpha={2 * RANK}", f"lora.targets=[{TARGETS}]",
-                             f"dpo.share_prompt={str(shared).lower()}"],
+                             f"dpo.share_prompt={str(shared).lower()}", f"train.attention={attention}"],
                       pretrained=describe)
     init = InitFrom(cfg)
     built = build_train_step(cfg, load_weights=init.load_base)
@@ -114,6 +119,8 @@ def worker_msllm(args) -> dict:
         columns = [tokens, mask.astype("float32"), *(np.stack(t) for t in zip(*tables))]
     else:
         columns = [tokens.reshape(args.pairs, 2, -1), mask.reshape(args.pairs, 2, -1).astype("float32")]
+    if cfg.train.head_rows == "loss":  # as the trainer's batches: only the completions' positions reach the head
+        columns.append(head_rows(columns[1], 1))
     inputs = [ms.Tensor(c) for c in columns]
     result = time_steps(lambda: built.train_step(*inputs)[0].asnumpy(), args.steps, args.warmup)
     result["msllm"] = str(Path(msllm.__file__).parents[1])
@@ -153,7 +160,7 @@ def worker_trl(args) -> dict:
 
 
 def spawn(variant: str, args, hf: Path) -> dict:
-    side = {"msllm-before": args.before, "msllm-after": args.after, "msllm-shared": args.after}.get(variant, str(REPO))
+    side = args.before if variant.startswith("msllm-before") else args.after if variant.startswith("msllm") else str(REPO)
     cmd = [sys.executable, __file__, "--worker", variant, "--hf", str(hf), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--pairs", str(args.pairs),
            "--seq", str(args.seq), "--shared-seq", str(args.shared_seq)]
@@ -202,7 +209,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return print_result(worker_msllm(args) if args.worker.startswith("msllm") else worker_trl(args))
-    variants = [v for v in args.variants.split(",") if v != "msllm-before" or args.before]
+    variants = [v for v in args.variants.split(",") if not v.startswith("msllm-before") or args.before]
     args.before = args.before or args.after
     with tempfile.TemporaryDirectory() as tmp:
         write_inputs(args.shape, Path(tmp), args.pairs, args.seq)

@@ -117,7 +117,7 @@ def specialise(model, cfg: Config, training: bool = True) -> Specialisation:
     if spec.device == "cpu":
         from msllm.backends import cpu
         cpu.specialise(model, fused=spec.fused_kernels, share_blocks=spec.shared_blocks, training=training,
-                       per_sample_tables=spec.packed, flash=spec.flash)
+                       flash=spec.flash)
     elif spec.device == "ascend" and training:  # generated and checked here; executed only on Ascend
         from msllm.backends import ascend
         ascend.specialise(model, cfg, flash=spec.flash, packed=spec.packed)

@@ -70,7 +70,7 @@ class VisibilityIndices(nn.Cell):
 
 
 def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, training: bool,
-               per_sample_tables: bool = False, flash: bool = False) -> None:
+               flash: bool = False) -> None:
     """Swap the CPU formulations into `model` in place.
 
     fused: msllm.kernels' one-pass C++ ops (they take fixed shapes and, except the norm, fp32
@@ -79,9 +79,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     KV-cache write and the gated delta rule.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
-    which read the [s, d] and [s, s] tables per row. per_sample_tables (packed SFT samples:
-    positions and masks differ per row) keeps the rope and softmax on the CPU formulations, which
-    broadcast any table; the fused norm, activation and optimizer still apply.
+    which read the [s, d] and [s, t] tables per row, or a row's own [1, s, d] and [1, s, t] ones
+    where positions and masks differ per row (packed samples, DPO branches).
     flash: the attention core is msllm.kernels.FlashAttention (SinkFlashAttention with sinks; needs the
     kernels), which reads the visibility indices: no [s, t] mask, score or probability tensor, training or
     inference.
@@ -90,7 +89,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     decode_kernels = fused and fp32 and not training
     fused = fused and training
     fused_fp32 = fused and fp32
-    fused_tables = fused_fp32 and not per_sample_tables
+    fused_tables = fused_fp32
     grouped_kernel = fused_fp32 and kernels.has_sgemm()
     if decode_kernels:  # one-token decode steps: a matmul of a few rows reads each weight once
         model.lm_matmul = kernels.LinearFewRows()
@@ -140,5 +139,6 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     else:
         model.attention_mask = layers.AdditiveMask(model.cfg.num_heads, model.cfg.num_kv_heads)
         model.attention_mask.broadcast = model.broadcast_tables
+        model.attention_mask.broadcast_rows = not (fused_tables or decode_kernels)  # the fused softmax reads rows
     for block in model.blocks():
         block.no_inline = share_blocks and training

@@ -279,7 +279,8 @@ class SoftmaxAttention(layers.SoftmaxAttention):
 
 
 class FusedSoftmaxAttention(SoftmaxAttention):
-    """SoftmaxAttention (fp32) with mask-add + softmax, and the softmax backward, as one C++ pass each."""
+    """SoftmaxAttention (fp32) with mask-add + softmax, and the softmax backward, as one C++ pass each.
+    The mask is read unbroadcast: [s, t], or [b, 1, s, t] ([b, 1, 1, s, t] with GQA) when rows differ."""
 
     def __init__(self, num_heads: int, num_kv_heads: int):
         super().__init__(num_heads, num_kv_heads)
@@ -330,8 +331,8 @@ class FusedCacheWrite(nn.Cell):
 
 class FusedRope(nn.Cell):
     """msllm.backends.cpu.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
-    Takes the [s, d] tables (the decoder passes them unbroadcast when this is in use), or forward only,
-    a cached forward's [b, 1, s, d] tables of each row's positions."""
+    Takes the [s, d] tables (the decoder passes them unbroadcast when this is in use), or [b, 1, s, d]
+    tables of each row's positions (a cached forward; packed samples and DPO branches in training)."""
 
     def __init__(self):
         super().__init__()

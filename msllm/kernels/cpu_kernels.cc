@@ -242,19 +242,21 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
 }
 
 // Attention probabilities: p = softmax(scores + mask) over the last axis, in one pass instead of
-// an Add and a Softmax kernel. The mask may have fewer rows than the scores (e.g. [s, t] against
-// [b, h, s, t]); score row i uses mask row i % mask_rows. -inf in the mask is allowed; a row
-// must keep at least one finite entry. inputs: scores [.., t], mask [.., t] (fp32); output: p.
+// an Add and a Softmax kernel. The mask may have fewer rows than the scores, broadcast over its
+// missing leading axes: [s, t] shared by every row of [b, h, s, t] scores, or [b, 1, s, t] (packed
+// samples, DPO branches: each batch row its own) read by all its heads. -inf in the mask is allowed;
+// a row must keep at least one finite entry. inputs: scores [.., s, t], mask [.., s, t] (fp32); output: p.
 extern "C" int MaskedSoftmax(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
   const float *__restrict scores = static_cast<const float *>(params[0]);
   const float *__restrict mask = static_cast<const float *>(params[1]);
   float *__restrict p = static_cast<float *>(params[2]);
   const int64_t t = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / t;
-  const int64_t mask_rows = numel(ndims[1], shapes[1]) / t;
+  const int64_t s = shapes[1][ndims[1] - 2], mask_batches = numel(ndims[1], shapes[1]) / t / s;
+  const int64_t rows_per_mask = rows / mask_batches;  // the score rows one [s, t] block of the mask serves
   parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
     for (int64_t row = lo; row < hi; ++row) {
-      const float *sr = scores + row * t, *mr = mask + (row % mask_rows) * t;
+      const float *sr = scores + row * t, *mr = mask + ((row / rows_per_mask) * s + row % s) * t;
       float *pr = p + row * t;
       // Row max and row sum in 16 independent lanes (blocks of 16, then the tail), so they vectorize.
       constexpr int kLanes = 16;
@@ -307,7 +309,7 @@ extern "C" int SoftmaxAttentionGrad(int nparam, void **params, int *ndims, int64
 // (batch, position) order) -> y [b, n, s, d] with y = x * cos + rotate_half(x) * sin, where
 // rotate_half(x) = [-x2, x1] over the two halves of d. One pass instead of a Transpose, a MatMul
 // (the rotation) and three element-wise kernels. inputs: x, cos, sin [s, d], or [b, 1, s, d] with
-// each row's own positions (a cached forward over left-padded rows) (fp32); output: y.
+// each row's own positions (a cached forward over left-padded rows, packed samples) (fp32); output: y.
 extern "C" int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                          void *stream, void *extra) {
   const float *__restrict x = static_cast<const float *>(params[0]);
@@ -333,19 +335,21 @@ extern "C" int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes
 // Its gradient, back to the projection's layout: with g = dy,
 //   dx[j] = g[j] cos[j] + g[j + d/2] sin[j + d/2]   (j < d/2)
 //   dx[j] = g[j] cos[j] - g[j - d/2] sin[j - d/2]   (j >= d/2)
-// inputs: dy [b, n, s, d], cos, sin [s, d]; output: dx [b*s, n*d].
+// inputs: dy [b, n, s, d], cos, sin [s, d] or [b, 1, s, d] (packed rows' own positions); output: dx [b*s, n*d].
 extern "C" int RopeHeadsGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
   const float *__restrict dy = static_cast<const float *>(params[0]);
   const float *__restrict cos = static_cast<const float *>(params[1]);
   const float *__restrict sin = static_cast<const float *>(params[2]);
   float *__restrict dx = static_cast<float *>(params[3]);
-  const int64_t n = shapes[0][1], s = shapes[1][0], d = shapes[1][1], half = d / 2, width = n * d;
+  const int64_t s = shapes[1][ndims[1] - 2], d = shapes[1][ndims[1] - 1], half = d / 2;
+  const int64_t n = shapes[0][1], width = n * d, table_rows = numel(ndims[1], shapes[1]) / d;  // s or b * s
   const int64_t rows = numel(ndims[0], shapes[0]) / d;
   parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t batch = row / (n * s), head = (row / s) % n, pos = row % s;
-      const float *g = dy + row * d, *c = cos + pos * d, *sn = sin + pos * d;
+      const int64_t at = (batch * s + pos) % table_rows * d;
+      const float *g = dy + row * d, *c = cos + at, *sn = sin + at;
       float *dst = dx + (batch * s + pos) * width + head * d;
       for (int64_t j = 0; j < half; ++j) dst[j] = g[j] * c[j] + g[j + half] * sn[j + half];
       for (int64_t j = half; j < d; ++j) dst[j] = g[j] * c[j] - g[j - half] * sn[j - half];

@@ -231,12 +231,13 @@ def sees_segment(query_segments, key_segments):
 class AdditiveMask(nn.Cell):
     """A visibility as the additive mask of the softmax core: [s, t] when every row of the batch
     sees alike, else [b, 1, s, t] broadcast to the scores' shape (scores_shape). `broadcast`: also
-    broadcast the shared [s, t] mask once for all layers (a device formulation; msllm.backends)."""
+    broadcast the shared [s, t] mask once for all layers; `broadcast_rows` false: leave the rows' mask
+    [b, 1, s, t] ([b, 1, 1, s, t] with GQA) for a core that reads it so (device formulations; msllm.backends)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int):
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.broadcast = False
+        self.broadcast, self.broadcast_rows = False, True
 
     def construct(self, visibility, b: int):
         slots, query_segments, key_segments, window = visibility
@@ -252,8 +253,8 @@ class AdditiveMask(nn.Cell):
         q_seg, k_seg = query_segments.reshape(-1, s, 1), key_segments.reshape(-1, 1, t)
         # branches exist only in per-row segments (training rows); shared query ids (plain, cached) never branch
         same = sees_segment(q_seg, k_seg) if query_segments.ndim == 2 else q_seg == k_seg  # [b, s, t]
-        mask = additive(ops.logical_and(causal, same))
-        return ops.broadcast_to(mask.reshape((-1,) + (1,) * (len(shape) - 3) + (s, t)), shape)
+        mask = additive(ops.logical_and(causal, same)).reshape((-1,) + (1,) * (len(shape) - 3) + (s, t))
+        return ops.broadcast_to(mask, shape) if self.broadcast_rows else mask
 
 
 class WholeSequence(nn.Cell):
