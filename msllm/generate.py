@@ -30,19 +30,34 @@ class Sampling:
         return not self.sample and self.top_k <= 0 and self.top_p >= 1.0
 
 
+def pick_tokens(logits: np.ndarray, sampling: Sampling, rngs: list[np.random.Generator]) -> np.ndarray:
+    """The next token of each row from logits [n, vocab], row i drawing one uniform from rngs[i] (rows may
+    share a generator: they draw in row order). The whole batch in a few numpy calls: a per-row Python
+    sampler cost ~15% of a batch-16 rollout's decode step. Without top_k / top_p nothing is sorted: the
+    inverse CDF runs in vocabulary order (the same distribution as over sorted tokens)."""
+    if sampling.greedy:
+        return np.argmax(logits, -1)
+    order = None
+    z = logits.astype(np.float64) / max(sampling.temperature, 1e-6)
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        order = np.argsort(-logits, -1, kind="stable")
+        z = np.take_along_axis(z, order, -1)
+        if sampling.top_k > 0:
+            z[:, sampling.top_k:] = -np.inf
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if sampling.top_p < 1.0:  # the smallest set of most likely tokens reaching top_p
+        keep = (np.cumsum(p, -1) < sampling.top_p).sum(-1, keepdims=True) + 1
+        p = np.where(np.arange(p.shape[-1]) < keep, p, 0.0)
+    cdf = np.cumsum(p, -1)
+    u = np.array([rng.random() for rng in rngs]) * cdf[:, -1]
+    picked = np.minimum((cdf <= u[:, None]).sum(-1), p.shape[-1] - 1)  # searchsorted(cdf, u, "right"), per row
+    return picked if order is None else np.take_along_axis(order, picked[:, None], -1)[:, 0]
+
+
 def pick_next(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
     """The next token from the logits of one position."""
-    if sampling.greedy:
-        return int(np.argmax(logits))
-    top = np.argsort(-logits, kind="stable")
-    if sampling.top_k > 0:
-        top = top[:sampling.top_k]
-    z = logits[top].astype(np.float64) / max(sampling.temperature, 1e-6)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    keep = int(np.searchsorted(np.cumsum(p), sampling.top_p) + 1)  # the smallest set reaching top_p
-    p = p[:keep] / p[:keep].sum()
-    return int(rng.choice(top[:keep], p=p))
+    return int(pick_tokens(logits[None], sampling, [rng])[0])
 
 
 @dataclasses.dataclass
@@ -75,10 +90,10 @@ def generate(engine, prompts: list[list[int]], max_new: int, sampling: Sampling 
     stopped = ["length"] * len(prompts)
     step_s = []
     for step in range(max_new):
-        for row, ids in enumerate(out):
-            if stopped[row] != "length":
-                continue
-            token = pick_next(logits[row], sampling, rngs[row])
+        going = [row for row, why in enumerate(stopped) if why == "length"]
+        tokens = pick_tokens(logits[going], sampling, [rngs[row] for row in going])
+        for row, token in zip(going, tokens.tolist()):
+            ids = out[row]
             if token in eos_ids:
                 stopped[row] = "eos"
                 continue

@@ -192,15 +192,28 @@ def adapter_params(model: Decoder) -> list:
     return [p for p in model.get_parameters() if p.name.endswith((".lora_a", ".lora_b"))]
 
 
+def merged_weights(model: Decoder) -> dict:
+    """Each adapted weight's name -> W + scale * B A (fp32 numpy), the model left as it is: what the
+    merged model computes with (GRPO's generator takes them, a plain model for decoding)."""
+    out = {}
+    for _, cell in model.cells_and_names():
+        if isinstance(cell, LoRAExperts):
+            out.update({getattr(cell.base, w).name: cell.merged(w).astype(np.float32) for w in cell.PROJECTIONS})
+        elif isinstance(cell, LoRALinear):
+            a, b, w = cell.lora_a.asnumpy(), cell.lora_b.asnumpy(), cell.base.weight.asnumpy()
+            out[cell.base.weight.name] = (w + cell.scale * (b @ a)).astype(np.float32)
+    return out
+
+
 def merge_lora(model: Decoder) -> None:
     """W += scale * B A in every adapted Linear, then drop the adapters: a plain model again."""
+    merged = merged_weights(model)
     for path, cell in list(model.cells_and_names()):
         if isinstance(cell, LoRAExperts):
             for w in cell.PROJECTIONS:
-                getattr(cell.base, w).set_data(Tensor(cell.merged(w).astype(np.float32)))
+                getattr(cell.base, w).set_data(Tensor(merged[getattr(cell.base, w).name]))
         elif isinstance(cell, LoRALinear):
-            a, b, w = cell.lora_a.asnumpy(), cell.lora_b.asnumpy(), cell.base.weight.asnumpy()
-            cell.base.weight.set_data(Tensor((w + cell.scale * (b @ a)).astype(np.float32)))
+            cell.base.weight.set_data(Tensor(merged[cell.base.weight.name]))
         else:
             continue
         *parents, attr = path.split(".")

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from interop.convert import convert
 from msllm import chat, device
 from msllm.checkpoint import load_run
-from msllm.generate import Sampling, TextStream, generate, generate_ids, pick_next
+from msllm.generate import Sampling, TextStream, generate, generate_ids, pick_next, pick_tokens
 from msllm.inference import cell_engine
 from tests.conftest import run_cli
 from tests.hf_models import build
@@ -117,6 +117,33 @@ def test_top_p_samples_only_the_nucleus():
     assert set(picks) == {0, 1}  # top_k applies first
     assert pick_next(logits, Sampling(top_p=0.3), rng) == 0  # the most likely token alone reaches 0.3
 
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0.7, sample=True), Sampling(top_p=0.9, top_k=3)],
+                         ids=["whole-vocabulary", "top-k-top-p"])
+def test_a_batch_samples_each_rows_distribution_from_its_own_stream(sampling):
+    """pick_tokens over 3 rows at once: each row's frequencies over 6000 draws are its softmax(logits / T)
+    (restricted to the top_k and renormalised over the nucleus), within 5 standard errors; and a row draws
+    the same tokens alone as beside the others (each from its own generator: RL rollouts over workers)."""
+    logits = np.log(np.array([[0.4, 0.3, 0.2, 0.06, 0.04], [0.05, 0.05, 0.1, 0.2, 0.6], [0.2] * 5]))
+    draws = 6000
+    rngs = [np.random.default_rng(seed) for seed in (1, 2, 3)]
+    picks = np.stack([pick_tokens(logits, sampling, rngs) for _ in range(draws)])  # [draws, 3]
+    z = logits / sampling.temperature
+    for row in range(3):
+        order = np.argsort(-logits[row], kind="stable")
+        p = np.exp(z[row] - z[row].max())
+        if sampling.top_k:
+            p[order[sampling.top_k:]] = 0.0
+        p /= p.sum()
+        if sampling.top_p < 1.0:
+            keep = int((np.cumsum(p[order]) < sampling.top_p).sum()) + 1
+            p[order[keep:]] = 0.0
+            p /= p.sum()
+        seen = np.bincount(picks[:, row], minlength=5) / draws
+        assert np.all(np.abs(seen - p) <= 5 * np.sqrt(p * (1 - p) / draws) + 1e-12), (row, seen, p)
+    alone = np.random.default_rng(2)
+    assert [int(pick_tokens(logits[1:2], sampling, [alone])[0]) for _ in range(50)] == picks[:50, 1].tolist()
 
 def test_cli_chat_streams_the_reply_and_stops(chat_model):
     device.setup("cpu", "pynative")

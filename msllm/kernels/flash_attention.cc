@@ -312,6 +312,44 @@ void forward(const float *q, const float *k, const float *v, const float *sinks,
   });
 }
 
+// One query row per (row, head): a decode step. Its scores are plain dots with each visible key
+// (K read once, in place), so nothing is transposed; forward's key blocks would transpose every key
+// of the cache, filled or not, for a single row. Natural-log units; the same out and lse.
+void forward_one_query(const float *q, const float *k, const float *v, const float *sinks, const Visibility &vis,
+                       int64_t b, int64_t heads, int64_t kv_heads, int64_t d, int64_t d_value, float *out, float *lse) {
+  const int64_t t = vis.t, rep = heads / kv_heads;
+  run_units(b * heads, [&](int64_t unit, int) {
+    const int64_t batch = unit / heads, head = unit % heads, kv = batch * kv_heads + head / rep;
+    const int32_t slot = vis.slots(batch)[0], q_seg = vis.query_segments(batch)[0];
+    const int32_t *k_seg = vis.key_segments(batch);
+    const int64_t j_end = std::min<int64_t>(t, int64_t{slot} + 1);
+    const int64_t j_begin = vis.window ? std::max<int64_t>(0, int64_t{slot} - vis.window + 1) : 0;
+    const float *qr = q + unit * d, *kh = k + kv * t * d, *vh = v + kv * t * d_value;
+    std::vector<float> scores(std::max<int64_t>(0, j_end - j_begin)), acc(d_value, 0.f);
+    const float sink = sinks ? sinks[head] : -kInf;
+    float top = sink;
+    for (int64_t j = j_begin; j < j_end; ++j) {
+      float &sc = scores[j - j_begin];
+      sc = vis.visible(slot, q_seg, j, k_seg[j]) ? lane_dot<false>(qr, kh + j * d, nullptr, d) : -kInf;
+      top = std::max(top, sc);
+    }
+    float sum = sinks ? exp_approx(sink - top) : 0.f;
+    if (top != -kInf)
+      for (int64_t j = j_begin; j < j_end; ++j) {
+        const float sc = scores[j - j_begin];
+        if (sc == -kInf) continue;
+        const float p = exp_approx(sc - top);
+        sum += p;
+        const float *vj = vh + j * d_value;
+        for (int64_t c = 0; c < d_value; ++c) acc[c] += p * vj[c];
+      }
+    const bool any = sum > 0.f;
+    const float inv = any ? 1.f / sum : 0.f;
+    for (int64_t c = 0; c < d_value; ++c) out[unit * d_value + c] = acc[c] * inv;
+    lse[unit] = any ? top + std::log(sum) : kInf;
+  });
+}
+
 // Gradients for one block of keys at a time (its dk, dv owned by one thread), every query that
 // can see it; dq rows are summed in one buffer per thread, then added up.
 template <int D>
@@ -417,6 +455,8 @@ int attention_forward(void **params, int *ndims, int64_t **shapes, bool with_sin
   const float *sinks = with_sinks ? static_cast<const float *>(params[7]) : nullptr;
   auto in = [&](int i) { return static_cast<const float *>(params[i]); };
   auto result = [&](int i) { return static_cast<float *>(params[i + with_sinks]); };
+  if (vis.s == 1)
+    return forward_one_query(in(0), in(1), in(2), sinks, vis, b, heads, kv_heads, d, d_value, result(7), result(8)), 0;
   by_head_size(d, [&](auto head_size) {
     forward<decltype(head_size)::value>(in(0), in(1), in(2), sinks, vis, b, heads, kv_heads, d, d_value, result(7),
                                         result(8));

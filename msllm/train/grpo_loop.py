@@ -7,8 +7,9 @@ the log-probs at sampling time kept as the ratio's old ones.
 train.steps counts optimizer steps; a rollout batch starts at step 1, 1 + num_iterations, ...
 
 The decoder is a second model specialised for generation: at the start it gets every weight of the
-trained model, then before each step's rollouts the trainable ones (the adapters, with LoRA), so
-generation never sees the training specialisation. Its memory: one more copy of the weights.
+trained model, then before each step's rollouts the trainable ones (with LoRA, the adapted weights
+with their adapters merged in: the generator has none), so generation never sees the training
+specialisation. Its memory: one more copy of the weights.
 The prompts a step reads and its sampler's seeds are pure functions of (data.seed, position) and
 (train.seed, the step it starts at, each completion's row in the global batch), so a run resumed at a
 rollout batch's start (checkpoints are taken there: train.ckpt_every is a multiple of num_iterations)
@@ -22,6 +23,7 @@ are those of one worker taking the whole batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import mindspore as ms
@@ -33,6 +35,7 @@ from msllm.data.tokenizer import eos_id, tokenizer_config
 from msllm.config import ConfigError
 from msllm.generate import Sampling
 from msllm.inference import cell_engine
+from msllm.lora import merged_weights
 from msllm.metrics import info
 from msllm.models.decoder import build_model
 from msllm.parallel import dp
@@ -43,9 +46,16 @@ from msllm.train.rollout import Rollouts, log_rollouts, rollout_rows, sample_gro
 
 
 def copy_weights(source, target, trainable_only: bool) -> None:
+    """The generator `target`'s weights from the trained model `source`: its trainable ones (all of them
+    at the start), each LoRA-adapted weight merged (W + scale * B A): the generator has no adapters, so
+    a decode step runs none of their small matmuls."""
     theirs = {p.name: p for p in target.get_parameters()}
+    merged = merged_weights(source)
     for p in source.trainable_params() if trainable_only else source.get_parameters():
-        theirs[p.name].set_data(ms.Tensor(p.asnumpy()))
+        if p.name in theirs and p.name not in merged:  # the adapters themselves and their switch are not there
+            theirs[p.name].set_data(ms.Tensor(p.asnumpy()))
+    for name, weight in merged.items():
+        theirs[name].set_data(ms.Tensor(weight))
 
 
 def step_inputs(cell, tokens, mask, advantages, accum_steps: int, num_iterations: int, world: int = 1,
@@ -128,7 +138,8 @@ def fit_grpo(trainer) -> dict:
     weights = g.reward_weights or [1.0] * len(rewards)
     eos = eos_id(trainer.tokenizer, tokenizer_config(trainer.shard_dir / "tokenizer.json"))
     generator = build_model(cfg.model, compute_dtype=trainer.model.compute_dtype)
-    backends.specialise(generator, cfg, training=False)
+    backends.specialise(generator, dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0)),
+                        training=False)  # no adapters: copy_weights merges them into its weights
     generator.set_train(False)
     copy_weights(trainer.model, generator, trainable_only=False)
     engine = cell_engine(generator)
