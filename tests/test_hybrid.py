@@ -22,7 +22,7 @@ from graph_opt.runtime import export_engine
 from interop import InteropError
 from interop.convert import convert
 from interop.hf_config import to_hf_config, to_model_config
-from msllm import device
+from msllm import device, kernels
 from msllm.backends import apply_recompute, specialise
 from msllm.checkpoint import load_model
 from msllm.config import ModelConfig
@@ -260,6 +260,10 @@ def test_msllm_engine_decodes_with_recurrent_state_what_transformers_generates(h
     device.setup("cpu", "graph")
     cfg, ours, _, _ = load_model(run)
     specialise(ours, cfg, training=False)
+    # the gated attention layers' keys and values go in by the fused cache write (their partial RoPE keeps the
+    # portable rope; the write does not depend on it)
+    writes = [cell.cache_write for _, cell in ours.cells_and_names() if hasattr(cell, "cache_write")]
+    assert writes and all(isinstance(w, kernels.FusedCacheWrite) for w in writes)
     assert generate(cell_engine(ours), prompts, 16).ids == want
 
 

@@ -98,11 +98,11 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
         if isinstance(cell, layers.RMSNorm):  # normalises in fp32 whatever the compute dtype
             cell.core = (kernels.FusedRMSNormCore(cell.eps) if fused or decode_kernels
                          else RMSNormCore(cell.dim, cell.eps))
-        elif isinstance(cell, (attention.Attention, MLA)) and not (
-                isinstance(cell.rope, layers.Rope) and cell.rope.rope_dim != cell.rope.head_dim):
-            # (a partial RoPE keeps the portable Cell: the kernels rotate whole heads; a Cell swapped in by an
+        elif isinstance(cell, (attention.Attention, MLA)):
+            # a partial RoPE keeps the portable Cell: the kernels rotate whole heads (a Cell swapped in by an
             # earlier specialise, FusedRope or Rope, rotates whole heads)
-            cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.rope.head_dim)
+            if not (isinstance(cell.rope, layers.Rope) and cell.rope.rope_dim != cell.rope.head_dim):
+                cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.rope.head_dim)
             if decode_kernels and isinstance(cell, attention.Attention):  # the kernel's keys and values are one size,
                 cell.cache_write = kernels.FusedCacheWrite()                  # MLA's latents and rope keys are not
         elif isinstance(cell, layers.AttentionCore):
