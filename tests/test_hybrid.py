@@ -22,14 +22,14 @@ from graph_opt.runtime import export_engine
 from interop import InteropError
 from interop.convert import convert
 from interop.hf_config import to_hf_config, to_model_config
-from msllm import device
-from msllm.backends import apply_recompute, specialise
+from msllm import device, kernels
+from msllm.backends import apply_recompute, cpu, specialise
 from msllm.checkpoint import load_model
 from msllm.config import ModelConfig
 from msllm.generate import generate
 from msllm.inference import cell_engine
 from msllm.models.decoder import build_model
-from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule
+from msllm.models.mixers.gated_deltanet import ChannelScale, ChunkedGatedDeltaRule
 from tests.hf_models import build
 from tests.numerics import REORDER_RTOL
 from tests.test_families import BY_HAND, hf_greedy
@@ -131,10 +131,11 @@ def test_a_packed_row_equals_its_samples_run_alone(hybrid_model):
 
 def test_the_cpu_kernel_rule_trains_as_the_graph_form():
     """A hybrid model's loss gradients (one Gated DeltaNet layer of HYBRID's shape, then gated attention) with
-    msllm.kernels.GatedDeltaRule (C++, hand-written backward) equal those with the chunked graph form
-    (autodiff): a row of three packed samples (7, 9, 8 tokens: resets inside a chunk of 8 and on one) beside a
-    row of one sample, every parameter's gradient within REORDER_RTOL of its scale (A_log, dt_bias and the
-    conv, whose gradients only the rule's backward carries, included)."""
+    msllm.kernels.GatedDeltaRule (C++, hand-written backward) and the CPU backend's conv (its weight as an outer
+    product) equal those with the chunked graph form and the plain conv (autodiff): a row of three packed
+    samples (7, 9, 8 tokens: resets inside a chunk of 8 and on one) beside a row of one sample, every
+    parameter's gradient within REORDER_RTOL of its scale (A_log, dt_bias and the conv, whose gradients only
+    the rule's backward carries, included)."""
     from mindspore import ops
 
     from msllm import kernels
@@ -157,8 +158,9 @@ def test_the_cpu_kernel_rule_trains_as_the_graph_form():
         return (model(tokens_, segments=segments, positions=positions) * probe).sum()
 
     grads = []
-    for rule in (ChunkedGatedDeltaRule(CHUNK), kernels.GatedDeltaRule(CHUNK)):
-        mixer.rule = rule
+    for rule, scale in ((ChunkedGatedDeltaRule(CHUNK), ChannelScale()),
+                        (kernels.GatedDeltaRule(CHUNK), cpu.ChannelScale())):
+        mixer.rule, mixer.conv.scale = rule, scale
         grads.append(ms.jit(ops.value_and_grad(loss, None, params))(tokens)[1])
     assert {"layers.0.attention.A_log", "layers.0.attention.conv_v.weight"} <= {p.name for p in params}
     for p, want, got in zip(params, *grads):
@@ -260,6 +262,10 @@ def test_msllm_engine_decodes_with_recurrent_state_what_transformers_generates(h
     device.setup("cpu", "graph")
     cfg, ours, _, _ = load_model(run)
     specialise(ours, cfg, training=False)
+    # the gated attention layers' keys and values go in by the fused cache write (their partial RoPE keeps the
+    # portable rope; the write does not depend on it)
+    writes = [cell.cache_write for _, cell in ours.cells_and_names() if hasattr(cell, "cache_write")]
+    assert writes and all(isinstance(w, kernels.FusedCacheWrite) for w in writes)
     assert generate(cell_engine(ours), prompts, 16).ids == want
 
 

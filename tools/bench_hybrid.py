@@ -8,10 +8,10 @@ rounds with the order flipped each round. Issue 41's targets: >= 1.5x torch eage
 Decode: the same model with transformers' random init, saved and converted by `msllm convert`. For each
 context length of --contexts, a prompt of that many tokens, then --timed greedy one-token steps: msllm's
 engine (tools/bench_generate.py's engine worker, GRAPH) against transformers' generate (a worker of this
-script: generate of --timed + 1 new tokens minus generate of 1, so the prefill is not counted), the two
-workers timed in turns. Targets: time per token flat in the context length (a fixed-size state, not a cache
-that grows) and >= 1.5x transformers' generate. Both decode sides use their library's default threads (every
-core); --threads sets the train step's.
+script: the --timed steps after the first new token of one generate, stamped per token, so the prefill is
+not counted), the two workers timed in turns. Targets: time per token flat in the context length (a
+fixed-size state, not a cache that grows) and >= 1.5x transformers' generate. Both decode sides use their
+library's default threads (every core); --threads sets the train step's.
 
     python tools/bench_hybrid.py --out benchmarks           # W1 hybrid, train and decode
     python tools/bench_hybrid.py --workload T --contexts 16,64 --timed 4 --rounds 1 --steps 2 --warmup 1
@@ -77,25 +77,33 @@ def save_model(w: dict, context: int, out: Path) -> tuple[Path, Path]:
 
 def torch_worker(hf: Path, prompt_ids: list[int], new: int) -> None:
     """transformers' generate in this process, as bench_generate.engine_worker answers for an engine: its
-    first `new` greedy tokens, then for each N read from stdin the seconds N more tokens add to generate
-    (generate of N + 1 new tokens minus generate of 1: the prefill and the first token)."""
+    first `new` greedy tokens, then for each N read from stdin the seconds of the N one-token steps after the
+    first token of one generate of N + 1 (stamped by a stopping criterion, which generate calls after every
+    token: a difference of two generates would carry the noise of two prefills)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    class Stamps(StoppingCriteria):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     prompt = torch.tensor([prompt_ids])
 
     def generate(tokens: int) -> tuple[list[int], float]:
-        started = time.perf_counter()
+        stamps = Stamps()
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                 pad_token_id=0)
-        return out[0, len(prompt_ids):].tolist(), time.perf_counter() - started
+                                 pad_token_id=0, stopping_criteria=StoppingCriteriaList([stamps]))
+        return out[0, len(prompt_ids):].tolist(), stamps.times[-1] - stamps.times[0]
 
     print(json.dumps({"greedy_ids": generate(new)[0]}), flush=True)
     for line in sys.stdin:
-        n = int(line)
-        print(json.dumps({"seconds": generate(n + 1)[1] - generate(1)[1]}), flush=True)
+        print(json.dumps({"seconds": generate(int(line) + 1)[1]}), flush=True)
 
 
 def peak_rss_mb(pid: int) -> float:

@@ -14,9 +14,9 @@ from mindspore import Tensor, nn, ops
 from msllm import kernels
 from msllm.models import decoder, layers, moe
 
-from msllm.models.mixers import attention
 from msllm.rules import BLOCK_ROWS, GROUPED_BLOCK_ROWS
 from msllm.models.layers import cast, split_heads
+from msllm.models.mixers import attention, gated_deltanet
 from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, GatedDeltaNet
 from msllm.models.mixers.mla import MLA
 
@@ -62,6 +62,20 @@ class Rope(layers.Rope):
         return x * cos + rotated * sin
 
 
+class ChannelScale(gated_deltanet.ChannelScale):
+    """The conv's per-channel multiply against the weight broadcast as an outer product, ones [b*s, 1] @ w [1, c]:
+    the multiply is same-shape and the weight's gradient one skinny MatMul (ones^T @ dy x) where autodiff of
+    the broadcast gives a ReduceSum over the b*s rows, which MindSpore's CPU kernel runs slowly (as RMSNormCore)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmul = ops.MatMul()
+
+    def construct(self, x, w):
+        b, s, c = x.shape
+        return x * self.matmul(ops.ones((b * s, 1), x.dtype), w.reshape(1, c)).reshape(b, s, c)
+
+
 class VisibilityIndices(nn.Cell):
     """Decoder.attention_mask for a flash core: the visibility indices as they are, no [s, t] mask."""
 
@@ -97,11 +111,11 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
         if isinstance(cell, layers.RMSNorm):  # normalises in fp32 whatever the compute dtype
             cell.core = (kernels.FusedRMSNormCore(cell.eps) if fused or decode_kernels
                          else RMSNormCore(cell.dim, cell.eps))
-        elif isinstance(cell, (attention.Attention, MLA)) and not (
-                isinstance(cell.rope, layers.Rope) and cell.rope.rope_dim != cell.rope.head_dim):
-            # (a partial RoPE keeps the portable Cell: the kernels rotate whole heads; a Cell swapped in by an
+        elif isinstance(cell, (attention.Attention, MLA)):
+            # a partial RoPE keeps the portable Cell: the kernels rotate whole heads (a Cell swapped in by an
             # earlier specialise, FusedRope or Rope, rotates whole heads)
-            cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.rope.head_dim)
+            if not (isinstance(cell.rope, layers.Rope) and cell.rope.rope_dim != cell.rope.head_dim):
+                cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.rope.head_dim)
             if decode_kernels and isinstance(cell, attention.Attention):  # the kernel's keys and values are one size,
                 cell.cache_write = kernels.FusedCacheWrite()                  # MLA's latents and rope keys are not
         elif isinstance(cell, layers.AttentionCore):
@@ -129,6 +143,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             chunk = cell.rule.chunk
             cell.rule = (kernels.GatedDeltaRule(chunk, training) if fused or decode_kernels
                          else ChunkedGatedDeltaRule(chunk))
+            cell.conv.scale = ChannelScale() if training else gated_deltanet.ChannelScale()  # decode: one row
         elif isinstance(cell, moe.BlockDispatch):  # the kernel needs no big blocks: it gathers no weights
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
         elif isinstance(cell, layers.Linear) and decode_kernels:

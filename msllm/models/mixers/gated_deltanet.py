@@ -36,6 +36,13 @@ def l2_normalise(x):
     return x * ops.rsqrt(ops.sum(x * x, -1, keepdim=True) + L2_EPS)
 
 
+class ChannelScale(nn.Cell):
+    """x [b, s, c] * w [c]: every channel times its weight (one tap of CausalConv)."""
+
+    def construct(self, x, w):
+        return x * w
+
+
 class CausalConv(nn.Cell):
     """Depthwise causal conv over the sequence, then SiLU: x [b, s, c] -> [b, s, c], each channel
     c the sum of its last `kernel` inputs weighted by weight[c, 0, :] (transformers' Conv1d layout),
@@ -47,6 +54,7 @@ class CausalConv(nn.Cell):
         super().__init__()
         self.kernel = kernel
         self.weight = Parameter(initializer("zeros", (channels, 1, kernel), ms.float32), name="weight")
+        self.scale = ChannelScale()
 
     def construct(self, x, segments=None, window=None):
         b, s, c = x.shape
@@ -54,12 +62,12 @@ class CausalConv(nn.Cell):
         before = ops.zeros((b, k - 1, c), x.dtype) if window is None else cast(window, x.dtype)
         padded = ops.concat((before, x), 1)
         w = cast(self.weight, x.dtype).reshape(c, k)
-        out = padded[:, k - 1:] * w[:, k - 1]
+        out = self.scale(padded[:, k - 1:], w[:, k - 1])
         for j in range(k - 1):  # tap j reads the token k - 1 - j back
             tap = padded[:, j:j + s]
             if segments is not None:
                 tap = tap * cast(same_sample_back(segments, k - 1 - j).expand_dims(-1), x.dtype)
-            out = out + tap * w[:, j]
+            out = out + self.scale(tap, w[:, j])
         return out * ops.sigmoid(out), padded[:, s:]
 
 
