@@ -143,7 +143,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             chunk = cell.rule.chunk
             cell.rule = (kernels.GatedDeltaRule(chunk, training) if fused or decode_kernels
                          else ChunkedGatedDeltaRule(chunk))
-            cell.conv.scale = ChannelScale() if training else gated_deltanet.ChannelScale()  # decode: one row
+        elif isinstance(cell, gated_deltanet.CausalConv):
+            cell.scale = ChannelScale() if training else gated_deltanet.ChannelScale()  # decode: one row
         elif isinstance(cell, moe.BlockDispatch):  # the kernel needs no big blocks: it gathers no weights
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
         elif isinstance(cell, layers.Linear) and decode_kernels:
