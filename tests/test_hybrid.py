@@ -29,7 +29,7 @@ from msllm.config import ModelConfig
 from msllm.generate import generate
 from msllm.inference import cell_engine
 from msllm.models.decoder import build_model
-from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule
+from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, ShiftedTaps
 from tests.hf_models import build
 from tests.numerics import REORDER_RTOL
 from tests.test_families import BY_HAND, hf_greedy
@@ -131,10 +131,10 @@ def test_a_packed_row_equals_its_samples_run_alone(hybrid_model):
 
 def test_the_cpu_kernel_rule_trains_as_the_graph_form():
     """A hybrid model's loss gradients (one Gated DeltaNet layer of HYBRID's shape, then gated attention) with
-    msllm.kernels.GatedDeltaRule (C++, hand-written backward) equal those with the chunked graph form
-    (autodiff): a row of three packed samples (7, 9, 8 tokens: resets inside a chunk of 8 and on one) beside a
-    row of one sample, every parameter's gradient within REORDER_RTOL of its scale (A_log, dt_bias and the
-    conv, whose gradients only the rule's backward carries, included)."""
+    msllm.kernels.GatedDeltaRule and FusedCausalConv (C++, hand-written backwards) equal those with the chunked
+    graph form and the shifted taps (autodiff): a row of three packed samples (7, 9, 8 tokens: resets inside a
+    chunk of 8 and on one) beside a row of one sample, every parameter's gradient within REORDER_RTOL of its
+    scale (A_log, dt_bias and the conv, whose gradients only the kernels' backwards carry, included)."""
     from mindspore import ops
 
     from msllm import kernels
@@ -157,8 +157,9 @@ def test_the_cpu_kernel_rule_trains_as_the_graph_form():
         return (model(tokens_, segments=segments, positions=positions) * probe).sum()
 
     grads = []
-    for rule in (ChunkedGatedDeltaRule(CHUNK), kernels.GatedDeltaRule(CHUNK)):
-        mixer.rule = rule
+    graph_form = ChunkedGatedDeltaRule(CHUNK), ShiftedTaps()
+    for rule, conv in (graph_form, (kernels.GatedDeltaRule(CHUNK), kernels.FusedCausalConv())):
+        mixer.rule, mixer.conv.core = rule, conv
         grads.append(ms.jit(ops.value_and_grad(loss, None, params))(tokens)[1])
     assert {"layers.0.attention.A_log", "layers.0.attention.conv.weight"} <= {p.name for p in params}
     for p, want, got in zip(params, *grads):

@@ -299,6 +299,41 @@ def test_gated_delta_rule_matches_the_chunked_graph_form(arch, gated_delta_case)
         np.testing.assert_allclose(g.asnumpy(), w, rtol=0, atol=REORDER_RTOL * np.abs(w).max(), err_msg=name)
 
 
+class ConvLoss(nn.Cell):
+    """(sum(out * probe), out) of a causal conv core over fixed segments."""
+
+    def __init__(self, core, segments, probe):
+        super().__init__()
+        self.core, self.segments, self.probe = core, segments, probe
+
+    def construct(self, x, weight, before):
+        out = self.core(x, weight, self.segments, before)
+        return (out * self.probe).sum(), out
+
+
+def test_causal_conv_matches_the_shifted_taps():
+    """The C++ conv + SiLU (plain loops the compiler vectorizes: one build, no arch variants; one pass,
+    backward from its inputs) against the graph form's shifted taps with
+    autodiff: 20 channels (not a multiple of a vector), 4 taps, 11 tokens; row 1 packed with samples starting
+    at tokens 1 and 6 (a tap reads neither the window nor an earlier sample past a start), a non-zero window;
+    output and the gradients of x, the weight and the window agree to REORDER_RTOL of each one's scale."""
+    from msllm.models.mixers.gated_deltanet import ShiftedTaps
+    device.setup("cpu", "graph")
+    rng = np.random.default_rng(5)
+    b, s, c, k = 2, 11, 20, 4
+    x, w, before, probe = (Tensor(rng.normal(size=shape).astype(np.float32))
+                           for shape in ((b, s, c), (c, k), (b, k - 1, c), (b, s, c)))
+    segments = Tensor(np.array([[0] * s, [0] + [1] * 5 + [2] * 5], np.int32))
+    results = []
+    for core in (ShiftedTaps(), kernels.FusedCausalConv()):
+        loss = ConvLoss(core, segments, probe)
+        (_, out), grads = ms.jit(ops.value_and_grad(loss, grad_position=(0, 1, 2), has_aux=True))(x, w, before)
+        results.append([t.asnumpy() for t in (out, *grads)])
+    for name, want, got in zip(("out", "dx", "dw", "dbefore"), *results):
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err <= REORDER_RTOL, f"{name}: max_rel {err:.2e}"
+
+
 @pytest.fixture
 def empty_cache(monkeypatch, tmp_path):
     """An empty kernel cache dir, and library() forgetting the process's already-built path."""

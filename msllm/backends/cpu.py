@@ -17,7 +17,7 @@ from msllm.models import decoder, layers, moe
 from msllm.models.mixers import attention
 from msllm.rules import BLOCK_ROWS, GROUPED_BLOCK_ROWS
 from msllm.models.layers import cast, split_heads
-from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, GatedDeltaNet
+from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, GatedDeltaNet, ShiftedTaps
 from msllm.models.mixers.mla import MLA
 
 
@@ -76,7 +76,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     fused: msllm.kernels' one-pass C++ ops (they take fixed shapes and, except the norm, fp32
     activations). Training uses all of them; inference (fp32) the norm, rope, SwiGLU and softmax
     ones (fewer kernel launches per decode step), the few-rows linear of decode steps, the
-    KV-cache write and the gated delta rule.
+    KV-cache write and the gated delta rule with its causal conv.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, s] tables per row. per_sample_tables (packed SFT samples:
@@ -129,6 +129,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             chunk = cell.rule.chunk
             cell.rule = (kernels.GatedDeltaRule(chunk, training) if fused or decode_kernels
                          else ChunkedGatedDeltaRule(chunk))
+            cell.conv.core = kernels.FusedCausalConv() if fused or decode_kernels else ShiftedTaps()
         elif isinstance(cell, moe.BlockDispatch):  # the kernel needs no big blocks: it gathers no weights
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
         elif isinstance(cell, layers.Linear) and decode_kernels:

@@ -33,37 +33,50 @@ def l2_normalise(x):
     return x * ops.rsqrt(ops.sum(x * x, -1, keepdim=True) + L2_EPS)
 
 
+class ShiftedTaps(nn.Cell):
+    """CausalConv's maths: x [b, s, c], weight [c, k], segments [b, s] or None, before [b, k - 1, c] (the
+    inputs before x) -> silu(conv) [b, s, c], written as k shifted multiply-adds. A device may swap in a
+    fused core of the same call (msllm.kernels.FusedCausalConv)."""
+
+    def construct(self, x, weight, segments, before):
+        b, s, c = x.shape
+        k = weight.shape[-1]
+        padded = ops.concat((before, x), 1)
+        out = padded[:, k - 1:] * weight[:, k - 1]
+        for j in range(k - 1):  # tap j reads the token k - 1 - j back
+            tap = padded[:, j:j + s]
+            if segments is not None:
+                tap = tap * cast(same_sample_back(segments, k - 1 - j).expand_dims(-1), x.dtype)
+            out = out + tap * weight[:, j]
+        return out * ops.sigmoid(out)
+
+
 class CausalConv(nn.Cell):
     """Depthwise causal conv over the sequence, then SiLU: x [b, s, c] -> [b, s, c], each channel
-    c the sum of its last `kernel` inputs weighted by weight[c, 0, :] (transformers' Conv1d layout),
-    written as `kernel` shifted multiply-adds. With packed samples (segments [b, s]) a token reads no
-    input of an earlier sample, as if its sample ran alone. `window` [b, kernel - 1, c]: the inputs before
-    x (a cached forward; zeros otherwise). Returns (out, the last kernel - 1 inputs: the next window)."""
+    c the sum of its last `kernel` inputs weighted by weight[c, 0, :] (transformers' Conv1d layout).
+    With packed samples (segments [b, s]) a token reads no input of an earlier sample, as if its sample
+    ran alone. `window` [b, kernel - 1, c]: the inputs before x (a cached forward, taken as of the row's
+    first sample; zeros otherwise). Returns (out, the last kernel - 1 inputs: the next window)."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.kernel = kernel
         self.weight = Parameter(initializer("zeros", (channels, 1, kernel), ms.float32), name="weight")
+        self.core = ShiftedTaps()
 
     def construct(self, x, segments=None, window=None):
         b, s, c = x.shape
         k = self.kernel
         before = ops.zeros((b, k - 1, c), x.dtype) if window is None else cast(window, x.dtype)
-        padded = ops.concat((before, x), 1)
-        w = cast(self.weight, x.dtype).reshape(c, k)
-        out = padded[:, k - 1:] * w[:, k - 1]
-        for j in range(k - 1):  # tap j reads the token k - 1 - j back
-            tap = padded[:, j:j + s]
-            if segments is not None:
-                tap = tap * cast(same_sample_back(segments, k - 1 - j).expand_dims(-1), x.dtype)
-            out = out + tap * w[:, j]
-        return out * ops.sigmoid(out), padded[:, s:]
+        out = self.core(x, cast(self.weight, x.dtype).reshape(c, k), segments, before)
+        return out, ops.concat((before, x), 1)[:, s:]
 
 
 def same_sample_back(segments, back: int):
-    """segments [b, s] -> whether the token `back` places earlier is of the same sample [b, s] (bool)."""
+    """segments [b, s] -> whether the token `back` places earlier is of the same sample [b, s] (bool); a
+    token before the row (the window) is of the row's first sample."""
     b, s = segments.shape
-    earlier = ops.concat((ops.full((b, back), -1, dtype=segments.dtype), segments[:, :s - back]), 1)
+    earlier = ops.concat((ops.broadcast_to(segments[:, :1], (b, back)), segments[:, :s - back]), 1)
     return earlier == segments
 
 
