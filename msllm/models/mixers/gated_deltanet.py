@@ -52,11 +52,13 @@ class ShiftedTaps(nn.Cell):
 
 
 class CausalConv(nn.Cell):
-    """Depthwise causal conv over the sequence, then SiLU: x [b, s, c] -> [b, s, c], each channel
-    c the sum of its last `kernel` inputs weighted by weight[c, 0, :] (transformers' Conv1d layout).
-    With packed samples (segments [b, s]) a token reads no input of an earlier sample, as if its sample
-    ran alone. `window` [b, kernel - 1, c]: the inputs before x (a cached forward, taken as of the row's
-    first sample; zeros otherwise). Returns (out, the last kernel - 1 inputs: the next window)."""
+    """Depthwise causal conv over the sequence, then SiLU, of q, k and v: parts ([b, s, c_i] each) ->
+    (outs [b, s, c_i] each), each channel the sum of its last `kernel` inputs weighted by weight[c, 0, :]
+    (transformers' Conv1d layout, channels q, k, v end to end). Each part is convolved apart: no
+    concatenated [b, s, c] input, nor slices of it and their padded gradients. With packed samples
+    (segments [b, s]) a token reads no input of an earlier sample, as if its sample ran alone. `window`
+    [b, kernel - 1, c]: the inputs before (a cached forward, taken as of the row's first sample; zeros
+    otherwise). Returns (outs, the last kernel - 1 inputs: the next window)."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
@@ -64,12 +66,19 @@ class CausalConv(nn.Cell):
         self.weight = Parameter(initializer("zeros", (channels, 1, kernel), ms.float32), name="weight")
         self.core = ShiftedTaps()
 
-    def construct(self, x, segments=None, window=None):
-        b, s, c = x.shape
+    def construct(self, parts, segments=None, window=None):
+        b, s, _ = parts[0].shape
         k = self.kernel
-        before = ops.zeros((b, k - 1, c), x.dtype) if window is None else cast(window, x.dtype)
-        out = self.core(x, cast(self.weight, x.dtype).reshape(c, k), segments, before)
-        return out, ops.concat((before, x), 1)[:, s:]
+        weight = self.weight.reshape(-1, k)
+        outs, windows, start = [], [], 0
+        for x in parts:
+            c = x.shape[-1]
+            before = (ops.zeros((b, k - 1, c), x.dtype) if window is None
+                      else cast(window[..., start:start + c], x.dtype))
+            outs.append(self.core(x, cast(weight[start:start + c], x.dtype), segments, before))
+            windows.append(ops.concat((before, x), 1)[:, s:])
+            start += c
+        return outs, ops.concat(windows, -1)
 
 
 def same_sample_back(segments, back: int):
@@ -210,15 +219,14 @@ class GatedDeltaNet(nn.Cell):
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         s = cos.shape[-2]
         b = x.shape[0] // s
-        keys = self.num_key_heads * self.key_dim
         segments = mask
         if cache_k is not None:
             x, segments = x * cast(mask.reshape(-1, 1), x.dtype), None
-        qkv = ops.concat((self.wq(x), self.wk(x), self.wv(x)), -1)
-        qkv, window = self.conv(qkv.reshape(b, s, -1), segments, cache_v)
-        q = l2_normalise(self.heads(qkv[..., :keys], b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
-        k = l2_normalise(self.heads(qkv[..., keys:2 * keys], b, s, self.num_key_heads, self.key_dim))
-        v = self.heads(qkv[..., 2 * keys:], b, s, self.num_value_heads, self.value_dim)
+        parts = (self.wq(x).reshape(b, s, -1), self.wk(x).reshape(b, s, -1), self.wv(x).reshape(b, s, -1))
+        (q, k, v), window = self.conv(parts, segments, cache_v)
+        q = l2_normalise(self.heads(q, b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
+        k = l2_normalise(self.heads(k, b, s, self.num_key_heads, self.key_dim))
+        v = self.heads(v, b, s, self.num_value_heads, self.value_dim)
         beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
         g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
         out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, cache_k)
