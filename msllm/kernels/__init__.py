@@ -390,8 +390,9 @@ class GatedDeltaRule(nn.Cell):
 
 class FusedCausalConv(nn.Cell):
     """msllm.models.mixers.gated_deltanet.ShiftedTaps in C++ (causal_conv.cc), the same call: the depthwise
-    causal conv and its SiLU in one pass, a backward that saves only the inputs (the graph form keeps each
-    tap's shifted copy and a padded gradient per tap). Runs in fp32."""
+    causal conv and its SiLU (and with head_dim, the per-head L2 norm and the head-major layout) in one
+    pass, a backward that saves only the inputs (the graph form keeps each tap's shifted copy and a padded
+    gradient per tap, the norm's and the transpose's tensors). Runs in fp32."""
 
     def __init__(self):
         super().__init__()
@@ -402,13 +403,19 @@ class FusedCausalConv(nn.Cell):
             dx, dw, d_before = grad(x, w, segments, before, dout)
             return dx, dw, ops.zeros_like(segments), d_before
 
-        self.conv = _aot("CausalConvSiLU", bprop=bprop)
+        def shape(x, *_):  # [b, s, heads, d] (normalised heads) -> [b, heads, s, d]
+            return [x[0], x[2], x[1], x[3]] if len(x) == 4 else x
 
-    def construct(self, x, weight, segments, before):
-        b, s, _ = x.shape
+        self.conv = _aot("CausalConvSiLU", shape, bprop=bprop)
+
+    def construct(self, x, weight, segments, before, head_dim: int = 0):
+        b, s, c = x.shape
         segments = ops.zeros((b, s), ms.int32) if segments is None else segments.astype(ms.int32)
-        out = self.conv(cast(x, ms.float32), cast(weight, ms.float32), segments, cast(before, ms.float32))
-        return cast(out, x.dtype)
+        x32 = cast(x, ms.float32)
+        if head_dim:
+            x32 = x32.reshape(b, s, c // head_dim, head_dim)
+        out = self.conv(x32, cast(weight, ms.float32), segments, cast(before, ms.float32))
+        return out if head_dim else cast(out, x.dtype)
 
 
 class SinkFlashAttention(FlashAttention):

@@ -2,11 +2,14 @@
 // and backward, for the CPU. Per row b and channel c, with K taps and the K - 1 inputs before the row in
 // `before` (a decode's window; zeros in training):
 //   a[t, c] = sum_m w[c, K-1-m] in[t-m, c]   (m = 0 .. K-1; in[t-m] counts only if it is of t's sample)
-//   out[t, c] = a silu'd = a sigmoid(a)
-// where in[u] for u < 0 is before[u + K - 1] (taken as of the row's first sample). The graph form keeps
-// K shifted copies of the [s, channels] input and each one's gradient (a padded scatter); this saves
-// only its inputs and recomputes a in backward:
-//   da = dout sigmoid(a) (1 + a (1 - sigmoid(a)))
+//   y[t, c] = a sigmoid(a)                   (SiLU)
+// where in[u] for u < 0 is before[u + K - 1] (taken as of the row's first sample). Given x as [b, s, n, d]
+// (q's and k's heads) the output is also L2-normalised per head and written head-major, [b, n, s, d]:
+//   out = y r,  r = 1 / sqrt(|y_head|^2 + eps)
+// The graph form keeps K shifted copies of the input and each one's gradient (a padded scatter), the
+// normalisation's and the head transpose's tensors; this saves only its inputs and recomputes a in backward:
+//   dy = r (dout - out (out . dout)) per head (normalised outputs; dy = dout otherwise)
+//   da = dy sigmoid(a) (1 + a (1 - sigmoid(a)))
 //   d in[u, c] = sum_m da[u+m, c] w[c, K-1-m],  dw[c, K-1-m] = sum_t da[t, c] in[t-m, c]
 // Both walk blocks of kBlock tokens, one per thread at a time; backward keeps a block's da (plus the
 // K - 1 tokens after it) in a per-thread buffer and each thread's partial dw, summed at the end.
@@ -17,18 +20,20 @@ using namespace msllm_kernels;
 namespace {
 
 constexpr int64_t kBlock = 64;
+constexpr float kL2Eps = 1e-6f;  // msllm.models.mixers.gated_deltanet.L2_EPS
 
-// The shapes both kernels read: x [b, s, c], w [c, K], segments [b, s], before [b, K - 1, c].
+// The shapes both kernels read: x [b, s, c] or [b, s, n, d] (normalised heads), w [c, K], segments [b, s],
+// before [b, K - 1, c].
 struct Conv {
   const float *x, *before;
   const int32_t *segments;
   std::vector<float> taps;  // w transposed, [K, c]: tap j's channel weights contiguous
-  int64_t b, s, c, k;
+  int64_t b, s, c, k, heads, d;
 
-  Conv(void **params, int64_t **shapes)
+  Conv(void **params, int *ndims, int64_t **shapes)
       : x(static_cast<const float *>(params[0])), before(static_cast<const float *>(params[3])),
-        segments(static_cast<const int32_t *>(params[2])),
-        b(shapes[0][0]), s(shapes[0][1]), c(shapes[0][2]), k(shapes[1][1]) {
+        segments(static_cast<const int32_t *>(params[2])), b(shapes[0][0]), s(shapes[0][1]),
+        c(shapes[1][0]), k(shapes[1][1]), heads(ndims[0] == 4 ? shapes[0][2] : 0), d(heads ? shapes[0][3] : 0) {
     const float *w = static_cast<const float *>(params[1]);
     taps.resize(k * c);
     for (int64_t ch = 0; ch < c; ++ch)
@@ -54,30 +59,51 @@ struct Conv {
       for (int64_t ch = 0; ch < c; ++ch) pre[ch] += wm[ch] * src[ch];
     }
   }
+  // Where token t's head h (channels h d ..) sits in the output: [b, n, s, d] or [b, s, c].
+  int64_t at(int64_t row, int64_t t, int64_t h) const {
+    return heads ? ((row * heads + h) * s + t) * d : (row * s + t) * c;
+  }
+  // 1 / sqrt(|y|^2 + eps) of one head's d values.
+  float inverse_norm(const float *__restrict y) const {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < d; ++i) sum += y[i] * y[i];
+    return 1.0f / std::sqrt(sum + kL2Eps);
+  }
 };
 
 }  // namespace
 
-// inputs: x [b, s, c], w [c, K], segments [b, s] (int32), before [b, K - 1, c]; output: out [b, s, c]. fp32.
+// inputs: x [b, s, c] or [b, s, n, d], w [c, K], segments [b, s] (int32), before [b, K - 1, c];
+// output: out [b, s, c] or [b, n, s, d]. fp32.
 extern "C" int CausalConvSiLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
-  const Conv conv(params, shapes);
+  const Conv conv(params, ndims, shapes);
   float *out = static_cast<float *>(params[4]);
-  run_units(conv.b * conv.blocks(), [&](int64_t unit, int) {
+  std::vector<float> rows(pool().size() * conv.c);
+  run_units(conv.b * conv.blocks(), [&](int64_t unit, int thread) {
     const int64_t row = unit / conv.blocks(), t0 = unit % conv.blocks() * kBlock;
+    float *__restrict y = rows.data() + thread * conv.c;
     for (int64_t t = t0; t < std::min(conv.s, t0 + kBlock); ++t) {
-      float *__restrict o = out + (row * conv.s + t) * conv.c;
-      conv.preactivation(row, t, o);
-      for (int64_t ch = 0; ch < conv.c; ++ch) o[ch] *= sigmoid(o[ch]);
+      conv.preactivation(row, t, y);
+      for (int64_t ch = 0; ch < conv.c; ++ch) y[ch] *= sigmoid(y[ch]);
+      if (!conv.heads) {
+        std::memcpy(out + conv.at(row, t, 0), y, sizeof(float) * conv.c);
+        continue;
+      }
+      for (int64_t h = 0; h < conv.heads; ++h) {
+        const float *__restrict yh = y + h * conv.d, r = conv.inverse_norm(yh);
+        float *__restrict o = out + conv.at(row, t, h);
+        for (int64_t i = 0; i < conv.d; ++i) o[i] = yh[i] * r;
+      }
     }
   });
   return 0;
 }
 
-// inputs: x, w, segments, before, dout [b, s, c]; outputs: dx [b, s, c], dw [c, K], d before [b, K - 1, c].
+// inputs: x, w, segments, before, dout (as out); outputs: dx (as x), dw [c, K], d before [b, K - 1, c].
 extern "C" int CausalConvSiLUGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                   void *stream, void *extra) {
-  const Conv conv(params, shapes);
+  const Conv conv(params, ndims, shapes);
   const float *dout = static_cast<const float *>(params[4]);
   float *dx = static_cast<float *>(params[5]), *dw = static_cast<float *>(params[6]);
   float *d_before = static_cast<float *>(params[7]);
@@ -91,11 +117,26 @@ extern "C" int CausalConvSiLUGrad(int nparam, void **params, int *ndims, int64_t
     float *da = da_buffers.data() + thread * span * c, *dw_part = dw_parts.data() + thread * k * c;
     for (int64_t t = t0; t < end; ++t) {  // da of the block and of the K - 1 tokens that read it
       float *__restrict a = da + (t - t0) * c;
-      const float *__restrict g = dout + (row * conv.s + t) * c;
       conv.preactivation(row, t, a);
-      for (int64_t ch = 0; ch < c; ++ch) {
-        const float sg = sigmoid(a[ch]);
-        a[ch] = g[ch] * sg * (1.0f + a[ch] * (1.0f - sg));
+      for (int64_t h = 0; h < std::max<int64_t>(1, conv.heads); ++h) {
+        const int64_t width = conv.heads ? conv.d : c;
+        float *__restrict ah = a + h * width;
+        const float *__restrict g = dout + conv.at(row, t, h);
+        float r = 1.0f, dot = 0.0f;  // the normalisation's: out . dout = r^2 (y . dout)
+        if (conv.heads) {
+          float sum = 0.0f;
+          for (int64_t i = 0; i < width; ++i) {
+            const float y = ah[i] * sigmoid(ah[i]);
+            sum += y * y;
+            dot += y * g[i];
+          }
+          r = 1.0f / std::sqrt(sum + kL2Eps);
+          dot *= r * r;
+        }
+        for (int64_t i = 0; i < width; ++i) {
+          const float sg = sigmoid(ah[i]), y = ah[i] * sg;
+          ah[i] = r * (g[i] - y * dot) * sg * (1.0f + ah[i] * (1.0f - sg));
+        }
       }
     }
     for (int64_t t = t0; t < t1; ++t) {

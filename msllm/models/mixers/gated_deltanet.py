@@ -35,10 +35,11 @@ def l2_normalise(x):
 
 class ShiftedTaps(nn.Cell):
     """CausalConv's maths: x [b, s, c], weight [c, k], segments [b, s] or None, before [b, k - 1, c] (the
-    inputs before x) -> silu(conv) [b, s, c], written as k shifted multiply-adds. A device may swap in a
-    fused core of the same call (msllm.kernels.FusedCausalConv)."""
+    inputs before x) -> silu(conv) [b, s, c], written as k shifted multiply-adds. With head_dim d, the
+    output L2-normalised per head of d channels, in fp32 and head-major, [b, c / d, s, d] (q and k). A
+    device may swap in a fused core of the same call (msllm.kernels.FusedCausalConv)."""
 
-    def construct(self, x, weight, segments, before):
+    def construct(self, x, weight, segments, before, head_dim: int = 0):
         b, s, c = x.shape
         k = weight.shape[-1]
         padded = ops.concat((before, x), 1)
@@ -48,21 +49,25 @@ class ShiftedTaps(nn.Cell):
             if segments is not None:
                 tap = tap * cast(same_sample_back(segments, k - 1 - j).expand_dims(-1), x.dtype)
             out = out + tap * weight[:, j]
-        return out * ops.sigmoid(out)
+        out = out * ops.sigmoid(out)
+        if not head_dim:
+            return out
+        return l2_normalise(cast(out, ms.float32).reshape(b, s, c // head_dim, head_dim)).transpose(0, 2, 1, 3)
 
 
 class CausalConv(nn.Cell):
     """Depthwise causal conv over the sequence, then SiLU, of q, k and v: parts ([b, s, c_i] each) ->
-    (outs [b, s, c_i] each), each channel the sum of its last `kernel` inputs weighted by weight[c, 0, :]
+    (outs, each [b, s, c_i] or, for a part given a head size in head_dims, L2-normalised per head [b, heads,
+    s, head size] in fp32), each channel the sum of its last `kernel` inputs weighted by weight[c, 0, :]
     (transformers' Conv1d layout, channels q, k, v end to end). Each part is convolved apart: no
     concatenated [b, s, c] input, nor slices of it and their padded gradients. With packed samples
     (segments [b, s]) a token reads no input of an earlier sample, as if its sample ran alone. `window`
     [b, kernel - 1, c]: the inputs before (a cached forward, taken as of the row's first sample; zeros
     otherwise). Returns (outs, the last kernel - 1 inputs: the next window)."""
 
-    def __init__(self, channels: int, kernel: int):
+    def __init__(self, channels: int, kernel: int, head_dims: tuple = (0, 0, 0)):
         super().__init__()
-        self.kernel = kernel
+        self.kernel, self.head_dims = kernel, head_dims
         self.weight = Parameter(initializer("zeros", (channels, 1, kernel), ms.float32), name="weight")
         self.core = ShiftedTaps()
 
@@ -71,11 +76,12 @@ class CausalConv(nn.Cell):
         k = self.kernel
         weight = self.weight.reshape(-1, k)
         outs, windows, start = [], [], 0
-        for x in parts:
+        for i in range(len(parts)):
+            x = parts[i]
             c = x.shape[-1]
             before = (ops.zeros((b, k - 1, c), x.dtype) if window is None
                       else cast(window[..., start:start + c], x.dtype))
-            outs.append(self.core(x, cast(weight[start:start + c], x.dtype), segments, before))
+            outs.append(self.core(x, cast(weight[start:start + c], x.dtype), segments, before, self.head_dims[i]))
             windows.append(ops.concat((before, x), 1)[:, s:])
             start += c
         return outs, ops.concat(windows, -1)
@@ -201,20 +207,20 @@ class GatedDeltaNet(nn.Cell):
         self.wz = Linear(h, values)
         self.wb = Linear(h, self.num_value_heads)
         self.wa = Linear(h, self.num_value_heads)
-        self.conv = CausalConv(2 * keys + values, cfg.linear_conv_kernel)
+        self.conv = CausalConv(2 * keys + values, cfg.linear_conv_kernel, (self.key_dim, self.key_dim, 0))
         self.dt_bias = Parameter(Tensor(np.ones(self.num_value_heads, np.float32)), name="dt_bias")
         self.A_log = Parameter(Tensor(np.zeros(self.num_value_heads, np.float32)), name="A_log")
         self.norm = RMSNorm(self.value_dim, cfg.norm_eps)  # scales by w (not 1 + w) in every family that has it
         self.wo = Linear(values, h)
         self.rule = ChunkedGatedDeltaRule()
 
-    def heads(self, x, b: int, s: int, n: int, d: int):
-        """[b, s, n*d] -> [b, n*rep, s, d] in fp32, each key head repeated for its run of value heads."""
-        x = cast(x, ms.float32).reshape(b, s, n, 1, d)
+    def repeat_heads(self, x):
+        """[b, key heads, s, d] -> [b, value heads, s, d], each key head repeated for its run of value heads."""
+        b, n, s, d = x.shape
         rep = self.num_value_heads // n
-        if rep > 1:
-            x = ops.broadcast_to(x, (b, s, n, rep, d))
-        return x.reshape(b, s, n * rep, d).transpose(0, 2, 1, 3)
+        if rep == 1:
+            return x
+        return ops.broadcast_to(x.expand_dims(2), (b, n, rep, s, d)).reshape(b, n * rep, s, d)
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         s = cos.shape[-2]
@@ -223,10 +229,9 @@ class GatedDeltaNet(nn.Cell):
         if cache_k is not None:
             x, segments = x * cast(mask.reshape(-1, 1), x.dtype), None
         parts = (self.wq(x).reshape(b, s, -1), self.wk(x).reshape(b, s, -1), self.wv(x).reshape(b, s, -1))
-        (q, k, v), window = self.conv(parts, segments, cache_v)
-        q = l2_normalise(self.heads(q, b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
-        k = l2_normalise(self.heads(k, b, s, self.num_key_heads, self.key_dim))
-        v = self.heads(v, b, s, self.num_value_heads, self.value_dim)
+        (q, k, v), window = self.conv(parts, segments, cache_v)  # q, k normalised [b, key heads, s, dk]
+        q, k = self.repeat_heads(q) * self.key_dim ** -0.5, self.repeat_heads(k)
+        v = cast(v, ms.float32).reshape(b, s, self.num_value_heads, self.value_dim).transpose(0, 2, 1, 3)
         beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
         g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
         out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, cache_k)
