@@ -29,6 +29,7 @@ from msllm.config import ModelConfig
 from msllm.generate import generate
 from msllm.inference import cell_engine
 from msllm.models.decoder import build_model
+from msllm.models.layers import SwiGLU
 from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, ShiftedTaps
 from tests.hf_models import build
 from tests.numerics import REORDER_RTOL
@@ -131,10 +132,11 @@ def test_a_packed_row_equals_its_samples_run_alone(hybrid_model):
 
 def test_the_cpu_kernel_rule_trains_as_the_graph_form():
     """A hybrid model's loss gradients (one Gated DeltaNet layer of HYBRID's shape, then gated attention) with
-    msllm.kernels.GatedDeltaRule and FusedCausalConv (C++, hand-written backwards) equal those with the chunked
-    graph form and the shifted taps (autodiff): a row of three packed samples (7, 9, 8 tokens: resets inside a
-    chunk of 8 and on one) beside a row of one sample, every parameter's gradient within REORDER_RTOL of its
-    scale (A_log, dt_bias and the conv, whose gradients only the kernels' backwards carry, included)."""
+    msllm.kernels.GatedDeltaRule, FusedCausalConv and FusedSwiGLU (C++, hand-written backwards) equal those with
+    the chunked graph form, the shifted taps and the SwiGLU ops (autodiff): a row of three packed samples (7, 9,
+    8 tokens: resets inside a chunk of 8 and on one) beside a row of one sample, every parameter's gradient
+    within REORDER_RTOL of its scale (A_log, dt_bias and the conv, whose gradients only the kernels' backwards
+    carry, included)."""
     from mindspore import ops
 
     from msllm import kernels
@@ -157,9 +159,10 @@ def test_the_cpu_kernel_rule_trains_as_the_graph_form():
         return (model(tokens_, segments=segments, positions=positions) * probe).sum()
 
     grads = []
-    graph_form = ChunkedGatedDeltaRule(CHUNK), ShiftedTaps()
-    for rule, conv in (graph_form, (kernels.GatedDeltaRule(CHUNK), kernels.FusedCausalConv())):
-        mixer.rule, mixer.conv.core = rule, conv
+    graph_form = ChunkedGatedDeltaRule(CHUNK), ShiftedTaps(), SwiGLU()
+    fused = kernels.GatedDeltaRule(CHUNK), kernels.FusedCausalConv(), kernels.FusedSwiGLU()
+    for rule, conv, gate in (graph_form, fused):
+        mixer.rule, mixer.conv.core, mixer.gate = rule, conv, gate
         grads.append(ms.jit(ops.value_and_grad(loss, None, params))(tokens)[1])
     assert {"layers.0.attention.A_log", "layers.0.attention.conv.weight"} <= {p.name for p in params}
     for p, want, got in zip(params, *grads):

@@ -130,6 +130,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             cell.rule = (kernels.GatedDeltaRule(chunk, training) if fused or decode_kernels
                          else ChunkedGatedDeltaRule(chunk))
             cell.conv.core = kernels.FusedCausalConv() if fused or decode_kernels else ShiftedTaps()
+            cell.gate = kernels.FusedSwiGLU() if fused or decode_kernels else layers.SwiGLU()  # fp32 in the mixer
         elif isinstance(cell, moe.BlockDispatch):  # the kernel needs no big blocks: it gathers no weights
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
         elif isinstance(cell, layers.Linear) and decode_kernels:

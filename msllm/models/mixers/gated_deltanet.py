@@ -24,7 +24,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from msllm.config import GATED_DELTA_CHUNK, ModelConfig
-from msllm.models.layers import Linear, RMSNorm, cast
+from msllm.models.layers import Linear, RMSNorm, SwiGLU, cast
 
 L2_EPS = 1e-6  # q and k are normalised as the FLA kernels (and transformers' fallback) do
 
@@ -211,6 +211,7 @@ class GatedDeltaNet(nn.Cell):
         self.dt_bias = Parameter(Tensor(np.ones(self.num_value_heads, np.float32)), name="dt_bias")
         self.A_log = Parameter(Tensor(np.zeros(self.num_value_heads, np.float32)), name="A_log")
         self.norm = RMSNorm(self.value_dim, cfg.norm_eps)  # scales by w (not 1 + w) in every family that has it
+        self.gate = SwiGLU()  # silu(z) * normed out (a device may fuse it)
         self.wo = Linear(values, h)
         self.rule = ChunkedGatedDeltaRule()
 
@@ -237,7 +238,7 @@ class GatedDeltaNet(nn.Cell):
         out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, cache_k)
         out = self.norm(out.transpose(0, 2, 1, 3).reshape(-1, self.value_dim))
         z = cast(self.wz(x), ms.float32).reshape(-1, self.value_dim)
-        out = cast(out * z * ops.sigmoid(z), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
+        out = cast(self.gate(z, out), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
         if cache_k is None:
             return self.wo(out), cache_k, cache_v
         return self.wo(out), cast(state, cache_k.dtype), cast(window, cache_v.dtype)
