@@ -217,10 +217,10 @@ class GatedDeltaNet(nn.Cell):
 
     def repeat_heads(self, x):
         """[b, key heads, s, d] -> [b, value heads, s, d], each key head repeated for its run of value heads."""
-        b, n, s, d = x.shape
-        rep = self.num_value_heads // n
+        rep = self.num_value_heads // self.num_key_heads  # of the config: a constant under dynamic shapes
         if rep == 1:
             return x
+        b, n, s, d = x.shape
         return ops.broadcast_to(x.expand_dims(2), (b, n, rep, s, d)).reshape(b, n * rep, s, d)
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
