@@ -29,7 +29,8 @@ from msllm.config import ModelConfig
 from msllm.generate import generate
 from msllm.inference import cell_engine
 from msllm.models.decoder import build_model
-from msllm.models.mixers.gated_deltanet import ChannelScale, ChunkedGatedDeltaRule
+from msllm.models.layers import SwiGLU
+from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, ShiftedTaps
 from tests.hf_models import build
 from tests.numerics import REORDER_RTOL
 from tests.test_families import BY_HAND, hf_greedy
@@ -131,11 +132,11 @@ def test_a_packed_row_equals_its_samples_run_alone(hybrid_model):
 
 def test_the_cpu_kernel_rule_trains_as_the_graph_form():
     """A hybrid model's loss gradients (one Gated DeltaNet layer of HYBRID's shape, then gated attention) with
-    msllm.kernels.GatedDeltaRule (C++, hand-written backward) and the CPU backend's conv (its weight as an outer
-    product) equal those with the chunked graph form and the plain conv (autodiff): a row of three packed
-    samples (7, 9, 8 tokens: resets inside a chunk of 8 and on one) beside a row of one sample, every
-    parameter's gradient within REORDER_RTOL of its scale (A_log, dt_bias and the conv, whose gradients only
-    the rule's backward carries, included)."""
+    msllm.kernels.GatedDeltaRule, FusedCausalConv and FusedSwiGLU (C++, hand-written backwards) equal those with
+    the chunked graph form, the shifted taps and the SwiGLU ops (autodiff): a row of three packed samples (7, 9,
+    8 tokens: resets inside a chunk of 8 and on one) beside a row of one sample, every parameter's gradient
+    within REORDER_RTOL of its scale (A_log, dt_bias and the conv, whose gradients only the kernels' backwards
+    carry, included)."""
     from mindspore import ops
 
     from msllm import kernels
@@ -158,11 +159,12 @@ def test_the_cpu_kernel_rule_trains_as_the_graph_form():
         return (model(tokens_, segments=segments, positions=positions) * probe).sum()
 
     grads = []
-    for rule, scale in ((ChunkedGatedDeltaRule(CHUNK), ChannelScale()),
-                        (kernels.GatedDeltaRule(CHUNK), cpu.ChannelScale())):
-        mixer.rule = rule
+    graph_form = ChunkedGatedDeltaRule(CHUNK), ShiftedTaps, SwiGLU()
+    fused = kernels.GatedDeltaRule(CHUNK), kernels.FusedCausalConv, kernels.FusedSwiGLU()
+    for rule, conv_core, gate in (graph_form, fused):
+        mixer.rule, mixer.gate = rule, gate
         for conv in (mixer.conv_q, mixer.conv_k, mixer.conv_v):
-            conv.scale = scale
+            conv.core = conv_core()
         grads.append(ms.jit(ops.value_and_grad(loss, None, params))(tokens)[1])
     assert {"layers.0.attention.A_log", "layers.0.attention.conv_v.weight"} <= {p.name for p in params}
     for p, want, got in zip(params, *grads):

@@ -324,6 +324,45 @@ def test_gated_delta_rule_matches_the_chunked_graph_form(arch, gated_delta_case)
         np.testing.assert_allclose(g.asnumpy(), w, rtol=0, atol=REORDER_RTOL * np.abs(w).max(), err_msg=name)
 
 
+class ConvLoss(nn.Cell):
+    """(sum(out * probe), out) of a causal conv core over fixed segments."""
+
+    def __init__(self, core, segments, probe, head_dim):
+        super().__init__()
+        self.core, self.segments, self.probe, self.head_dim = core, segments, probe, head_dim
+
+    def construct(self, x, weight, before):
+        out = self.core(x, weight, self.segments, before, self.head_dim)
+        return (out * self.probe).sum(), out
+
+
+@pytest.mark.parametrize("head_dim", [0, 5])
+def test_causal_conv_matches_the_shifted_taps(head_dim):
+    """The C++ conv + SiLU (plain loops the compiler vectorizes: one build, no arch variants; one pass,
+    backward from its inputs) against the graph form's shifted taps with autodiff: 20 channels (not a
+    multiple of a vector), 4 taps, 11 tokens; row 1 packed with samples starting at tokens 1 and 6 (a tap
+    reads neither the window nor an earlier sample past a start), a non-zero window; as is (v) and
+    L2-normalised per head of 5 into [b, heads, s, 5] (q, k). Output and the gradients of x, the weight
+    and the window agree to REORDER_RTOL of each one's scale."""
+    from msllm.models.mixers.gated_deltanet import ShiftedTaps
+    device.setup("cpu", "graph")
+    rng = np.random.default_rng(5)
+    b, s, c, k = 2, 11, 20, 4
+    out_shape = (b, c // head_dim, s, head_dim) if head_dim else (b, s, c)
+    x, w, before, probe = (Tensor(rng.normal(size=shape).astype(np.float32))
+                           for shape in ((b, s, c), (c, k), (b, k - 1, c), out_shape))
+    segments = Tensor(np.array([[0] * s, [0] + [1] * 5 + [2] * 5], np.int32))
+    results = []
+    for core in (ShiftedTaps(), kernels.FusedCausalConv()):
+        loss = ConvLoss(core, segments, probe, head_dim)
+        (_, out), grads = ms.jit(ops.value_and_grad(loss, grad_position=(0, 1, 2), has_aux=True))(x, w, before)
+        results.append([t.asnumpy() for t in (out, *grads)])
+    for name, want, got in zip(("out", "dx", "dw", "dbefore"), *results):
+        assert got.shape == want.shape, name
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err <= REORDER_RTOL, f"{name}: max_rel {err:.2e}"
+
+
 @pytest.fixture
 def empty_cache(monkeypatch, tmp_path):
     """An empty kernel cache dir, and library() forgetting the process's already-built path."""

@@ -1,8 +1,10 @@
 """One Gated DeltaNet layer alone, forward + backward at a long sequence: msllm's layer with the chunked rule
-as graph ops (autodiff backward) and with the C++ rule (msllm.kernels.GatedDeltaRule, hand-written backward)
-vs transformers' Qwen3_5GatedDeltaNet running its torch fallback, torch_chunk_gated_delta_rule, in eager torch.
+as graph ops (autodiff backward) and with the C++ kernels CPU training swaps in (msllm.kernels.GatedDeltaRule,
+FusedCausalConv and FusedRMSNormCore, hand-written backwards) vs transformers' Qwen3_5GatedDeltaNet running
+its torch fallback, torch_chunk_gated_delta_rule, in eager torch.
 
     python tools/bench_gated_deltanet.py                      # Qwen3.5-like layer: 16 + 16 heads of 128, s 16384
+    python tools/bench_gated_deltanet.py --seq 2048 --variants msllm-kernel,torch --rounds 1
     python tools/bench_gated_deltanet.py --shape tiny --steps 1 --warmup 1   # a smoke run of the tool
 
 A step is the layer's forward on x [1, s, hidden] and the backward of out.sum() to x and every weight. Each
@@ -83,9 +85,12 @@ def worker_msllm(args, kernel: bool) -> dict:
     rng = np.random.default_rng(0)
     for p in layer.trainable_params():  # a layer off its zero init: weights ~ torch's Linear init scale
         p.set_data(ms.Tensor(rng.uniform(-1, 1, p.shape).astype(np.float32) / np.sqrt(p.shape[-1])))
-    if kernel:
-        layer.rule = kernels.GatedDeltaRule()
-    s = shape["seq"]
+    if kernel:  # as msllm.backends.cpu.specialise does for fused training
+        layer.rule, layer.gate = kernels.GatedDeltaRule(), kernels.FusedSwiGLU()
+        for conv in (layer.conv_q, layer.conv_k, layer.conv_v):
+            conv.core = kernels.FusedCausalConv()
+        layer.norm.core = kernels.FusedRMSNormCore(layer.norm.eps)
+    s = args.seq or shape["seq"]
     x = ms.Tensor(rng.normal(size=(s, shape["hidden"])).astype(np.float32))
     table = ms.Tensor(np.zeros((s, shape["key_dim"]), np.float32))  # the mixer reads only its length
 
@@ -116,7 +121,7 @@ def worker_torch(args) -> dict:
                                linear_num_key_heads=shape["key_heads"], linear_num_value_heads=shape["value_heads"],
                                linear_key_head_dim=shape["key_dim"], linear_value_head_dim=shape["value_dim"])
     layer = Qwen3_5GatedDeltaNet(config, 0).float()
-    x = torch.randn(1, shape["seq"], shape["hidden"], requires_grad=True)
+    x = torch.randn(1, args.seq or shape["seq"], shape["hidden"], requires_grad=True)
 
     def step():
         layer.zero_grad(set_to_none=True)
@@ -131,7 +136,8 @@ def worker_torch(args) -> dict:
 def spawn(variant: str, args) -> dict:
     """variant: msllm-graph, msllm-kernel (of --after), msllm-before-graph / -kernel (of --before), torch."""
     side = args.before if variant.startswith("msllm-before") else args.after
-    cmd = [sys.executable, __file__, "--worker", variant, "--shape", args.shape, "--steps", str(args.steps),
+    cmd = [sys.executable, __file__, "--worker", variant, "--shape", args.shape, "--seq", str(args.seq),
+           "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads)]
     return run_worker(cmd, side)
 
@@ -141,7 +147,7 @@ def report(args, results: dict) -> str:
     lines = [f"# One Gated DeltaNet layer, forward + backward, {args.shape}: msllm (graph rule, C++ rule) vs "
              "transformers' torch_chunk_gated_delta_rule", "",
              *provenance("bench_gated_deltanet.py", args),
-             f"* **Conditions**: fp32, batch 1, s {shape['seq']}, hidden {shape['hidden']}, {shape['key_heads']} key / "
+             f"* **Conditions**: fp32, batch 1, s {args.seq or shape['seq']}, hidden {shape['hidden']}, {shape['key_heads']} key / "
              f"{shape['value_heads']} value heads of {shape['key_dim']} / {shape['value_dim']}, loss out.sum(), "
              f"gradients of x and every weight; {args.threads} threads; {args.warmup} warm-up steps, median of "
              f"{args.steps}; variants alternated over {args.rounds} rounds (median of the rounds' medians, RSS the "
@@ -170,6 +176,7 @@ def report(args, results: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="qwen3.5")
+    p.add_argument("--seq", type=int, default=0, help="tokens (default: the shape's)")
     p.add_argument("--before", help="checkout of msllm before a change (git worktree add)")
     p.add_argument("--after", default=str(REPO))
     p.add_argument("--variants", default="msllm-kernel,msllm-graph,torch")

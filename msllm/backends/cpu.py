@@ -16,8 +16,8 @@ from msllm.models import decoder, layers, moe
 
 from msllm.rules import BLOCK_ROWS, GROUPED_BLOCK_ROWS
 from msllm.models.layers import cast, split_heads
-from msllm.models.mixers import attention, gated_deltanet
-from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, GatedDeltaNet
+from msllm.models.mixers import attention
+from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, GatedDeltaNet, ShiftedTaps
 from msllm.models.mixers.mla import MLA
 
 
@@ -62,20 +62,6 @@ class Rope(layers.Rope):
         return x * cos + rotated * sin
 
 
-class ChannelScale(gated_deltanet.ChannelScale):
-    """The conv's per-channel multiply against the weight broadcast as an outer product, ones [b*s, 1] @ w [1, c]:
-    the multiply is same-shape and the weight's gradient one skinny MatMul (ones^T @ dy x) where autodiff of
-    the broadcast gives a ReduceSum over the b*s rows, which MindSpore's CPU kernel runs slowly (as RMSNormCore)."""
-
-    def __init__(self):
-        super().__init__()
-        self.matmul = ops.MatMul()
-
-    def construct(self, x, w):
-        b, s, c = x.shape
-        return x * self.matmul(ops.ones((b * s, 1), x.dtype), w.reshape(1, c)).reshape(b, s, c)
-
-
 class VisibilityIndices(nn.Cell):
     """Decoder.attention_mask for a flash core: the visibility indices as they are, no [s, t] mask."""
 
@@ -90,7 +76,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     fused: msllm.kernels' one-pass C++ ops (they take fixed shapes and, except the norm, fp32
     activations). Training uses all of them; inference (fp32) the norm, rope, SwiGLU and softmax
     ones (fewer kernel launches per decode step), the few-rows linear of decode steps, the
-    KV-cache write and the gated delta rule.
+    KV-cache write and the gated delta rule with its causal conv.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, t] tables per row, or a row's own [1, s, d] and [1, s, t] ones
@@ -143,8 +129,9 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             chunk = cell.rule.chunk
             cell.rule = (kernels.GatedDeltaRule(chunk, training) if fused or decode_kernels
                          else ChunkedGatedDeltaRule(chunk))
-        elif isinstance(cell, gated_deltanet.CausalConv):
-            cell.scale = ChannelScale() if training else gated_deltanet.ChannelScale()  # decode: one row
+            for conv in (cell.conv_q, cell.conv_k, cell.conv_v):
+                conv.core = kernels.FusedCausalConv() if fused or decode_kernels else ShiftedTaps()
+            cell.gate = kernels.FusedSwiGLU() if fused or decode_kernels else layers.SwiGLU()  # fp32 in the mixer
         elif isinstance(cell, moe.BlockDispatch):  # the kernel needs no big blocks: it gathers no weights
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
         elif isinstance(cell, layers.Linear) and decode_kernels:

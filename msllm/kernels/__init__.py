@@ -1,5 +1,5 @@
-"""Fused CPU kernels (C++: cpu_kernels.cc, flash_attention.cc, gated_delta_rule.cc, grouped_matmul.cc,
-linear_cross_entropy.cc) as MindSpore AOT Custom ops.
+"""Fused CPU kernels (C++: cpu_kernels.cc, causal_conv.cc, flash_attention.cc, gated_delta_rule.cc,
+grouped_matmul.cc, linear_cross_entropy.cc) as MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -38,7 +38,7 @@ from msllm.models import layers
 from msllm.models.layers import cast
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.cc", "flash_attention.cc", "gated_delta_rule.cc", "grouped_matmul.cc",
+           for name in ("cpu_kernels.cc", "causal_conv.cc", "flash_attention.cc", "gated_delta_rule.cc", "grouped_matmul.cc",
                         "linear_cross_entropy.cc")]
 HEADERS = [Path(__file__).with_name("common.h")]
 # -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
@@ -406,6 +406,36 @@ class GatedDeltaRule(nn.Cell):
         initial = ops.zeros((b, n, dk, v.shape[-1]), ms.float32) if initial is None else cast(initial, ms.float32)
         out, state, _ = self.rule(q, k, v, g, beta, segments, initial)
         return out, state
+
+
+class FusedCausalConv(nn.Cell):
+    """msllm.models.mixers.gated_deltanet.ShiftedTaps in C++ (causal_conv.cc), the same call: the depthwise
+    causal conv and its SiLU (and with head_dim, the per-head L2 norm and the head-major layout) in one
+    pass, a backward that saves only the inputs (the graph form keeps each tap's shifted copy and a padded
+    gradient per tap, the norm's and the transpose's tensors). Runs in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        grad = _aot("CausalConvSiLUGrad", lambda x, w, seg, before, dout: (x, w, before),
+                    lambda *dtypes: (ms.float32,) * 3)
+
+        def bprop(x, w, segments, before, out, dout):
+            dx, dw, d_before = grad(x, w, segments, before, dout)
+            return dx, dw, ops.zeros_like(segments), d_before
+
+        def shape(x, *_):  # [b, s, heads, d] (normalised heads) -> [b, heads, s, d]
+            return [x[0], x[2], x[1], x[3]] if len(x) == 4 else x
+
+        self.conv = _aot("CausalConvSiLU", shape, bprop=bprop)
+
+    def construct(self, x, weight, segments, before, head_dim: int = 0):
+        b, s, c = x.shape
+        segments = ops.zeros((b, s), ms.int32) if segments is None else segments.astype(ms.int32)
+        x32 = cast(x, ms.float32)
+        if head_dim:
+            x32 = x32.reshape(b, s, c // head_dim, head_dim)
+        out = self.conv(x32, cast(weight, ms.float32), segments, cast(before, ms.float32))
+        return out if head_dim else cast(out, x.dtype)
 
 
 class SinkFlashAttention(FlashAttention):

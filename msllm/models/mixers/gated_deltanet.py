@@ -3,7 +3,7 @@ Qwen3-Next's "linear" layers.
 
 Each value head keeps a state S [d_k, d_v] that every token first decays and then corrects toward its
 value (the delta rule): S <- exp(g) S + beta k (v - exp(g) S^T k)^T, out = S^T q. q, k and v (wq, wk,
-wv) go through one depthwise causal conv (SiLU), q and k L2-normalised per head; beta =
+wv) go through a depthwise causal conv (SiLU), q and k L2-normalised per head; beta =
 sigmoid(wb x), the decay g = -exp(A_log) softplus(wa x + dt_bias) per value head. The output is
 RMS-normed per head and gated by silu(wz x) before wo. Value heads may outnumber key heads: each key
 head serves a run of consecutive value heads.
@@ -27,7 +27,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from msllm.config import GATED_DELTA_CHUNK, ModelConfig
-from msllm.models.layers import Linear, RMSNorm, cast
+from msllm.models.layers import Linear, RMSNorm, SwiGLU, cast
 
 L2_EPS = 1e-6  # q and k are normalised as the FLA kernels (and transformers' fallback) do
 
@@ -36,45 +36,56 @@ def l2_normalise(x):
     return x * ops.rsqrt(ops.sum(x * x, -1, keepdim=True) + L2_EPS)
 
 
-class ChannelScale(nn.Cell):
-    """x [b, s, c] * w [c]: every channel times its weight (one tap of CausalConv)."""
+class ShiftedTaps(nn.Cell):
+    """CausalConv's maths: x [b, s, c], weight [c, k], segments [b, s] or None, before [b, k - 1, c] (the
+    inputs before x) -> silu(conv) [b, s, c], written as k shifted multiply-adds. With head_dim d, the
+    output L2-normalised per head of d channels, in fp32 and head-major, [b, c / d, s, d] (q and k). A
+    device may swap in a fused core of the same call (msllm.kernels.FusedCausalConv)."""
 
-    def construct(self, x, w):
-        return x * w
+    def construct(self, x, weight, segments, before, head_dim: int = 0):
+        b, s, c = x.shape
+        k = weight.shape[-1]
+        padded = ops.concat((before, x), 1)
+        out = padded[:, k - 1:] * weight[:, k - 1]
+        for j in range(k - 1):  # tap j reads the token k - 1 - j back
+            tap = padded[:, j:j + s]
+            if segments is not None:
+                tap = tap * cast(same_sample_back(segments, k - 1 - j).expand_dims(-1), x.dtype)
+            out = out + tap * weight[:, j]
+        out = out * ops.sigmoid(out)
+        if not head_dim:
+            return out
+        return l2_normalise(cast(out, ms.float32).reshape(b, s, c // head_dim, head_dim)).transpose(0, 2, 1, 3)
 
 
 class CausalConv(nn.Cell):
-    """Depthwise causal conv over the sequence, then SiLU: x [b, s, c] -> [b, s, c], each channel
-    c the sum of its last `kernel` inputs weighted by weight[c, 0, :] (transformers' Conv1d layout),
-    written as `kernel` shifted multiply-adds. With packed samples (segments [b, s]) a token reads no
-    input of an earlier sample, as if its sample ran alone. `window` [b, kernel - 1, c]: the inputs before
-    x (a cached forward; zeros otherwise). Returns (out, the last kernel - 1 inputs: the next window)."""
+    """Depthwise causal conv over the sequence, then SiLU, of one projection (q, k or v: each its own
+    weight, so a tp cut by heads is a contiguous slice of each): x [b, s, c] -> [b, s, c] or, given
+    head_dim, L2-normalised per head [b, heads, s, head_dim] in fp32; each channel the sum of its last
+    `kernel` inputs weighted by weight[c, 0, :] (transformers' Conv1d layout). With packed samples
+    (segments [b, s]) a token reads no input of an earlier sample, as if its sample ran alone. `window`
+    [b, kernel - 1, c]: the inputs before x (a cached forward, taken as of the row's first sample; zeros
+    otherwise). Returns (out, the last kernel - 1 inputs: the next window)."""
 
-    def __init__(self, channels: int, kernel: int):
+    def __init__(self, channels: int, kernel: int, head_dim: int = 0):
         super().__init__()
-        self.kernel = kernel
+        self.kernel, self.head_dim = kernel, head_dim
         self.weight = Parameter(initializer("zeros", (channels, 1, kernel), ms.float32), name="weight")
-        self.scale = ChannelScale()
+        self.core = ShiftedTaps()
 
     def construct(self, x, segments=None, window=None):
         b, s, c = x.shape
         k = self.kernel
         before = ops.zeros((b, k - 1, c), x.dtype) if window is None else cast(window, x.dtype)
-        padded = ops.concat((before, x), 1)
-        w = cast(self.weight, x.dtype).reshape(c, k)
-        out = self.scale(padded[:, k - 1:], w[:, k - 1])
-        for j in range(k - 1):  # tap j reads the token k - 1 - j back
-            tap = padded[:, j:j + s]
-            if segments is not None:
-                tap = tap * cast(same_sample_back(segments, k - 1 - j).expand_dims(-1), x.dtype)
-            out = out + self.scale(tap, w[:, j])
-        return out * ops.sigmoid(out), padded[:, s:]
+        out = self.core(x, cast(self.weight.reshape(c, k), x.dtype), segments, before, self.head_dim)
+        return out, ops.concat((before, x), 1)[:, s:]
 
 
 def same_sample_back(segments, back: int):
-    """segments [b, s] -> whether the token `back` places earlier is of the same sample [b, s] (bool)."""
+    """segments [b, s] -> whether the token `back` places earlier is of the same sample [b, s] (bool); a
+    token before the row (the window) is of the row's first sample."""
     b, s = segments.shape
-    earlier = ops.concat((ops.full((b, back), -1, dtype=segments.dtype), segments[:, :s - back]), 1)
+    earlier = ops.concat((ops.broadcast_to(segments[:, :1], (b, back)), segments[:, :s - back]), 1)
     return earlier == segments
 
 
@@ -190,43 +201,44 @@ class GatedDeltaNet(nn.Cell):
         self.wz = Linear(h, values)
         self.wb = Linear(h, self.num_value_heads)
         self.wa = Linear(h, self.num_value_heads)
-        self.conv_q, self.conv_k = CausalConv(keys, cfg.linear_conv_kernel), CausalConv(keys, cfg.linear_conv_kernel)
+        self.conv_q = CausalConv(keys, cfg.linear_conv_kernel, self.key_dim)
+        self.conv_k = CausalConv(keys, cfg.linear_conv_kernel, self.key_dim)
         self.conv_v = CausalConv(values, cfg.linear_conv_kernel)
         self.dt_bias = Parameter(Tensor(np.ones(self.num_value_heads, np.float32)), name="dt_bias")
         self.A_log = Parameter(Tensor(np.zeros(self.num_value_heads, np.float32)), name="A_log")
         self.norm = RMSNorm(self.value_dim, cfg.norm_eps)  # scales by w (not 1 + w) in every family that has it
+        self.gate = SwiGLU()  # silu(z) * normed out (a device may fuse it)
         self.wo = Linear(values, h)
         self.rule = ChunkedGatedDeltaRule()
 
-    def heads(self, x, b: int, s: int, n: int, d: int):
-        """[b, s, n*d] -> [b, n*rep, s, d] in fp32, each key head repeated for its run of value heads."""
-        x = cast(x, ms.float32).reshape(b, s, n, 1, d)
-        rep = self.num_value_heads // n
-        if rep > 1:
-            x = ops.broadcast_to(x, (b, s, n, rep, d))
-        return x.reshape(b, s, n * rep, d).transpose(0, 2, 1, 3)
+    def repeat_heads(self, x):
+        """[b, key heads, s, d] -> [b, value heads, s, d], each key head repeated for its run of value heads."""
+        rep = self.num_value_heads // self.num_key_heads  # of the config: a constant under dynamic shapes
+        if rep == 1:
+            return x
+        b, n, s, d = x.shape
+        return ops.broadcast_to(x.expand_dims(2), (b, n, rep, s, d)).reshape(b, n * rep, s, d)
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         s = cos.shape[-2]
         b = x.shape[0] // s
-        keys = self.num_key_heads * self.key_dim
         segments = mask
         if cache_k is not None:
             x, segments = x * cast(mask.reshape(-1, 1), x.dtype), None
+        keys = self.num_key_heads * self.key_dim
         # the cached window holds the three convs' channels side by side, q then k then v
         windows = (None,) * 3 if cache_v is None else ops.split(cache_v, (keys, keys, cache_v.shape[-1] - 2 * keys), -1)
-        q, window_q = self.conv_q(self.wq(x).reshape(b, s, -1), segments, windows[0])
-        k, window_k = self.conv_k(self.wk(x).reshape(b, s, -1), segments, windows[1])
+        q, window_q = self.conv_q(self.wq(x).reshape(b, s, -1), segments, windows[0])  # [b, key heads, s, dk]
+        k, window_k = self.conv_k(self.wk(x).reshape(b, s, -1), segments, windows[1])  # normalised, fp32
         v, window_v = self.conv_v(self.wv(x).reshape(b, s, -1), segments, windows[2])
-        q = l2_normalise(self.heads(q, b, s, self.num_key_heads, self.key_dim)) * self.key_dim ** -0.5
-        k = l2_normalise(self.heads(k, b, s, self.num_key_heads, self.key_dim))
-        v = self.heads(v, b, s, self.num_value_heads, self.value_dim)
+        q, k = self.repeat_heads(q) * self.key_dim ** -0.5, self.repeat_heads(k)
+        v = cast(v, ms.float32).reshape(b, s, self.num_value_heads, self.value_dim).transpose(0, 2, 1, 3)
         beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
         g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
         out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, cache_k)
         out = self.norm(out.transpose(0, 2, 1, 3).reshape(-1, self.value_dim))
         z = cast(self.wz(x), ms.float32).reshape(-1, self.value_dim)
-        out = cast(out * z * ops.sigmoid(z), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
+        out = cast(self.gate(z, out), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
         if cache_k is None:
             return self.wo(out), cache_k, cache_v
         window = ops.concat((window_q, window_k, window_v), -1)
