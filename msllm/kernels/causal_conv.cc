@@ -12,7 +12,8 @@
 //   da = dy sigmoid(a) (1 + a (1 - sigmoid(a)))
 //   d in[u, c] = sum_m da[u+m, c] w[c, K-1-m],  dw[c, K-1-m] = sum_t da[t, c] in[t-m, c]
 // Both walk blocks of kBlock tokens, one per thread at a time; backward keeps a block's da (plus the
-// K - 1 tokens after it) in a per-thread buffer and each thread's partial dw, summed at the end.
+// K - 1 tokens after it) in a buffer and a partial dw per stripe of blocks (common.h run_stripes), summed
+// at the end in stripe order.
 #include "common.h"
 
 using namespace msllm_kernels;
@@ -111,10 +112,10 @@ extern "C" int CausalConvSiLUGrad(int nparam, void **params, int *ndims, int64_t
   const int threads = pool().size();
   std::vector<float> da_buffers(threads * span * c), dw_parts(threads * k * c, 0.0f);
   std::memset(d_before, 0, sizeof(float) * conv.b * (k - 1) * c);
-  run_units(conv.b * conv.blocks(), [&](int64_t unit, int thread) {
+  run_stripes(conv.b * conv.blocks(), threads, [&](int64_t unit, int stripe) {  // dw_parts: per stripe
     const int64_t row = unit / conv.blocks(), t0 = unit % conv.blocks() * kBlock;
     const int64_t t1 = std::min(conv.s, t0 + kBlock), end = std::min(conv.s, t1 + k - 1);
-    float *da = da_buffers.data() + thread * span * c, *dw_part = dw_parts.data() + thread * k * c;
+    float *da = da_buffers.data() + stripe * span * c, *dw_part = dw_parts.data() + stripe * k * c;
     for (int64_t t = t0; t < end; ++t) {  // da of the block and of the K - 1 tokens that read it
       float *__restrict a = da + (t - t0) * c;
       conv.preactivation(row, t, a);
@@ -170,7 +171,7 @@ extern "C" int CausalConvSiLUGrad(int nparam, void **params, int *ndims, int64_t
   for (int64_t ch = 0; ch < c; ++ch)
     for (int64_t j = 0; j < k; ++j) {
       float sum = 0.0f;
-      for (int thread = 0; thread < threads; ++thread) sum += dw_parts[(thread * k + j) * c + ch];
+      for (int stripe = 0; stripe < threads; ++stripe) sum += dw_parts[(stripe * k + j) * c + ch];
       dw[ch * k + j] = sum;
     }
   return 0;

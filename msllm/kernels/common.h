@@ -108,6 +108,17 @@ void run_units(int64_t units, Fn fn) {
   if (threads <= 1 || !pool().Run(threads, work)) work(0);
 }
 
+// Runs fn(unit, stripe) for every unit, unit u in stripe u % stripes and each stripe's units in order on
+// one thread at a time: a per-stripe accumulator (indexed by stripe, not by the thread that ran it) sums
+// the same units in the same order whichever thread takes a stripe, so results repeat bit for bit
+// (run_units hands units to whichever thread is free, which varies with the machine's load).
+template <typename Fn>
+void run_stripes(int64_t units, int stripes, Fn fn) {
+  run_units(stripes, [&](int64_t stripe, int) {
+    for (int64_t u = stripe; u < units; u += stripes) fn(u, static_cast<int>(stripe));
+  });
+}
+
 // Runs fn(k, lo, hi, t) over the elements of n tensors laid end to end ([lo, hi) within tensor
 // k), split evenly across the pool: one kernel call serves a whole list of parameters without a
 // thread wake-up per tensor, and small tensors (norm weights) share a chunk with big ones.

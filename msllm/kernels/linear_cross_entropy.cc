@@ -60,8 +60,8 @@ struct Head {
 // lse [N] and target [N] (the label's logit) and, when `expect` is given, expect [N, H] = the softmax's
 // expectation of the (soft-capped) logits' gradient rows: sum_j softmax(z)_j * dz_j/dh. That is lse's
 // gradient wrt h, whatever weights the loss puts on each row, so a frozen head's backward needs no second
-// pass over the vocabulary. Each thread keeps a running (max, sum of exps, expect) per row over the blocks
-// it takes, rescaled when the max grows; the threads' are merged at the end.
+// pass over the vocabulary. Each stripe of blocks keeps a running (max, sum of exps, expect) per row,
+// rescaled when the max grows; the stripes' are merged at the end.
 void forward(void **params, int64_t **shapes, float *lse, float *target, float *expect) {
   const Sgemm gemm = sgemm();
   const Head hd(params, shapes);
@@ -71,7 +71,7 @@ void forward(void **params, int64_t **shapes, float *lse, float *target, float *
   std::vector<float> run_max(threads * n, kNegInf), run_sum(threads * n, 0.f);
   std::vector<std::vector<float>> scratch(threads), block_expect(threads), run_expect(threads);
   std::fill(target, target + n, 0.f);
-  run_units(hd.blocks, [&](int64_t b, int t) {
+  run_stripes(hd.blocks, threads, [&](int64_t b, int t) {  // t: the stripe (bit-reproducible sums)
     std::vector<float> &z = scratch[t];
     z.resize(n * hd.cols);
     hd.logits(gemm, b, z.data());
@@ -160,7 +160,7 @@ extern "C" int LinearCrossEntropyFrozen(int nparam, void **params, int *ndims, i
 // logits' gradient is
 //   dz = g_softmax * softmax(z) - g_label * onehot(label)   (times 1 - tanh^2 under soft-capping)
 // block by block: dw's block rows = dz^T h (each block's rows written by one unit), dh = sum of dz w_block,
-// accumulated per thread and summed at the end.
+// accumulated per stripe of blocks and summed at the end.
 extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                       void *stream, void *extra) {
   const Sgemm gemm = sgemm();
@@ -172,7 +172,7 @@ extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int
   const int threads = pool().size();
   std::vector<std::vector<float>> scratch(threads), dh_part(threads);
   std::vector<char> used(threads, 0);
-  run_units(hd.blocks, [&](int64_t b, int t) {
+  run_stripes(hd.blocks, threads, [&](int64_t b, int t) {  // t: the stripe (bit-reproducible sums)
     std::vector<float> &z = scratch[t];
     z.resize(hd.n * hd.cols);
     hd.logits(gemm, b, z.data());
