@@ -79,15 +79,15 @@ class LossCell(nn.Cell):
     def construct(self, tokens, scale, mask=None, segments=None, positions=None, rows=None):
         labels = self.model.local_tokens(tokens[:, 1:]).reshape(-1)
         h, loads = self.model.features(tokens[:, :-1], segments, positions)
-        states, packed_mask = h, mask
-        count = None
+        states = h
+        count, loss_mask = None, None  # mask [b, s] stays as given: the MTP depths read it
         if mask is not None:
-            mask = self.model.local_tokens(mask).reshape(-1)
-            count = self.model.sequence_mean(ops.stop_gradient(ops.sum(mask)))
+            loss_mask = self.model.local_tokens(mask).reshape(-1)
+            count = self.model.sequence_mean(ops.stop_gradient(ops.sum(loss_mask)))
             if rows is not None and rows.size < labels.size:  # only the positions with a loss reach the head
                 rows = rows.reshape(-1)
-                h, labels, mask = ops.gather(h, rows, 0), ops.gather(labels, rows, 0), ops.gather(mask, rows, 0)
-        loss = self.next_token_loss(h, labels, mask, count)
+                h, labels, loss_mask = ops.gather(h, rows, 0), ops.gather(labels, rows, 0), ops.gather(loss_mask, rows, 0)
+        loss = self.next_token_loss(h, labels, loss_mask, count)
         stats = ()
         if self.extra is not None:
             loss = self.extra.add_to(loss, loads)
@@ -95,7 +95,7 @@ class LossCell(nn.Cell):
         if self.mtp_weight > 0:
             depth_losses = ()
             for i, ahead in enumerate(self.model.predict_ahead(states, tokens, segments, positions)):
-                depth_losses += (self.next_token_loss(ahead, *mtp_targets(tokens, i + 1, packed_mask, segments)),)
+                depth_losses += (self.next_token_loss(ahead, *mtp_targets(tokens, i + 1, mask, segments)),)
             depth_losses = ops.stack(depth_losses)
             loss = loss + self.mtp_weight * ops.mean(depth_losses)
             stats += (ops.stop_gradient(depth_losses),)
