@@ -1,5 +1,6 @@
 """The layout checker's rules and `msllm plan`: closed forms for memory, the CLI's table and its
 parallel: block (which must pass the checker), nothing-fits and --check. No MindSpore here."""
+import dataclasses
 import shlex
 import subprocess
 import sys
@@ -381,6 +382,37 @@ def test_ring_attention_estimate_on_ascend(capsys):
                             "--set=parallel.sequence_parallel=true")
     assert code in (0, 1) and "dp 2 x tp 8 x pp 1 x cp 4" in out
     assert "keeps its chunk's K/V, passing the others around the ring" in out
+
+
+QWEN3_NEXT = REPO / "configs" / "qwen3_next_80b_a3b.yaml"
+
+
+def test_qwen3_next_config_is_transformers_shape_and_plan_lays_it_out_with_expert_parallel(capsys):
+    """configs/qwen3_next_80b_a3b.yaml is what `convert` reads from transformers' Qwen3NextConfig defaults ("the
+    Qwen3-Next-80B-A3B style") but for the published checkpoint's RoPE base, context and aux loss, and as many
+    parameters as transformers builds (on the meta device). `msllm plan` lays it out on 64 devices with the
+    experts over ep, and its printed overrides pass the checker."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from interop.hf_config import to_model_config
+
+    cfg = load_config(QWEN3_NEXT)
+    m = cfg.model
+    hf = {**Qwen3NextConfig().to_dict(), "architectures": ["Qwen3NextForCausalLM"]}
+    published = dict(rope_theta=1e7, max_seq_len=262144, router_aux_loss_coef=0.001)
+    assert m == dataclasses.replace(to_model_config(hf, "Qwen3NextConfig()"), **published)
+    with torch.device("meta"):
+        built = Qwen3NextForCausalLM(Qwen3NextConfig())
+    assert m.num_params() == sum(p.numel() for p in built.parameters())
+    assert m.layer_kinds().count("linear") == 36 and set(m.mlp_kinds()) == {"moe"}
+
+    code, out, err = plan_cli(capsys, "--config", str(QWEN3_NEXT), "--devices", "64", "--device-mem", "64GB")
+    best = [line for line in out.splitlines() if line.startswith("# best:")]
+    assert code == 0 and best and "ep " in best[0], out + err
+    laid = train_config(QWEN3_NEXT, out.splitlines()[-1])
+    assert laid.parallel.ep > 1
+    check_parallel(laid, 64)
 
 
 # ---- mixture of experts --------------------------------------------------------------------------
