@@ -517,6 +517,14 @@ def test_hybrid_plan_counts_the_linear_layers_rule_and_state(capsys):
     per_layer = {kind: P.layer_activations(m, sh, 1, 4096, e_bytes, "none", False, linear=kind) for kind in (True, False)}
     logits = 2 * 4 * 4096 * m.vocab_size
     assert e["activations"] == pytest.approx(24 * per_layer[True] + 8 * per_layer[False] + logits)
+    # on CPU the linear layers keep what the C++ kernels keep (test_hybrid counts it), the graph form's with them off
+    on_cpu = P.with_layout(cfg, ParallelConfig(dp=8), "none", 8)
+    graph_cpu = dataclasses.replace(on_cpu, train=dataclasses.replace(on_cpu.train, fused_kernels="off"))
+    kept = {k: P.layer_activations(m, sh, 1, 4096, e_bytes, "none", False, linear=True, kernels=k)
+            for k in (True, False)}
+    assert kept[True] < kept[False] / 2
+    graph, kernels = (P.estimate(c, device="cpu", flash=False)["activations"] for c in (graph_cpu, on_cpu))
+    assert graph - kernels == pytest.approx(24 * (kept[False] - kept[True]))
 
     tp2 = L.sharding(m, ParallelConfig(dp=4, tp=2))
     assert P.layer_activations(m, tp2, 1, 4096, 2, "selective", False, linear=True) == pytest.approx(
