@@ -205,13 +205,18 @@ def _check(cfg: Config, source: str, origins: dict | None = None) -> None:
          "model.mtp_depths")
     need(m.mtp_depths == 0 or cfg.parallel.ep == 1, "parallel.ep", "must be 1 with model.mtp_depths > 0 (expert "
          "parallel does not split the MTP blocks' experts yet)", "model.mtp_depths")
-    if m.trains_mtp:
+    if m.trains_mtp:  # (with weight 0 the depths are carried, not computed: every layout and objective takes them)
         p = cfg.parallel
-        for key in ("tp", "pp", "cp"):
-            need(getattr(p, key) == 1, f"parallel.{key}", "must be 1 with model.mtp_loss_weight > 0 (the MTP blocks "
-                 "are laid out on data parallel only)", "model.mtp_loss_weight")
-        need(t.objective == "auto", "train.objective", "dpo and grpo take no MTP loss: set model.mtp_loss_weight 0",
-             "model.mtp_loss_weight")
+        why = {"tp": "the Ascend layout gives the depths' own ops (joint projection, embedding of the tokens ahead, "
+                     "second pass through the head) no tensor-parallel strategy",
+               "pp": "a depth on the last stage needs the embedding, which the first stage holds, of the tokens ahead",
+               "cp": "depth k's tokens ahead of a rank's last positions lie in the next rank's chunk"}
+        for key, reason in why.items():
+            need(getattr(p, key) == 1, f"parallel.{key}", f"must be 1 with model.mtp_loss_weight > 0 ({reason}); "
+                 "or set model.mtp_loss_weight 0 to carry the MTP depths untrained", "model.mtp_loss_weight")
+        need(t.objective == "auto", "train.objective", f"{t.objective}'s loss is the sequence log-probability of "
+             "completions; MTP's is next-token prediction, which it does not train: set model.mtp_loss_weight 0 "
+             "(the depths are carried untrained)", "model.mtp_loss_weight")
     if m.mlp_types is not None:
         need(len(m.mlp_types) == m.num_layers, "model.mlp_types",
              f"needs one entry per layer ({m.num_layers}), got {len(m.mlp_types)}", "model.num_layers")

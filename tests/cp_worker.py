@@ -15,8 +15,9 @@ import numpy as np
 
 from msllm.config import ModelConfig, OptimConfig, ParallelConfig
 
+# one multi-token-prediction depth carried (model.mtp_loss_weight 0): not computed, not trained, under cp as without
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=96,
-                  max_seq_len=64, sliding_window=24, layer_types=["sliding", "full"])
+                  max_seq_len=64, sliding_window=24, layer_types=["sliding", "full"], mtp_depths=1)
 SEQ, STEPS = 48, 3
 _rng = np.random.default_rng(7)
 TOKENS = _rng.integers(0, 256, (2, SEQ + 1)).astype(np.int32)

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 from msllm import device, kernels
 from msllm.backends import cpu
 from msllm.models import layers
+from msllm.models.decoder import build_model
 from msllm.parallel import cp
 from tests.conftest import REPO, msrun_env, run_under_msrun, tiny_overrides
 from tests.test_flash_attention import Core, run, segments_of
@@ -111,7 +112,9 @@ def ranks(tmp_path_factory):
 def test_cp2_step_equals_the_whole_sequence_step(ranks, variant):
     """3 steps at cp = 2 (a sliding and a full layer; packed samples with a label mask whose count
     differs between the ranks' chunks: the SFT masked mean) against the whole sequences in one
-    process: the same losses, evaluated loss and weights up to summation order, and both ranks identical."""
+    process: the same losses, evaluated loss and weights up to summation order, and both ranks identical. The
+    model carries an MTP depth (weight 0): its weights leave the step as they were built."""
+    from tests.cp_worker import CFG
     from tests.cp_worker import run as run_whole
 
     zero, one = ranks[variant]
@@ -122,6 +125,8 @@ def test_cp2_step_equals_the_whole_sequence_step(ranks, variant):
     np.testing.assert_allclose(zero["eval"], whole["eval"], rtol=1e-5)
     for name in (k for k in whole if k.startswith("weight/")):
         np.testing.assert_allclose(zero[name], whole[name], rtol=0, atol=1e-5, err_msg=name)
+    built = {p.name: p.asnumpy() for p in build_model(CFG, seed=0).trainable_params() if p.name.startswith("mtp.")}
+    assert built and all(np.array_equal(zero[f"weight/{name}"], value) for name, value in built.items())
 
 
 # --- msllm launch: 2 workers at parallel.cp=2 against 1 worker -----------------------------------

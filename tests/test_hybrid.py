@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from mindspore import Tensor, ops
 from safetensors.torch import load_file, save_file
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
@@ -28,6 +29,7 @@ from msllm.checkpoint import load_model
 from msllm.config import ModelConfig
 from msllm.generate import generate
 from msllm.inference import cell_engine
+from msllm.layout import plan
 from msllm.models.decoder import build_model
 from msllm.models.layers import SwiGLU
 from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, ShiftedTaps
@@ -82,6 +84,51 @@ def test_chunked_rule_equals_the_token_by_token_recurrence_across_chunks():
     for name, a, r in zip(("out", "state", "dq", "dk", "dv", "dg", "dbeta"), got, want):
         err = np.abs(a - r).max() / np.abs(r).max()
         assert err <= REORDER_RTOL, f"{name}: max_rel {err:.2e}"
+
+
+def kept_for_backward(mixer, tokens: int) -> dict[str, float]:
+    """Run a CPU-specialised Gated DeltaNet mixer over [2, tokens] (PyNative) and count, off its cells, the
+    bytes its backward reads beyond its input x: every activation a Linear or a C++ kernel takes (their
+    backwards read their inputs and recompute the rest; each tensor once), and the rule's chunk states (its
+    third output, which its backward restarts from). `beta`: the bytes of the rule's beta input."""
+    x = Tensor(np.random.default_rng(0).normal(size=(2 * tokens, HYBRID.hidden_size)).astype(np.float32))
+    kept, beta = {}, {}
+
+    def read(cell, inputs, output):
+        for t in inputs:
+            if isinstance(t, Tensor) and not isinstance(t, ms.Parameter) and t is not x:
+                kept[id(t)] = t  # held, so no later tensor takes its id
+        if isinstance(cell, kernels.GatedDeltaRule):
+            q, k, v, g, b = inputs[:5]
+            segments, initial = ops.zeros(g.shape, ms.int32), ops.zeros(q.shape[:2] + (q.shape[3], v.shape[3]))
+            kept["states"] = cell.rule(q, k, v, g, b, segments, initial)[2]
+            beta["bytes"] = b.nbytes
+
+    handles = [cell.register_forward_hook(read) for _, cell in mixer.cells_and_names()
+               if type(cell).__module__ == "msllm.kernels" or type(cell).__name__ == "Linear"]
+    cos = Tensor(np.zeros((tokens, HYBRID.head_dim), np.float32))
+    mixer(x, cos, cos, None)
+    for handle in handles:
+        handle.remove()
+    return {"kept": sum(t.nbytes for t in kept.values()), "beta": beta["bytes"]}
+
+
+def test_plan_counts_what_the_cpu_kernels_keep_of_a_linear_layer():
+    """plan.linear_activations with the CPU's kernels is what a CPU-trained Gated DeltaNet layer keeps for
+    backward, counted off the layer: the difference between 32 and 16 tokens a row (per-row tensors, the conv's
+    window and the initial state, cancel) per token, plus the three [tokens, heads] fp32 tensors of the decay's
+    and beta's graph ops (sigmoid's output, softplus's input and output: each the size of the rule's beta).
+    The graph form (Ascend's, and CPU's with the kernels off) keeps more: its conv taps and [c, c] chunks."""
+    device.setup("cpu", "pynative")
+    model = build_model(replace(HYBRID, num_layers=1, layer_types=["linear"]), seed=3)
+    cpu.specialise(model, fused=True, share_blocks=False, training=True)
+    mixer = model.layers[0].attention
+    mixer.rule = kernels.GatedDeltaRule(CHUNK, training=True)
+    short, long = kept_for_backward(mixer, 16), kept_for_backward(mixer, 32)
+    measured = (long["kept"] - short["kept"] + 3 * (long["beta"] - short["beta"])) / (2 * 16)
+    assert plan.linear_activations(HYBRID, 32, 4, kernels=True, chunk=CHUNK) == measured
+    assert plan.linear_activations(HYBRID, 32, 4, chunk=CHUNK) > 2 * measured
+    device.setup("cpu", "graph")
 
 
 def ops_l2(x):

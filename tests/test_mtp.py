@@ -26,9 +26,11 @@ from interop.table import entries, stored_arrays
 from interop.verify import verify
 from msllm import device
 from msllm.checkpoint import load_model
-from msllm.config import ModelConfig
+from msllm.config import DPOConfig, GRPOConfig, ModelConfig
+from msllm.params import mtp_shapes
 from tests.conftest import step_config
 from tests.hf_models import build
+from tests.test_families import BY_HAND
 
 ARCH, DEPTHS, WEIGHT = "DeepseekV3ForCausalLM", 2, 0.3
 
@@ -279,31 +281,50 @@ def test_glm4_moe_mtp_layer_converts_both_ways_and_trains_as_torch(tmp_path):
     assert float(loss.asnumpy()) == pytest.approx(want.item(), rel=2e-5)
 
 
-def test_mtp_weight_zero_is_the_step_without_mtp(tmp_path):
+def objective_step(objective: str, model_cfg):
+    """A step config of `objective` on model_cfg, and a batch of its inputs (two sequences or pairs of 13
+    tokens): next-token (auto), DPO with precomputed reference log-probs, GRPO on fixed completions."""
+    rng = np.random.default_rng(4)
+    cfg = step_config(model_cfg, steps=4, batch_size=2, objective=objective, head_rows="all")
+    if objective == "auto":
+        return cfg, [rng.integers(0, 64, (2, 13))]
+    mask = (rng.random((2, 2, 12)) < 0.6).astype(np.float32)
+    if objective == "dpo":
+        cfg.dpo = DPOConfig(beta=0.1, precompute_ref=True)
+        return cfg, [rng.integers(0, 64, (2, 2, 13)), mask, -np.log(64.0) * mask.sum(-1)]
+    cfg.grpo, cfg.train.batch_size = GRPOConfig(max_new_tokens=8, group_size=2, reward=["r.py:f"]), 1
+    return cfg, [rng.integers(0, 64, (2, 13)), mask[0], np.array([0.7, -0.7])]
+
+
+# DPO and GRPO by hand: two compiled steps each (~30 s and ~24 s on a loaded 2-core machine)
+@pytest.mark.parametrize("objective", ["auto", pytest.param("dpo", marks=BY_HAND), pytest.param("grpo", marks=BY_HAND)])
+def test_mtp_weight_zero_is_the_step_without_mtp(objective):
     """A model carrying two MTP depths with model.mtp_loss_weight 0 takes the very step of the same model without
-    them (loss, gradient norm, updated weights bit for bit, no statistics) and leaves the depths untouched (no
-    gradient, no weight decay). (Weight > 0: test_mtp_loss_and_gradients_equal_torch, and the logged
+    them (loss, gradient norm, updated weights bit for bit, no statistics of theirs) and leaves the depths
+    untouched (no gradient, no weight decay), under every objective: DPO and GRPO carry the depths of a
+    DeepSeek-V3 or GLM-4.5 checkpoint they fine-tune (and refuse a weight > 0, test_what_mtp_and_the_sequence_loss_
+    do_not_take_is_refused_in_one_line). (Weight > 0: test_mtp_loss_and_gradients_equal_torch, and the logged
     mtp_loss/1 of test_training_logs_each_depths_loss_and_the_sequence_balance_loss.)"""
     from msllm.train.build import build_train_step
 
     device.setup("cpu", "graph")
     plain = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
                         max_seq_len=16)
-    tokens = Tensor(np.random.default_rng(4).integers(0, 64, (2, 13)).astype(np.int32))
 
     def step(model_cfg, start=None):
-        built = build_train_step(step_config(model_cfg, steps=4, batch_size=2))
+        cfg, inputs = objective_step(objective, model_cfg)
+        built = build_train_step(cfg)
         for p in built.model.trainable_params():
             if start is not None and p.name in start:
                 p.set_data(Tensor(start[p.name]))
         before = {p.name: p.asnumpy().copy() for p in built.model.trainable_params()}
-        out = built.train_step(tokens)
+        out = built.train_step(*(Tensor(x.astype(np.int32 if x.dtype.kind == "i" else np.float32)) for x in inputs))
         return built.model, before, out
 
-    base, start, (loss, norm, *_) = step(plain)
-    carried, before, (loss0, norm0, *rest) = step(dataclasses.replace(plain, mtp_depths=DEPTHS), start)
-    assert len(rest) == 3  # lr, finite, scale: no statistics
-    assert float(loss0.asnumpy()) == float(loss.asnumpy()) and float(norm0.asnumpy()) == float(norm.asnumpy())
+    base, start, out = step(plain)
+    carried, before, out0 = step(dataclasses.replace(plain, mtp_depths=DEPTHS), start)
+    assert len(out0) == len(out) and all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(out0, out))
+    assert objective != "auto" or len(out0) == 5  # loss, norm, lr, finite, scale: no statistics
     after = {p.name: p.asnumpy() for p in carried.trainable_params()}
     for p in base.trainable_params():
         assert np.array_equal(after[p.name], p.asnumpy()), p.name
@@ -382,9 +403,56 @@ def test_training_logs_each_depths_loss_and_the_sequence_balance_loss(tmp_path, 
     assert "mtp.0.eh_proj.weight" in names and "mtp.0.layer.feed_forward.router.expert_bias" in names
 
 
+def test_carried_depths_are_laid_out_under_tensor_and_pipeline_parallel():
+    """With model.mtp_loss_weight 0 the depths are carried under any layout (generated and checked here, not
+    executed: Ascend): at tp 2 x pp 2 the checker passes, each depth's block is cut as the last layer is, its
+    other tensors are whole, and they all sit on the last stage beside the head (their Cell's pipeline_stage
+    set by the Ascend backend), which plan counts."""
+    from msllm.backends import ascend
+    from msllm.config_file import config_from_dict
+    from msllm.layout import plan as P
+    from msllm.layout import table as L
+    from msllm.layout.check import check_parallel
+    from msllm.models.decoder import build_model
+
+    spec = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=48,
+                max_seq_len=16, mtp_depths=2)
+    cfg = config_from_dict({"model": spec, "data": {"seq_len": 8}, "train": {"batch_size": 2, "device": "ascend"},
+                            "parallel": {"tp": 2, "pp": 2, "micro_batches": 2}})
+    check_parallel(cfg, 4)
+    m, sh = cfg.model, L.sharding(cfg.model, cfg.parallel)
+    shapes = L.param_shapes(m)
+    held = {name: L.shard_shape(shape, L.param_entry(name)[0], sh) for name, shape in shapes.items()}
+    carried = [name for name in shapes if name.startswith("mtp.")]
+    assert len(carried) == 2 * len(mtp_shapes(m)) and all(L.stage_of(n, 2, 2) == 1 for n in carried)
+    for name in carried:
+        if ".layer." in name:
+            assert held[name] == held["layers.1." + name.split(".layer.", 1)[1]], name
+        else:
+            assert held[name] == shapes[name], name
+    assert held["mtp.1.layer.attention.wq.weight"] == (16, 32)   # its heads over tp, as the layers'
+    plain = dataclasses.replace(m, mtp_depths=0)
+    assert P.stage_parameters(m, sh)[1] - P.stage_parameters(plain, sh)[1] == sum(
+        np.prod(held[n]) for n in carried)
+    assert P.stage_parameters(m, sh)[0] == P.stage_parameters(plain, sh)[0]
+    model = build_model(m)
+    ascend.use_shardable_norms(model)
+    ascend.apply_layout(model, cfg)
+    assert model.mtp.pipeline_stage == 1 and model.norm.pipeline_stage == 1
+
+
+TRAINED = ["model.mtp_depths=1", "model.mtp_loss_weight=0.3"]
+
+
 @pytest.mark.parametrize("sets, key, why", [
     (["model.mtp_loss_weight=0.3"], "model.mtp_loss_weight", "needs model.mtp_depths in [1"),
-    (["model.mtp_depths=1", "model.mtp_loss_weight=0.3", "parallel.tp=2"], "parallel.tp", "MTP blocks"),
+    ([*TRAINED, "parallel.tp=2"], "parallel.tp", "no tensor-parallel strategy"),
+    ([*TRAINED, "parallel.pp=2", "parallel.micro_batches=2"], "parallel.pp", "which the first stage holds"),
+    ([*TRAINED, "parallel.cp=2"], "parallel.cp", "lie in the next rank's chunk"),
+    (["model.num_experts=4", "model.mtp_depths=1", "parallel.dp=2", "parallel.ep=2"], "parallel.ep",
+     "does not split the MTP blocks' experts"),
+    ([*TRAINED, "train.objective=dpo"], "train.objective", "MTP's is next-token prediction"),
+    ([*TRAINED, "train.objective=grpo", "grpo.reward=[r.py:f]"], "train.objective", "set model.mtp_loss_weight 0"),
     (["model.num_experts=4", "model.router_seq_aux_loss_coef=0.001", "parallel.cp=2"], "parallel.cp",
      "the loss needs it whole")])
 def test_what_mtp_and_the_sequence_loss_do_not_take_is_refused_in_one_line(sets, key, why):

@@ -1,5 +1,6 @@
 """The layout checker's rules and `msllm plan`: closed forms for memory, the CLI's table and its
 parallel: block (which must pass the checker), nothing-fits and --check. No MindSpore here."""
+import dataclasses
 import shlex
 import subprocess
 import sys
@@ -383,6 +384,37 @@ def test_ring_attention_estimate_on_ascend(capsys):
     assert "keeps its chunk's K/V, passing the others around the ring" in out
 
 
+QWEN3_NEXT = REPO / "configs" / "qwen3_next_80b_a3b.yaml"
+
+
+def test_qwen3_next_config_is_transformers_shape_and_plan_lays_it_out_with_expert_parallel(capsys):
+    """configs/qwen3_next_80b_a3b.yaml is what `convert` reads from transformers' Qwen3NextConfig defaults ("the
+    Qwen3-Next-80B-A3B style") but for the published checkpoint's RoPE base, context and aux loss, and as many
+    parameters as transformers builds (on the meta device). `msllm plan` lays it out on 64 devices with the
+    experts over ep, and its printed overrides pass the checker."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from interop.hf_config import to_model_config
+
+    cfg = load_config(QWEN3_NEXT)
+    m = cfg.model
+    hf = {**Qwen3NextConfig().to_dict(), "architectures": ["Qwen3NextForCausalLM"]}
+    published = dict(rope_theta=1e7, max_seq_len=262144, router_aux_loss_coef=0.001)
+    assert m == dataclasses.replace(to_model_config(hf, "Qwen3NextConfig()"), **published)
+    with torch.device("meta"):
+        built = Qwen3NextForCausalLM(Qwen3NextConfig())
+    assert m.num_params() == sum(p.numel() for p in built.parameters())
+    assert m.layer_kinds().count("linear") == 36 and set(m.mlp_kinds()) == {"moe"}
+
+    code, out, err = plan_cli(capsys, "--config", str(QWEN3_NEXT), "--devices", "64", "--device-mem", "64GB")
+    best = [line for line in out.splitlines() if line.startswith("# best:")]
+    assert code == 0 and best and "ep " in best[0], out + err
+    laid = train_config(QWEN3_NEXT, out.splitlines()[-1])
+    assert laid.parallel.ep > 1
+    check_parallel(laid, 64)
+
+
 # ---- mixture of experts --------------------------------------------------------------------------
 
 QWEN3_MOE = REPO / "configs" / "qwen3_moe_30b_a3b.yaml"
@@ -485,6 +517,14 @@ def test_hybrid_plan_counts_the_linear_layers_rule_and_state(capsys):
     per_layer = {kind: P.layer_activations(m, sh, 1, 4096, e_bytes, "none", False, linear=kind) for kind in (True, False)}
     logits = 2 * 4 * 4096 * m.vocab_size
     assert e["activations"] == pytest.approx(24 * per_layer[True] + 8 * per_layer[False] + logits)
+    # on CPU the linear layers keep what the C++ kernels keep (test_hybrid counts it), the graph form's with them off
+    on_cpu = P.with_layout(cfg, ParallelConfig(dp=8), "none", 8)
+    graph_cpu = dataclasses.replace(on_cpu, train=dataclasses.replace(on_cpu.train, fused_kernels="off"))
+    kept = {k: P.layer_activations(m, sh, 1, 4096, e_bytes, "none", False, linear=True, kernels=k)
+            for k in (True, False)}
+    assert kept[True] < kept[False] / 2
+    graph, kernels = (P.estimate(c, device="cpu", flash=False)["activations"] for c in (graph_cpu, on_cpu))
+    assert graph - kernels == pytest.approx(24 * (kept[False] - kept[True]))
 
     tp2 = L.sharding(m, ParallelConfig(dp=4, tp=2))
     assert P.layer_activations(m, tp2, 1, 4096, 2, "selective", False, linear=True) == pytest.approx(

@@ -114,7 +114,7 @@ def parse_bytes(text: str) -> float:
 
 def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, recompute: str, flash: bool,
                       flash_stats: int = 4, cp: int = 1, moe: "MoECost | None" = None, ring: bool = False,
-                      linear: bool = False) -> float:
+                      linear: bool = False, kernels: bool = False) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch of `batch` sequences, on one device.
     Under context parallel the device holds seq / cp tokens of each sequence, and every key and
     value of it (kv_local d e x cp more per token: the exchanged K/V the attention core keeps) or,
@@ -130,7 +130,8 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
                                  FlashAttentionScore's softmax_max and softmax_sum ([b, n, s, 8] fp32)
     A MoE layer (moe given) keeps instead of the MLP term what MoECost.activations counts; an MLA layer
     its q, its per-head keys and values and its latent instead of q and k, v; a Gated DeltaNet layer (`linear`)
-    what linear_activations counts / t instead of attention and no scores.
+    what linear_activations counts / t instead of attention and no scores (`kernels`: as the CPU's C++ kernels
+    keep it, else as the graph form does).
     none = all four; selective (msllm's: attention core and MLP recomputed) = norms + attention;
     full = the layer input, h e / sp. Korthikanti et al.'s GPT count differs in its terms (dropout
     masks, GeLU MLP, fp16 softmax) but not in the structure: with sequence parallel every term is / t,
@@ -148,7 +149,7 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
         # latent and rope key (whole on every tp rank)
         attention = (h + m.num_heads / t * (2 * d + m.v_head_dim) + m.kv_lora_rank + m.qk_rope_head_dim) * act_bytes
     if linear:  # every tensor of it is per head, its heads cut over tp
-        attention = linear_activations(m, seq, act_bytes) / t
+        attention = linear_activations(m, seq, act_bytes, kernels) / t
     if recompute == "selective":
         return tokens * (norms + attention)
     mlp = 3 * m.ffn_size * act_bytes / t if moe is None else moe.activations(act_bytes)
@@ -156,11 +157,21 @@ def layer_activations(m, sh: L.Sharding, batch: int, seq: int, act_bytes: int, r
     return tokens * (norms + attention + mlp + scores)
 
 
-def linear_activations(m, seq: int, act_bytes: int) -> float:
-    """Bytes per token a Gated DeltaNet layer keeps for backward (msllm's chunked rule, chunks of c tokens,
-    in fp32 whatever the compute dtype; e = act_bytes; n value heads of d_k, d_v; C conv channels):
-      projections  (3C + 2 n d_v + 2n) e   the conv's input (its window: the rows before, in the same
-                                          tensor), output and SiLU; z; beta's and the decay's inputs
+def linear_activations(m, seq: int, act_bytes: int, kernels: bool = False, chunk: int = GATED_DELTA_CHUNK) -> float:
+    """Bytes per token a Gated DeltaNet layer keeps for backward beyond its input (the norms' term); e =
+    act_bytes, n value heads of d_k, d_v, n_k key heads, C = 2 n_k d_k + n d_v conv channels, K conv taps,
+    chunks of c tokens; the rule runs in fp32 whatever the compute dtype.
+
+    kernels (CPU training, train.fused_kernels auto: msllm.kernels' conv, rule, norm and gate, whose backwards
+    read their inputs and recompute the rest; tests/test_plan.py counts them off the layer):
+      conv inputs   4 C                  the q, k and v projections in fp32
+      rule inputs   4 n (2 d_k + d_v + 2) q and k (one per value head), v, the decay and beta
+      states        4 n d_k d_v / c      the state entering each chunk (the rule's backward restarts there)
+      decay, beta   4 x 3 n              sigmoid's output, softplus's input and output (graph ops)
+      output        4 x 3 n d_v + e n d_v the norm's input, its output and z (the gate's), the gated output
+    graph form (Ascend, and CPU with the kernels off: autodiff of msllm.models.mixers.gated_deltanet):
+      projections  ((K + 2) C + 2 n d_v + 2n) e  each conv tap's shifted copy of its input, the conv's output and
+                                          its SiLU; z; beta's and the decay's inputs
       rule inputs  4 n (8 d_k + 4 d_v + 2)  q and k (one per value head) before and after their L2 norm, k beta,
                                           w, q and k scaled by the decays; v, v beta, u, v'; the decay and beta
       chunk        4 n (2 + 2 log2 c) c    its [c, c] per head: decays, (k beta) k^T and q k^T, the
@@ -169,10 +180,13 @@ def linear_activations(m, seq: int, act_bytes: int) -> float:
       output       n d_v (8 + e)           the rule's output, normed, gated
     Selective recompute keeps it all (it recomputes attention cores; this layer has none)."""
     n, dk, dv = m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
-    c = min(GATED_DELTA_CHUNK, seq)
+    c = min(chunk, seq)
     conv = 2 * m.linear_num_key_heads * dk + n * dv
-    projections = (3 * conv + 2 * n * dv + 2 * n) * act_bytes
-    rule = 4 * n * (8 * dk + 4 * dv + 2 + (2 + 2 * math.ceil(math.log2(c))) * c + dk * dv / c)
+    state = 4 * n * dk * dv / c
+    if kernels:
+        return 4 * conv + 4 * n * (2 * dk + dv + 2) + state + 4 * 3 * n + (4 * 3 + act_bytes) * n * dv
+    projections = ((m.linear_conv_kernel + 2) * conv + 2 * n * dv + 2 * n) * act_bytes
+    rule = 4 * n * (8 * dk + 4 * dv + 2 + (2 + 2 * math.ceil(math.log2(c))) * c) + state
     return projections + rule + n * dv * (8 + act_bytes)
 
 
@@ -330,6 +344,7 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
     stage_kinds = [kinds[first:first + n] for first, n in zip(firsts, layers)]
     # each layer's (mixer, MLP) kinds: ("linear" for a Gated DeltaNet layer, else attention; "dense" / "moe")
     stage_layers = [list(zip(m.layer_kinds(), kinds))[first:first + n] for first, n in zip(firsts, layers)]
+    linear_kernels = dev.backend == "cpu" and t.fused_kernels != "off"  # the CPU's C++ Gated DeltaNet kernels
 
     def activations(stage: int, recompute: str, with_flash: bool) -> float:
         in_flight = min(p.pp - stage, p.micro_batches)
@@ -337,9 +352,9 @@ def estimate(cfg: Config, layout: ParallelConfig | None = None, device: str | De
         for mixer, kind in set(stage_layers[stage]):
             cost, linear = moe if kind == "moe" else None, mixer == "linear"
             per_layer = layer_activations(m, sh, micro, seq, e, recompute, with_flash, dev.flash_stats, p.cp, cost,
-                                          ring_cp, linear)
+                                          ring_cp, linear, linear_kernels)
             full_layer = layer_activations(m, sh, micro, seq, e, "none", with_flash, dev.flash_stats, p.cp, cost,
-                                           ring_cp, linear)
+                                           ring_cp, linear, linear_kernels)
             kept += stage_layers[stage].count((mixer, kind)) * per_layer
             rebuilt = max(rebuilt, full_layer - per_layer)  # one layer's dropped activations, rebuilt in its backward
         logits = 2 * 4 * tokens * m.vocab_size / (p.tp if sh.vocab_split else 1) if stage == p.pp - 1 else 0.0

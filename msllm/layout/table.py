@@ -692,4 +692,6 @@ def stage_cells(m: ModelConfig, pp: int) -> dict[str, int]:
     names = list(FIRST_STAGE) + [f"layers.{i}" for i in range(m.num_layers)] + ["norm"]
     if not m.tie_embeddings:
         names.append("output")
+    if m.mtp_depths:  # carried (model.mtp_loss_weight 0: not computed) beside the head they would share
+        names.append("mtp")
     return {name: stage_of(name, m.num_layers, pp) for name in names}
