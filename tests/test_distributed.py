@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from msllm.models.decoder import build_model
-from tests.conftest import REPO, msrun_env, run_under_msrun, tiny_overrides
+from tests.conftest import REPO, msrun_env, tiny_overrides
 from tests.dp_worker import CFG, STEPS
 from tests.numerics import REORDER_RTOL, U32, assert_close_to_scale, decoder_rtol
 
@@ -23,10 +23,9 @@ ENV = msrun_env()
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(msrun_workers):
     """variant -> [rank 0's results, rank 1's results] of tests/dp_worker.py under msrun."""
-    out = tmp_path_factory.mktemp("dp")
-    run_under_msrun(REPO / "tests" / "dp_worker.py", out)
+    out = msrun_workers / "dp_worker"
     return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in VARIANTS + ("loss_rows",)}
 
 
