@@ -47,9 +47,9 @@ def test_ranks_stay_bitwise_equal(ranks, variant):
 def test_two_workers_at_b_equal_one_worker_at_2b(ranks):
     """The all-reduced step on 2 x 2 rows is the one-process step on 4 rows up to summation order
     (two means of 2 sequences summed instead of one mean of 4): tests.numerics.REORDER_RTOL."""
-    from tests.test_robustness import Run, assert_same_step, train_steps
+    from tests.test_robustness import Run, assert_same_step, reference_step
 
-    reference = train_steps(fused=True)
+    reference = reference_step(fused=True)
     got = ranks["dp"][0]
     assert_same_step(Run([got["outs"][0].tolist()], picked(got, "grad1/"), picked(got, "weight1/")), reference,
                      REORDER_RTOL)
