@@ -33,8 +33,8 @@ def msrun_env() -> dict:
             "PYTHONPATH": str(REPO)}
 
 
-def run_under_msrun(script: Path, out: Path, workers: int = 2) -> None:
-    """`msrun` `workers` local workers of `script OUT` (logs in OUT/logs); fails with the last worker's log.
+def run_under_msrun(script: Path, out: Path, workers: int = 2, args: tuple = (), timeout: float = 300) -> None:
+    """`msrun` `workers` local workers of `script OUT *args` (logs in OUT/logs); fails with the last worker's log.
 
     A start that fails with no Python traceback in any worker's log is retried once, on a fresh port:
     MindSpore 2.10's cluster layer has crashed there (a segfault in libmindspore_cluster.so's receive
@@ -45,13 +45,32 @@ def run_under_msrun(script: Path, out: Path, workers: int = 2) -> None:
     for attempt in (1, 2):
         cmd = [str(Path(sys.executable).with_name("msrun")), "--worker_num", str(workers), "--local_worker_num",
                str(workers), "--master_port", str(free_port()), "--log_dir", str(out / "logs"), "--join", "True",
-               "--cluster_time_out", "60", str(script), str(out)]
-        done = subprocess.run(cmd, cwd=REPO, env=msrun_env(), capture_output=True, text=True, timeout=300)
+               "--cluster_time_out", "60", str(script), str(out), *args]
+        done = subprocess.run(cmd, cwd=REPO, env=msrun_env(), capture_output=True, text=True, timeout=timeout)
         logs = [path.read_text(errors="replace") for path in sorted((out / "logs").glob("worker_*.log"))]
         if done.returncode == 0 or attempt == 2 or any("Traceback" in log for log in logs):
             break
         shutil.rmtree(out / "logs")
     assert done.returncode == 0, (out / "logs" / f"worker_{workers - 1}.log").read_text()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def msrun_workers(tmp_path_factory) -> Path:
+    """tests/dp_worker.py, cp_worker.py and ep_worker.py on the 2 workers of one msrun launch (tests/workers.py:
+    one start-up, cluster join and teardown for the three); OUT/<worker>/ holds each one's results, and
+    OUT/ep_worker/ also the one-process runs ep_worker's resume starts from (written first, here)."""
+    from msllm import device
+    from tests import ep_worker
+
+    device.setup("cpu", "graph")
+    out = tmp_path_factory.mktemp("msrun_workers")
+    names = ("dp_worker", "cp_worker", "ep_worker")
+    for name in names:
+        (out / name).mkdir()
+    ep_worker.write_one_process(out / "ep_worker")
+    # one launch's worth of compiles: ~2.5 min on a quiet 2-core machine, give the loaded one room
+    run_under_msrun(REPO / "tests" / "workers.py", out, args=names, timeout=900)
+    return out
 
 
 def msllm_under_msrun(out: Path, commands: list[list], workers: int = 2) -> None:

@@ -1,12 +1,11 @@
-"""Run under msrun by tests/test_distributed.py: data-parallel train steps on a fixed batch, results per rank.
+"""Run under msrun for tests/test_distributed.py: data-parallel train steps on a fixed batch, results per rank.
 
-    msrun ... tests/dp_worker.py OUT_DIR     # writes OUT_DIR/{variant}_rank{r}.npz for each variant,
-                                            # and loss_rows_rank{r}.npz (run_loss_rows)
+    msrun ... tests/workers.py OUT_DIR dp_worker   # writes OUT_DIR/dp_worker/{variant}_rank{r}.npz for each
+                                                  # variant, and loss_rows_rank{r}.npz (run_loss_rows)
 
 Rank r of `world` takes rows [r*b, (r+1)*b) of TOKENS, so the ranks together see the batch that
 one process sees in tests/test_robustness.py's reference step.
 """
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -83,13 +82,7 @@ def run_loss_rows(rank: int, world: int) -> dict:
     return result
 
 
-if __name__ == "__main__":
-    from msllm import device
-    from msllm.parallel import dp
-
-    device.setup("cpu", "graph", threads=1)
-    rank, world = dp.init_process_group()
-    out = Path(sys.argv[1])
+def main(out: Path, rank: int, world: int) -> None:
     for name in VARIANTS:
         np.savez(out / f"{name}_rank{rank}.npz", **run(name, rank, world))
     np.savez(out / f"loss_rows_rank{rank}.npz", **run_loss_rows(rank, world))

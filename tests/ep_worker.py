@@ -1,13 +1,13 @@
-"""Run under msrun by tests/test_moe.py: expert-parallel train steps on a fixed global batch.
+"""Run under msrun for tests/test_moe.py: expert-parallel train steps on a fixed global batch.
 
-    msrun --worker_num 2 ... tests/ep_worker.py OUT_DIR     # writes OUT_DIR/rank{r}{,_capacity_zero1}.npz
+    msrun --worker_num 2 ... tests/workers.py OUT_DIR ep_worker
+    # writes OUT_DIR/ep_worker/rank{r}{,_capacity_zero1}.npz
 
 Each rank trains on its half of the batch with half of every MoE layer's experts (parallel.ep = 2):
 dropless with plain AdamW, then at a capacity with ZeRO-1, resumed after HALF steps from one process's
-state (OUT_DIR/RESUME, written by the test). The test runs the whole batch with every expert in one
-process and compares.
+state (RESUME). Before the launch, write_one_process runs the whole batch with every expert in one
+process (the test compares against it) and writes that state.
 """
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -81,13 +81,16 @@ def group_all_gather(rank: int, world: int) -> np.ndarray:
     return GroupAllGather(world, rank, None)(ms.Tensor(np.arange(3, dtype=np.float32) + 10 * rank)).asnumpy()
 
 
-if __name__ == "__main__":
-    from msllm import device
-    from msllm.parallel import dp
+def write_one_process(out: Path) -> None:
+    """The whole batch with every expert in this one process: OUT/whole.npz dropless, OUT/capped.npz at
+    CAPACITY, and what the capped run's checkpoint holds after HALF steps as OUT/RESUME."""
+    capped = run(1, 1, 0, CAPACITY)
+    np.savez(out / "whole.npz", **run(1, 1, 0))
+    np.savez(out / "capped.npz", **capped)
+    np.savez(out / RESUME, **part(capped, "saved/"))
 
-    device.setup("cpu", "graph", 1)
-    rank, world = dp.init_process_group()
-    out = Path(sys.argv[1])
+
+def main(out: Path, rank: int, world: int) -> None:
     np.savez(out / f"rank{rank}.npz", **run(world, world, rank))
     resume = dict(np.load(out / RESUME))
     np.savez(out / f"rank{rank}_capacity_zero1.npz", **run(world, world, rank, CAPACITY, shard=True, resume=resume),

@@ -18,7 +18,7 @@ from msllm.backends import cpu
 from msllm.models import layers
 from msllm.models.decoder import build_model
 from msllm.parallel import cp
-from tests.conftest import REPO, msrun_env, run_under_msrun, tiny_overrides
+from tests.conftest import REPO, msrun_env, tiny_overrides
 from tests.test_flash_attention import Core, run, segments_of
 
 
@@ -86,21 +86,16 @@ def test_each_ranks_attention_is_its_rows_of_the_whole(core, group, packed, wind
 # --- the compiled step under msrun: tests/cp_worker.py against the same step in one process ------
 
 BY_HAND = bool(os.environ.get("MSLLM_BY_HAND"))
-# CI runs the packed, label-masked variant (the masked mean over chunks whose label counts differ,
-# which nothing else under cp checks; `msllm launch` at cp 2 below trains flash and packed documents
-# with every label counted); the softmax core's variant by hand.
-CP_VARIANTS = ["packed_flash", "softmax"] if BY_HAND else ["packed_flash"]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(msrun_workers):
     """variant -> [rank 0's results, rank 1's results] of tests/cp_worker.py under msrun (cp = 2),
-    for the variants CP_VARIANTS names."""
-    out = tmp_path_factory.mktemp("cp")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MSLLM_CP_VARIANTS", ",".join(CP_VARIANTS))   # msrun_env() passes it to the workers
-        run_under_msrun(REPO / "tests" / "cp_worker.py", out)
-    return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in CP_VARIANTS}
+    for the variants its CI_VARIANTS names."""
+    from tests.cp_worker import CI_VARIANTS
+
+    out = msrun_workers / "cp_worker"
+    return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in CI_VARIANTS}
 
 
 @pytest.mark.skipif(not kernels.enabled("auto"), reason="the fused kernels need g++ (the flash core)")

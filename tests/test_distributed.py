@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from msllm.models.decoder import build_model
-from tests.conftest import REPO, msrun_env, run_under_msrun, tiny_overrides
+from tests.conftest import REPO, msrun_env, tiny_overrides
 from tests.dp_worker import CFG, STEPS
 from tests.numerics import REORDER_RTOL, U32, assert_close_to_scale, decoder_rtol
 
@@ -23,10 +23,9 @@ ENV = msrun_env()
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(msrun_workers):
     """variant -> [rank 0's results, rank 1's results] of tests/dp_worker.py under msrun."""
-    out = tmp_path_factory.mktemp("dp")
-    run_under_msrun(REPO / "tests" / "dp_worker.py", out)
+    out = msrun_workers / "dp_worker"
     return {v: [dict(np.load(out / f"{v}_rank{r}.npz")) for r in range(2)] for v in VARIANTS + ("loss_rows",)}
 
 
@@ -48,9 +47,9 @@ def test_ranks_stay_bitwise_equal(ranks, variant):
 def test_two_workers_at_b_equal_one_worker_at_2b(ranks):
     """The all-reduced step on 2 x 2 rows is the one-process step on 4 rows up to summation order
     (two means of 2 sequences summed instead of one mean of 4): tests.numerics.REORDER_RTOL."""
-    from tests.test_robustness import Run, assert_same_step, train_steps
+    from tests.test_robustness import Run, assert_same_step, reference_step
 
-    reference = train_steps(fused=True)
+    reference = reference_step(fused=True)
     got = ranks["dp"][0]
     assert_same_step(Run([got["outs"][0].tolist()], picked(got, "grad1/"), picked(got, "weight1/")), reference,
                      REORDER_RTOL)

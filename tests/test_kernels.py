@@ -7,6 +7,7 @@ CPU such as AMD EPYC gets (-march=x86-64-v3); the cache never hands one CPU's bu
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import mindspore as ms
 import numpy as np
@@ -413,12 +414,30 @@ def test_failed_build_says_so_and_leaves_nothing(monkeypatch, empty_cache):
     assert not any(empty_cache.iterdir())  # no library, no temp file
 
 
-def test_library_is_built_once_per_source(empty_cache):
+@pytest.fixture
+def recording_compiler(monkeypatch, tmp_path):
+    """A g++ stand-in that logs each command line and writes this session's real build (already in the
+    default cache) to its -o path: a build's bookkeeping without the ~24 s g++ run."""
+    real = kernels.library()
+    log = tmp_path / "g++.log"
+    script = tmp_path / "g++"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\nwhile [ "$1" != -o ]; do shift; done\ncp {real} "$2"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: str(script) if name == "g++" else shutil.which(name))
+    return log
+
+
+def test_library_is_built_once_per_source(recording_compiler, empty_cache):
     first = kernels.library()
     built_at = kernels.library_path().stat().st_mtime_ns
     kernels.library.cache_clear()
     assert kernels.library() == first
     assert kernels.library_path().stat().st_mtime_ns == built_at  # reused, not rebuilt
+    [build] = recording_compiler.read_text().splitlines()         # one compiler run for both calls
+    args = build.split()
+    out = args.index("-o") + 1                                    # a temp file beside the library, renamed
+    assert args[:out] == [*kernels.flags(), "-o"] and Path(args[out]).parent == empty_cache
+    assert args[out + 1:] == [str(source) for source in kernels.SOURCES]
     assert [p.name for p in empty_cache.iterdir()] == [kernels.library_path().name]  # no temp file left
     assert kernels.enabled("auto") is True
 

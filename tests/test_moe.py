@@ -225,19 +225,16 @@ def test_zero1_cuts_dense_moments_over_the_world_and_experts_over_their_edp_grou
 
 # --- expert parallel under msrun: tests/ep_worker.py against the whole batch in one process -------
 
-def test_two_workers_at_ep2_train_as_one_worker_with_every_expert(tmp_path):
+def test_two_workers_at_ep2_train_as_one_worker_with_every_expert(msrun_workers):
     """10 steps with parallel.ep = 2 (each rank half the batch and half the experts; the all-gather
     dispatcher) against one process with the whole batch and every expert: the same losses and
     gradient norms (the experts' squares summed over the ranks), and the same weights and AdamW
     moments, experts gathered whole, up to summation order; dropless, and at a capacity that drops
     choices with ZeRO-1 (parallel.optimizer_shard), resumed halfway from the one process's state."""
-    from tests.conftest import REPO, run_under_msrun
-    from tests.ep_worker import CAPACITY, HALF, RESUME, part, run as run_whole
+    from tests.ep_worker import HALF
 
-    device.setup("cpu", "graph")
-    whole, capped = run_whole(1, 1, 0), run_whole(1, 1, 0, CAPACITY)
-    np.savez(tmp_path / RESUME, **part(capped, "saved/"))  # what one process's checkpoint holds after HALF steps
-    run_under_msrun(REPO / "tests" / "ep_worker.py", tmp_path)
+    out = msrun_workers / "ep_worker"  # tests/ep_worker.py: the ranks' results and the one-process runs
+    whole, capped = (dict(np.load(out / f"{name}.npz")) for name in ("whole", "capped"))
 
     def assert_trained_as(rank, one, steps):
         np.testing.assert_allclose(rank["outs"], one["outs"][steps], rtol=2e-5)  # loss, grad norm, lr per step
@@ -246,7 +243,7 @@ def test_two_workers_at_ep2_train_as_one_worker_with_every_expert(tmp_path):
         for name in (k for k in one if k.startswith("state/")):  # the moments, as a checkpoint holds them
             np.testing.assert_allclose(rank[name], one[name], rtol=0, atol=2e-5 * np.abs(one[name]).max(), err_msg=name)
 
-    zero, one = (dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2))
+    zero, one = (dict(np.load(out / f"rank{r}.npz")) for r in range(2))
     for rank in (zero, one):
         assert_trained_as(rank, whole, slice(None))
     assert whole["outs"][-1, 0] < whole["outs"][0, 0] - 0.1  # it trained
@@ -257,7 +254,7 @@ def test_two_workers_at_ep2_train_as_one_worker_with_every_expert(tmp_path):
     np.testing.assert_allclose(one["held"], w1[2:], rtol=0, atol=2e-5)
     # at a capacity (AllGatherCapacityDispatch): the group's choices cut as one process cuts the whole batch;
     # with ZeRO-1 (msllm.parallel.zero): dense moments split over the world, the experts' over their edp group
-    zero, one = (dict(np.load(tmp_path / f"rank{r}_capacity_zero1.npz")) for r in range(2))
+    zero, one = (dict(np.load(out / f"rank{r}_capacity_zero1.npz")) for r in range(2))
     assert capped["loads"][:, 2].sum() > 0  # choices were dropped
     for rank in (zero, one):
         np.testing.assert_allclose(rank["loads"][:, 2], capped["loads"][:, 2], rtol=1e-6)

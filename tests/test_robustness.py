@@ -1,4 +1,5 @@
 """Production loop: precision, accumulation, recompute, corrupt checkpoints, faults, NaN guard."""
+import functools
 import json
 import shutil
 from typing import NamedTuple
@@ -47,10 +48,16 @@ def fused(request):
     return request.param
 
 
+@functools.lru_cache(maxsize=None)
+def reference_step(fused: bool) -> Run:
+    """One fp32 step on the batch of 4: its loss, gradient and updated weights. Compiled and run once a
+    session: the reference here and in tests/test_distributed.py (read it, never change it)."""
+    return train_steps(fused=fused)
+
+
 @pytest.fixture(scope="module")
 def reference(fused):
-    """One fp32 step on the batch of 4: its loss, gradient and updated weights."""
-    return train_steps(fused=fused)
+    return reference_step(fused=fused)  # the key test_distributed.py uses too (lru_cache keys keywords apart)
 
 
 def assert_same_step(run: Run, ref: Run, rtol: float) -> None:

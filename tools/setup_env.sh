@@ -16,12 +16,13 @@ done
 if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv" >&2
   "$py" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
 fi
 stamp="$venv/.msllm-stamp"
 want="$(cat "$repo/setup.cfg" "$repo/pyproject.toml" | sha1sum | cut -c1-16) $repo"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing msllm and dependencies (first time: mindspore ~800 MB download)" >&2
-  "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
+  # a clean clone (a new $repo) re-points the editable install; pip itself was upgraded with the venv
   "$venv/bin/python" -m pip install --quiet -e "$repo[test]" >&2
   echo "$want" > "$stamp"
 fi
