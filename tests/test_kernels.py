@@ -443,13 +443,13 @@ def test_a_build_for_another_cpu_is_not_loaded(monkeypatch, empty_cache):
     avx512 = b"flags\t\t: fpu sse2 avx avx2 fma bmi2 avx512f avx512vl"
     avx2 = b"flags\t\t: fpu sse2 avx avx2 fma bmi2"
     monkeypatch.setattr(kernels.build.shutil, "which", lambda name: None)  # any build attempt fails
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: avx512)
+    monkeypatch.setattr(kernels.build, "_cpu_flags", lambda: avx512)
     copied = kernels.library_path()
     copied.parent.mkdir(parents=True)
     copied.write_bytes(b"the AVX-512 machine's build")
     assert kernels.library() == str(copied) and kernels.enabled("auto")  # on its own CPU it is used
     kernels.library.cache_clear()
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: avx2)
+    monkeypatch.setattr(kernels.build, "_cpu_flags", lambda: avx2)
     assert kernels.library_path() != copied
     assert kernels.enabled("auto") is False
     with pytest.raises(kernels.KernelBuildError, match="g\\+\\+"):
