@@ -2,18 +2,9 @@
 whose backward is the library's kernel of the same name + "Grad", declared in a line or two."""
 from __future__ import annotations
 
-import mindspore as ms
 from mindspore import ops
 
 from msllm.kernels.build import library
-
-
-def one_float(*_):
-    return [1]
-
-
-def float32(*_):
-    return ms.float32
 
 
 def same_as_first(*shapes_or_dtypes):
