@@ -12,10 +12,10 @@ from mindspore import nn, ops
 from msllm.kernels.op import aot, differentiable
 
 
-class FusedSwiGLU(nn.Cell):
-    """silu(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.layers.SwiGLU."""
+class _FusedGLU(nn.Cell):
+    """act(gate) * up by the kernel KERNEL, one C++ pass forward and one backward (fp32)."""
 
-    KERNEL = "SwiGLU"
+    KERNEL: str
 
     def __init__(self):
         super().__init__()
@@ -25,7 +25,13 @@ class FusedSwiGLU(nn.Cell):
         return self.glu(gate, up)
 
 
-class FusedGeGLU(FusedSwiGLU):
+class FusedSwiGLU(_FusedGLU):
+    """silu(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.layers.SwiGLU."""
+
+    KERNEL = "SwiGLU"
+
+
+class FusedGeGLU(_FusedGLU):
     """gelu_tanh(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.layers.GeGLU."""
 
     KERNEL = "GeGLU"
