@@ -26,7 +26,7 @@ def graph_mode():
     device.setup("cpu", "graph")
 
 
-CPU_FLAGS = set(kernels._cpu_flags().split(b":", 1)[-1].split())
+CPU_FLAGS = set(kernels.build._cpu_flags().split(b":", 1)[-1].split())
 
 
 @pytest.fixture(scope="module", params=["native", "x86-64-v3"])
@@ -399,7 +399,7 @@ def test_grouped_matmul_matches_gathered_weights():
 
 
 def test_without_compiler_training_falls_back_and_building_says_why(monkeypatch, empty_cache):
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernels.build.shutil, "which", lambda name: None)
     assert kernels.enabled("auto") is False
     assert kernels.enabled("off") is False
     with pytest.raises(kernels.KernelBuildError, match="g\\+\\+"):
@@ -408,7 +408,7 @@ def test_without_compiler_training_falls_back_and_building_says_why(monkeypatch,
 
 
 def test_failed_build_says_so_and_leaves_nothing(monkeypatch, empty_cache):
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: "false")  # a "compiler" that fails
+    monkeypatch.setattr(kernels.build.shutil, "which", lambda name: "false")  # a "compiler" that fails
     with pytest.raises(kernels.KernelBuildError, match="failed.*fused_kernels: off"):
         kernels.library()
     assert not any(empty_cache.iterdir())  # no library, no temp file
@@ -461,14 +461,14 @@ def test_a_build_for_another_cpu_is_not_loaded(monkeypatch, empty_cache):
     build cached there is not loaded; the kernels are built for this CPU (here: cannot be, no g++)."""
     avx512 = b"flags\t\t: fpu sse2 avx avx2 fma bmi2 avx512f avx512vl"
     avx2 = b"flags\t\t: fpu sse2 avx avx2 fma bmi2"
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)  # any build attempt fails
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: avx512)
+    monkeypatch.setattr(kernels.build.shutil, "which", lambda name: None)  # any build attempt fails
+    monkeypatch.setattr(kernels.build, "_cpu_flags", lambda: avx512)
     copied = kernels.library_path()
     copied.parent.mkdir(parents=True)
     copied.write_bytes(b"the AVX-512 machine's build")
     assert kernels.library() == str(copied) and kernels.enabled("auto")  # on its own CPU it is used
     kernels.library.cache_clear()
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: avx2)
+    monkeypatch.setattr(kernels.build, "_cpu_flags", lambda: avx2)
     assert kernels.library_path() != copied
     assert kernels.enabled("auto") is False
     with pytest.raises(kernels.KernelBuildError, match="g\\+\\+"):

@@ -1,0 +1,117 @@
+"""One C++ pass each way for the element- and row-wise chains of a decoder layer (fp32): SwiGLU, GeGLU and
+gpt-oss's clamped SwiGLU, RMSNorm, RoPE with the head split, the KV-cache write and a decode step's few-row
+matmul. MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory (SwiGLU
+forward + backward takes ~8 kernels)."""
+from __future__ import annotations
+
+import functools
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from msllm.kernels.op import aot, differentiable
+
+
+class _FusedGLU(nn.Cell):
+    """act(gate) * up by the kernel KERNEL, one C++ pass forward and one backward (fp32)."""
+
+    KERNEL: str
+
+    def __init__(self):
+        super().__init__()
+        self.glu = differentiable(self.KERNEL, "gate up")
+
+    def construct(self, gate, up):
+        return self.glu(gate, up)
+
+
+class FusedSwiGLU(_FusedGLU):
+    """silu(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.layers.SwiGLU."""
+
+    KERNEL = "SwiGLU"
+
+
+class FusedGeGLU(_FusedGLU):
+    """gelu_tanh(gate) * up as one C++ pass forward and one backward (fp32); see msllm.models.layers.GeGLU."""
+
+    KERNEL = "GeGLU"
+
+
+class FusedClampedSwiGLU(nn.Cell):
+    """gpt-oss's clamped SwiGLU as one C++ pass forward and one backward (fp32); see
+    msllm.models.layers.ClampedSwiGLU."""
+
+    def __init__(self, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.alpha_limit = ms.Tensor([alpha, limit], ms.float32)
+        self.clamped_swiglu = differentiable("ClampedSwiGLU", "gate up alpha_limit")
+
+    def construct(self, gate, up):
+        return self.clamped_swiglu(gate, up, self.alpha_limit)
+
+
+class FusedRMSNormCore(nn.Cell):
+    """x [N, h] fp32, weight [h] -> x / rms(x) * weight in one C++ pass each way; see msllm.backends.cpu.RMSNormCore."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = ms.Tensor([eps], ms.float32)
+        self.rms_norm = differentiable("RMSNorm", "x weight eps")
+
+    def construct(self, x, weight):
+        return self.rms_norm(x, weight, self.eps)
+
+
+def _heads_shape(x, cos, sin):
+    """[b*s, n*d] projection -> [b, n, s, d] given the [s, d] (or [b, 1, s, d]) rope table."""
+    s, d = cos[-2:]
+    rows = functools.reduce(lambda a, b: a * b, x[:-1])
+    return [rows // s, x[-1] // d, s, d]
+
+
+class FusedRope(nn.Cell):
+    """msllm.backends.cpu.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
+    Takes the [s, d] tables (the decoder passes them unbroadcast when this is in use), or [b, 1, s, d]
+    tables of each row's positions (a cached forward; packed samples and DPO branches in training)."""
+
+    def __init__(self):
+        super().__init__()
+        # The backward reads only the output gradient and the tables, and gives [b*s, n*d] back.
+        grad = aot("RopeHeadsGrad", lambda dy, c, s: [dy[0] * dy[2], dy[1] * dy[3]])
+
+        def bprop(x, cos, sin, out, dout):
+            return grad(dout, cos, sin).reshape(x.shape), ops.zeros_like(cos), ops.zeros_like(sin)
+
+        self.rope = aot("RopeHeads", _heads_shape, bprop=bprop)
+
+    def construct(self, x, cos, sin):
+        return self.rope(x, cos, sin)
+
+
+class FusedCacheWrite(nn.Cell):
+    """msllm.models.layers.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.write = aot("CacheWrite", lambda k, v, ck, cv, st: (ck, cv), lambda k, v, ck, cv, st: (ck, cv))
+
+    def construct(self, k, v, cache_k, cache_v, write):
+        return self.write(k, v, cache_k, cache_v, write[2])
+
+
+class LinearFewRows(nn.Cell):
+    """x [m, k] @ w [n, k]^T (fp32) by the C++ kernel when m <= FEW_ROWS (a decode step: every
+    weight row read once), by MindSpore's MatMul otherwise (prefill); m is fixed at compile time."""
+
+    FEW_ROWS = 8
+
+    def __init__(self):
+        super().__init__()
+        self.linear = aot("LinearFewRows", lambda x, w: [x[0], w[0]])
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x, w):
+        if x.shape[0] <= self.FEW_ROWS:
+            return self.linear(x, w)
+        return self.matmul(x, w)

@@ -1,0 +1,67 @@
+"""Gated DeltaNet's two cores in C++: the gated delta rule (gated_delta_rule.cc) and the causal conv with its
+SiLU (causal_conv.cc), each the same call as its graph form in msllm.models.mixers.gated_deltanet."""
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from msllm.config import GATED_DELTA_CHUNK
+from msllm.kernels.op import differentiable
+from msllm.models.layers import cast
+
+
+def _state_and_grads(out, dout):
+    """What the rule's backward reads: the saved states and the gradients of out and the final state."""
+    return out[2], dout[0], dout[1]
+
+
+class GatedDeltaRule(nn.Cell):
+    """msllm.models.mixers.gated_deltanet.ChunkedGatedDeltaRule in C++ (gated_delta_rule.cc), the same call:
+    token by token on the state, 32 value columns at a time (a block that stays in L1), forward and a
+    hand-written backward, no [chunk, chunk] tensor.
+    Training saves the state every `chunk` tokens ([b, heads, s / chunk, dk, dv]), from which backward
+    recomputes a chunk at a time; inference (training False) saves none. Runs in fp32."""
+
+    def __init__(self, chunk: int = GATED_DELTA_CHUNK, training: bool = True):
+        super().__init__()
+        self.chunk = chunk
+
+        def shapes(q, k, v, g, beta, segments, initial):  # out, final state, saved states
+            b, n, s, dk = q
+            return v, initial, [b, n, -(-s // chunk), dk, v[-1]] if training else [1]
+
+        self.rule = differentiable("GatedDeltaRule", "q k v g beta segments initial", shapes,
+                                   lambda *dtypes: (ms.float32,) * 3, constant="segments", reads=_state_and_grads,
+                                   grad_dtype=lambda *dtypes: (ms.float32,) * 6)
+
+    def construct(self, q, k, v, g, beta, segments=None, initial=None):
+        b, n, s, dk = q.shape
+        segments = ops.zeros((b, s), ms.int32) if segments is None else segments.astype(ms.int32)
+        initial = ops.zeros((b, n, dk, v.shape[-1]), ms.float32) if initial is None else cast(initial, ms.float32)
+        out, state, _ = self.rule(q, k, v, g, beta, segments, initial)
+        return out, state
+
+
+def _conv_shape(x, *_):
+    """[b, s, c] as is; [b, s, heads, d] (normalised heads) -> [b, heads, s, d]."""
+    return [x[0], x[2], x[1], x[3]] if len(x) == 4 else x
+
+
+class FusedCausalConv(nn.Cell):
+    """msllm.models.mixers.gated_deltanet.ShiftedTaps in C++ (causal_conv.cc), the same call: the depthwise
+    causal conv and its SiLU (and with head_dim, the per-head L2 norm and the head-major layout) in one
+    pass, a backward that saves only the inputs (the graph form keeps each tap's shifted copy and a padded
+    gradient per tap, the norm's and the transpose's tensors). Runs in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = differentiable("CausalConvSiLU", "x weight segments before", _conv_shape, constant="segments")
+
+    def construct(self, x, weight, segments, before, head_dim: int = 0):
+        b, s, c = x.shape
+        segments = ops.zeros((b, s), ms.int32) if segments is None else segments.astype(ms.int32)
+        x32 = cast(x, ms.float32)
+        if head_dim:
+            x32 = x32.reshape(b, s, c // head_dim, head_dim)
+        out = self.conv(x32, cast(weight, ms.float32), segments, cast(before, ms.float32))
+        return out if head_dim else cast(out, x.dtype)
