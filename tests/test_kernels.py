@@ -423,7 +423,7 @@ def recording_compiler(monkeypatch, tmp_path):
     script = tmp_path / "g++"
     script.write_text(f'#!/bin/sh\necho "$@" >> {log}\nwhile [ "$1" != -o ]; do shift; done\ncp {real} "$2"\n')
     script.chmod(0o755)
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: str(script) if name == "g++" else shutil.which(name))
+    monkeypatch.setattr(kernels.build.shutil, "which", lambda name: str(script) if name == "g++" else shutil.which(name))
     return log
 
 
@@ -437,7 +437,7 @@ def test_library_is_built_once_per_source(recording_compiler, empty_cache):
     args = build.split()
     out = args.index("-o") + 1                                    # a temp file beside the library, renamed
     assert args[:out] == [*kernels.flags(), "-o"] and Path(args[out]).parent == empty_cache
-    assert args[out + 1:] == [str(source) for source in kernels.SOURCES]
+    assert args[out + 1:] == [str(source) for source in kernels.build.SOURCES]
     assert [p.name for p in empty_cache.iterdir()] == [kernels.library_path().name]  # no temp file left
     assert kernels.enabled("auto") is True
 
