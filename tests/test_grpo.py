@@ -425,6 +425,8 @@ def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, 
     assert steps[0]["loss"] == pytest.approx(dapo_at_ratio_one(first), rel=1e-4, abs=1e-6)
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-7) and steps[1]["reward"] == steps[0]["reward"]
     assert steps[1]["kl"] > 0  # the policy moved from the base; the rollouts did not change
+    assert [m["rollout_s"] > 0 for m in steps] == [True, False, True, False]  # a batch's later update samples none
+    assert all(0 < m["update_s"] and m["rollout_s"] + m["update_s"] <= m["step_s"] for m in steps)
     assert abs(steps[1]["loss"] - (dapo_at_ratio_one(first) + beta * steps[1]["kl"])) > 1e-4  # ratio != 1
 
     # step 3, recomputed: tokens [prompt, completion] as the loop lays them out

@@ -168,9 +168,10 @@ def fit_grpo(trainer) -> dict:
     heartbeat = Heartbeat(t.hang_timeout_s, trainer.rank)  # under msllm launch: its hang watchdog reads it
     heartbeat.beat(trainer.start_step)
     for step in range(trainer.start_step + 1, t.steps + 1):
-        t0 = time.perf_counter()
+        t0, rollout_s = time.perf_counter(), 0.0
         if (step - 1) % every == 0:
             rollout = roll_out(trainer, engine, generator, order, rewards, weights, eos, step)
+            rollout_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         loss, norm, lr, finite, scale, stats = trainer.train_step(*rollout["inputs"])
         loss = float(loss.asnumpy())  # waits for the step: update_s is its whole time
@@ -183,7 +184,7 @@ def fit_grpo(trainer) -> dict:
                                           trainer.data_position + read)
         last = {"kind": "train", "step": step, "loss": loss, "lr": float(lr.asnumpy()),
                 "grad_norm": float(norm.asnumpy()), **rollout["metrics"], "step_s": time.perf_counter() - t0,
-                "rollout_s": t1 - t0, "update_s": update_s,
+                "rollout_s": rollout_s, "update_s": update_s,
                 "loss_scale": float(scale.asnumpy()), "skipped_steps": trainer.skipped,
                 **dict(zip(METRICS, map(float, stats.asnumpy())))}
         trainer.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  reward {last['reward']:.3f} "
