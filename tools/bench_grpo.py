@@ -135,7 +135,10 @@ def step_msllm(args) -> dict:
     assert main(["train", "--init-from", str(hf), *[a for k, v in values.items() for a in ("--set", f"{k}={v}")]]) == 0
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
     times, timed = [r["step_s"] for r in rows], rows[args.warmup:]
-    split = {k: statistics.median(r[k] for r in timed) for k in ("rollout_s", "update_s") if k in timed[0]}
+    split = {}
+    if "update_s" in timed[0]:  # each part's median, and of each step's rest (metrics, checkpoint)
+        split = {k: statistics.median(r[k] for r in timed) for k in ("rollout_s", "update_s")}
+        split["rest_s"] = statistics.median(r["step_s"] - r["rollout_s"] - r["update_s"] for r in timed)
     return {"first_step_s": times[0], "step_s": statistics.median(times[args.warmup:]), "step_times": times, **split,
             "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in rows[args.warmup:]),
             "run_s": time.perf_counter() - started, "msllm": str(Path(msllm.__file__).parents[1])}
@@ -224,11 +227,11 @@ def report(args, results: dict) -> str:
             shown = f"{value[variant]:,.0f}" if part == "rollout" else f"{value[variant]:.3f}"
             lines.append(f"| {variant} | {shown} | {ratio} | {max(r['peak_rss_mb'] for r in rs):,.0f} | "
                          f"{statistics.median(r['first_step_s'] for r in rs):.1f} |")
-        split = {v: {k: statistics.median(r[k] for r in rs) for k in ("rollout_s", "update_s")}
-                 for v, rs in runs.items() if all("update_s" in r for r in rs)}
-        lines += ["", *(f"{v}'s step: rollout (weights to the generator, sampling, rewards, rollouts.jsonl) "
-                        f"{s['rollout_s']:.3f} s, update (the compiled step) {s['update_s']:.3f} s, the rest "
-                        f"{value[v] - s['rollout_s'] - s['update_s']:.3f} s" for v, s in split.items())]
+        split = {v: {k: statistics.median(r[k] for r in rs) for k in ("rollout_s", "update_s", "rest_s")}
+                 for v, rs in runs.items() if all("rest_s" in r for r in rs)}
+        lines += ["", *(f"{v}'s step (medians): rollout (weights to the generator, sampling, rewards, "
+                        f"rollouts.jsonl) {s['rollout_s']:.3f} s, update (the compiled step) {s['update_s']:.3f} s, "
+                        f"the rest {s['rest_s']:.3f} s" for v, s in split.items())]
         lines.append("")
     return "\n".join(lines)
 
