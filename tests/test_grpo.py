@@ -16,6 +16,7 @@ from msllm.config import Config, GRPOConfig, OptimConfig, TrainConfig
 from msllm.data.loader import head_rows
 from msllm.models import layers
 from msllm.train.grpo import METRICS, GRPOLoss, group_advantages
+from msllm.train.grpo_loop import trimmed
 from msllm.train.optim import AdamW
 from msllm.train.rollout import rollout_rows
 from msllm.train.step import TrainStep
@@ -69,13 +70,14 @@ def test_group_advantages_are_trls():
                                (groups - groups.mean(1, keepdim=True)).reshape(-1).numpy(), atol=1e-7)
 
 
-@pytest.mark.parametrize("loss_type,beta,head", [("dapo", 0.0, "logits"), ("grpo", 0.04, "kernel")])
+@pytest.mark.parametrize("loss_type,beta,head,padding", [("dapo", 0.0, "logits", 5), ("grpo", 0.04, "kernel", 0)])
 def test_policy_loss_and_gradients_equal_trl_on_fixed_completions(policy, tmp_path, monkeypatch, loss_type, beta,
-                                                                  head):
+                                                                  head, padding):
     """Fixed prompts and completions (some ending early: completion masks), old log-probs = the
     policy's own plus noise so ratios are clipped on both sides, and for the KL term a reference's;
     TRL's _compute_loss on them and msllm's compiled step: loss and every gradient within TENSOR_GATE
-    (1e-4 relative), the KL and clip ratios within 1e-4."""
+    (1e-4 relative), the KL and clip ratios within 1e-4. msllm's rows with `padding` columns after
+    the longest completion (rollout rows up to seq_len) or none (grpo_loop.trimmed's): the same."""
     if head == "kernel":
         monkeypatch.setattr(layers, "HEAD_CHUNK_BYTES", 0)  # the fused head kernel's (lse, target)
     rng = np.random.default_rng(0)
@@ -106,6 +108,7 @@ def test_policy_loss_and_gradients_equal_trl_on_fixed_completions(policy, tmp_pa
     tokens = torch.cat([prompt, completion], 1).numpy().astype(np.int32)
     mask = np.concatenate([pad, completion_mask.numpy().astype(np.float32)], 1)
     old_ms, ref_ms = (np.concatenate([pad, x.numpy()], 1) for x in (old, ref))
+    tokens, mask, old_ms, ref_ms = (np.pad(x, ((0, 0), (0, padding))) for x in (tokens, mask, old_ms, ref_ms))
     model = msllm_model(open_hf(policy))
     cfg = Config(model=model.cfg, optim=OptimConfig(grad_clip=0.0), train=TrainConfig(batch_size=N, steps=1))
     spec = backends.specialise(model, cfg, training=True)
@@ -124,6 +127,21 @@ def test_policy_loss_and_gradients_equal_trl_on_fixed_completions(policy, tmp_pa
         if key in theirs:
             assert got[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
     assert got["completions/mean_length"] == pytest.approx(completion_mask.float().sum(1).mean().item())
+
+
+def test_rollout_rows_are_trimmed_after_the_last_completion_at_a_length_bucket():
+    """grpo_loop.trimmed: columns after the batch's last completion label dropped, at row_capacity's
+    buckets (64, 96, ..., or every column); the rows kept are the untrimmed ones."""
+    prompts, completions = [[5] * 40], [[7] * 30, [8] * 3]  # the longest label: position 40 + 30 - 2
+    tokens, mask = rollout_rows(prompts, completions, 2, 200, 0)
+    cut_tokens, cut_mask = trimmed(tokens, mask)
+    assert cut_mask.shape == (2, 96) and cut_tokens.shape == (2, 97)  # 69 labels: the 96 bucket
+    np.testing.assert_array_equal(cut_tokens, tokens[:, :97])
+    assert cut_mask.sum() == mask.sum() == 33
+    tokens, mask = rollout_rows(prompts, [[7] * 20, [8] * 3], 2, 200, 0)
+    assert trimmed(tokens, mask)[1].shape == (2, 64)  # 59 labels
+    tokens, mask = rollout_rows(prompts, [[7] * 120, [8] * 3], 2, 160, 0)
+    assert trimmed(tokens, mask)[1].shape == (2, 160)  # 159 labels: no bucket below every column
 
 
 @pytest.fixture(scope="module")
@@ -407,6 +425,8 @@ def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, 
     assert steps[0]["loss"] == pytest.approx(dapo_at_ratio_one(first), rel=1e-4, abs=1e-6)
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-7) and steps[1]["reward"] == steps[0]["reward"]
     assert steps[1]["kl"] > 0  # the policy moved from the base; the rollouts did not change
+    assert [m["rollout_s"] > 0 for m in steps] == [True, False, True, False]  # a batch's later update samples none
+    assert all(0 < m["update_s"] and m["rollout_s"] + m["update_s"] <= m["step_s"] for m in steps)
     assert abs(steps[1]["loss"] - (dapo_at_ratio_one(first) + beta * steps[1]["kl"])) > 1e-4  # ratio != 1
 
     # step 3, recomputed: tokens [prompt, completion] as the loop lays them out

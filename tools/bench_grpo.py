@@ -7,7 +7,8 @@
     config (torch eager). Generated tokens (each up to its EOS) per second.
 (b) a whole GRPO step: `msllm train` with train.objective grpo (rollouts, the reward, advantages,
     rollouts.jsonl, one compiled step; its metrics' step_s) vs TRL's GRPOTrainer.train (a callback times
-    each optimizer step: generation, reward, loss, backward, AdamW), both with LoRA (rank 8 on q, k, v, o),
+    each optimizer step: generation, reward, loss, backward, AdamW; msllm's also split into its metrics'
+    rollout_s and update_s), both with LoRA (rank 8 on q, k, v, o),
     dapo, beta 0, one update per batch, AdamW + clip 1.0, the same reward function.
 
 The model is bench_dpo's (a random Llama of --shape saved as a Hugging Face checkpoint, a word-level
@@ -121,7 +122,8 @@ def step_msllm(args) -> dict:
 
     hf, run = Path(args.hf), Path(tempfile.mkdtemp()) / "run"
     steps = args.warmup + args.steps
-    values = {"data.path": hf / "prompts.jsonl", "data.seq_len": args.prompt_len + args.new, "train.run_dir": run,
+    values = {"data.path": hf / "prompts.jsonl", "data.seq_len": args.seq_len or args.prompt_len + args.new,
+              "train.run_dir": run,
               "train.objective": "grpo", "train.steps": steps, "train.batch_size": args.prompts,
               "train.log_every": 1, "train.ckpt_every": steps, "train.sample_tokens": 0, "train.threads": args.threads,
               "data.shuffle": "false", "optim.lr": 1e-5, "optim.min_lr": 0.0, "optim.warmup_steps": 0,
@@ -132,8 +134,12 @@ def step_msllm(args) -> dict:
     started = time.perf_counter()
     assert main(["train", "--init-from", str(hf), *[a for k, v in values.items() for a in ("--set", f"{k}={v}")]]) == 0
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-    times = [r["step_s"] for r in rows]
-    return {"first_step_s": times[0], "step_s": statistics.median(times[args.warmup:]), "step_times": times,
+    times, timed = [r["step_s"] for r in rows], rows[args.warmup:]
+    split = {}
+    if "update_s" in timed[0]:  # each part's median, and of each step's rest (metrics, checkpoint)
+        split = {k: statistics.median(r[k] for r in timed) for k in ("rollout_s", "update_s")}
+        split["rest_s"] = statistics.median(r["step_s"] - r["rollout_s"] - r["update_s"] for r in timed)
+    return {"first_step_s": times[0], "step_s": statistics.median(times[args.warmup:]), "step_times": times, **split,
             "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in rows[args.warmup:]),
             "run_s": time.perf_counter() - started, "msllm": str(Path(msllm.__file__).parents[1])}
 
@@ -186,7 +192,8 @@ def spawn(part: str, variant: str, args, hf: Path) -> dict:
     side = {"msllm-before": args.before, "msllm-after": args.after}.get(variant, str(REPO))
     cmd = [sys.executable, __file__, "--worker", variant, "--part", part, "--hf", str(hf), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--prompts", str(args.prompts),
-           "--group", str(args.group), "--new", str(args.new), "--prompt-len", str(args.prompt_len)]
+           "--group", str(args.group), "--new", str(args.new), "--prompt-len", str(args.prompt_len),
+           "--seq-len", str(args.seq_len)]
     return run_worker(cmd, side)
 
 
@@ -195,7 +202,8 @@ def report(args, results: dict) -> str:
     lines = [f"# GRPO on CPU, {args.shape}: msllm vs transformers generate / TRL GRPOTrainer + torch eager", "",
              *provenance("bench_grpo.py", args),
              f"* **Conditions**: fp32, {args.prompts} prompts of {args.prompt_len} tokens x {args.group} completions "
-             f"of up to {args.new} tokens (<= {tokens} a step), temperature 1, top_p 1, top_k 0, EOS stops; step: "
+             f"of up to {args.new} tokens (<= {tokens} a step), msllm's data.seq_len "
+             f"{args.seq_len or args.prompt_len + args.new}, temperature 1, top_p 1, top_k 0, EOS stops; step: "
              f"LoRA rank {RANK} alpha {2 * RANK} on {TARGETS}, dapo, beta 0, one update per batch, AdamW + clip 1.0; "
              f"{args.threads} threads; {args.warmup} warm-up calls / steps, median of {args.steps}; variants "
              f"alternated over {args.rounds} rounds (each cell: median of the rounds, peak RSS their max)", ""]
@@ -219,6 +227,11 @@ def report(args, results: dict) -> str:
             shown = f"{value[variant]:,.0f}" if part == "rollout" else f"{value[variant]:.3f}"
             lines.append(f"| {variant} | {shown} | {ratio} | {max(r['peak_rss_mb'] for r in rs):,.0f} | "
                          f"{statistics.median(r['first_step_s'] for r in rs):.1f} |")
+        split = {v: {k: statistics.median(r[k] for r in rs) for k in ("rollout_s", "update_s", "rest_s")}
+                 for v, rs in runs.items() if all("rest_s" in r for r in rs)}
+        lines += ["", *(f"{v}'s step (medians): rollout (weights to the generator, sampling, rewards, "
+                        f"rollouts.jsonl) {s['rollout_s']:.3f} s, update (the compiled step) {s['update_s']:.3f} s, "
+                        f"the rest {s['rest_s']:.3f} s" for v, s in split.items())]
         lines.append("")
     return "\n".join(lines)
 
@@ -233,6 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=0, help="msllm's data.seq_len (the context rollout rows are "
+                   "padded to before grpo_loop.trimmed); default prompt-len + new")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)

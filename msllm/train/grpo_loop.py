@@ -30,7 +30,7 @@ import mindspore as ms
 import numpy as np
 
 from msllm import backends
-from msllm.data.loader import RankSampler, head_rows, most_loss_positions
+from msllm.data.loader import RankSampler, head_rows, most_loss_positions, row_capacity
 from msllm.data.tokenizer import eos_id, tokenizer_config
 from msllm.config import ConfigError
 from msllm.generate import Sampling
@@ -56,6 +56,19 @@ def copy_weights(source, target, trainable_only: bool) -> None:
             theirs[p.name].set_data(ms.Tensor(p.asnumpy()))
     for name, weight in merged.items():
         theirs[name].set_data(ms.Tensor(weight))
+
+
+def trimmed(tokens: np.ndarray, mask: np.ndarray, world: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Rollout rows tokens [n, s+1], mask [n, s] cut after the batch's last completion label, at
+    row_capacity's length buckets (64, 96, 128, 192, ..., s: a run compiles a few step graphs), as TRL
+    pads completions to the batch's longest. Causal attention: a label never sees the padding after it,
+    so loss and gradients are the untrimmed rows'. Data parallel: every worker's longest, one graph."""
+    labels = np.flatnonzero(mask.any(0))
+    longest = int(labels[-1]) + 1 if labels.size else 1
+    if world > 1:
+        longest = int(dp.all_gather(np.array([longest])).max())
+    length = row_capacity(longest, mask.shape[1], 1)
+    return tokens[:, :length + 1], mask[:, :length]
 
 
 def step_inputs(cell, tokens, mask, advantages, accum_steps: int, num_iterations: int, world: int = 1,
@@ -116,8 +129,8 @@ def roll_out(trainer, engine, generator, order, rewards, weights, eos, step) -> 
                      [trainer.prompts[i].text for i in everyone.prompts[::g.group_size]],
                      [tokenizer.decode(c, skip_special_tokens=True) for c in everyone.completions],
                      total, everyone.rewards, list(rewards), advantages, everyone.completions)
-    tokens, mask = rollout_rows([p.ids for p in batch], completions, g.group_size, cfg.data.seq_len,
-                                eos if eos is not None else 0)
+    tokens, mask = trimmed(*rollout_rows([p.ids for p in batch], completions, g.group_size, cfg.data.seq_len,
+                                         eos if eos is not None else 0), trainer.world)
     ours = slice(trainer.replica * n, (trainer.replica + 1) * n)
     inputs = step_inputs(trainer.train_step.loss_cell, tokens, mask, advantages[ours], cfg.train.accum_steps,
                          g.num_iterations, trainer.world, everyone.tokens())
@@ -155,11 +168,14 @@ def fit_grpo(trainer) -> dict:
     heartbeat = Heartbeat(t.hang_timeout_s, trainer.rank)  # under msllm launch: its hang watchdog reads it
     heartbeat.beat(trainer.start_step)
     for step in range(trainer.start_step + 1, t.steps + 1):
-        t0 = time.perf_counter()
+        t0, rollout_s = time.perf_counter(), 0.0
         if (step - 1) % every == 0:
             rollout = roll_out(trainer, engine, generator, order, rewards, weights, eos, step)
+            rollout_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
         loss, norm, lr, finite, scale, stats = trainer.train_step(*rollout["inputs"])
-        loss = float(loss.asnumpy())
+        loss = float(loss.asnumpy())  # waits for the step: update_s is its whole time
+        update_s = time.perf_counter() - t1
         read = -(-(step - trainer.start_step) // every) * prompts  # prompts read so far (a checkpoint's position)
         if bool(finite.asnumpy()):
             bad_run = 0
@@ -168,6 +184,7 @@ def fit_grpo(trainer) -> dict:
                                           trainer.data_position + read)
         last = {"kind": "train", "step": step, "loss": loss, "lr": float(lr.asnumpy()),
                 "grad_norm": float(norm.asnumpy()), **rollout["metrics"], "step_s": time.perf_counter() - t0,
+                "rollout_s": rollout_s, "update_s": update_s,
                 "loss_scale": float(scale.asnumpy()), "skipped_steps": trainer.skipped,
                 **dict(zip(METRICS, map(float, stats.asnumpy())))}
         trainer.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  reward {last['reward']:.3f} "
