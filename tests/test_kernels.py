@@ -397,6 +397,20 @@ def test_grouped_matmul_matches_gathered_weights():
     np.testing.assert_allclose(dw.asnumpy(), dw_ref.asnumpy(), rtol=1e-5, atol=1e-5)
     assert not dw.asnumpy()[2].any()
 
+    # with each expert's bias (gpt-oss): added in the kernel, its gradient summed in the weight-gradient pass
+    bias = rng.normal(size=(e, d_out)).astype(np.float32)
+    biased = (*inputs[:3], Tensor(bias), inputs[3])
+    grads = ms.jit(ops.value_and_grad(WeightedSum(kernels.GroupedMatmul()), grad_position=(0, 1, 3)))(*biased)
+    grads_ref = ms.jit(ops.value_and_grad(WeightedSum(GatheredMatmul()), grad_position=(0, 1, 3)))(*biased)
+    np.testing.assert_allclose(kernels.GroupedMatmul()(*biased[:4]).asnumpy(), want + bias[ids][:, None],
+                               rtol=1e-5, atol=1e-5)
+    for got, ref in zip((grads[0], *grads[1]), (grads_ref[0], *grads_ref[1])):
+        np.testing.assert_allclose(got.asnumpy(), ref.asnumpy(), rtol=1e-5, atol=1e-5)
+    db_want = np.zeros((e, d_out))
+    np.add.at(db_want, ids, upstream.astype(np.float64).sum(1))
+    np.testing.assert_allclose(grads[1][2].asnumpy(), db_want, rtol=1e-5, atol=1e-4)
+    assert not grads[1][2].asnumpy()[2].any()
+
 
 def test_without_compiler_training_falls_back_and_building_says_why(monkeypatch, empty_cache):
     monkeypatch.setattr(kernels.build.shutil, "which", lambda name: None)

@@ -18,15 +18,26 @@ CFG = ModelConfig(vocab_size=64, hidden_size=H, num_layers=2, num_heads=2, num_k
                   max_seq_len=32, num_experts=E, experts_per_token=K, moe_ffn_size=8, norm_topk_prob=False)
 
 
-@pytest.fixture(scope="module")
-def moe():
-    device.setup("cpu", "pynative")
-    layer = MoE(CFG)
+def random_moe(cfg: ModelConfig) -> MoE:
+    layer = MoE(cfg)
     rng = np.random.default_rng(0)
     for p in layer.get_parameters():
         p.set_data(Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
-    yield layer
+    return layer
+
+
+@pytest.fixture(scope="module")
+def moe():
+    device.setup("cpu", "pynative")
+    yield random_moe(CFG)
     ms.set_context(mode=ms.GRAPH_MODE)
+
+
+@pytest.fixture(scope="module")
+def biased_moe(moe):
+    """gpt-oss's MoE: biases on the router and on each expert's gate, up and down projections."""
+    return random_moe(dataclasses.replace(CFG, router_bias=True, experts_bias=True, norm_topk_prob=True,
+                                          mlp="swiglu_clamped"))
 
 
 def run(layer, x, dispatch):
@@ -50,11 +61,13 @@ def test_capacity_of_every_token_computes_what_the_dropless_reference_does(moe):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("block", [4, 7, 64])
-def test_block_dispatch_is_the_dropless_sum_at_the_routed_rows(moe, block):
+@pytest.mark.parametrize("layer, block", [("moe", 4), ("moe", 7), ("moe", 64), ("biased_moe", 7)])
+def test_block_dispatch_is_the_dropless_sum_at_the_routed_rows(request, layer, block):
     """BlockDispatch: the choices grouped by expert into blocks (an odd block size; one larger than any
     expert's share) compute what EveryExpert computes, outputs, loads and every gradient, on
-    ceil(N k / block) + E blocks instead of E x N rows."""
+    ceil(N k / block) + E blocks instead of E x N rows; with gpt-oss's biases too (each block's expert bias
+    added in its grouped matmul, the bias gradients summed from the blocks' rows)."""
+    moe = request.getfixturevalue(layer)
     ms.set_context(mode=ms.PYNATIVE_MODE)
     x = Tensor(np.random.default_rng(8).normal(size=(N, H)).astype(np.float32))
     dense = run(moe, x, EveryExpert(E))

@@ -62,30 +62,30 @@ struct Grouped {
 
 }  // namespace
 
-// inputs: x [B, n, in], w [E, out, in] (fp32), ids [B] (int32); output: y [B, n, out].
-extern "C" int GroupedMatmul(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                             void *stream, void *extra) {
+namespace {
+
+// y = x @ w[ids]^T, plus bias[ids] per row when bias is given (gpt-oss's experts): the bias is written
+// first and the GEMM accumulates onto it, so the bias costs no pass of its own.
+int grouped_forward(const Grouped &g, const float *bias, float *y) {
   const Sgemm gemm = sgemm();
-  const Grouped g(params, shapes);
-  auto *y = static_cast<float *>(params[3]);
   if (!gemm || !g.valid) return 1;
   run_units(g.chunks.size(), [&](int64_t u, int) {
-    gemm('N', 'T', g.rows(u), g.out, g.in, 1.f, g.x + g.row(u) * g.in, g.in, g.weights(u), g.in, 0.f,
-         y + g.row(u) * g.out, g.out);
+    float *rows = y + g.row(u) * g.out;
+    if (bias) {
+      const float *b = bias + g.runs[g.chunks[u].first].expert * g.out;
+      for (int64_t r = 0; r < g.rows(u); ++r) std::copy(b, b + g.out, rows + r * g.out);
+    }
+    gemm('N', 'T', g.rows(u), g.out, g.in, 1.f, g.x + g.row(u) * g.in, g.in, g.weights(u), g.in, bias ? 1.f : 0.f,
+         rows, g.out);
   });
   return 0;
 }
 
-// inputs: x, w, ids (as GroupedMatmul), dy [B, n, out]; outputs: dx [B, n, in], dw [E, out, in].
 // dx[i] = dy[i] @ w[ids[i]]; dw[e] = the sum over e's runs of dy_run^T @ x_run (0 for an expert no
-// block is for). A dw unit owns some of e's output rows across all its runs: no two threads write
-// the same rows.
-extern "C" int GroupedMatmulGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                                 void *stream, void *extra) {
+// block is for); db[e] (when db is given) = the sum of dy over e's rows. A dw unit owns some of e's
+// output rows across all its runs (and the same columns of db[e]): no two threads write the same rows.
+int grouped_backward(const Grouped &g, const float *dy, float *dx, float *dw, float *db) {
   const Sgemm gemm = sgemm();
-  const Grouped g(params, shapes);
-  const auto *dy = static_cast<const float *>(params[3]);
-  auto *dx = static_cast<float *>(params[4]), *dw = static_cast<float *>(params[5]);
   if (!gemm || !g.valid) return 1;
   const int64_t dx_units = g.chunks.size(), out_chunks = (g.out + kChunkRows - 1) / kChunkRows;
   std::vector<std::vector<int64_t>> runs_of_expert(g.experts);
@@ -99,6 +99,8 @@ extern "C" int GroupedMatmulGrad(int nparam, void **params, int *ndims, int64_t 
     u -= dx_units;  // (expert, chunk of its output rows) of dw
     const int64_t e = u / out_chunks, o0 = u % out_chunks * kChunkRows, o_rows = std::min(kChunkRows, g.out - o0);
     float *dw_rows = dw + (e * g.out + o0) * g.in;
+    float *db_cols = db ? db + e * g.out + o0 : nullptr;
+    if (db_cols) std::fill(db_cols, db_cols + o_rows, 0.f);
     if (runs_of_expert[e].empty()) {
       std::fill(dw_rows, dw_rows + o_rows * g.in, 0.f);
       return;
@@ -109,7 +111,41 @@ extern "C" int GroupedMatmulGrad(int nparam, void **params, int *ndims, int64_t 
       gemm('T', 'N', o_rows, g.in, run.rows, 1.f, dy + run.first * g.out + o0, g.out, g.x + run.first * g.in, g.in,
            beta, dw_rows, g.in);
       beta = 1.f;
+      for (int64_t i = 0; db_cols && i < run.rows; ++i) {
+        const float *dy_row = dy + (run.first + i) * g.out + o0;
+        for (int64_t o = 0; o < o_rows; ++o) db_cols[o] += dy_row[o];
+      }
     }
   });
   return 0;
+}
+
+}  // namespace
+
+// inputs: x [B, n, in], w [E, out, in] (fp32), ids [B] (int32); output: y [B, n, out].
+extern "C" int GroupedMatmul(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  return grouped_forward(Grouped(params, shapes), nullptr, static_cast<float *>(params[3]));
+}
+
+// inputs: x, w, ids (as GroupedMatmul), dy [B, n, out]; outputs: dx [B, n, in], dw [E, out, in].
+extern "C" int GroupedMatmulGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *stream, void *extra) {
+  return grouped_backward(Grouped(params, shapes), static_cast<const float *>(params[3]),
+                          static_cast<float *>(params[4]), static_cast<float *>(params[5]), nullptr);
+}
+
+// GroupedMatmul with each expert's bias: inputs x, w, ids, bias [E, out] (fp32); output y [B, n, out].
+extern "C" int GroupedMatmulBias(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *stream, void *extra) {
+  return grouped_forward(Grouped(params, shapes), static_cast<const float *>(params[3]),
+                         static_cast<float *>(params[4]));
+}
+
+// inputs: x, w, ids, bias (as GroupedMatmulBias), dy [B, n, out]; outputs: dx, dw, db [E, out].
+extern "C" int GroupedMatmulBiasGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                     void *stream, void *extra) {
+  return grouped_backward(Grouped(params, shapes), static_cast<const float *>(params[4]),
+                          static_cast<float *>(params[5]), static_cast<float *>(params[6]),
+                          static_cast<float *>(params[7]));
 }

@@ -132,33 +132,35 @@ class Experts(nn.Cell):
     def compute(self, xs, w1, w2, w3, ids=None):
         """The experts' maths with weights w1, w2, w3 (their own, or LoRA-adapted: msllm.lora.LoRAExperts),
         each batch of xs with the expert ids names (None: batch e is expert e)."""
-        if ids is not None:
-            hidden = self.act(self.b1(self.grouped(xs, w1, ids), ids), self.b3(self.grouped(xs, w3, ids), ids))
-            return self.b2(self.grouped(hidden, w2, ids), ids)
+        if ids is not None:  # the grouped matmul adds each block's expert bias itself
+            hidden = self.act(self.grouped(xs, w1, ids, self.b1.bias), self.grouped(xs, w3, ids, self.b3.bias))
+            return self.grouped(hidden, w2, ids, self.b2.bias)
         hidden = self.act(self.b1(self.matmul(xs, cast(w1, xs.dtype))), self.b3(self.matmul(xs, cast(w3, xs.dtype))))
         return self.b2(self.matmul(hidden, cast(w2, xs.dtype)))
 
 
 class StackedBias(nn.Cell):
-    """Each expert's bias [E, width] added to its rows ys [E or B, n, width] (ids [B]: batch b is expert ids[b])."""
+    """Each expert's bias [E, width] added to its rows ys [E, n, width]; BlockDispatch's blocks take `bias` into
+    their grouped matmul (GatheredMatmul)."""
 
     def __init__(self, experts: int, width: int):
         super().__init__()
         self.bias = Parameter(initializer("zeros", (experts, width), ms.float32), name="bias")
 
-    def construct(self, ys, ids=None):
-        bias = self.bias if ids is None else ops.gather(self.bias, ids, 0)
-        return ys + cast(bias, ys.dtype).reshape(bias.shape[0], 1, -1)
+    def construct(self, ys):
+        return ys + cast(self.bias, ys.dtype).reshape(self.bias.shape[0], 1, -1)
 
 
 class NoBias(nn.Cell):
-    def construct(self, ys, ids=None):
+    bias = None
+
+    def construct(self, ys):
         return ys
 
 
 class GatheredMatmul(nn.Cell):
-    """xs [B, n, in] @ w[ids]^T -> [B, n, out]: block i of rows times expert ids[i]'s weights (w [E, out,
-    in]), with each block's weights gathered: the portable form. On CPU the backend swaps in
+    """xs [B, n, in] @ w[ids]^T (+ bias[ids], bias [E, out]) -> [B, n, out]: block i of rows times expert ids[i]'s
+    weights (w [E, out, in]), with each block's weights gathered: the portable form. On CPU the backend swaps in
     msllm.kernels.GroupedMatmul, which reads each expert's weights once and scatters no weight-sized
     gradient per block."""
 
@@ -166,8 +168,11 @@ class GatheredMatmul(nn.Cell):
         super().__init__()
         self.matmul = ops.BatchMatMul(transpose_b=True)
 
-    def construct(self, xs, w, ids):
-        return self.matmul(xs, cast(ops.gather(w, ids, 0), xs.dtype))
+    def construct(self, xs, w, ids, bias=None):
+        ys = self.matmul(xs, cast(ops.gather(w, ids, 0), xs.dtype))
+        if bias is None:
+            return ys
+        return ys + cast(ops.gather(bias, ids, 0), ys.dtype).reshape(ids.shape[0], 1, -1)
 
 
 def choices(chosen, num_experts: int):
