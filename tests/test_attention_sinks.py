@@ -93,7 +93,7 @@ def rope_freqs(cfg: ModelConfig) -> np.ndarray:
                     "greedy test (tests/test_families.py) decodes with sinks through the cache")
 def test_cached_decode_with_sinks_equals_the_full_forward():
     """A 2-layer model with sinks, one layer sliding (window 4, its cache a ring of 4 slots), compiled with
-    the CPU backend's decode kernels (which keep the sink core): prefill 5 tokens then decode 5, each
+    the CPU backend's decode kernels (the fused sink softmax core): prefill 5 tokens then decode 5, each
     step's logits equal to the full forward's at that position."""
     from msllm.backends import specialise
     from msllm.config import Config
@@ -110,7 +110,7 @@ def test_cached_decode_with_sinks_equals_the_full_forward():
     ids = rng.integers(0, cfg.vocab_size, (2, 10)).astype(np.int32)
     full = model(ms.Tensor(ids)).asnumpy()
     specialise(model, Config(model=cfg), training=False)
-    assert type(model.layers[0].attention.core.softmax_attention).__name__ == "SinkSoftmaxAttention"
+    assert type(model.layers[0].attention.core.softmax_attention).__name__ == "FusedSinkSoftmaxAttention"
     forward = CachedForward(model)
     caches = [ms.Tensor(np.zeros(shape, np.float32)) for shape in cfg.cache_shapes(2, 16)]
     pad = ms.Tensor(np.zeros(2, np.int32))

@@ -143,6 +143,24 @@ def test_flash_core_with_sinks_equals_the_sink_softmax_core(case):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * scale, err_msg=name)
 
 
+@pytest.mark.parametrize("case", [c for c in SINK_CASES if not c[6]], ids=[case_id(c) for c in SINK_CASES if not c[6]])
+def test_fused_sink_softmax_core_equals_the_sink_softmax_core(case):
+    """FusedSinkSoftmaxAttention (the CPU core of gpt-oss below FLASH_MIN_SEQ) against the portable
+    SinkSoftmaxAttention (autodiff): loss and the gradients of q, k, v and the sinks, reading the mask
+    unbroadcast as the backend leaves it ([s, t], or each row's own: packed, padded)."""
+    heads, kv_heads = case[1], case[2]
+    q, k, v, *rest = [Tensor(x) for x in case_arrays(case)]
+    inputs = [q, k, v, Tensor(sinks_of(case)), *rest]
+    want = run(SinkCore(layers.SinkSoftmaxAttention(heads, kv_heads), layers.AdditiveMask(heads, kv_heads)), inputs,
+               (0, 1, 2, 3))
+    rows_mask = layers.AdditiveMask(heads, kv_heads)
+    rows_mask.broadcast_rows = False
+    got = run(SinkCore(kernels.FusedSinkSoftmaxAttention(heads, kv_heads), rows_mask), inputs, (0, 1, 2, 3))
+    for name, g, w in zip(("loss", "dq", "dk", "dv", "d_sinks"), got, want):
+        scale = np.abs(w).max()
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * scale, err_msg=name)
+
+
 def reference_attention(q, k, v, slots, q_seg, k_seg, window, up, sinks=None):
     """out, lse (natural log; +inf where a row sees no key and no sink), dq, dk, dv, d_sinks in float64,
     straight from the maths: the visibility rule of msllm.models.layers.visibility, softmax over the
@@ -325,8 +343,9 @@ def test_model_with_flash_core_trains_as_the_plain_model(model_cfg, packed):
 
 def test_gpt_oss_like_model_with_flash_core_trains_as_the_sink_softmax_core():
     """A gpt-oss-like model (sinks N(0, 2), a sliding and a full layer, packed samples): train.attention flash
-    resolves to SinkFlashAttention, and its step's loss and every gradient (the sinks' too) equal the portable
-    sink core's."""
+    resolves to SinkFlashAttention, and its step's loss and every gradient (the sinks' too) equal those of the
+    softmax core it resolves to otherwise (FusedSinkSoftmaxAttention, held to the portable sink core by
+    test_fused_sink_softmax_core_equals_the_sink_softmax_core)."""
     results = flash_and_softmax_steps(GPT_OSS_LIKE, True, seed=3, prepare=random_sinks)
     assert_same_step(results)
     sinks = [name for name in results[1][1] if name.endswith("core.sinks")]

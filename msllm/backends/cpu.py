@@ -109,8 +109,9 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             sinks = isinstance(cell, layers.SinkAttentionCore)
             if flash:
                 cell.softmax_attention = (kernels.SinkFlashAttention if sinks else kernels.FlashAttention)(n, kv)
-            elif sinks:  # the fused softmax takes no sinks: the portable core
-                cell.softmax_attention = layers.SinkSoftmaxAttention(n, kv)
+            elif sinks:
+                cell.softmax_attention = (kernels.FusedSinkSoftmaxAttention(n, kv) if fused_tables or decode_kernels
+                                          else layers.SinkSoftmaxAttention(n, kv))
             else:
                 cell.softmax_attention = (kernels.FusedSoftmaxAttention(n, kv) if fused_tables or decode_kernels
                                           else kernels.SoftmaxAttention(n, kv))

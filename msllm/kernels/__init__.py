@@ -15,7 +15,8 @@ build.py compiles the library once per source version, flags and CPU; op.py make
 other files hold the Cells the backends swap in, by what they fuse. Adding a kernel: its C++ in a .cc
 listed in build.SOURCES, then a `differentiable(...)` (or `aot(...)`) line in the Cell that uses it.
 """
-from msllm.kernels.attention import FlashAttention, FusedSoftmaxAttention, SinkFlashAttention, SoftmaxAttention
+from msllm.kernels.attention import (FlashAttention, FusedSinkSoftmaxAttention, FusedSoftmaxAttention,
+                                     SinkFlashAttention, SoftmaxAttention)
 from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_sgemm, library, library_path,
                                  march)
 from msllm.kernels.fused import (FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore, FusedRope,
@@ -26,6 +27,7 @@ from msllm.kernels.moe import GroupedMatmul
 from msllm.kernels.optimizer import AdamWUpdate, sum_of_squares_op
 
 __all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite", "FusedClampedSwiGLU", "FusedGeGLU",
-           "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSoftmaxAttention", "FusedSwiGLU", "GatedDeltaRule",
-           "GroupedMatmul", "KernelBuildError", "LinearFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir",
-           "enabled", "flags", "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]
+           "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
+           "FusedSwiGLU", "GatedDeltaRule", "GroupedMatmul", "KernelBuildError", "LinearFewRows", "SinkFlashAttention",
+           "SoftmaxAttention", "cache_dir", "enabled", "flags", "has_sgemm", "library", "library_path", "march",
+           "sum_of_squares_op"]

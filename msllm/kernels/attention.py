@@ -1,5 +1,6 @@
 """The attention cores in C++: the softmax core's mask-add + softmax and its backward (FusedSoftmaxAttention,
-on SoftmaxAttention's hand-written backward), and FlashAttention, by blocks of keys (flash_attention.cc)."""
+on SoftmaxAttention's hand-written backward; FusedSinkSoftmaxAttention with gpt-oss's sinks), and
+FlashAttention, by blocks of keys (flash_attention.cc)."""
 from __future__ import annotations
 
 import mindspore as ms
@@ -33,17 +34,20 @@ class SoftmaxAttention(layers.SoftmaxAttention):
         return p * cast(dp, ms.float32)
 
     def bprop(self, q, k, v, mask, out, dout):
-        o, probs = out
+        return self.grads(q, k, v, out[0], out[1], dout[0]) + (ops.zeros_like(mask),)
+
+    def grads(self, q, k, v, o, probs, d_out):
+        """dq, dk, dv from the forward's output o and probabilities, and the output's gradient d_out."""
         b, _, s, d = q.shape
         t, dv = k.shape[2], v.shape[-1]  # value heads may differ from q/k heads (MLA)
         rows = self.rep * s
-        do = dout[0].reshape(b, self.num_kv_heads, rows, dv)
+        do = d_out.reshape(b, self.num_kv_heads, rows, dv)
         p = probs.reshape(b, self.num_kv_heads, rows, t)
         dv = self.pt_x(cast(p, v.dtype), do)
         ds = cast(self.scores_grad(p, do, o.reshape(b, self.num_kv_heads, rows, -1), v), q.dtype)
         dq = self.pv(ds, k).reshape(q.shape)
         dk = self.pt_x(ds, q.reshape(b, self.num_kv_heads, rows, d))
-        return dq, dk, dv, ops.zeros_like(mask)
+        return dq, dk, dv
 
 
 class FusedSoftmaxAttention(SoftmaxAttention):
@@ -60,6 +64,35 @@ class FusedSoftmaxAttention(SoftmaxAttention):
 
     def scores_grad(self, p, do, o, v):
         return self.scores_grad_op(p, self.qk(do, v), do, o)
+
+
+class FusedSinkSoftmaxAttention(FusedSoftmaxAttention):
+    """msllm.models.layers.SinkSoftmaxAttention (gpt-oss's sink logit per head, `sinks` [num_heads]) as
+    FusedSoftmaxAttention: the softmax with the sinks in one C++ pass, which also returns each row's sink
+    probability. The backward is FusedSoftmaxAttention's (a sink has no value, so dS = P (dP - delta) holds
+    as it is), plus the sinks' gradient: -sum over each head's rows of sink probability x delta,
+    delta = rowsum(dO * O). The mask is read unbroadcast, as FusedSoftmaxAttention reads it."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        super().__init__(num_heads, num_kv_heads)
+        self.sink_softmax = aot("MaskedSinkSoftmax", lambda scores, *_: (scores, scores[:-1]),
+                                lambda *_: (ms.float32, ms.float32))
+
+    def construct(self, q, k, v, mask, sinks):
+        b, _, s, d = q.shape
+        rows = self.rep * s
+        scores = cast(self.qk(q.reshape(b, self.num_kv_heads, rows, d), k), ms.float32)
+        probs, sink_probs = self.sink_softmax(scores, mask, cast(sinks, ms.float32))
+        out = self.pv(cast(probs, v.dtype), v)
+        return out.reshape(b, self.num_heads, s, v.shape[-1]), probs, sink_probs
+
+    def bprop(self, q, k, v, mask, sinks, out, dout):
+        o, probs, sink_probs = out
+        b, _, s, _ = q.shape
+        dq, dk, dv = self.grads(q, k, v, o, probs, dout[0])
+        delta = ops.sum(cast(dout[0], ms.float32) * cast(o, ms.float32), -1)                   # [b, heads, s]
+        d_sinks = -ops.sum(sink_probs.reshape(b, self.num_heads, s) * delta, (0, 2))
+        return dq, dk, dv, ops.zeros_like(mask), cast(d_sinks, sinks.dtype)
 
 
 def _out_and_lse_shapes(q, k, v, *_):

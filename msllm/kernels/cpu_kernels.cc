@@ -241,6 +241,48 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
   return 0;
 }
 
+namespace {
+
+// One row of attention probabilities, pr = softmax(sr + mr) over t entries, with an extra logit `sink` that
+// takes its share of the row and has no entry (-inf: none). Returns the sink's probability. Row max and
+// row sum in 16 independent lanes (blocks of 16, then the tail), so they vectorize.
+inline float masked_softmax_row(const float *__restrict sr, const float *__restrict mr, float *__restrict pr,
+                                int64_t t, float sink) {
+  constexpr int kLanes = 16;
+  const int64_t body = t - t % kLanes;
+  float lane_top[kLanes], lane_sum[kLanes] = {0};
+  std::fill(lane_top, lane_top + kLanes, -INFINITY);
+  for (int64_t j = 0; j < t; ++j) pr[j] = sr[j] + mr[j];
+  for (int64_t j = 0; j < body; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) lane_top[k] = pr[j + k] > lane_top[k] ? pr[j + k] : lane_top[k];
+  float top = sink;
+  for (int64_t j = body; j < t; ++j) top = pr[j] > top ? pr[j] : top;
+  for (int k = 0; k < kLanes; ++k) top = lane_top[k] > top ? lane_top[k] : top;
+  for (int64_t j = 0; j < t; ++j) pr[j] = exp_approx(pr[j] - top);  // <= 0; -inf gives exp(-87) ~ 1e-38
+  for (int64_t j = 0; j < body; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) lane_sum[k] += pr[j + k];
+  const float sink_exp = sink == -INFINITY ? 0.f : exp_approx(sink - top);
+  float sum = sink_exp;
+  for (int64_t j = body; j < t; ++j) sum += pr[j];
+  for (int k = 0; k < kLanes; ++k) sum += lane_sum[k];
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < t; ++j) pr[j] *= inv;
+  return sink_exp * inv;
+}
+
+// The [s, t] block of the mask that serves score row `row`: the mask may have fewer rows than the scores,
+// broadcast over its missing leading axes.
+struct MaskRows {
+  const float *mask;
+  int64_t s, t, rows_per_mask;
+  MaskRows(void *m, int ndim, const int64_t *shape, int64_t score_rows)
+      : mask(static_cast<const float *>(m)), s(shape[ndim - 2]), t(shape[ndim - 1]),
+        rows_per_mask(score_rows / (numel(ndim, shape) / t / s)) {}
+  const float *of(int64_t row) const { return mask + ((row / rows_per_mask) * s + row % s) * t; }
+};
+
+}  // namespace
+
 // Attention probabilities: p = softmax(scores + mask) over the last axis, in one pass instead of
 // an Add and a Softmax kernel. The mask may have fewer rows than the scores, broadcast over its
 // missing leading axes: [s, t] shared by every row of [b, h, s, t] scores, or [b, 1, s, t] (packed
@@ -249,35 +291,31 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
 extern "C" int MaskedSoftmax(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
   const float *__restrict scores = static_cast<const float *>(params[0]);
-  const float *__restrict mask = static_cast<const float *>(params[1]);
   float *__restrict p = static_cast<float *>(params[2]);
   const int64_t t = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / t;
-  const int64_t s = shapes[1][ndims[1] - 2], mask_batches = numel(ndims[1], shapes[1]) / t / s;
-  const int64_t rows_per_mask = rows / mask_batches;  // the score rows one [s, t] block of the mask serves
+  const MaskRows mask(params[1], ndims[1], shapes[1], rows);
   parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
-    for (int64_t row = lo; row < hi; ++row) {
-      const float *sr = scores + row * t, *mr = mask + ((row / rows_per_mask) * s + row % s) * t;
-      float *pr = p + row * t;
-      // Row max and row sum in 16 independent lanes (blocks of 16, then the tail), so they vectorize.
-      constexpr int kLanes = 16;
-      const int64_t body = t - t % kLanes;
-      float lane_top[kLanes], lane_sum[kLanes] = {0};
-      std::fill(lane_top, lane_top + kLanes, -INFINITY);
-      for (int64_t j = 0; j < t; ++j) pr[j] = sr[j] + mr[j];
-      for (int64_t j = 0; j < body; j += kLanes)
-        for (int k = 0; k < kLanes; ++k) lane_top[k] = pr[j + k] > lane_top[k] ? pr[j + k] : lane_top[k];
-      float top = -INFINITY;
-      for (int64_t j = body; j < t; ++j) top = pr[j] > top ? pr[j] : top;
-      for (int k = 0; k < kLanes; ++k) top = lane_top[k] > top ? lane_top[k] : top;
-      for (int64_t j = 0; j < t; ++j) pr[j] = exp_approx(pr[j] - top);  // <= 0; -inf gives exp(-87) ~ 1e-38
-      for (int64_t j = 0; j < body; j += kLanes)
-        for (int k = 0; k < kLanes; ++k) lane_sum[k] += pr[j + k];
-      float sum = 0.f;
-      for (int64_t j = body; j < t; ++j) sum += pr[j];
-      for (int k = 0; k < kLanes; ++k) sum += lane_sum[k];
-      const float inv = 1.f / sum;
-      for (int64_t j = 0; j < t; ++j) pr[j] *= inv;
-    }
+    for (int64_t row = lo; row < hi; ++row)
+      masked_softmax_row(scores + row * t, mask.of(row), p + row * t, t, -INFINITY);
+  }, std::max<int64_t>(1, (1 << 14) / t));
+  return 0;
+}
+
+// MaskedSoftmax with a sink logit per head (gpt-oss): each row's softmax also holds its head's sink, which
+// has no entry in p; sink_p is the share it took (the sinks' gradient reads it). The scores' rows are in
+// (batch, head, query) order, heads grouped by KV head ([b, nkv, rep * s, t]): row r is head (r / s) % heads.
+// inputs: scores [.., t], mask (as MaskedSoftmax), sinks [heads] (fp32); outputs: p [.., t], sink_p [..].
+extern "C" int MaskedSinkSoftmax(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *stream, void *extra) {
+  const float *__restrict scores = static_cast<const float *>(params[0]);
+  const float *__restrict sinks = static_cast<const float *>(params[2]);
+  float *__restrict p = static_cast<float *>(params[3]);
+  float *__restrict sink_p = static_cast<float *>(params[4]);
+  const int64_t t = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / t, heads = shapes[2][0];
+  const MaskRows mask(params[1], ndims[1], shapes[1], rows);
+  parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
+    for (int64_t row = lo; row < hi; ++row)
+      sink_p[row] = masked_softmax_row(scores + row * t, mask.of(row), p + row * t, t, sinks[row / mask.s % heads]);
   }, std::max<int64_t>(1, (1 << 14) / t));
   return 0;
 }
