@@ -143,7 +143,11 @@ def test_flash_core_with_sinks_equals_the_sink_softmax_core(case):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * scale, err_msg=name)
 
 
-@pytest.mark.parametrize("case", [c for c in SINK_CASES if not c[6]], ids=[case_id(c) for c in SINK_CASES if not c[6]])
+# The fused core reads the window as mask content: one windowed case (the decode step) is enough.
+FUSED_SINK_CASES = [c for c in SINK_CASES if c is not CASES[2]]
+
+
+@pytest.mark.parametrize("case", FUSED_SINK_CASES, ids=[case_id(c) for c in FUSED_SINK_CASES])
 def test_fused_sink_softmax_core_equals_the_sink_softmax_core(case):
     """FusedSinkSoftmaxAttention (the CPU core of gpt-oss below FLASH_MIN_SEQ) against the portable
     SinkSoftmaxAttention (autodiff): loss and the gradients of q, k, v and the sinks, reading the mask
