@@ -25,8 +25,10 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cc", "causal_conv.cc", "flash_attention.cc", "gated_delta_rule.cc", "grouped_matmul.cc",
                         "linear_cross_entropy.cc")]
 HEADERS = [Path(__file__).with_name("common.h")]
-# -fno-math-errno lets sqrt vectorize; no -ffast-math: results stay IEEE (same as the portable path).
-FLAGS = ["-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+# -fno-math-errno lets sqrt vectorize, -fno-trapping-math the float compares of exp_approx's clamps and of
+# max / select loops (without it GCC keeps them as branches: SwiGLU, GeGLU and the head's exps ran scalar).
+# Neither changes a result; no -ffast-math: results stay IEEE (same as the portable path).
+FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-pthread"]
 
 
 def march() -> str:

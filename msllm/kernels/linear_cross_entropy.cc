@@ -57,6 +57,41 @@ struct Head {
   }
 };
 
+// max of row[0 .. c) in 16 independent lanes (vectorizes without -ffast-math); c >= 1
+inline float row_max(const float *row, int64_t c) {
+  float lane[16];
+  std::fill(lane, lane + 16, row[0]);
+  int64_t j = 0;
+  for (; j + 16 <= c; j += 16)
+    for (int k = 0; k < 16; ++k) lane[k] = row[j + k] > lane[k] ? row[j + k] : lane[k];
+  float m = row[0];
+  for (; j < c; ++j) m = row[j] > m ? row[j] : m;
+  for (int k = 0; k < 16; ++k) m = lane[k] > m ? lane[k] : m;
+  return m;
+}
+
+// What sum_exp leaves in the row besides the sum: nothing, exp(z - m), or exp(z - m) * (1 - tanh^2) (the row
+// holds softcap * tanh: the slope of a soft-capped logit)
+enum class Keep { kNothing, kExp, kCappedExp };
+
+// sum_j exp(row[j] - m) in 16 lanes, each exp computed once whatever `keep` writes back
+template <Keep keep>
+inline float sum_exp(float *row, int64_t c, float m, float softcap) {
+  float lane[16] = {0}, s = 0.f;
+  auto term = [&](int64_t j) {
+    const float e = exp_approx(row[j] - m);
+    if (keep == Keep::kExp) row[j] = e;
+    if (keep == Keep::kCappedExp) row[j] = e * (1.f - (row[j] / softcap) * (row[j] / softcap));
+    return e;
+  };
+  int64_t j = 0;
+  for (; j + 16 <= c; j += 16)
+    for (int k = 0; k < 16; ++k) lane[k] += term(j + k);
+  for (; j < c; ++j) s += term(j);
+  for (int k = 0; k < 16; ++k) s += lane[k];
+  return s;
+}
+
 // lse [N] and target [N] (the label's logit) and, when `expect` is given, expect [N, H] = the softmax's
 // expectation of the (soft-capped) logits' gradient rows: sum_j softmax(z)_j * dz_j/dh. That is lse's
 // gradient wrt h, whatever weights the loss puts on each row, so a frozen head's backward needs no second
@@ -79,22 +114,13 @@ void forward(void **params, int64_t **shapes, float *lse, float *target, float *
     std::vector<float> block_max(n), block_sum(n);
     for (int64_t r = 0; r < n; ++r) {
       float *row = z.data() + r * c;
-      float m = row[0];
-      for (int64_t j = 1; j < c; ++j) m = row[j] > m ? row[j] : m;
-      float lane[16] = {0}, s = 0.f;  // 16 independent sums, so the loop vectorizes without -ffast-math
-      int64_t j = 0;
-      for (; j + 16 <= c; j += 16)
-        for (int k = 0; k < 16; ++k) lane[k] += exp_approx(row[j + k] - m);
-      for (; j < c; ++j) s += exp_approx(row[j] - m);
-      for (int k = 0; k < 16; ++k) s += lane[k];
       const int64_t label = hd.labels[r] - lo;
       if (label >= 0 && label < c) target[r] = row[label];
-      if (expect) {  // the row becomes exp(z - m) * dz/dlogit: the block's share of expect, unnormalised
-        for (int64_t k = 0; k < c; ++k) {
-          const float slope = hd.softcap > 0 ? 1.f - (row[k] / hd.softcap) * (row[k] / hd.softcap) : 1.f;
-          row[k] = exp_approx(row[k] - m) * slope;
-        }
-      }
+      const float m = row_max(row, c);
+      // with expect the row becomes exp(z - m) * dz/dlogit: the block's share of expect, unnormalised
+      const float s = !expect           ? sum_exp<Keep::kNothing>(row, c, m, hd.softcap)
+                      : hd.softcap > 0 ? sum_exp<Keep::kCappedExp>(row, c, m, hd.softcap)
+                                       : sum_exp<Keep::kExp>(row, c, m, hd.softcap);
       block_max[r] = m;
       block_sum[r] = s;
     }
