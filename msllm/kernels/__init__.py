@@ -318,14 +318,17 @@ class LinearFewRows(nn.Cell):
         return self.matmul(x, w)
 
 
-class FusedCacheWrite(nn.Cell):
-    """msllm.models.layers.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference)."""
+class FusedCacheWrite(layers.CacheWrite):
+    """msllm.models.layers.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference);
+    caches written in place as CacheWrite writes them."""
 
     def __init__(self):
         super().__init__()
         self.write = _aot("CacheWrite", lambda k, v, ck, cv, st: (ck, cv), lambda k, v, ck, cv, st: (ck, cv))
 
     def construct(self, k, v, cache_k, cache_v, write):
+        if len(write) == 1:
+            return self.in_place(k, v, cache_k, cache_v, write[0])
         return self.write(k, v, cache_k, cache_v, write[2])
 
 
