@@ -80,12 +80,18 @@ class CachedInPlace(nn.Cell):
                                   for i, p in enumerate(model.cache_pair))
         self.replaced = tuple(kinds[p] != "full" for p in model.cache_pair)
 
+    def layers_of(self, cache: int) -> tuple:
+        # one by one: a slice of the ParameterTuple compiles to a Stack and an Unstack of the whole cache
+        layers = ()
+        for j in range(self.spans[cache][0], self.spans[cache][1]):
+            layers += (self.flat[j],)
+        return layers
+
     def construct(self, input_ids, start, pad):
         b, s = input_ids.shape
         pairs = ()
         for p in range(len(self.spans) // 2):
-            (a, e), (c, f) = self.spans[2 * p], self.spans[2 * p + 1]
-            pairs += ((self.flat[a:e], self.flat[c:f]),)
+            pairs += ((self.layers_of(2 * p), self.layers_of(2 * p + 1)),)
         write = self.model.cache_write_places(b, self.full_heads, s, start) if self.full_heads else None
         h, written, _ = self.model.decode_cached(input_ids, pairs, start, pad, write)
         logits = self.model.logits(h.reshape(b, s, -1)[:, -1])

@@ -318,17 +318,34 @@ class LinearFewRows(nn.Cell):
         return self.matmul(x, w)
 
 
+class CacheWriteInPlace(ops.Custom):
+    """(k, v [b, h, s, d], cache_k, cache_v [b, h, t, d] Parameters, start [1]) -> [1]: the new slots written into
+    the caches themselves (fp32). Marked as writing them, as AdamWUpdate its parameters, so MindSpore
+    orders it after the reads of the old caches and before those of the new."""
+
+    def __init__(self):
+        super().__init__(f"{library()}:CacheWriteInPlace", out_shape=_one_float, out_dtype=_float32, func_type="aot")
+        self.__mindspore_signature__ = (sig.make_sig("k", dtype=sig.sig_dtype.T), sig.make_sig("v", dtype=sig.sig_dtype.T),
+                                        sig.make_sig("cache_k", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+                                        sig.make_sig("cache_v", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+                                        sig.make_sig("start", dtype=sig.sig_dtype.T1))
+        self.add_prim_attr("side_effect_mem", True)
+
+
 class FusedCacheWrite(layers.CacheWrite):
-    """msllm.models.layers.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference);
-    caches written in place as CacheWrite writes them."""
+    """msllm.models.layers.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference),
+    or, given caches to write in place, a C++ write of the new slots alone (MindSpore's scatter on CPU copies
+    the whole cache)."""
 
     def __init__(self):
         super().__init__()
         self.write = _aot("CacheWrite", lambda k, v, ck, cv, st: (ck, cv), lambda k, v, ck, cv, st: (ck, cv))
+        self.write_in_place = CacheWriteInPlace()
 
     def construct(self, k, v, cache_k, cache_v, write):
-        if len(write) == 1:
-            return self.in_place(k, v, cache_k, cache_v, write[0])
+        if len(write) == 2:
+            done = self.write_in_place(k, v, cache_k, cache_v, write[1])
+            return ops.depend(cache_k, done), ops.depend(cache_v, done)
         return self.write(k, v, cache_k, cache_v, write[2])
 
 

@@ -211,12 +211,12 @@ class Decoder(nn.Cell):
 
     @staticmethod
     def cache_write_places(b: int, heads: int, s: int, start):
-        """CacheWrite's `write` for caches written in place: (places [b, heads, s, 3] int32,) the (row, head,
-        slot) of each new token's entry, slots start .. start+s-1."""
+        """CacheWrite's `write` for caches written in place: (places [b, heads, s, 3] int32, start): the (row,
+        head, slot) of each new token's entry, slots start .. start+s-1."""
         rows = ops.broadcast_to(ops.arange(0, b, dtype=ms.int32).reshape(b, 1, 1, 1), (b, heads, s, 1))
         cols = ops.broadcast_to(ops.arange(0, heads, dtype=ms.int32).reshape(1, heads, 1, 1), (b, heads, s, 1))
         slots = ops.broadcast_to((start + ops.arange(0, s, dtype=ms.int32)).reshape(1, 1, s, 1), (b, heads, s, 1))
-        return (ops.concat((rows, cols, slots), -1),)
+        return ops.concat((rows, cols, slots), -1), start
 
     @staticmethod
     def ring_slots(s: int, r: int, start):
