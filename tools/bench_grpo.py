@@ -135,6 +135,9 @@ def step_msllm(args) -> dict:
     times = [r["step_s"] for r in rows]
     return {"first_step_s": times[0], "step_s": statistics.median(times[args.warmup:]), "step_times": times,
             "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in rows[args.warmup:]),
+            # where a step's time goes: sampling, the compiled update, the rest (weights to the generator, rewards)
+            "rollout_s": statistics.median(r["rollout_s"] for r in rows[args.warmup:]),
+            "update_s": statistics.median(r["update_s"] for r in rows[args.warmup:]),
             "run_s": time.perf_counter() - started, "msllm": str(Path(msllm.__file__).parents[1])}
 
 
@@ -219,6 +222,11 @@ def report(args, results: dict) -> str:
             shown = f"{value[variant]:,.0f}" if part == "rollout" else f"{value[variant]:.3f}"
             lines.append(f"| {variant} | {shown} | {ratio} | {max(r['peak_rss_mb'] for r in rs):,.0f} | "
                          f"{statistics.median(r['first_step_s'] for r in rs):.1f} |")
+        for variant, rs in runs.items():
+            if variant in value and all("update_s" in r for r in rs):
+                rollout, update = (statistics.median(r[k] for r in rs) for k in ("rollout_s", "update_s"))
+                lines.append(f"\n{variant} step: rollout {rollout:.3f} s, update {update:.3f} s, the rest "
+                             f"{value[variant] - rollout - update:.3f} s (weights to the generator, rewards, inputs)")
         lines.append("")
     return "\n".join(lines)
 

@@ -124,6 +124,7 @@ def roll_out(trainer, engine, generator, order, rewards, weights, eos, step) -> 
     return {"inputs": inputs, "metrics": {
         "reward": float(total.mean()), "reward_std": float(total.std()),
         "rollout_tokens_per_s": everyone.tokens() / max(float(everyone.seconds.max()), 1e-9),
+        "rollout_s": float(everyone.seconds.max()),
         **{f"rewards/{name}/mean": float(everyone.rewards[:, k].mean()) for k, name in enumerate(rewards)}}}
 
 
@@ -158,8 +159,10 @@ def fit_grpo(trainer) -> dict:
         t0 = time.perf_counter()
         if (step - 1) % every == 0:
             rollout = roll_out(trainer, engine, generator, order, rewards, weights, eos, step)
+        t1 = time.perf_counter()
         loss, norm, lr, finite, scale, stats = trainer.train_step(*rollout["inputs"])
         loss = float(loss.asnumpy())
+        update_s = time.perf_counter() - t1  # log-probs, loss, backward and optimizer: one compiled step
         read = -(-(step - trainer.start_step) // every) * prompts  # prompts read so far (a checkpoint's position)
         if bool(finite.asnumpy()):
             bad_run = 0
@@ -168,6 +171,7 @@ def fit_grpo(trainer) -> dict:
                                           trainer.data_position + read)
         last = {"kind": "train", "step": step, "loss": loss, "lr": float(lr.asnumpy()),
                 "grad_norm": float(norm.asnumpy()), **rollout["metrics"], "step_s": time.perf_counter() - t0,
+                "update_s": update_s,
                 "loss_scale": float(scale.asnumpy()), "skipped_steps": trainer.skipped,
                 **dict(zip(METRICS, map(float, stats.asnumpy())))}
         trainer.metrics.log(last, f"step {step:>6}/{t.steps}  loss {loss:.4f}  reward {last['reward']:.3f} "
