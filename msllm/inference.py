@@ -67,8 +67,8 @@ class CachedInPlace(nn.Cell):
         self.model = model
         self.caches, flat, self.spans = [], [], ()
         for name, shape in zip(model.cfg.cache_names(), shapes):
-            layers = tuple(Parameter(ms.Tensor(np.zeros(shape[1:], dtype)), name=f"cache.{name}.{i}", requires_grad=False)
-                           for i in range(shape[0]))
+            layers = tuple(Parameter(ms.Tensor(np.zeros(shape[1:], dtype)), name=f"cache.{name}.{i}",
+                                     requires_grad=False) for i in range(shape[0]))
             self.spans += ((len(flat), len(flat) + len(layers)),)
             self.caches.append(LayerCaches(layers))
             flat += layers
@@ -76,8 +76,8 @@ class CachedInPlace(nn.Cell):
         self.full_heads = shapes[model.full_keys][2] if model.full_keys >= 0 else 0
         kinds = model.cache_kinds
         # each layer's two Parameters in `flat`, and whether its caches are replaced (not written in place)
-        self.layer_params = tuple((self.spans[2 * p][0] + model.cache_slot[i], self.spans[2 * p + 1][0] + model.cache_slot[i])
-                                  for i, p in enumerate(model.cache_pair))
+        self.layer_params = tuple((self.spans[2 * p][0] + slot, self.spans[2 * p + 1][0] + slot)
+                                  for p, slot in zip(model.cache_pair, model.cache_slot))
         self.replaced = tuple(kinds[p] != "full" for p in model.cache_pair)
 
     def layers_of(self, cache: int) -> tuple:

@@ -325,7 +325,8 @@ class CacheWriteInPlace(ops.Custom):
 
     def __init__(self):
         super().__init__(f"{library()}:CacheWriteInPlace", out_shape=_one_float, out_dtype=_float32, func_type="aot")
-        self.__mindspore_signature__ = (sig.make_sig("k", dtype=sig.sig_dtype.T), sig.make_sig("v", dtype=sig.sig_dtype.T),
+        self.__mindspore_signature__ = (sig.make_sig("k", dtype=sig.sig_dtype.T),
+                                        sig.make_sig("v", dtype=sig.sig_dtype.T),
                                         sig.make_sig("cache_k", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
                                         sig.make_sig("cache_v", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
                                         sig.make_sig("start", dtype=sig.sig_dtype.T1))
