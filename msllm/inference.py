@@ -1,15 +1,18 @@
-"""The cached forward every engine runs, and the `msllm` engine over the model's own Cells.
+"""The cached forwards every engine runs, and the `msllm` engine over the model's own Cells.
 
 `CachedForward` is the model's own forward with a preallocated KV cache: prefill (the padded
 prompts at slot 0) and decode (one token per row at the next slot) are the same Cell with fixed
-shapes, so in GRAPH_MODE each compiles once per shape and the cache never grows. Export writes
-the same Cell (graph_opt/export.py). The engine interface is msllm.engine.
+shapes, so in GRAPH_MODE each compiles once per shape and the cache never grows. Its caches are
+inputs and outputs, as export writes it (graph_opt/export.py). `CachedInPlace` is the same forward
+with the caches kept in the Cell and written in place, which the `msllm` engine runs: a step then
+moves the new tokens' entries instead of copying every cache in and out. The engine interface is
+msllm.engine.
 """
 from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn
+from mindspore import Parameter, ParameterTuple, nn, ops
 
 from msllm.engine import Engine
 from msllm.models.decoder import Decoder
@@ -29,6 +32,82 @@ class CachedForward(nn.Cell):
         return self.model(input_ids, inputs[:-2], inputs[-2], inputs[-1])
 
 
+class LayerCaches:
+    """One of ModelConfig.caches held as a Parameter per layer; reads as the stacked cache."""
+
+    def __init__(self, layers: tuple):
+        self.layers = layers
+
+    @property
+    def shape(self) -> tuple:
+        return (len(self.layers),) + tuple(self.layers[0].shape)
+
+    @property
+    def dtype(self):
+        return self.layers[0].dtype
+
+    def asnumpy(self) -> np.ndarray:
+        return np.stack([p.asnumpy() for p in self.layers])
+
+    def load(self, stacked) -> None:
+        stacked = stacked.asnumpy() if isinstance(stacked, ms.Tensor) else np.asarray(stacked)
+        for p, value in zip(self.layers, stacked):
+            p.set_data(ms.Tensor(value.astype(ms.dtype_to_nptype(p.dtype))))
+
+
+class CachedInPlace(nn.Cell):
+    """(input_ids [b, s], start [1], pad [b]) -> logits [b, vocab] of the last token: CachedForward with
+    its caches (ModelConfig.caches of `shapes`) kept here, a Parameter per layer and cache (`caches`).
+    The full layers' keys and values (MLA's latents and rope keys) are written in place at the new
+    slots (CacheWrite's places); a ring, a recurrent state and a conv window, whose size does not follow
+    the context, are replaced by their updates."""
+
+    # instances so far: each names its caches apart (every family's engine in one process once compiled a graph
+    # with another model's cache shape; with distinct names not seen again, the cause not pinned down)
+    made = 0
+
+    def __init__(self, model: Decoder, shapes: tuple, dtype):
+        super().__init__(auto_prefix=False)  # keep the trained parameter names
+        self.model = model
+        self.caches, flat, self.spans = [], [], ()
+        CachedInPlace.made += 1
+        for name, shape in zip(model.cfg.cache_names(), shapes):
+            layers = tuple(Parameter(ms.Tensor(np.zeros(shape[1:], dtype)), name=f"cache{self.made}.{name}.{i}",
+                                     requires_grad=False) for i in range(shape[0]))
+            self.spans += ((len(flat), len(flat) + len(layers)),)
+            self.caches.append(LayerCaches(layers))
+            flat += layers
+        self.flat = ParameterTuple(flat)
+        self.full_heads = shapes[model.full_keys][2] if model.full_keys >= 0 else 0
+        kinds = model.cache_kinds
+        # each layer's two Parameters in `flat`, and whether its caches are replaced (not written in place)
+        self.layer_params = tuple((self.spans[2 * p][0] + slot, self.spans[2 * p + 1][0] + slot)
+                                  for p, slot in zip(model.cache_pair, model.cache_slot))
+        self.replaced = tuple(kinds[p] != "full" for p in model.cache_pair)
+
+    def layers_of(self, cache: int) -> tuple:
+        # one by one: a slice of the ParameterTuple compiles to a Stack and an Unstack of the whole cache
+        layers = ()
+        for j in range(self.spans[cache][0], self.spans[cache][1]):
+            layers += (self.flat[j],)
+        return layers
+
+    def construct(self, input_ids, start, pad):
+        b, s = input_ids.shape
+        pairs = ()
+        for p in range(len(self.spans) // 2):
+            pairs += ((self.layers_of(2 * p), self.layers_of(2 * p + 1)),)
+        write = self.model.cache_write_places(b, self.full_heads, s, start) if self.full_heads else None
+        h, written, _ = self.model.decode_cached(input_ids, pairs, start, pad, write)
+        logits = self.model.logits(h.reshape(b, s, -1)[:, -1])
+        for i in range(len(self.replaced)):
+            if self.replaced[i]:
+                k, v = self.layer_params[i]
+                logits = ops.depend(logits, ops.assign(self.flat[k], written[i][0]))
+                logits = ops.depend(logits, ops.assign(self.flat[v], written[i][1]))
+        return logits
+
+
 class MindSporeEngine(Engine):
     """Cells or GraphCells; integer inputs int32, the cache kept as MindSpore tensors between steps."""
 
@@ -42,10 +121,32 @@ class MindSporeEngine(Engine):
         return (out[0].asnumpy(), *out[1:])
 
 
-def cell_engine(model: Decoder) -> MindSporeEngine:
-    """The `msllm` engine: the model's own Cells, in whatever mode the process runs. Prefill and
-    decode are one CachedForward; in GRAPH_MODE it compiles once per (batch, prompt bucket,
-    cache bucket) shape."""
-    cached = CachedForward(model)
-    return MindSporeEngine({"model": lambda: model, "prefill": lambda: cached, "decode": lambda: cached}, model.cfg,
-                           ms.dtype_to_nptype(model.compute_dtype))
+class InPlaceEngine(MindSporeEngine):
+    """The model's own Cells, prefill and decode a CachedInPlace per set of cache shapes (each compiled once in
+    GRAPH_MODE). The caches it returns are its CachedInPlace's (LayerCaches): given back, they are used where
+    they are; any other caches given (the zeros Engine.start allocates) are loaded into it first."""
+
+    def __init__(self, model: Decoder):
+        super().__init__({kind: lambda: model for kind in ("model", "prefill", "decode")}, model.cfg,
+                         ms.dtype_to_nptype(model.compute_dtype))
+        self.model, self.in_place = model, {}
+
+    def run(self, kind, ids, *cache):
+        if kind == "model":
+            return super().run(kind, ids)
+        *caches, start, pad = cache
+        shapes = tuple(tuple(c.shape) for c in caches)
+        if shapes not in self.in_place:
+            self.in_place[shapes] = CachedInPlace(self.model, shapes, self.cache_dtype)
+        cell = self.in_place[shapes]
+        for given, held in zip(caches, cell.caches):
+            if given is not held:
+                held.load(given)
+        logits = cell(*(ms.Tensor(np.asarray(x, np.int32)) for x in (ids, start, pad)))
+        return (logits.asnumpy(), *cell.caches)
+
+
+def cell_engine(model: Decoder) -> InPlaceEngine:
+    """The `msllm` engine: the model's own Cells, in whatever mode the process runs, with the caches written in
+    place. In GRAPH_MODE it compiles once per (batch, prompt bucket, cache bucket) shape."""
+    return InPlaceEngine(model)

@@ -121,14 +121,17 @@ def test_a_sliding_layer_keeps_only_its_window_in_a_ring():
                                        atol=REORDER_RTOL * np.abs(every_slot).max())
 
 
+# A Gated DeltaNet layer, a sliding layer (ring of 4) and a full one: every kind of cache.
+HYBRID = dataclasses.replace(SLIDING, num_layers=3, layer_types=["linear", "sliding", "full"], linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+
+
 def test_a_hybrid_with_a_sliding_layer_decodes_as_its_full_forward():
     """A Gated DeltaNet layer, a sliding layer (ring of 4) and a full one (transformers has no such hybrid msllm
     reads): 16-token left-padded prompts prefilled in one call (the window's last 4 slots left in the ring), then
     decode steps that hand on the recurrent state and conv window and wrap the ring, each step's logits the full
     forward's; the caches are the ring, the full layer's slots and the linear layer's state and conv window."""
-    hybrid = dataclasses.replace(SLIDING, num_layers=3, layer_types=["linear", "sliding", "full"],
-                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                 linear_value_head_dim=8)
+    hybrid = HYBRID
     device.setup("cpu", "pynative")
     model = build_model(hybrid, seed=5)
     model.set_train(False)
@@ -193,3 +196,38 @@ def test_cpu_inference_specialisation_decodes_the_same():
         atol = 1e-4 * np.abs(plain[row]).max()  # exp_approx in the softmax kernel: within 1e-4 relative
         for k, logits in enumerate(got):
             np.testing.assert_allclose(logits[row], plain[row][len(r) - 4 + k], atol=atol)
+
+
+def test_the_engine_keeps_its_caches_in_place_and_steps_as_the_exported_forward():
+    """The CPU decode kernels, every kind of cache (HYBRID): each decode step of the msllm engine,
+    whose caches are Parameters written in place, gives the logits and caches of CachedForward (the exported
+    graphs' form, caches in and out) from the same caches; the engine holds the same Parameters throughout, and
+    the full layer's slots past the written ones keep the garbage loaded there (masked, never copied over)."""
+    from msllm.backends import specialise
+    from msllm.config import Config
+
+    device.setup("cpu", "pynative")  # GRAPH_MODE's: test_hybrid's and test_families' engine tests
+    model = build_model(HYBRID, seed=5)
+    model.set_train(False)
+    specialise(model, Config(model=HYBRID), training=False)
+    rows = decode_rows(HYBRID)
+    engine = cell_engine(model)
+    engine.start([r[:-3] for r in rows], 3)
+    held = [p for cache in engine.cache for p in cache.layers]
+    caches = [cache.asnumpy() for cache in engine.cache]
+    later = engine.next_slot + 2  # the slots the two steps leave alone
+    garbage = np.random.default_rng(0).normal(size=caches[0][..., later:, :].shape).astype(np.float32)
+    caches[0][..., later:, :] = garbage
+    engine.cache[0].load(caches[0])
+    forward = CachedForward(model)
+    for k in (-3, -2):
+        tokens = np.array([[r[k]] for r in rows], np.int32)
+        want, *caches = forward(*tensors(tokens, *caches, np.array([engine.next_slot], np.int32),
+                                         engine.pad.astype(np.int32)))
+        got = engine.step(tokens[:, 0].tolist())
+        np.testing.assert_allclose(got, want.asnumpy(), rtol=0, atol=REORDER_RTOL * np.abs(got).max())
+        for name, mine, theirs in zip(HYBRID.cache_names(), engine.cache, caches):
+            np.testing.assert_allclose(mine.asnumpy(), theirs.asnumpy(), rtol=0, err_msg=name,
+                                       atol=REORDER_RTOL * np.abs(theirs.asnumpy()).max())
+    assert all(p is q for p, q in zip([p for cache in engine.cache for p in cache.layers], held))
+    assert (engine.cache[0].asnumpy()[..., later:, :] == garbage).all()

@@ -413,24 +413,42 @@ extern "C" int LinearFewRows(int nparam, void **params, int *ndims, int64_t **sh
   return 0;
 }
 
+// Slots start .. start+s-1 of every (row, kv head) of a cache [rows, t, d] set to src [rows, s, d]; slots
+// outside [0, t) are not written.
+static void write_slots(float *cache, const float *src, int64_t rows, int64_t s, int64_t t, int64_t d,
+                        int64_t start) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < s; ++i)
+      if (start + i >= 0 && start + i < t)
+        std::memcpy(cache + (r * t + start + i) * d, src + (r * s + i) * d, sizeof(float) * d);
+}
+
 // The cache write of a cached forward: new_k = cache_k with slots start .. start+s-1 of every
 // (row, kv head) replaced by k, the same for v. One copy of each cache instead of MindSpore's
 // gather of the new keys into slot order and a select over the whole cache, per layer.
 // inputs: k, v [b, h, s, d], cache_k, cache_v [b, h, t, d] (fp32), start [1] (int32);
-// outputs: new_k, new_v [b, h, t, d]. Slots outside [0, t) are not written.
+// outputs: new_k, new_v [b, h, t, d].
 extern "C" int CacheWrite(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   const int64_t rows = shapes[0][0] * shapes[0][1], s = shapes[0][2], d = shapes[0][3], t = shapes[2][2];
   const int64_t start = *static_cast<const int32_t *>(params[4]);
   for (int which = 0; which < 2; ++which) {
-    const float *src = static_cast<const float *>(params[which]);
-    const float *cache = static_cast<const float *>(params[2 + which]);
     float *out = static_cast<float *>(params[5 + which]);
-    std::memcpy(out, cache, sizeof(float) * rows * t * d);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < s; ++i)
-        if (start + i >= 0 && start + i < t)
-          std::memcpy(out + (r * t + start + i) * d, src + (r * s + i) * d, sizeof(float) * d);
+    std::memcpy(out, params[2 + which], sizeof(float) * rows * t * d);
+    write_slots(out, static_cast<const float *>(params[which]), rows, s, t, d, start);
   }
+  return 0;
+}
+
+// CacheWrite into the caches themselves (Parameters the op's signature marks as written): only the new
+// slots move. inputs as CacheWrite's; output: [1], 0.
+extern "C" int CacheWriteInPlace(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *stream, void *extra) {
+  const int64_t rows = shapes[0][0] * shapes[0][1], s = shapes[0][2], d = shapes[0][3], t = shapes[2][2];
+  const int64_t start = *static_cast<const int32_t *>(params[4]);
+  for (int which = 0; which < 2; ++which)
+    write_slots(static_cast<float *>(params[2 + which]), static_cast<const float *>(params[which]), rows, s, t, d,
+                start);
+  *static_cast<float *>(params[5]) = 0.f;
   return 0;
 }

@@ -8,8 +8,11 @@ import functools
 
 import mindspore as ms
 from mindspore import nn, ops
+from mindspore.ops import signature as sig
 
-from msllm.kernels.op import aot, differentiable
+from msllm.kernels.build import library
+from msllm.kernels.op import aot, differentiable, float32, one_float
+from msllm.models import layers
 
 
 class _FusedGLU(nn.Cell):
@@ -89,14 +92,35 @@ class FusedRope(nn.Cell):
         return self.rope(x, cos, sin)
 
 
-class FusedCacheWrite(nn.Cell):
-    """msllm.models.layers.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference)."""
+class CacheWriteInPlace(ops.Custom):
+    """(k, v [b, h, s, d], cache_k, cache_v [b, h, t, d] Parameters, start [1]) -> [1]: the new slots written into
+    the caches themselves (fp32). Marked as writing them, as AdamWUpdate its parameters, so MindSpore
+    orders it after the reads of the old caches and before those of the new."""
+
+    def __init__(self):
+        super().__init__(f"{library()}:CacheWriteInPlace", out_shape=one_float, out_dtype=float32, func_type="aot")
+        self.__mindspore_signature__ = (sig.make_sig("k", dtype=sig.sig_dtype.T),
+                                        sig.make_sig("v", dtype=sig.sig_dtype.T),
+                                        sig.make_sig("cache_k", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+                                        sig.make_sig("cache_v", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
+                                        sig.make_sig("start", dtype=sig.sig_dtype.T1))
+        self.add_prim_attr("side_effect_mem", True)
+
+
+class FusedCacheWrite(layers.CacheWrite):
+    """msllm.models.layers.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference),
+    or, given caches to write in place, a C++ write of the new slots alone (MindSpore's scatter on CPU copies
+    the whole cache)."""
 
     def __init__(self):
         super().__init__()
         self.write = aot("CacheWrite", lambda k, v, ck, cv, st: (ck, cv), lambda k, v, ck, cv, st: (ck, cv))
+        self.write_in_place = CacheWriteInPlace()
 
     def construct(self, k, v, cache_k, cache_v, write):
+        if len(write) == 2:
+            done = self.write_in_place(k, v, cache_k, cache_v, write[1])
+            return ops.depend(cache_k, done), ops.depend(cache_v, done)
         return self.write(k, v, cache_k, cache_v, write[2])
 
 

@@ -2,6 +2,7 @@
 whose backward is the library's kernel of the same name + "Grad", declared in a line or two."""
 from __future__ import annotations
 
+import mindspore as ms
 from mindspore import ops
 
 from msllm.kernels.build import library
@@ -9,6 +10,15 @@ from msllm.kernels.build import library
 
 def same_as_first(*shapes_or_dtypes):
     return shapes_or_dtypes[0]
+
+
+def one_float(*_):
+    """The shape of a kernel's [1] status output (kernels that write their inputs in place)."""
+    return [1]
+
+
+def float32(*_):
+    return ms.float32
 
 
 def output_grad(out, dout):

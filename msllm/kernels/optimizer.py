@@ -3,20 +3,11 @@ of the gradients (one graph node for the whole optimizer instead of one per para
 time flat in depth)."""
 from __future__ import annotations
 
-import mindspore as ms
 from mindspore import ops
 from mindspore.ops import signature as sig
 
 from msllm.kernels.build import library
-from msllm.kernels.op import aot
-
-
-def _one_float(*_):
-    return [1]
-
-
-def _float32(*_):
-    return ms.float32
+from msllm.kernels.op import aot, float32, one_float
 
 
 class AdamWUpdate(ops.Custom):
@@ -26,7 +17,7 @@ class AdamWUpdate(ops.Custom):
     """
 
     def __init__(self, n: int):
-        super().__init__(f"{library()}:AdamWUpdate", out_shape=_one_float, out_dtype=_float32, func_type="aot")
+        super().__init__(f"{library()}:AdamWUpdate", out_shape=one_float, out_dtype=float32, func_type="aot")
         # Marking w, m, v as written makes MindSpore order this op like its own Adam kernel
         # (after every read of the old values, before the next step).
         written = [sig.make_sig(f"{name}{i}", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T)
@@ -39,4 +30,4 @@ class AdamWUpdate(ops.Custom):
 
 def sum_of_squares_op():
     """(g_1, .., g_n) (fp32, any shapes) -> [1] the sum of all their squares, in one kernel call."""
-    return aot("SumOfSquares", _one_float, _float32)
+    return aot("SumOfSquares", one_float, float32)

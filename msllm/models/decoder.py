@@ -210,6 +210,15 @@ class Decoder(nn.Cell):
         return ops.clip(slots - start, 0, s - 1), fresh, start
 
     @staticmethod
+    def cache_write_places(b: int, heads: int, s: int, start):
+        """CacheWrite's `write` for caches written in place: (places [b, heads, s, 3] int32, start): the (row,
+        head, slot) of each new token's entry, slots start .. start+s-1."""
+        rows = ops.broadcast_to(ops.arange(0, b, dtype=ms.int32).reshape(b, 1, 1, 1), (b, heads, s, 1))
+        cols = ops.broadcast_to(ops.arange(0, heads, dtype=ms.int32).reshape(1, heads, 1, 1), (b, heads, s, 1))
+        slots = ops.broadcast_to((start + ops.arange(0, s, dtype=ms.int32)).reshape(1, 1, s, 1), (b, heads, s, 1))
+        return ops.concat((rows, cols, slots), -1), start
+
+    @staticmethod
     def ring_slots(s: int, r: int, start):
         """A sliding layer's ring of r slots (slot j kept at j % r) around s new tokens at slots start..:
         `unroll` [r + s], the ring entries to gather as slots start - r .. start - 1 in order, then s places
@@ -288,8 +297,7 @@ class Decoder(nn.Cell):
     def decode(self, input_ids, caches=None, start=None, pad=None, segments=None, positions=None):
         """The decoder layers: -> (residual stream [b*q, hidden], the caches given with the new tokens'
         entries written (ModelConfig.caches: keys and values, a ring's, a hybrid's states and conv windows),
-        the MoE layers' routing loads). A linear layer takes, in the place of a mask, the packed samples'
-        segments (training) or which new tokens are real (a cached forward)."""
+        the MoE layers' routing loads)."""
         b, s = input_ids.shape
         if caches is None:
             return self.decode_whole(input_ids, segments, positions)
@@ -298,9 +306,25 @@ class Decoder(nn.Cell):
         for p in range(len(self.cache_kinds)):
             pairs += ((ops.unstack(caches[2 * p], 0), ops.unstack(caches[2 * p + 1], 0)),)
         t = caches[self.full_keys].shape[3] if self.full_keys >= 0 else s
+        h, written, loads = self.decode_cached(input_ids, pairs, start, pad, self.cache_write_slots(s, t, start))
+        caches = ()
+        for members in self.pair_layers:  # each pair restacked over its layers
+            firsts, seconds = (), ()
+            for i in members:
+                firsts, seconds = firsts + (written[i][0],), seconds + (written[i][1],)
+            caches += (ops.stack(firsts), ops.stack(seconds))
+        return h, caches, loads
+
+    def decode_cached(self, input_ids, pairs, start, pad, write):
+        """The decoder layers over per-layer caches: pairs, for each kind of cache (cache_kinds), its two
+        caches as tuples over the layers of that kind; `write` where the full layers write (CacheWrite) ->
+        (residual stream [b*q, hidden], each layer's two caches with the new tokens written, the MoE
+        layers' routing loads). A linear layer takes, in the place of a mask, which new tokens are real."""
+        b, s = input_ids.shape
+        t = pairs[self.full_keys // 2][0][0].shape[2] if self.full_keys >= 0 else s
         r, ring = 0, None
         if self.ring_keys >= 0:  # the sliding layers read and write their rings through these
-            r = caches[self.ring_keys].shape[3]
+            r = pairs[self.ring_keys // 2][0][0].shape[2]
             ring = self.ring_slots(s, r, start)
         kinds = ()
         for kind in range(len(self.windows)):
@@ -308,7 +332,6 @@ class Decoder(nn.Cell):
                 kinds += (self.tables(kind, b, s, r + s, start, pad, None, None, start - r),)
             else:
                 kinds += (self.tables(kind, b, s, t, start, pad, None, None),)
-        write = self.cache_write_slots(s, t, start)
         real = self.real_tokens(b, s, start, pad) if self.hybrid else None
         input_ids = self.local_tokens(input_ids)
         h = self.embed(input_ids.reshape(-1))
@@ -330,13 +353,7 @@ class Decoder(nn.Cell):
             written += ((out[1], out[2]),)
             if layer.routed:
                 loads += (out[3],)
-        caches = ()
-        for members in self.pair_layers:  # each pair restacked over its layers
-            firsts, seconds = (), ()
-            for i in members:
-                firsts, seconds = firsts + (written[i][0],), seconds + (written[i][1],)
-            caches += (ops.stack(firsts), ops.stack(seconds))
-        return h, caches, loads
+        return h, written, loads
 
     def decode_whole(self, input_ids, segments, positions):
         """decode without a cache: each row's whole sequence, or its packed samples."""

@@ -386,11 +386,19 @@ class CacheWrite(nn.Cell):
     """New keys and values k, v [b, nkv, s, d] into the cache [b, nkv, t, d] at slots start ..
     start+s-1, the other slots kept. `write` = (source [t] int32, fresh [t, 1] bool, start [1]):
     which slots take a new value (fresh) and from which of the s new positions (source), computed
-    once for all layers."""
+    once for all layers: returns new caches. Or `write` = (places, start) (Decoder.cache_write_places):
+    the caches are Parameters, written there in place and returned (msllm.inference.CachedInPlace)."""
 
     def construct(self, k, v, cache_k, cache_v, write):
+        if len(write) == 2:
+            return self.in_place(k, v, cache_k, cache_v, write[0])
         source, fresh, _ = write
         return ops.select(fresh, ops.gather(k, source, 2), cache_k), ops.select(fresh, ops.gather(v, source, 2), cache_v)
+
+    def in_place(self, k, v, cache_k, cache_v, places):
+        # the caches as read after the scatters (depend orders their readers after the writes)
+        return (ops.depend(cache_k, ops.scatter_nd_update(cache_k, places, cast(k, cache_k.dtype))),
+                ops.depend(cache_v, ops.scatter_nd_update(cache_v, places, cast(v, cache_v.dtype))))
 
 
 class SwiGLU(nn.Cell):
