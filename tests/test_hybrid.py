@@ -100,7 +100,7 @@ def kept_for_backward(mixer, tokens: int) -> dict[str, float]:
                 kept[id(t)] = t  # held, so no later tensor takes its id
         if isinstance(cell, kernels.GatedDeltaRule):
             q, k, v, g, b = inputs[:5]
-            segments, initial = ops.zeros(g.shape, ms.int32), ops.zeros(q.shape[:2] + (q.shape[3], v.shape[3]))
+            segments, initial = ops.zeros(g.shape, ms.int32), ops.zeros(v.shape[:2] + (q.shape[3], v.shape[3]))
             kept["states"] = cell.rule(q, k, v, g, b, segments, initial)[2]
             beta["bytes"] = b.nbytes
 

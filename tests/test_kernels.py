@@ -287,15 +287,16 @@ def rule_results(rule, case) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def gated_delta_case():
-    """20 tokens in chunks of 8 (two chunks and a ragged tail of 4, so three checkpoints), 2 heads with dk 20 !=
-    dv 40 (the kernel's blocks of 32 value columns: a full one and one of 8; dk not a multiple of its 16 lanes),
+    """20 tokens in chunks of 8 (two chunks and a ragged tail of 4, so three checkpoints), 2 key heads each serving
+    2 of 4 value heads (q and k per key head: the kernel sums a key head's value heads into their gradients) with
+    dk 20 != dv 40 (the kernel's blocks of 32 value columns: a full one and one of 8; dk not a multiple of its 16 lanes),
     a non-zero initial state and a final-state gradient, row 1 packed with samples starting on a chunk
     boundary (8) and inside a chunk (13); and the chunked graph form's results on it (autodiff, fp32)."""
     from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule
     rng = np.random.default_rng(7)
-    b, n, s, dk, dv, chunk = 2, 2, 20, 20, 40, 8
+    b, nk, n, s, dk, dv, chunk = 2, 2, 4, 20, 20, 40, 8
     l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
-    q, k = l2(rng.normal(size=(2, b, n, s, dk)))
+    q, k = l2(rng.normal(size=(2, b, nk, s, dk)))
     q = q * dk ** -0.5
     v = rng.normal(size=(b, n, s, dv))
     g = -rng.uniform(0.01, 2, (b, n, 1)) * np.log1p(np.exp(rng.normal(size=(b, n, s))))  # Qwen3.5's decay range

@@ -43,19 +43,22 @@ struct Head {
   bool starts_sample(int64_t t) const { return t > 0 && segments[t] != segments[t - 1]; }
 };
 
-// The shapes both kernels read: q [b, n, s, dk], v [b, n, s, dv], segments [b, s], checkpoints
-// [b, n, chunks, dk, dv] (or [1]: the forward saves none).
+// The shapes both kernels read: q, k [b, nk, s, dk] (key heads, each serving n / nk consecutive value
+// heads), v [b, n, s, dv], segments [b, s], checkpoints [b, n, chunks, dk, dv] (or [1]: the forward saves none).
 struct Shapes {
-  int64_t b, n, s, dk, dv, chunks, interval;
+  int64_t b, n, nk, s, dk, dv, chunks, interval;
 
   Shapes(int64_t **shapes, int checkpoints_ndim, int64_t *checkpoints_shape)
-      : b(shapes[0][0]), n(shapes[0][1]), s(shapes[0][2]), dk(shapes[0][3]), dv(shapes[2][3]) {
+      : b(shapes[0][0]), n(shapes[2][1]), nk(shapes[0][1]), s(shapes[0][2]), dk(shapes[0][3]), dv(shapes[2][3]) {
     chunks = checkpoints_ndim == 5 ? checkpoints_shape[2] : 0;
     interval = chunks ? (s + chunks - 1) / chunks : s;
   }
+  // The (batch, key head) whose q and k rows (batch, value head) `unit` reads.
+  int64_t key_unit(int64_t unit) const { return unit / n * nk + unit % n / (n / nk); }
   Head head(void **params, int64_t unit) const {
     auto in = [&](int i) { return static_cast<const float *>(params[i]); };
-    return {in(0) + unit * s * dk, in(1) + unit * s * dk, in(2) + unit * s * dv, in(3) + unit * s,
+    const int64_t keys = key_unit(unit) * s * dk;
+    return {in(0) + keys, in(1) + keys, in(2) + unit * s * dv, in(3) + unit * s,
             in(4) + unit * s, static_cast<const int32_t *>(params[5]) + unit / n * s, dk, dv};
   }
 };
@@ -223,6 +226,33 @@ void step_back(const Head &h, int64_t t, int64_t c0, int64_t w, const float *__r
   if (h.starts_sample(t)) std::fill(d_state, d_state + dk * w, 0.f);
 }
 
+// One (batch, value head)'s backward: its gradients of q and k added into grad.dq and grad.dk (a key head's
+// value heads share them), of v, g and beta written; `checkpoints` its saved states [chunks, dk, dv],
+// `d_out` [s, dv] and `d_final` [dk, dv] its output gradients; d_initial [dk, dv] the initial state's.
+void rule_back(const Shapes &dims, const Head &h, const Grads &grad, const float *checkpoints, const float *d_out,
+               const float *d_final, float *d_initial) {
+  const int64_t dk = dims.dk, dv = dims.dv, s = dims.s, state_size = dk * dv;
+  std::fill(grad.dg, grad.dg + s, 0.f);
+  std::fill(grad.dbeta, grad.dbeta + s, 0.f);
+  for (int64_t c0 = 0; c0 < dv; c0 += kColumns) {
+    const int64_t w = std::min(kColumns, dv - c0), block = dk * w;
+    std::vector<float> entering(dims.interval * block), r(dims.interval * w), state(block), d_state(block);
+    gather_columns<true>(d_final, dk, dv, c0, w, d_state.data());
+    for (int64_t chunk = dims.chunks - 1; chunk >= 0; --chunk) {
+      const int64_t t0 = chunk * dims.interval, n = std::min(dims.interval, s - t0);
+      gather_columns<true>(checkpoints + chunk * state_size, dk, dv, c0, w, state.data());
+      for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again
+        if (h.starts_sample(t0 + j)) std::fill(state.begin(), state.end(), 0.f);
+        std::copy(state.begin(), state.end(), entering.data() + j * block);
+        step_transposed(h, t0 + j, c0, w, state.data(), r.data() + j * w);
+      }
+      for (int64_t j = n - 1; j >= 0; --j)
+        step_back(h, t0 + j, c0, w, entering.data() + j * block, r.data() + j * w, d_out, d_state.data(), grad);
+    }
+    scatter_columns<true>(d_state.data(), dk, dv, c0, w, d_initial);
+  }
+}
+
 }  // namespace
 
 // inputs: q, k [b, n, s, dk] (normalised, q scaled), v [b, n, s, dv], g, beta [b, n, s] (fp32), segments
@@ -264,34 +294,18 @@ extern "C" int GatedDeltaRuleGrad(int nparam, void **params, int *ndims, int64_t
   auto in = [&](int i) { return static_cast<const float *>(params[i]); };
   auto result = [&](int i) { return static_cast<float *>(params[i]); };
   const float *checkpoints = in(7), *d_out = in(8), *d_final = in(9);
-  // A (batch, head) a unit: its column blocks add into the same dq, dk, dg, dbeta rows.
-  run_units(dims.b * dims.n, [&](int64_t unit, int) {
-    const Head h = dims.head(params, unit);
-    const Grads grad{result(10) + unit * s * dk, result(11) + unit * s * dk, result(12) + unit * s * dv,
-                     result(13) + unit * s, result(14) + unit * s};
-    std::fill(grad.dq, grad.dq + s * dk, 0.f);
-    std::fill(grad.dk, grad.dk + s * dk, 0.f);
-    std::fill(grad.dg, grad.dg + s, 0.f);
-    std::fill(grad.dbeta, grad.dbeta + s, 0.f);
-    const float *d_out_rows = d_out + unit * s * dv;
-    for (int64_t c0 = 0; c0 < dv; c0 += kColumns) {
-      const int64_t w = std::min(kColumns, dv - c0), block = dk * w;
-      std::vector<float> entering(dims.interval * block), r(dims.interval * w), state(block), d_state(block);
-      gather_columns<true>(d_final + unit * state_size, dk, dv, c0, w, d_state.data());
-      for (int64_t chunk = dims.chunks - 1; chunk >= 0; --chunk) {
-        const int64_t t0 = chunk * dims.interval, n = std::min(dims.interval, s - t0);
-        gather_columns<true>(checkpoints + (unit * dims.chunks + chunk) * state_size, dk, dv, c0, w, state.data());
-        for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again
-          if (h.starts_sample(t0 + j)) std::fill(state.begin(), state.end(), 0.f);
-          std::copy(state.begin(), state.end(), entering.data() + j * block);
-          step_transposed(h, t0 + j, c0, w, state.data(), r.data() + j * w);
-        }
-        for (int64_t j = n - 1; j >= 0; --j)
-          step_back(h, t0 + j, c0, w, entering.data() + j * block, r.data() + j * w, d_out_rows, d_state.data(),
-                    grad);
-      }
-      scatter_columns<true>(d_state.data(), dk, dv, c0, w, result(15) + unit * state_size);
-    }
+  // A (batch, key head) a unit: its value heads' column blocks add into the same dq and dk rows, each
+  // value head's into its dg and dbeta rows.
+  const int64_t per_key = dims.n / dims.nk;
+  run_units(dims.b * dims.nk, [&](int64_t key, int) {
+    std::fill(result(10) + key * s * dk, result(10) + (key + 1) * s * dk, 0.f);
+    std::fill(result(11) + key * s * dk, result(11) + (key + 1) * s * dk, 0.f);
+    for (int64_t unit = key / dims.nk * dims.n + key % dims.nk * per_key, last = unit + per_key; unit < last; ++unit)
+      rule_back(dims, dims.head(params, unit),
+                {result(10) + key * s * dk, result(11) + key * s * dk, result(12) + unit * s * dv,
+                 result(13) + unit * s, result(14) + unit * s},
+                checkpoints + unit * dims.chunks * state_size, d_out + unit * s * dv, d_final + unit * state_size,
+                result(15) + unit * state_size);
   });
   return 0;
 }

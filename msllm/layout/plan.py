@@ -165,7 +165,7 @@ def linear_activations(m, seq: int, act_bytes: int, kernels: bool = False, chunk
     kernels (CPU training, train.fused_kernels auto: msllm.kernels' conv, rule, norm and gate, whose backwards
     read their inputs and recompute the rest; tests/test_plan.py counts them off the layer):
       conv inputs   4 C                  the q, k and v projections in fp32
-      rule inputs   4 n (2 d_k + d_v + 2) q and k (one per value head), v, the decay and beta
+      rule inputs   4 (2 n_k d_k + n (d_v + 2))  q and k (one per key head), v, the decay and beta
       states        4 n d_k d_v / c      the state entering each chunk (the rule's backward restarts there)
       decay, beta   4 x 3 n              sigmoid's output, softplus's input and output (graph ops)
       output        4 x 3 n d_v + e n d_v the norm's input, its output and z (the gate's), the gated output
@@ -184,7 +184,8 @@ def linear_activations(m, seq: int, act_bytes: int, kernels: bool = False, chunk
     conv = 2 * m.linear_num_key_heads * dk + n * dv
     state = 4 * n * dk * dv / c
     if kernels:
-        return 4 * conv + 4 * n * (2 * dk + dv + 2) + state + 4 * 3 * n + (4 * 3 + act_bytes) * n * dv
+        rule = 4 * (2 * m.linear_num_key_heads * dk + n * (dv + 2))
+        return 4 * conv + rule + state + 4 * 3 * n + (4 * 3 + act_bytes) * n * dv
     projections = ((m.linear_conv_kernel + 2) * conv + 2 * n * dv + 2 * n) * act_bytes
     rule = 4 * n * (8 * dk + 4 * dv + 2 + (2 + 2 * math.ceil(math.log2(c))) * c) + state
     return projections + rule + n * dv * (8 + act_bytes)

@@ -101,8 +101,9 @@ def unit_lower_inverse(a, size: int):
 
 
 class ChunkedGatedDeltaRule(nn.Cell):
-    """The gated delta rule over a whole sequence by chunks (fp32): q, k [b, nv, s, dk] (normalised, q
-    scaled), v [b, nv, s, dv], g, beta [b, nv, s] -> (out [b, nv, s, dv], final state [b, nv, dk, dv]).
+    """The gated delta rule over a whole sequence by chunks (fp32): q, k [b, nk, s, dk] (normalised, q
+    scaled; each key head serves a run of nv / nk consecutive value heads), v [b, nv, s, dv], g, beta
+    [b, nv, s] -> (out [b, nv, s, dv], final state [b, nv, dk, dv]).
 
     In a chunk with decays cumulated from its start (c_i) and the state S entering it, the WY form of
     the rule gives u = T (beta v), w = T (beta k exp(c)) with T = (I + tril(beta k k^T exp(c_i - c_j), -1))^-1;
@@ -123,6 +124,7 @@ class ChunkedGatedDeltaRule(nn.Cell):
         self.above = Tensor(np.triu(np.full((chunk, chunk), -1e30, np.float32), 1))
 
     def construct(self, q, k, v, g, beta, segments=None, initial=None):
+        q, k = repeat_heads(q, v.shape[1]), repeat_heads(k, v.shape[1])
         b, n, s, dk = q.shape
         dv = v.shape[-1]
         size = min(self.chunk, s)
@@ -164,6 +166,14 @@ class ChunkedGatedDeltaRule(nn.Cell):
             state = state * carry[:, :, i] + ops.matmul(k_write[:, :, i].swapaxes(-1, -2), fresh)
         out = ops.concat(outs, 2) if chunks > 1 else outs[0]
         return out[:, :, :s] if pad else out, state
+
+
+def repeat_heads(x, heads: int):
+    """[b, key heads, s, d] -> [b, heads, s, d], each key head repeated for its run of value heads."""
+    b, n, s, d = x.shape
+    if n == heads:
+        return x
+    return ops.broadcast_to(x.expand_dims(2), (b, n, heads // n, s, d)).reshape(b, heads, s, d)
 
 
 def sample_masks(segments):
@@ -211,14 +221,6 @@ class GatedDeltaNet(nn.Cell):
         self.wo = Linear(values, h)
         self.rule = ChunkedGatedDeltaRule()
 
-    def repeat_heads(self, x):
-        """[b, key heads, s, d] -> [b, value heads, s, d], each key head repeated for its run of value heads."""
-        rep = self.num_value_heads // self.num_key_heads  # of the config: a constant under dynamic shapes
-        if rep == 1:
-            return x
-        b, n, s, d = x.shape
-        return ops.broadcast_to(x.expand_dims(2), (b, n, rep, s, d)).reshape(b, n * rep, s, d)
-
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         s = cos.shape[-2]
         b = x.shape[0] // s
@@ -231,7 +233,7 @@ class GatedDeltaNet(nn.Cell):
         q, window_q = self.conv_q(self.wq(x).reshape(b, s, -1), segments, windows[0])  # [b, key heads, s, dk]
         k, window_k = self.conv_k(self.wk(x).reshape(b, s, -1), segments, windows[1])  # normalised, fp32
         v, window_v = self.conv_v(self.wv(x).reshape(b, s, -1), segments, windows[2])
-        q, k = self.repeat_heads(q) * self.key_dim ** -0.5, self.repeat_heads(k)
+        q = q * self.key_dim ** -0.5  # q and k stay per key head: the rule serves each one's value heads
         v = cast(v, ms.float32).reshape(b, s, self.num_value_heads, self.value_dim).transpose(0, 2, 1, 3)
         beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
         g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
