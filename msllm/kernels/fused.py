@@ -8,10 +8,7 @@ import functools
 
 import mindspore as ms
 from mindspore import nn, ops
-from mindspore.ops import signature as sig
-
-from msllm.kernels.build import library
-from msllm.kernels.op import aot, differentiable, float32, one_float
+from msllm.kernels.op import aot, differentiable, in_place
 from msllm.models import layers
 
 
@@ -92,21 +89,6 @@ class FusedRope(nn.Cell):
         return self.rope(x, cos, sin)
 
 
-class CacheWriteInPlace(ops.Custom):
-    """(k, v [b, h, s, d], cache_k, cache_v [b, h, t, d] Parameters, start [1]) -> [1]: the new slots written into
-    the caches themselves (fp32). Marked as writing them, as AdamWUpdate its parameters, so MindSpore
-    orders it after the reads of the old caches and before those of the new."""
-
-    def __init__(self):
-        super().__init__(f"{library()}:CacheWriteInPlace", out_shape=one_float, out_dtype=float32, func_type="aot")
-        self.__mindspore_signature__ = (sig.make_sig("k", dtype=sig.sig_dtype.T),
-                                        sig.make_sig("v", dtype=sig.sig_dtype.T),
-                                        sig.make_sig("cache_k", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-                                        sig.make_sig("cache_v", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-                                        sig.make_sig("start", dtype=sig.sig_dtype.T1))
-        self.add_prim_attr("side_effect_mem", True)
-
-
 class FusedCacheWrite(layers.CacheWrite):
     """msllm.models.layers.CacheWrite as one C++ copy of each cache with the new slots written (fp32, inference),
     or, given caches to write in place, a C++ write of the new slots alone (MindSpore's scatter on CPU copies
@@ -115,7 +97,8 @@ class FusedCacheWrite(layers.CacheWrite):
     def __init__(self):
         super().__init__()
         self.write = aot("CacheWrite", lambda k, v, ck, cv, st: (ck, cv), lambda k, v, ck, cv, st: (ck, cv))
-        self.write_in_place = CacheWriteInPlace()
+        self.write_in_place = in_place("CacheWriteInPlace", "k v cache_k cache_v start", "cache_k cache_v",
+                                       ints="start")
 
     def construct(self, k, v, cache_k, cache_v, write):
         if len(write) == 2:
