@@ -350,10 +350,13 @@ def test_msllm_engine_decodes_with_recurrent_state_what_transformers_generates(h
     device.setup("cpu", "graph")
     cfg, ours, _, _ = load_model(run)
     specialise(ours, cfg, training=False)
-    # the gated attention layers' keys and values go in by the fused cache write (their partial RoPE keeps the
-    # portable rope; the write does not depend on it)
-    writes = [cell.cache_write for _, cell in ours.cells_and_names() if hasattr(cell, "cache_write")]
-    assert writes and all(isinstance(w, kernels.FusedCacheWrite) for w in writes)
+    # the gated attention layers' keys and values go in by the fused cache write, their partial RoPE by the fused
+    # rope; a Gated DeltaNet layer's decode step is the one kernel
+    attention = [cell for _, cell in ours.cells_and_names() if hasattr(cell, "cache_write")]
+    assert attention and all(isinstance(cell.cache_write, kernels.FusedCacheWrite)
+                             and isinstance(cell.rope, kernels.FusedRope) for cell in attention)
+    assert all(isinstance(cell.decode_step, kernels.GatedDeltaStep) for _, cell in ours.cells_and_names()
+               if hasattr(cell, "decode_step"))
     assert generate(cell_engine(ours), prompts, 16).ids == want
 
 

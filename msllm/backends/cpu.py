@@ -99,10 +99,12 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             cell.core = (kernels.FusedRMSNormCore(cell.eps) if fused or decode_kernels
                          else RMSNormCore(cell.dim, cell.eps))
         elif isinstance(cell, (attention.Attention, MLA)):
-            # a partial RoPE keeps the portable Cell: the kernels rotate whole heads (a Cell swapped in by an
-            # earlier specialise, FusedRope or Rope, rotates whole heads)
-            if not (isinstance(cell.rope, layers.Rope) and cell.rope.rope_dim != cell.rope.head_dim):
-                cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.rope.head_dim)
+            rope = cell.rope  # layers.Rope, or what an earlier specialise swapped in: each tells head_dim and rope_dim
+            if fused_tables or decode_kernels:
+                cell.rope = kernels.FusedRope(rope.head_dim, rope.rope_dim)
+            else:  # the rotation matrix turns whole heads: a partial RoPE keeps the portable Cell
+                cell.rope = (Rope(rope.head_dim) if rope.rope_dim == rope.head_dim
+                             else layers.Rope(rope.head_dim, rope.rope_dim))
             if decode_kernels and isinstance(cell, attention.Attention):  # the kernel's keys and values are one size,
                 cell.cache_write = kernels.FusedCacheWrite()                  # MLA's latents and rope keys are not
         elif isinstance(cell, layers.AttentionCore):
