@@ -58,9 +58,9 @@ class LayerCaches:
 class CachedInPlace(nn.Cell):
     """(input_ids [b, s], start [1], pad [b]) -> logits [b, vocab] of the last token: CachedForward with
     its caches (ModelConfig.caches of `shapes`) kept here, a Parameter per layer and cache (`caches`).
-    The full layers' keys and values (MLA's latents and rope keys) are written in place at the new
-    slots (CacheWrite's places); a ring, a recurrent state and a conv window, whose size does not follow
-    the context, are replaced by their updates."""
+    Given them with the in-place form of `write` (CacheWrite's places), the layers write them: the full
+    layers' keys and values (MLA's latents and rope keys) at the new slots, a Gated DeltaNet layer its state
+    and conv window. A ring, read and written unrolled, is replaced here by its update."""
 
     # instances so far: each names its caches apart (every family's engine in one process once compiled a graph
     # with another model's cache shape; with distinct names not seen again, the cause not pinned down)
@@ -83,7 +83,7 @@ class CachedInPlace(nn.Cell):
         # each layer's two Parameters in `flat`, and whether its caches are replaced (not written in place)
         self.layer_params = tuple((self.spans[2 * p][0] + slot, self.spans[2 * p + 1][0] + slot)
                                   for p, slot in zip(model.cache_pair, model.cache_slot))
-        self.replaced = tuple(kinds[p] != "full" for p in model.cache_pair)
+        self.replaced = tuple(kinds[p] == "sliding" for p in model.cache_pair)
 
     def layers_of(self, cache: int) -> tuple:
         # one by one: a slice of the ParameterTuple compiles to a Stack and an Unstack of the whole cache
@@ -97,7 +97,7 @@ class CachedInPlace(nn.Cell):
         pairs = ()
         for p in range(len(self.spans) // 2):
             pairs += ((self.layers_of(2 * p), self.layers_of(2 * p + 1)),)
-        write = self.model.cache_write_places(b, self.full_heads, s, start) if self.full_heads else None
+        write = self.model.cache_write_places(b, max(self.full_heads, 1), s, start)  # its form: write in place
         h, written, _ = self.model.decode_cached(input_ids, pairs, start, pad, write)
         logits = self.model.logits(h.reshape(b, s, -1)[:, -1])
         for i in range(len(self.replaced)):
@@ -142,6 +142,9 @@ class InPlaceEngine(MindSporeEngine):
         for given, held in zip(caches, cell.caches):
             if given is not held:
                 held.load(given)
+        # MindSpore's "increment" phase runs the graph it compiled first for the phase without re-checking the
+        # inputs: safe for decode, whose shapes the caches fix; a prefill's prompt bucket may change
+        cell.phase = "increment" if kind == "decode" else "predict"
         logits = cell(*(ms.Tensor(np.asarray(x, np.int32)) for x in (ids, start, pad)))
         return (logits.asnumpy(), *cell.caches)
 

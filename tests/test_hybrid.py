@@ -220,6 +220,43 @@ def test_the_cpu_kernel_rule_trains_as_the_graph_form():
         assert err <= REORDER_RTOL, f"{p.name}: max_rel {err:.2e}"
 
 
+def test_the_decode_step_kernel_is_the_graph_forms_recurrence_written_in_place():
+    """A Gated DeltaNet layer's one-token decode step, its caches Parameters written in place: the CPU's one
+    kernel (msllm.kernels.GatedDeltaStep: the conv window's shift, the convs and SiLU, q's and k's norms, the
+    decay and beta, the state update and read-out) against the portable graph form (the shifted taps, the
+    chunked rule, assigns), from the same state and window, two rows of different ones: the layer's output, the
+    state and the window it leaves are within REORDER_RTOL of their scale. Value heads of 40 columns (a block of
+    32 and a part block) serving 2 key heads; the state moves by far more than the tolerance."""
+    from msllm import kernels
+    from msllm.models.mixers.gated_deltanet import GatedDeltaNet
+
+    device.setup("cpu", "pynative")
+    cfg = replace(HYBRID, linear_value_head_dim=40)
+    mixer = GatedDeltaNet(cfg)
+    rng = np.random.default_rng(12)
+    for name, p in mixer.parameters_and_names():
+        value = np.log(rng.uniform(0.5, 2.0, p.shape)) if name.endswith("A_log") else rng.normal(0, 0.3, p.shape)
+        p.set_data(ms.Tensor(value, ms.float32))
+    x = ms.Tensor(rng.normal(size=(2, cfg.hidden_size)), ms.float32)
+    one = ms.Tensor(np.zeros((1, cfg.head_dim), np.float32))  # a table of one token: s = 1
+    real = ms.Tensor(np.ones((2, 1), np.bool_))
+    write = (ms.Tensor(np.zeros((2, 1, 1, 3), np.int32)), ms.Tensor(np.array([9], np.int32)))  # the in-place form
+    state = rng.normal(size=(2, 4, cfg.linear_key_head_dim, 40)).astype(np.float32)
+    window = rng.normal(size=(2, cfg.linear_conv_kernel - 1, 2 * 2 * 16 + 4 * 40)).astype(np.float32)
+    got = []
+    for step in (None, kernels.GatedDeltaStep()):
+        mixer.decode_step = step
+        caches = [ms.Parameter(ms.Tensor(c.copy()), name=f"cache{i}", requires_grad=False)
+                  for i, c in enumerate((state, window))]
+        out = mixer(x, one, one, real, *caches, write)[0]
+        got.append([out.asnumpy(), caches[0].asnumpy(), caches[1].asnumpy()])
+    for name, want, mine in zip(("out", "state", "window"), *got):
+        err = np.abs(mine - want).max() / np.abs(want).max()
+        assert err <= REORDER_RTOL, f"{name}: max_rel {err:.2e}"
+    assert np.abs(got[1][1] - state).max() > 100 * REORDER_RTOL * np.abs(state).max()
+    device.setup("cpu", "graph")
+
+
 def test_qwen3_5_config_reads_the_hybrid_spec():
     m = to_model_config(build("qwen3_5").config.to_dict(), "config.json")
     assert m.layer_kinds() == ["linear", "linear", "linear", "full"] and m.mixer_kinds()[0] == "gated_deltanet"
@@ -313,10 +350,13 @@ def test_msllm_engine_decodes_with_recurrent_state_what_transformers_generates(h
     device.setup("cpu", "graph")
     cfg, ours, _, _ = load_model(run)
     specialise(ours, cfg, training=False)
-    # the gated attention layers' keys and values go in by the fused cache write (their partial RoPE keeps the
-    # portable rope; the write does not depend on it)
-    writes = [cell.cache_write for _, cell in ours.cells_and_names() if hasattr(cell, "cache_write")]
-    assert writes and all(isinstance(w, kernels.FusedCacheWrite) for w in writes)
+    # the gated attention layers' keys and values go in by the fused cache write, their partial RoPE by the fused
+    # rope; a Gated DeltaNet layer's decode step is the one kernel
+    attention = [cell for _, cell in ours.cells_and_names() if hasattr(cell, "cache_write")]
+    assert attention and all(isinstance(cell.cache_write, kernels.FusedCacheWrite)
+                             and isinstance(cell.rope, kernels.FusedRope) for cell in attention)
+    assert all(isinstance(cell.decode_step, kernels.GatedDeltaStep) for _, cell in ours.cells_and_names()
+               if hasattr(cell, "decode_step"))
     assert generate(cell_engine(ours), prompts, 16).ids == want
 
 

@@ -17,6 +17,7 @@ from mindspore import Tensor, nn, ops
 from msllm import device, kernels
 from msllm.backends.cpu import Rope, RMSNormCore
 from msllm.kernels import SoftmaxAttention
+from msllm.models import layers
 from msllm.models.layers import CacheWrite, ClampedSwiGLU, GeGLU, SwiGLU, scores_shape
 from tests.numerics import REORDER_RTOL, U32
 
@@ -168,18 +169,21 @@ class RopeLoss(nn.Cell):
         return (self.rope(x, self.cos, self.sin) * upstream).sum()
 
 
+# [b*s, n*d], [b, s, n*d]; rows' own tables; partial RoPE (Qwen3.5's quarter of each head), rows' own tables
 @pytest.mark.parametrize("x_shape,table", [((2 * 24, 3 * 16), (24, 16)), ((2, 24, 3 * 16), (24, 16)),
-                                           ((2 * 24, 3 * 16), (2, 1, 24, 16))])  # [b*s, n*d], [b, s, n*d]; rows' own
+                                           ((2 * 24, 3 * 16), (2, 1, 24, 16)), ((2 * 24, 3 * 16), (2, 1, 24, 4))])
 def test_rope_matches_portable(arch, x_shape, table):
     rng = np.random.default_rng(4)
-    s, d = 24, 16
+    s, d, rope_dim = 24, 16, table[-1]
     angles = rng.uniform(0, 6, table).astype(np.float32)  # any table: checks the indexing, not RoPE's values
     cos, sin = Tensor(np.cos(angles)), Tensor(np.sin(angles))
     x = Tensor(rng.normal(size=x_shape).astype(np.float32))
     upstream = Tensor(rng.normal(size=(2, 3, s, d)).astype(np.float32))
-    want = Rope(d)(x, cos, sin).asnumpy()
-    np.testing.assert_allclose(kernels.FusedRope()(x, cos, sin).asnumpy(), want, rtol=1e-6, atol=1e-6)
-    grads = [ops.grad(RopeLoss(rope, cos, sin))(x, upstream) for rope in (Rope(d), kernels.FusedRope())]
+    portable = Rope(d) if rope_dim == d else layers.Rope(d, rope_dim)
+    want = portable(x, cos, sin).asnumpy()
+    fused = kernels.FusedRope(d, rope_dim)
+    np.testing.assert_allclose(fused(x, cos, sin).asnumpy(), want, rtol=1e-6, atol=1e-6)
+    grads = [ops.grad(RopeLoss(rope, cos, sin))(x, upstream) for rope in (portable, fused)]
     assert grads[1].shape == x.shape
     np.testing.assert_allclose(grads[1].asnumpy(), grads[0].asnumpy(), rtol=1e-5, atol=1e-6)
 

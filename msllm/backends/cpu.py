@@ -76,7 +76,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     fused: msllm.kernels' one-pass C++ ops (they take fixed shapes and, except the norm, fp32
     activations). Training uses all of them; inference (fp32) the norm, rope, SwiGLU and softmax
     ones (fewer kernel launches per decode step), the few-rows linear of decode steps, the
-    KV-cache write and the gated delta rule with its causal conv.
+    KV-cache write, the gated delta rule with its causal conv, and a Gated DeltaNet layer's whole
+    decode-step recurrence as one kernel.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, t] tables per row, or a row's own [1, s, d] and [1, s, t] ones
@@ -98,10 +99,12 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             cell.core = (kernels.FusedRMSNormCore(cell.eps) if fused or decode_kernels
                          else RMSNormCore(cell.dim, cell.eps))
         elif isinstance(cell, (attention.Attention, MLA)):
-            # a partial RoPE keeps the portable Cell: the kernels rotate whole heads (a Cell swapped in by an
-            # earlier specialise, FusedRope or Rope, rotates whole heads)
-            if not (isinstance(cell.rope, layers.Rope) and cell.rope.rope_dim != cell.rope.head_dim):
-                cell.rope = kernels.FusedRope() if fused_tables or decode_kernels else Rope(cell.rope.head_dim)
+            rope = cell.rope  # layers.Rope, or what an earlier specialise swapped in: each tells head_dim and rope_dim
+            if fused_tables or decode_kernels:
+                cell.rope = kernels.FusedRope(rope.head_dim, rope.rope_dim)
+            else:  # the rotation matrix turns whole heads: a partial RoPE keeps the portable Cell
+                cell.rope = (Rope(rope.head_dim) if rope.rope_dim == rope.head_dim
+                             else layers.Rope(rope.head_dim, rope.rope_dim))
             if decode_kernels and isinstance(cell, attention.Attention):  # the kernel's keys and values are one size,
                 cell.cache_write = kernels.FusedCacheWrite()                  # MLA's latents and rope keys are not
         elif isinstance(cell, layers.AttentionCore):
@@ -133,6 +136,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             for conv in (cell.conv_q, cell.conv_k, cell.conv_v):
                 conv.core = kernels.FusedCausalConv() if fused or decode_kernels else ShiftedTaps()
             cell.gate = kernels.FusedSwiGLU() if fused or decode_kernels else layers.SwiGLU()  # fp32 in the mixer
+            cell.decode_step = kernels.GatedDeltaStep() if decode_kernels else None  # one kernel, not ~30
         elif isinstance(cell, moe.BlockDispatch):  # the kernel needs no big blocks: it gathers no weights
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
         elif isinstance(cell, layers.Linear) and decode_kernels:

@@ -21,13 +21,13 @@ from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, ha
                                  march)
 from msllm.kernels.fused import (FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore, FusedRope,
                                  FusedSwiGLU, LinearFewRows)
-from msllm.kernels.gated_deltanet import FusedCausalConv, GatedDeltaRule
+from msllm.kernels.gated_deltanet import FusedCausalConv, GatedDeltaRule, GatedDeltaStep
 from msllm.kernels.head import FusedHead
 from msllm.kernels.moe import GroupedMatmul
 from msllm.kernels.optimizer import AdamWUpdate, sum_of_squares_op
 
 __all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite", "FusedClampedSwiGLU", "FusedGeGLU",
            "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
-           "FusedSwiGLU", "GatedDeltaRule", "GroupedMatmul", "KernelBuildError", "LinearFewRows", "SinkFlashAttention",
-           "SoftmaxAttention", "cache_dir", "enabled", "flags", "has_sgemm", "library", "library_path", "march",
-           "sum_of_squares_op"]
+           "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
+           "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags", "has_sgemm", "library",
+           "library_path", "march", "sum_of_squares_op"]

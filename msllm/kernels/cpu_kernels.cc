@@ -343,10 +343,11 @@ extern "C" int SoftmaxAttentionGrad(int nparam, void **params, int *ndims, int64
   return 0;
 }
 
-// RoPE (rotate-half) fused with the split into heads: x [b*s, n*d] (a q or k projection, rows in
-// (batch, position) order) -> y [b, n, s, d] with y = x * cos + rotate_half(x) * sin, where
-// rotate_half(x) = [-x2, x1] over the two halves of d. One pass instead of a Transpose, a MatMul
-// (the rotation) and three element-wise kernels. inputs: x, cos, sin [s, d], or [b, 1, s, d] with
+// RoPE (rotate-half) fused with the split into heads: x [b*s, n*h] (a q or k projection, rows in
+// (batch, position) order) -> y [b, n, s, h] with y = x * cos + rotate_half(x) * sin over each head's first
+// d features (the tables' width; d < h: partial RoPE, the rest passed as they are), where rotate_half(x) =
+// [-x2, x1] over the two halves of d. One pass instead of a Transpose, a MatMul (the rotation) and three
+// element-wise kernels (partial: slices and concats too). inputs: x, cos, sin [s, d], or [b, 1, s, d] with
 // each row's own positions (a cached forward over left-padded rows, packed samples) (fp32); output: y.
 extern "C" int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                          void *stream, void *extra) {
@@ -354,45 +355,47 @@ extern "C" int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes
   const float *__restrict cos = static_cast<const float *>(params[1]);
   const float *__restrict sin = static_cast<const float *>(params[2]);
   float *__restrict y = static_cast<float *>(params[3]);
-  const int64_t s = shapes[1][ndims[1] - 2], d = shapes[1][ndims[1] - 1], half = d / 2;
+  const int64_t s = shapes[1][ndims[1] - 2], d = shapes[1][ndims[1] - 1], half = d / 2, h = shapes[3][3];
   const int64_t width = shapes[0][ndims[0] - 1], table_rows = numel(ndims[1], shapes[1]) / d;  // s or b * s
-  const int64_t n = width / d, out_rows = numel(ndims[0], shapes[0]) / d;  // b * n * s
+  const int64_t n = width / h, out_rows = numel(ndims[0], shapes[0]) / h;  // b * n * s
   parallel_for(out_rows, [=](int64_t lo, int64_t hi, int) {
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t batch = row / (n * s), head = (row / s) % n, pos = row % s;
       const int64_t at = (batch * s + pos) % table_rows * d;
-      const float *src = x + (batch * s + pos) * width + head * d, *c = cos + at, *sn = sin + at;
-      float *dst = y + row * d;
+      const float *src = x + (batch * s + pos) * width + head * h, *c = cos + at, *sn = sin + at;
+      float *dst = y + row * h;
       for (int64_t j = 0; j < half; ++j) dst[j] = src[j] * c[j] - src[j + half] * sn[j];
       for (int64_t j = half; j < d; ++j) dst[j] = src[j] * c[j] + src[j - half] * sn[j];
+      for (int64_t j = d; j < h; ++j) dst[j] = src[j];
     }
-  }, std::max<int64_t>(1, (1 << 14) / d));
+  }, std::max<int64_t>(1, (1 << 14) / h));
   return 0;
 }
 
 // Its gradient, back to the projection's layout: with g = dy,
 //   dx[j] = g[j] cos[j] + g[j + d/2] sin[j + d/2]   (j < d/2)
-//   dx[j] = g[j] cos[j] - g[j - d/2] sin[j - d/2]   (j >= d/2)
-// inputs: dy [b, n, s, d], cos, sin [s, d] or [b, 1, s, d] (packed rows' own positions); output: dx [b*s, n*d].
+//   dx[j] = g[j] cos[j] - g[j - d/2] sin[j - d/2]   (d/2 <= j < d; dx[j] = g[j] past d)
+// inputs: dy [b, n, s, h], cos, sin [s, d] or [b, 1, s, d] (packed rows' own positions); output: dx [b*s, n*h].
 extern "C" int RopeHeadsGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
   const float *__restrict dy = static_cast<const float *>(params[0]);
   const float *__restrict cos = static_cast<const float *>(params[1]);
   const float *__restrict sin = static_cast<const float *>(params[2]);
   float *__restrict dx = static_cast<float *>(params[3]);
-  const int64_t s = shapes[1][ndims[1] - 2], d = shapes[1][ndims[1] - 1], half = d / 2;
-  const int64_t n = shapes[0][1], width = n * d, table_rows = numel(ndims[1], shapes[1]) / d;  // s or b * s
-  const int64_t rows = numel(ndims[0], shapes[0]) / d;
+  const int64_t s = shapes[1][ndims[1] - 2], d = shapes[1][ndims[1] - 1], half = d / 2, h = shapes[0][3];
+  const int64_t n = shapes[0][1], width = n * h, table_rows = numel(ndims[1], shapes[1]) / d;  // s or b * s
+  const int64_t rows = numel(ndims[0], shapes[0]) / h;
   parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t batch = row / (n * s), head = (row / s) % n, pos = row % s;
       const int64_t at = (batch * s + pos) % table_rows * d;
-      const float *g = dy + row * d, *c = cos + at, *sn = sin + at;
-      float *dst = dx + (batch * s + pos) * width + head * d;
+      const float *g = dy + row * h, *c = cos + at, *sn = sin + at;
+      float *dst = dx + (batch * s + pos) * width + head * h;
       for (int64_t j = 0; j < half; ++j) dst[j] = g[j] * c[j] + g[j + half] * sn[j + half];
       for (int64_t j = half; j < d; ++j) dst[j] = g[j] * c[j] - g[j - half] * sn[j - half];
+      for (int64_t j = d; j < h; ++j) dst[j] = g[j];
     }
-  }, std::max<int64_t>(1, (1 << 14) / d));
+  }, std::max<int64_t>(1, (1 << 14) / h));
   return 0;
 }
 

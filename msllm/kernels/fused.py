@@ -8,10 +8,7 @@ import functools
 
 import mindspore as ms
 from mindspore import nn, ops
-from mindspore.ops import signature as sig
-
-from msllm.kernels.build import library
-from msllm.kernels.op import aot, differentiable, float32, one_float
+from msllm.kernels.op import aot, differentiable, in_place
 from msllm.models import layers
 
 
@@ -66,45 +63,31 @@ class FusedRMSNormCore(nn.Cell):
         return self.rms_norm(x, weight, self.eps)
 
 
-def _heads_shape(x, cos, sin):
-    """[b*s, n*d] projection -> [b, n, s, d] given the [s, d] (or [b, 1, s, d]) rope table."""
-    s, d = cos[-2:]
-    rows = functools.reduce(lambda a, b: a * b, x[:-1])
-    return [rows // s, x[-1] // d, s, d]
-
-
 class FusedRope(nn.Cell):
-    """msllm.backends.cpu.Rope (split into heads + rotate-half RoPE) as one C++ pass each way (fp32).
-    Takes the [s, d] tables (the decoder passes them unbroadcast when this is in use), or [b, 1, s, d]
-    tables of each row's positions (a cached forward; packed samples and DPO branches in training)."""
+    """msllm.models.layers.Rope (split into heads of head_dim + rotate-half RoPE of their first rope_dim
+    features, partial when fewer) as one C++ pass each way (fp32). Takes the [s, rope_dim] tables (the
+    decoder passes them unbroadcast when this is in use), or [b, 1, s, rope_dim] tables of each row's
+    positions (a cached forward; packed samples and DPO branches in training)."""
 
-    def __init__(self):
+    def __init__(self, head_dim: int, rope_dim: int = 0):
         super().__init__()
-        # The backward reads only the output gradient and the tables, and gives [b*s, n*d] back.
+        self.head_dim, self.rope_dim = head_dim, rope_dim or head_dim
+
+        def heads_shape(x, cos, sin):  # [b*s, n*head_dim] -> [b, n, s, head_dim]
+            s = cos[-2]
+            rows = functools.reduce(lambda a, b: a * b, x[:-1])
+            return [rows // s, x[-1] // head_dim, s, head_dim]
+
+        # The backward reads only the output gradient and the tables, and gives [b*s, n*head_dim] back.
         grad = aot("RopeHeadsGrad", lambda dy, c, s: [dy[0] * dy[2], dy[1] * dy[3]])
 
         def bprop(x, cos, sin, out, dout):
             return grad(dout, cos, sin).reshape(x.shape), ops.zeros_like(cos), ops.zeros_like(sin)
 
-        self.rope = aot("RopeHeads", _heads_shape, bprop=bprop)
+        self.rope = aot("RopeHeads", heads_shape, bprop=bprop)
 
     def construct(self, x, cos, sin):
         return self.rope(x, cos, sin)
-
-
-class CacheWriteInPlace(ops.Custom):
-    """(k, v [b, h, s, d], cache_k, cache_v [b, h, t, d] Parameters, start [1]) -> [1]: the new slots written into
-    the caches themselves (fp32). Marked as writing them, as AdamWUpdate its parameters, so MindSpore
-    orders it after the reads of the old caches and before those of the new."""
-
-    def __init__(self):
-        super().__init__(f"{library()}:CacheWriteInPlace", out_shape=one_float, out_dtype=float32, func_type="aot")
-        self.__mindspore_signature__ = (sig.make_sig("k", dtype=sig.sig_dtype.T),
-                                        sig.make_sig("v", dtype=sig.sig_dtype.T),
-                                        sig.make_sig("cache_k", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-                                        sig.make_sig("cache_v", sig.sig_rw.RW_WRITE, dtype=sig.sig_dtype.T),
-                                        sig.make_sig("start", dtype=sig.sig_dtype.T1))
-        self.add_prim_attr("side_effect_mem", True)
 
 
 class FusedCacheWrite(layers.CacheWrite):
@@ -115,7 +98,8 @@ class FusedCacheWrite(layers.CacheWrite):
     def __init__(self):
         super().__init__()
         self.write = aot("CacheWrite", lambda k, v, ck, cv, st: (ck, cv), lambda k, v, ck, cv, st: (ck, cv))
-        self.write_in_place = CacheWriteInPlace()
+        self.write_in_place = in_place("CacheWriteInPlace", "k v cache_k cache_v start", "cache_k cache_v",
+                                       ints="start")
 
     def construct(self, k, v, cache_k, cache_v, write):
         if len(write) == 2:

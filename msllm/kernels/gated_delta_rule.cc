@@ -309,3 +309,74 @@ extern "C" int GatedDeltaRuleGrad(int nparam, void **params, int *ndims, int64_t
   });
   return 0;
 }
+
+// One decode token of a Gated DeltaNet layer, from its projections to the rule's read-out, with the layer's
+// caches written in place (msllm.models.mixers.gated_deltanet.GatedDeltaNet's decode step). Per row:
+//   the causal conv of each channel over the window's K - 1 inputs and the token's, then SiLU (q, k, v);
+//   the window shifted by the token's projections; q and k L2-normalised per key head, q scaled by dk^-1/2;
+//   beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) per value head (softplus linear above 20);
+//   each value head's state takes the token (`step`, with the q and k of its key head) and reads out S^T q.
+// inputs: q, k [b, nk dk], v [b, nv dv], a, b [b, nv] (the projections), conv weights q, k [nk dk, (1,) K], v
+// [nv dv, (1,) K], A_log, dt_bias [nv], state [b, nv, dk, dv], window [b, K - 1, 2 nk dk + nv dv] (fp32; the
+// last two written); output: out [b, nv, dv].
+extern "C" int GatedDeltaStep(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  auto in = [&](int i) { return static_cast<const float *>(params[i]); };
+  const int64_t rows = shapes[0][0], keys = shapes[0][1], values = shapes[2][1], taps = shapes[5][ndims[5] - 1];
+  const int64_t nv = shapes[10][1], dk = shapes[10][2], dv = shapes[10][3], nk = keys / dk;
+  const int64_t channels = 2 * keys + values, blocks = (dv + kColumns - 1) / kColumns;
+  float *state = static_cast<float *>(params[10]), *window = static_cast<float *>(params[11]);
+  float *out = static_cast<float *>(params[12]);
+  // per row: conv outputs q | k | v [channels], then g and beta [nv] each
+  std::vector<float> mixed(rows * (channels + 2 * nv));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  parallel_for(rows, [&](int64_t lo, int64_t hi, int) {
+    for (int64_t row = lo; row < hi; ++row) {
+      float *y = mixed.data() + row * (channels + 2 * nv), *g = y + channels, *beta = g + nv;
+      float *held = window + row * (taps - 1) * channels;
+      const int64_t widths[3] = {keys, keys, values};
+      for (int part = 0, first = 0; part < 3; first += widths[part++]) {
+        const float *x = in(part) + row * widths[part], *weight = in(5 + part);
+        for (int64_t c = 0; c < widths[part]; ++c) {
+          const float *w = weight + c * taps;
+          float pre = w[taps - 1] * x[c];
+          for (int64_t j = 0; j + 1 < taps; ++j) pre += w[j] * held[j * channels + first + c];
+          y[first + c] = pre * sigmoid(pre);
+        }
+      }
+      if (taps > 1) {  // the window moves on by the token's (unconvolved) projections
+        std::memmove(held, held + channels, sizeof(float) * (taps - 2) * channels);
+        for (int part = 0, first = 0; part < 3; first += widths[part++])
+          std::memcpy(held + (taps - 2) * channels + first, in(part) + row * widths[part],
+                      sizeof(float) * widths[part]);
+      }
+      for (int64_t head = 0; head < 2 * nk; ++head) {  // q's heads, then k's
+        float *x = y + head * dk;
+        const float norm = 1.0f / std::sqrt(dot(x, x, dk) + 1e-6f) * (head < nk ? scale : 1.0f);
+        for (int64_t i = 0; i < dk; ++i) x[i] *= norm;
+      }
+      for (int64_t h = 0; h < nv; ++h) {
+        const float z = in(3)[row * nv + h] + in(9)[h];
+        g[h] = -std::exp(in(8)[h]) * (z > 20.0f ? z : std::log1p(std::exp(z)));
+        beta[h] = sigmoid(in(4)[row * nv + h]);
+      }
+    }
+  }, 1);
+  parallel_for(rows * nv * blocks, [&](int64_t lo, int64_t hi, int) {  // a (row, value head)'s column block each
+    std::vector<float> block(dk * kColumns), r(kColumns);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t unit = task / blocks, row = unit / nv, h = unit % nv, c0 = task % blocks * kColumns;
+      const int64_t w = std::min(kColumns, dv - c0);
+      const float *y = mixed.data() + row * (channels + 2 * nv);
+      const float *q = y + h / (nv / nk) * dk;
+      const Head head{q, q + keys, y + 2 * keys + h * dv, y + channels + h, y + channels + nv + h, nullptr, dk, dv};
+      float *own = state + unit * dk * dv;
+      gather_columns<false>(own, dk, dv, c0, w, block.data());
+      by_width(w, [&](auto width) {
+        step<decltype(width)::value>(head, 0, c0, w, block.data(), r.data(), out + unit * dv);
+      });
+      scatter_columns<false>(block.data(), dk, dv, c0, w, own);
+    }
+  }, std::max<int64_t>(1, (1 << 16) / (dk * kColumns)));
+  return 0;
+}

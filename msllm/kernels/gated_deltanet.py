@@ -1,12 +1,13 @@
 """Gated DeltaNet's two cores in C++: the gated delta rule (gated_delta_rule.cc) and the causal conv with its
-SiLU (causal_conv.cc), each the same call as its graph form in msllm.models.mixers.gated_deltanet."""
+SiLU (causal_conv.cc), each the same call as its graph form in msllm.models.mixers.gated_deltanet; and a decode
+step's whole recurrence (gated_delta_rule.cc) as one kernel."""
 from __future__ import annotations
 
 import mindspore as ms
 from mindspore import nn, ops
 
 from msllm.config import GATED_DELTA_CHUNK
-from msllm.kernels.op import differentiable
+from msllm.kernels.op import differentiable, in_place
 from msllm.models.layers import cast
 
 
@@ -67,3 +68,23 @@ class FusedCausalConv(nn.Cell):
             x32 = x32.reshape(b, s, c // head_dim, head_dim)
         out = self.conv(x32, cast(weight, ms.float32), segments, cast(before, ms.float32))
         return out if head_dim else cast(out, x.dtype)
+
+
+def _read_out_shape(q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, state, window):
+    return [state[0], state[1], state[3]]
+
+
+class GatedDeltaStep(nn.Cell):
+    """msllm.models.mixers.gated_deltanet.GatedDeltaNet.recurrence for one token a row with its caches written in
+    place, as one C++ kernel (gated_delta_rule.cc, forward only): the conv window's shift, the three causal convs
+    and their SiLU, q's and k's L2 norms, the decay and beta, the state update and its read-out, where the separate
+    kernels and graph ops launched ~30. q, k, v, a, b: the token's projections [b, width]; state and window: the
+    layer's cache Parameters -> the read-out [b, value heads, d_v]. fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = in_place("GatedDeltaStep", "q k v a b conv_q conv_k conv_v A_log dt_bias state window",
+                             "state window", _read_out_shape)
+
+    def construct(self, q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, state, window):
+        return self.step(q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, state, window)

@@ -1,9 +1,11 @@
 """A kernel of the library as a MindSpore AOT Custom op: `aot` for one kernel, `differentiable` for a kernel
-whose backward is the library's kernel of the same name + "Grad", declared in a line or two."""
+whose backward is the library's kernel of the same name + "Grad", `in_place` for a kernel that writes some of
+its inputs, each declared in a line or two."""
 from __future__ import annotations
 
 import mindspore as ms
 from mindspore import ops
+from mindspore.ops import signature as sig
 
 from msllm.kernels.build import library
 
@@ -31,6 +33,19 @@ def aot(name: str, out_shape=same_as_first, out_dtype=same_as_first, bprop=None)
     dtypes to the output's (a tuple of them for several outputs)."""
     return ops.Custom(f"{library()}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot",
                       bprop=bprop)
+
+
+def in_place(name: str, inputs: str, written: str, out_shape=one_float, out_dtype=float32, ints: str = ""):
+    """The kernel `name`, whose inputs are named by `inputs` (space-separated), writing those named in `written`
+    (Parameters) in place. Marked so, as AdamWUpdate its parameters, MindSpore orders it after the reads of their
+    old values and before those of the new. `ints`: the integer inputs (the rest are one float dtype)."""
+    op = aot(name, out_shape, out_dtype)
+    writes, integer = set(written.split()), set(ints.split())
+    op.__mindspore_signature__ = tuple(
+        sig.make_sig(n, sig.sig_rw.RW_WRITE if n in writes else sig.sig_rw.RW_READ,
+                     dtype=sig.sig_dtype.T1 if n in integer else sig.sig_dtype.T) for n in inputs.split())
+    op.add_prim_attr("side_effect_mem", True)
+    return op
 
 
 def differentiable(name: str, inputs: str, out_shape=same_as_first, out_dtype=same_as_first, *, constant: str = "",

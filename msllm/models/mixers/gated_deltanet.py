@@ -197,9 +197,10 @@ class GatedDeltaNet(nn.Cell):
     which new tokens are real [b, s] (left padding is zeroed, so it changes neither state nor window).
 
     Its cache (cache_k, cache_v) is the recurrent state [b, value heads, d_k, d_v] and the conv window
-    [b, kernel - 1, conv channels] the tokens before these left, returned updated; `write` is not read:
-    the state has no slots. A prefill runs the chunked form; a decode step's one token is a chunk of one,
-    which is the recurrent form."""
+    [b, kernel - 1, conv channels] the tokens before these left, returned updated; the state has no slots,
+    so of `write` only its form is read: given the in-place form (Decoder.cache_write_places) the caches are
+    Parameters and are written here. A prefill runs the chunked form; a decode step's one token is a chunk of
+    one, which is the recurrent form."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -220,16 +221,16 @@ class GatedDeltaNet(nn.Cell):
         self.gate = SwiGLU()  # silu(z) * normed out (a device may fuse it)
         self.wo = Linear(values, h)
         self.rule = ChunkedGatedDeltaRule()
+        # a device's one kernel for recurrence at one token a row, its caches written in place (msllm.backends):
+        # (q, k, v, a, b projections, the convs' weights, A_log, dt_bias, state, window) -> read-out [b, heads, d_v]
+        self.decode_step = None
 
-    def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
-        s = cos.shape[-2]
-        b = x.shape[0] // s
-        segments = mask
-        if cache_k is not None:
-            x, segments = x * cast(mask.reshape(-1, 1), x.dtype), None
+    def recurrence(self, x, b: int, s: int, segments, state, window):
+        """x [b*s, h] -> (the rule's read-out [b*s*value heads, d_v] in token order, its final state, the conv
+        window the tokens leave): the projections q, k, v, a, b through the convs, the decay and the rule."""
         keys = self.num_key_heads * self.key_dim
         # the cached window holds the three convs' channels side by side, q then k then v
-        windows = (None,) * 3 if cache_v is None else ops.split(cache_v, (keys, keys, cache_v.shape[-1] - 2 * keys), -1)
+        windows = (None,) * 3 if window is None else ops.split(window, (keys, keys, window.shape[-1] - 2 * keys), -1)
         q, window_q = self.conv_q(self.wq(x).reshape(b, s, -1), segments, windows[0])  # [b, key heads, s, dk]
         k, window_k = self.conv_k(self.wk(x).reshape(b, s, -1), segments, windows[1])  # normalised, fp32
         v, window_v = self.conv_v(self.wv(x).reshape(b, s, -1), segments, windows[2])
@@ -237,11 +238,32 @@ class GatedDeltaNet(nn.Cell):
         v = cast(v, ms.float32).reshape(b, s, self.num_value_heads, self.value_dim).transpose(0, 2, 1, 3)
         beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
         g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
-        out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, cache_k)
-        out = self.norm(out.transpose(0, 2, 1, 3).reshape(-1, self.value_dim))
-        z = cast(self.wz(x), ms.float32).reshape(-1, self.value_dim)
-        out = cast(self.gate(z, out), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
+        out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, state)
+        window = None if window is None else ops.concat((window_q, window_k, window_v), -1)
+        return out.transpose(0, 2, 1, 3).reshape(-1, self.value_dim), state, window
+
+    def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
+        s = cos.shape[-2]
+        b = x.shape[0] // s
         if cache_k is None:
-            return self.wo(out), cache_k, cache_v
-        window = ops.concat((window_q, window_k, window_v), -1)
-        return self.wo(out), cast(state, cache_k.dtype), cast(window, cache_v.dtype)
+            out, _, _ = self.recurrence(x, b, s, mask, None, None)
+            return self.wo(self.gated(out, x)), cache_k, cache_v
+        x = x * cast(mask.reshape(-1, 1), x.dtype)  # left padding zeroed: it changes neither state nor window
+        if len(write) == 3:  # caches in and out (CachedForward: the exported graphs)
+            out, state, window = self.recurrence(x, b, s, None, cache_k, cache_v)
+            return self.wo(self.gated(out, x)), cast(state, cache_k.dtype), cast(window, cache_v.dtype)
+        # the caches are Parameters, written here (msllm.inference.CachedInPlace)
+        if s == 1 and self.decode_step is not None:
+            out = self.decode_step(self.wq(x), self.wk(x), self.wv(x), self.wa(x), self.wb(x), self.conv_q.weight,
+                                   self.conv_k.weight, self.conv_v.weight, self.A_log, self.dt_bias, cache_k, cache_v)
+            out = out.reshape(-1, self.value_dim)
+        else:
+            out, state, window = self.recurrence(x, b, s, None, cache_k, cache_v)
+            out = ops.depend(out, ops.assign(cache_k, cast(state, cache_k.dtype)))
+            out = ops.depend(out, ops.assign(cache_v, cast(window, cache_v.dtype)))
+        return self.wo(self.gated(out, x)), ops.depend(cache_k, out), ops.depend(cache_v, out)
+
+    def gated(self, out, x):
+        """The read-out rows [.., d_v] RMS-normed per head and gated by silu(wz x) -> [b*s, value heads * d_v]."""
+        z = cast(self.wz(x), ms.float32).reshape(-1, self.value_dim)
+        return cast(self.gate(z, self.norm(out)), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
