@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.bench_big_vocab import alternate, run_worker  # noqa: E402
+from tools import bench_big_vocab  # noqa: E402  (alternate, run_worker)
 
 # W1 is the reference workload; W2 a larger one that still fits 24 GB with every variant.
 WORKLOADS = {
@@ -274,7 +274,8 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
     else:
         extra = ["--worker", "torch", "--torch-attention", getattr(args, "torch_attention", "sdpa")] + (
             ["--compile"] if variant == "torch-compile" else [])
-    return run_worker([sys.executable, str(side / "tools" / "bench_train.py"), *common, *extra], str(side))
+    return bench_big_vocab.run_worker([sys.executable, str(side / "tools" / "bench_train.py"), *common, *extra],
+                                      str(side))
 
 
 def spawn_mindformers(workload: str, args) -> dict:
@@ -364,7 +365,8 @@ def main(argv=None) -> int:
         jobs = [(variant, recompute, float(capacity)) for variant in args.variants.split(",")
                 for recompute in (args.recompute.split(",") if variant.startswith("msllm") else ["none"])
                 for capacity in (args.moe_capacity.split(",") if variant.startswith("msllm") else ["0"])]
-        runs = alternate(jobs, args.rounds or 1, lambda job: spawn(job[0], args.workload, args, job[1], capacity=job[2]))
+        runs = bench_big_vocab.alternate(jobs, args.rounds or 1,
+                                         lambda job: spawn(job[0], args.workload, args, job[1], capacity=job[2]))
         for (variant, recompute, capacity), results in runs.items():
             ok = [r for r in results if "error" not in r]
             row = {"variant": variant, "recompute": recompute, "moe_capacity": capacity}

@@ -89,7 +89,7 @@ def kernel_profile(w: dict, args) -> dict:
 
 
 def thread_times() -> dict:
-    """tid -> (name, ns on a CPU, ns runnable and waiting, voluntary + involuntary switches) of this process's threads."""
+    """tid -> (name, ns on a CPU, ns runnable but waiting, context switches) of this process's threads."""
     out = {}
     for task in Path("/proc/self/task").iterdir():
         try:
