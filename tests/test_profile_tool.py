@@ -59,6 +59,17 @@ def test_kernel_profile_with_fused_kernels(tmp_path):
 
 
 @pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
+def test_threads_report_accounts_for_the_process_cpu(tmp_path):
+    r = run_tool(tmp_path, "--threads-report", "--steps", "3", "--warmup", "1")
+    threads = {t["thread"]: t for t in r["threads"]}
+    assert "ActorThread_0" in threads  # MindSpore's runtime thread launches the step's kernels
+    # Each thread's schedstat CPU time is part of the process's CPU time of the same steps (both per step;
+    # the report leaves out threads under 0.1 ms a step, and the clocks tick at different granularities).
+    threads_cpu = sum(t["cpu_ms_per_step"] for t in r["threads"])
+    assert 0.5 * r["process_cpu_ms_per_step"] <= threads_cpu <= 1.2 * r["process_cpu_ms_per_step"] + 1
+    assert len(r["wall_ms"]) == 3 and all(t["cpus"] for t in r["threads"])
+
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
 def test_compile_profile_splits_the_compile(tmp_path):
     r = run_tool(tmp_path / "shared", "--compile", "--block-graph", "shared")
     # MindSpore's phases nest: the backend phases inside the backend compile, which is part of the
