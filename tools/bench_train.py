@@ -26,7 +26,7 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
 
 --rounds runs every variant once per round, the order flipped each round, each run a process of its own
 (a drifting machine affects all alike); a cell is the median of the rounds' medians, and the rounds'
-tokens/s are listed: msllm's runs differ more between processes than between steps (docs/cpu-backend.md).
+tokens/s are listed, so the spread between processes shows (benchmarks/2026-11-28-w1-spread-cpu.md).
 
 --ab builds both msllm steps in one process and alternates them (--rounds rounds of
 --steps-per-round steps each, the order flipped every round), so a machine that drifts
