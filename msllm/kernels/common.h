@@ -35,9 +35,11 @@ constexpr int kMaxThreads = 64;
 // its kernel thread spins (sched_yield) between tasks, so no CPU is idle when a worker wakes and Linux
 // puts it on the waker's CPU: the worker preempts the caller and the kernel's chunks run one after the
 // other on one core (traced: benchmarks/2026-11-28-w1-spread-cpu.md). On the spinning thread's CPU a
-// worker gets the core, as yield hands it over. Chunks go to whoever asks first: the caller runs any chunk no
-// worker has taken once its own is done, so a worker held up behind another process's thread on a shared
-// machine delays no kernel (the caller then does the whole kernel, as if alone).
+// worker gets the core, as yield hands it over.
+//
+// Chunks go to whoever asks first: once its own is done the caller runs any chunk no worker has taken, so
+// a worker held up behind another process's thread on a shared machine delays no kernel (the caller then
+// does the whole kernel, as without the pool).
 class Pool {
  public:
   explicit Pool(int workers) {
