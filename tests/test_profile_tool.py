@@ -59,6 +59,17 @@ def test_kernel_profile_with_fused_kernels(tmp_path):
 
 
 @pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
+def test_threads_report_accounts_for_the_process_cpu(tmp_path):
+    r = run_tool(tmp_path, "--threads-report", "--steps", "3", "--warmup", "1")
+    threads = {t["thread"]: t for t in r["threads"]}
+    assert "ActorThread_0" in threads  # MindSpore's runtime thread launches the step's kernels
+    # Each thread's schedstat CPU time is part of the process's CPU time of the same steps (both per step;
+    # the report leaves out threads under 0.1 ms a step, and the clocks tick at different granularities).
+    threads_cpu = sum(t["cpu_ms_per_step"] for t in r["threads"])
+    assert 0.5 * r["process_cpu_ms_per_step"] <= threads_cpu <= 1.2 * r["process_cpu_ms_per_step"] + 1
+    assert len(r["wall_ms"]) == 3 and all(t["cpus"] for t in r["threads"])
+
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
 def test_compile_profile_splits_the_compile(tmp_path):
     r = run_tool(tmp_path / "shared", "--compile", "--block-graph", "shared")
     # MindSpore's phases nest: the backend phases inside the backend compile, which is part of the
@@ -114,3 +125,32 @@ def test_ab_runs_the_real_steps():
     r = bench_train().ab_compare(tiny, "fused-kernels", rounds=2, steps_per_round=2)
     assert r["steps_each"] == 4
     assert 0 < r["on_step_s"] < 10 and 0 < r["off_step_s"] < 10  # tiny steps: milliseconds, not a hang
+
+
+def test_sched_placement_counts_wakeups_and_who_waited_behind_whom():
+    """tools/sched_placement.py on a hand-written `perf script` trace: the pool worker woken once on its
+    caller's CPU (preempting it for 2 ms) and once on the kernel thread's (preempting that one for 3 ms)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import sched_placement
+
+    def switch(cpu, t, prev, prev_tid, state, nxt, next_tid):
+        return (f"{prev} {prev_tid} [{cpu:03d}] {t:.6f}: sched:sched_switch: prev_comm={prev} prev_pid={prev_tid} "
+                f"prev_prio=120 prev_state={state} ==> next_comm={nxt} next_pid={next_tid} next_prio=120")
+
+    def wakeup(cpu, t, target):
+        return f"X 1 [{cpu:03d}] {t:.6f}: sched:sched_wakeup: comm=msllm_pool_1 pid=12 prio=120 target_cpu={target:03d}"
+
+    trace = [switch(1, 1.000, "swapper/1", 0, "R", "ActorThread_0", 10),
+             switch(0, 1.000, "swapper/0", 0, "R", "KernelThread_0", 11),
+             wakeup(1, 1.010, 1), switch(1, 1.010, "ActorThread_0", 10, "R", "msllm_pool_1", 12),
+             switch(1, 1.012, "msllm_pool_1", 12, "S", "ActorThread_0", 10),
+             wakeup(1, 1.020, 0), switch(0, 1.020, "KernelThread_0", 11, "R", "msllm_pool_1", 12),
+             switch(0, 1.023, "msllm_pool_1", 12, "S", "KernelThread_0", 11),
+             switch(0, 1.030, "KernelThread_0", 11, "S", "swapper/0", 0)]
+    r = sched_placement.placement(trace)
+    assert r["worker_wakeups"] == {"on the caller's CPU": 1, "elsewhere": 1}
+    assert r["shared_s"].keys() == {("msllm_pool_1", "ActorThread_0"), ("msllm_pool_1", "KernelThread_0")}
+    assert r["shared_s"][("msllm_pool_1", "ActorThread_0")] == pytest.approx(0.002)
+    assert r["shared_s"][("msllm_pool_1", "KernelThread_0")] == pytest.approx(0.003)
+    assert r["ran_s"]["msllm_pool_1"] == pytest.approx(0.005)
+    assert r["ran_s"]["KernelThread_0"] == pytest.approx(0.027)

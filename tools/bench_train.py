@@ -19,6 +19,14 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
                                                          # 8 experts top-2: dropless and capacity dispatch
     python tools/bench_train.py --family gpt_oss --variants msllm-graph,torch-eager,torch-compile
                                                          # sinks, alternating windows, 4 experts top-2
+    python tools/bench_train.py --variants msllm-graph,torch-compile --rounds 4
+                                                         # 4 alternated pairs, each run its own process
+    python tools/bench_train.py --variants msllm-before,msllm-graph --before /tmp/before --rounds 6
+                                                         # msllm of another checkout (git worktree add) vs this one
+
+--rounds runs every variant once per round, the order flipped each round, each run a process of its own
+(a drifting machine affects all alike); a cell is the median of the rounds' medians, and the rounds'
+tokens/s are listed, so the spread between processes shows (benchmarks/2026-11-28-w1-spread-cpu.md).
 
 --ab builds both msllm steps in one process and alternates them (--rounds rounds of
 --steps-per-round steps each, the order flipped every round), so a machine that drifts
@@ -40,6 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tools import bench_big_vocab  # noqa: E402  (alternate, run_worker)
+
 # W1 is the reference workload; W2 a larger one that still fits 24 GB with every variant.
 WORKLOADS = {
     "W1": dict(vocab=4096, hidden=512, layers=4, heads=8, kv_heads=8, ffn=1376, seq=256, batch=4),
@@ -50,6 +60,8 @@ WORKLOADS = {
     "T": dict(vocab=512, hidden=64, layers=4, heads=4, kv_heads=4, ffn=128, seq=32, batch=2),
 }
 VARIANTS = ("msllm-graph", "msllm-pynative", "torch-eager", "torch-compile", "mindformers")
+# --before's variant: msllm-graph run from that checkout (its own tools/bench_train.py worker)
+BEFORE = "msllm-before"
 # Family -> (transformers config class, model class, what the family adds to the workload's shape, a value or
 # a function of the workload): Qwen3's head_dim 128 apart from hidden / heads, Gemma 3's sliding window half
 # the sequence; Qwen3.5 its default 3 Gated DeltaNet layers to 1 gated attention layer, as many value heads
@@ -249,6 +261,10 @@ def run_worker(args) -> None:
 def spawn(variant: str, workload: str, args, recompute: str = "none", layers: int = 0, capacity: float = 0.0) -> dict:
     if variant == "mindformers":
         return spawn_mindformers(workload, args)
+    if variant == BEFORE and not args.before:
+        return {"error": f"{BEFORE} needs --before CHECKOUT"}
+    side = Path(args.before).resolve() if variant == BEFORE else REPO
+    variant = "msllm-graph" if variant == BEFORE else variant
     common = ["--workload", workload, "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--threads", str(args.threads), "--layers", str(layers), "--family", args.family, "--seq", str(args.seq)]
     if variant.startswith("msllm"):
@@ -258,12 +274,8 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
     else:
         extra = ["--worker", "torch", "--torch-attention", getattr(args, "torch_attention", "sdpa")] + (
             ["--compile"] if variant == "torch-compile" else [])
-    proc = subprocess.run([sys.executable, __file__, *common, *extra], capture_output=True, text=True,
-                          env={**os.environ, "GLOG_v": "3"}, cwd=REPO)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    return bench_big_vocab.run_worker([sys.executable, str(side / "tools" / "bench_train.py"), *common, *extra],
+                                      str(side))
 
 
 def spawn_mindformers(workload: str, args) -> dict:
@@ -312,7 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--moe-capacity", default="0", help="comma list for msllm variants of a MoE family: "
                    "train.moe_capacity_factor (0: dropless)")
     p.add_argument("--ab", choices=list(AB_SWITCHES), help="in-process A/B of one switch, on vs off")
-    p.add_argument("--rounds", type=int, default=12, help="--ab: alternations")
+    p.add_argument("--rounds", type=int, help="--ab: alternations (default 12); otherwise rounds of every "
+                   "variant, the order flipped each round (default 1)")
+    p.add_argument("--before", help=f"checkout of msllm whose msllm-graph runs as variant {BEFORE}")
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--peak-flops", type=float, default=3.8e11)  # measured 2-thread fp32 GEMM here
     p.add_argument("--out", default="runs/bench")
@@ -331,7 +345,7 @@ def main(argv=None) -> int:
     w = workload(args)
     tokens_per_step = w["batch"] * w["seq"]
     if args.ab:
-        r = ab_compare(w, args.ab, args.rounds, args.steps_per_round, args.threads, args.family)
+        r = ab_compare(w, args.ab, args.rounds or 12, args.steps_per_round, args.threads, args.family)
         print(f"{args.workload}: {args.ab} on {r['on_step_s'] * 1e3:.1f} ms/step "
               f"({tokens_per_step / r['on_step_s']:,.0f} tok/s), off {r['off_step_s'] * 1e3:.1f} ms/step "
               f"({tokens_per_step / r['off_step_s']:,.0f} tok/s): on is {r['speedup']:.3f}x, "
@@ -348,31 +362,39 @@ def main(argv=None) -> int:
                   f"later steps {r.get('step_s', float('nan')):.2f}s "
                   f"{r.get('error', '')}", flush=True)
     else:
-        for variant in args.variants.split(","):
-            msllm = variant.startswith("msllm")
-            for recompute, capacity in [(r, float(c)) for r in (args.recompute.split(",") if msllm else ["none"])
-                                        for c in (args.moe_capacity.split(",") if msllm else ["0"])]:
-                r = spawn(variant, args.workload, args, recompute=recompute, capacity=capacity)
-                rows.append({"variant": variant, "recompute": recompute, "moe_capacity": capacity, **r})
-                print(f"  {variant:<16} {recompute:<10} cap {capacity:<5} " + (f"error: {r['error']}" if "error" in r else
-                      f"{tokens_per_step / r['step_s']:>8.0f} tok/s  first {r['first_step_s']:.1f}s  "
-                      f"rss {r['peak_rss_mb']:.0f} MB"), flush=True)
+        jobs = [(variant, recompute, float(capacity)) for variant in args.variants.split(",")
+                for recompute in (args.recompute.split(",") if variant.startswith("msllm") else ["none"])
+                for capacity in (args.moe_capacity.split(",") if variant.startswith("msllm") else ["0"])]
+        runs = bench_big_vocab.alternate(jobs, args.rounds or 1,
+                                         lambda job: spawn(job[0], args.workload, args, job[1], capacity=job[2]))
+        for (variant, recompute, capacity), results in runs.items():
+            ok = [r for r in results if "error" not in r]
+            row = {"variant": variant, "recompute": recompute, "moe_capacity": capacity}
+            if not ok:
+                rows.append({**row, "error": results[-1]["error"]})
+                continue
+            rows.append({**row, "step_s": statistics.median(r["step_s"] for r in ok),
+                         "first_step_s": statistics.median(r["first_step_s"] for r in ok),
+                         "peak_rss_mb": max(r["peak_rss_mb"] for r in ok), "round_step_s": [r["step_s"] for r in ok]})
         flops = model_config(w, args.family).flops_per_token(w["seq"])
         base = next((r for r in rows if r["variant"] == "torch-eager" and "error" not in r), None)
         print(f"\n{args.workload} {args.family} {w}, {args.threads} threads, median of {args.steps} steps after "
-              f"{args.warmup} warm-up")
-        print("| variant | recompute | MoE capacity | tokens/s | vs torch eager | MFU | first step s | peak RSS MB |")
-        print("|---|---|---|---|---|---|---|---|")
+              f"{args.warmup} warm-up" + (f"; {args.rounds} alternated rounds, median of their medians"
+                                          if (args.rounds or 1) > 1 else ""))
+        print("| variant | recompute | MoE capacity | tokens/s | vs torch eager | MFU | first step s | peak RSS MB "
+              "| tokens/s per round |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
-                print(f"| {r['variant']} | {r['recompute']} | {r['moe_capacity']} | skipped: {r['error']} | | | | |")
+                print(f"| {r['variant']} | {r['recompute']} | {r['moe_capacity']} | skipped: {r['error']} | | | | | |")
                 continue
             tps = tokens_per_step / r["step_s"]
             r.update(tokens_per_s=tps, mfu=tps * flops / args.peak_flops,
                      vs_torch_eager=tps * base["step_s"] / tokens_per_step if base else None)
             ratio = f"{r['vs_torch_eager']:.2f}x" if base else "n/a"
+            per_round = ", ".join(f"{tokens_per_step / x:,.0f}" for x in r["round_step_s"])
             print(f"| {r['variant']} | {r['recompute']} | {r['moe_capacity'] or 'dropless'} | {tps:,.0f} | {ratio} | {r['mfu']:.1%} | "
-                  f"{r['first_step_s']:.1f} | {r['peak_rss_mb']:.0f} |")
+                  f"{r['first_step_s']:.1f} | {r['peak_rss_mb']:.0f} | {per_round} |")
     save(args, f"bench_{args.workload}_{args.family}", {"workload": args.workload, "family": args.family, "shape": w,
                                                         "threads": args.threads, "rows": rows})
     return 0

@@ -3,6 +3,11 @@
 Kernel time: runs the train step (GRAPH mode) under MindSpore's profiler and prints, per kernel
 type, how many kernels one step launches and their summed time per step, next to the wall time
 of the same steps without the profiler.
+Threads (--threads-report, Linux): per thread of the process (MindSpore's ActorThread_* and KernelThread_*,
+msllm's kernel pool msllm_pool_*, ...) its CPU time and its time runnable but waiting for a CPU per step
+(/proc schedstat), its context switches and the CPUs it may run on, next to the step's wall and process
+CPU time. These hold on a loaded machine where wall times do not: e.g. a pool thread that waits as long as
+it runs shares a CPU with another busy thread.
 Compile time: compiles the step once with MindSpore's compile statistics switched on
 (MS_DEV_RUNTIME_CONF=compile_statistics:True) and splits it into frontend (parse, type
 inference, autodiff, graph passes) and backend phases (kernel graph passes, kernel creation,
@@ -10,6 +15,7 @@ actor scheduling).
 
     python tools/profile_step.py                          # W1 kernel profile
     python tools/profile_step.py --compile --layers 32    # W1 shape, 32 layers: compile phases
+    python tools/profile_step.py --threads-report         # W1: CPU and run-queue wait of each thread
     python tools/profile_step.py --shape hidden=64,ffn=128,vocab=512,seq=32,batch=2,layers=2
 
 JSON goes to runs/profile/.
@@ -88,6 +94,46 @@ def kernel_types(run, steps: int) -> list[dict]:
                   key=lambda r: -r["ms_per_step"])
 
 
+def thread_times() -> dict:
+    """tid -> (name, ns on a CPU, ns runnable but waiting, context switches) of this process's threads."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            run_ns, wait_ns, _ = map(int, (task / "schedstat").read_text().split())
+            status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+            switches = int(status["voluntary_ctxt_switches"]) + int(status["nonvoluntary_ctxt_switches"])
+            out[int(task.name)] = ((task / "comm").read_text().strip(), run_ns, wait_ns, switches)
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+    return out
+
+
+def thread_report(w: dict, args) -> dict:
+    step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels,
+                                   block_graph=args.block_graph, family=args.family)
+    for _ in range(args.warmup):
+        step(batch)[0].asnumpy()
+    before, wall, cpu = thread_times(), [], []
+    for _ in range(args.steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        step(batch)[0].asnumpy()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    after = thread_times()
+    threads = []
+    for tid, (name, run_ns, wait_ns, switches) in after.items():
+        _, run0, wait0, switches0 = before.get(tid, (name, 0, 0, 0))
+        run_ms = (run_ns - run0) / 1e6 / args.steps
+        if run_ms >= 0.1:  # threads that worked during the steps
+            threads.append({"thread": name, "tid": tid, "cpu_ms_per_step": run_ms,
+                            "wait_ms_per_step": (wait_ns - wait0) / 1e6 / args.steps,
+                            "switches_per_step": (switches - switches0) / args.steps,
+                            "cpus": sorted(os.sched_getaffinity(tid))})
+    return {"wall_ms_per_step": statistics.median(wall) * 1e3, "wall_ms": [x * 1e3 for x in wall],
+            "process_cpu_ms_per_step": statistics.median(cpu) * 1e3,
+            "threads": sorted(threads, key=lambda t: -t["cpu_ms_per_step"])}
+
+
 def compile_worker(w: dict, args) -> None:
     step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels,
                                    block_graph=args.block_graph, family=args.family)
@@ -125,6 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="", help="overrides of the workload, e.g. hidden=64,layers=2")
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="profile the compile instead of the step")
+    p.add_argument("--threads-report", action="store_true", help="CPU and run-queue wait per thread instead of kernels")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -139,7 +186,16 @@ def main(argv=None) -> int:
         return 0
 
     print(f"{args.workload} {w}, {args.threads} threads")
-    if args.compile:
+    if args.threads_report:
+        r = thread_report(w, args)
+        print(f"step {r['wall_ms_per_step']:.1f} ms wall, {r['process_cpu_ms_per_step']:.1f} ms process CPU "
+              f"(steps: {', '.join(f'{x:.0f}' for x in r['wall_ms'])} ms)")
+        print("| thread | CPU ms per step | waiting for a CPU ms per step | switches per step | CPUs |")
+        print("|---|---|---|---|---|")
+        for t in r["threads"]:
+            print(f"| {t['thread']} | {t['cpu_ms_per_step']:.1f} | {t['wait_ms_per_step']:.1f} | "
+                  f"{t['switches_per_step']:.0f} | {','.join(map(str, t['cpus']))} |")
+    elif args.compile:
         r = compile_profile(w, args)
         print(f"compile {r['compile_s']:.2f} s: frontend {r['frontend_s']:.2f} s, backend {r['backend_s']:.2f} s, "
               f"{r['kernel_graphs']} kernel graphs")
@@ -157,7 +213,7 @@ def main(argv=None) -> int:
             print(f"| {o['op']} | {o['kernels_per_step']:.0f} | {o['ms_per_step']:.1f} | {o['ms_per_step'] / busy:.1%} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kind = "compile" if args.compile else "kernels"
+    kind = "threads" if args.threads_report else "compile" if args.compile else "kernels"
     path = out / f"profile_{kind}_{args.workload}_L{w['layers']}_{time.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(json.dumps({"workload": args.workload, "shape": w, "threads": args.threads, **r}, indent=1))
     print(f"saved {path}")
