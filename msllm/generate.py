@@ -34,8 +34,8 @@ def pick_tokens(logits: np.ndarray, sampling: Sampling, rngs: list[np.random.Gen
     """The next token of each row from logits [n, vocab], row i drawing one uniform from rngs[i] (rows may
     share a generator: they draw in row order). The whole batch in a few numpy calls: a per-row Python
     sampler cost ~15% of a batch-16 rollout's decode step. Without top_k / top_p nothing is sorted: the
-    inverse CDF runs in vocabulary order (the same distribution as over sorted tokens). exp in fp32 (numpy's
-    fp64 exp is scalar on AVX2: 3x the whole sampler), summed in fp64; the CDF is left unnormalised (u
+    inverse CDF runs in vocabulary order (the same distribution as over sorted tokens). exp in fp32 (the fp64
+    sampler took 1.4-3x as long on a loaded 2-core AVX2 machine), summed in fp64; the CDF is left unnormalised (u
     scales by its total), so each probability is off by fp32 rounding alone."""
     if sampling.greedy:
         return np.argmax(logits, -1)
