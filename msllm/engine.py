@@ -49,11 +49,26 @@ class Engine:
 
     def start(self, prompts: list[list[int]], max_new: int) -> np.ndarray:
         """Prefill a batch of prompts (lengths may differ) with room for max_new tokens after the
-        longest; logits [b, vocab] of each prompt's last token."""
+        longest; logits [b, vocab] of each prompt's last token. A prompt given more than once (a GRPO
+        group's rows) is prefilled once and its caches copied to each of its rows: a row's prefill does
+        not depend on the rows beside it."""
         self.graph("decode")  # a graph that cannot load fails before the first token, not after it
         longest = max(len(p) for p in prompts)
         if longest + max_new > self.cfg.max_seq_len:
             raise ValueError(f"{longest} + {max_new} tokens exceed the context of {self.cfg.max_seq_len}")
+        distinct = {tuple(p): None for p in prompts}
+        if len(distinct) == len(prompts):
+            return self.prefill(prompts, max_new)
+        rows = {p: i for i, p in enumerate(distinct)}
+        rows = np.array([rows[tuple(p)] for p in prompts])
+        logits = self.prefill([list(p) for p in distinct], max_new)
+        self.cache = [np.take(c.asnumpy() if hasattr(c, "asnumpy") else c, rows, axis=1) for c in self.cache]
+        self.pad = self.pad[rows]
+        return logits[rows]
+
+    def prefill(self, prompts: list[list[int]], max_new: int) -> np.ndarray:
+        """start's prefill of every row as given."""
+        longest = max(len(p) for p in prompts)
         width = bucket(longest, PROMPT_BUCKET)
         ids = np.zeros((len(prompts), width), np.int64)
         self.pad = np.array([width - len(p) for p in prompts], np.int64)  # left padding: last tokens line up

@@ -145,6 +145,29 @@ def test_a_batch_samples_each_rows_distribution_from_its_own_stream(sampling):
     alone = np.random.default_rng(2)
     assert [int(pick_tokens(logits[1:2], sampling, [alone])[0]) for _ in range(50)] == picks[:50, 1].tolist()
 
+def test_the_sampler_draws_the_fp64_inverse_cdf_tokens_up_to_fp32_rounding():
+    """pick_tokens (exp in fp32, summed in fp64) against the fp64 inverse CDF drawing the same uniforms, on 16
+    rows of 4096 logits (a rollout step's), at temperature 0.7: a draw can differ only where its uniform falls
+    between the two CDFs, a mass of sum |cdf - cdf64| per row; the mismatches stay within that expectation
+    over the draws + 5 standard deviations."""
+    logits = (np.random.default_rng(0).normal(size=(16, 4096)) * 3).astype(np.float32)
+    sampling, draws = Sampling(temperature=0.7, sample=True), 500
+    z = logits.astype(np.float64) / 0.7
+    p = np.exp(z - z.max(-1, keepdims=True))
+    cdf64 = np.cumsum(p / p.sum(-1, keepdims=True), -1)
+    z32 = logits / np.float32(0.7)
+    cdf = np.cumsum(np.exp(z32 - z32.max(-1, keepdims=True)), -1, dtype=np.float64)
+    disagree = np.abs(cdf / cdf[:, -1:] - cdf64).sum()  # over the rows: the expected mismatches of one draw each
+    ours, theirs = [np.random.default_rng(seed) for seed in range(16)], [np.random.default_rng(s) for s in range(16)]
+    mismatches = 0
+    for _ in range(draws):
+        u = np.array([rng.random() for rng in theirs])
+        want = np.minimum((cdf64 <= u[:, None]).sum(-1), 4095)
+        mismatches += int((pick_tokens(logits, sampling, ours) != want).sum())
+    expected = draws * disagree
+    assert mismatches <= expected + 5 * np.sqrt(expected) + 1e-9, (mismatches, expected)
+
+
 def test_cli_chat_streams_the_reply_and_stops(chat_model):
     device.setup("cpu", "pynative")
     _, model, tokenizer, conventions = load_run(chat_model / "msllm")

@@ -130,15 +130,18 @@ def test_a_hybrid_with_a_sliding_layer_decodes_as_its_full_forward():
     """A Gated DeltaNet layer, a sliding layer (ring of 4) and a full one (transformers has no such hybrid msllm
     reads): 16-token left-padded prompts prefilled in one call (the window's last 4 slots left in the ring), then
     decode steps that hand on the recurrent state and conv window and wrap the ring, each step's logits the full
-    forward's; the caches are the ring, the full layer's slots and the linear layer's state and conv window."""
+    forward's; the caches are the ring, the full layer's slots and the linear layer's state and conv window.
+    The first prompt given twice (a GRPO group's rows) is prefilled once, every cache copied to both rows."""
     hybrid = HYBRID
     device.setup("cpu", "pynative")
     model = build_model(hybrid, seed=5)
     model.set_train(False)
-    engine = decodes_as_the_full_forward(model, decode_rows(hybrid), 0)
+    rows = decode_rows(hybrid)
+    engine = decodes_as_the_full_forward(model, rows + rows[:1], 0)
+    assert sorted(shapes[0][1] for shapes in engine.in_place) == [2, 3]  # the prefill's rows, the decode's
     assert {name: c.shape for name, c in zip(hybrid.cache_names(), engine.cache)} == {
-        "keys": (1, 2, 2, 64, 16), "values": (1, 2, 2, 64, 16), "ring_keys": (1, 2, 2, 4, 16),
-        "ring_values": (1, 2, 2, 4, 16), "states": (1, 2, 4, 8, 8), "windows": (1, 2, 3, 64)}
+        "keys": (1, 3, 2, 64, 16), "values": (1, 3, 2, 64, 16), "ring_keys": (1, 3, 2, 4, 16),
+        "ring_values": (1, 3, 2, 4, 16), "states": (1, 3, 4, 8, 8), "windows": (1, 3, 3, 64)}
 
 
 def test_caches_come_two_per_kind_of_layer_and_a_ring_holds_the_window():
