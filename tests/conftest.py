@@ -1,3 +1,4 @@
+import inspect
 import json
 import os
 import shutil
@@ -55,26 +56,26 @@ def run_under_msrun(script: Path, out: Path, workers: int = 2, args: tuple = (),
     assert done.returncode == 0, (out / "logs" / f"worker_{workers - 1}.log").read_text()[-3000:]
 
 
-# worker module (tests/workers.py runs each one's main) -> the test module that reads its results; test_dpo and
-# test_grpo give train_worker the `msllm` commands their two_worker_commands(out) return
-WORKERS = {"tests.test_distributed": "dp_worker", "tests.test_context_parallel": "cp_worker",
-           "tests.test_moe": "ep_worker", "tests.test_dpo": "train_worker", "tests.test_grpo": "train_worker"}
+# test module -> the worker modules whose results it reads (tests/workers.py runs each one's main); for
+# train_worker the module's two_worker_commands(out, *session fixtures) gives the `msllm` commands
+WORKERS = {"tests.test_distributed": ("dp_worker", "train_worker"), "tests.test_context_parallel": ("cp_worker",),
+           "tests.test_moe": ("ep_worker",), "tests.test_dpo": ("train_worker",), "tests.test_grpo": ("train_worker",)}
 
 
 @pytest.fixture(scope="session")
 def msrun_workers(request, tmp_path_factory) -> Path:
-    """The worker modules whose results this session's tests read (tests/dp_worker.py, cp_worker.py,
-    ep_worker.py, and train_worker.py with test_dpo's and test_grpo's commands: all of them in CI) on the
-    2 workers of one msrun launch (tests/workers.py: one start-up, cluster join and teardown for all).
-    OUT/<worker>/ holds each one's results, OUT/ep_worker/ also the one-process runs ep_worker's resume
-    starts from, and OUT/train_worker/<test module>/ that module's inputs and runs (both written first, here)."""
+    """The worker modules whose results this session's tests read (all of WORKERS' in CI) on the 2 workers of
+    one msrun launch (tests/workers.py: one start-up, cluster join and teardown for all, ~20 s a launch).
+    OUT/<worker>/ holds each one's results; OUT/ep_worker/ also the one-process runs ep_worker's resume starts
+    from, and OUT/train_worker/<test module>/ that module's inputs and runs (both written first, here)."""
     from msllm import device
     from tests import ep_worker
 
     device.setup("cpu", "graph")
     readers = sorted({item.module for item in request.session.items if "msrun_workers" in item.fixturenames},
                      key=lambda module: module.__name__)
-    names = [name for name in dict.fromkeys(WORKERS.values()) if name in {WORKERS[m.__name__] for m in readers}]
+    wanted = {name for m in readers for name in WORKERS[m.__name__]}
+    names = [name for name in ("dp_worker", "cp_worker", "ep_worker", "train_worker") if name in wanted]
     out = tmp_path_factory.mktemp("msrun_workers")
     for name in names:
         (out / name).mkdir()
@@ -83,10 +84,11 @@ def msrun_workers(request, tmp_path_factory) -> Path:
     if "train_worker" in names:
         commands = []
         for module in readers:
-            if WORKERS[module.__name__] == "train_worker":
+            if "train_worker" in WORKERS[module.__name__]:
                 mine = out / "train_worker" / module.__name__.rpartition(".")[2]
                 mine.mkdir()
-                commands += module.two_worker_commands(mine)
+                make = module.two_worker_commands  # its arguments after `out` name session fixtures, as a test's
+                commands += make(mine, *map(request.getfixturevalue, list(inspect.signature(make).parameters)[1:]))
         write_commands(out / "train_worker", commands)
     # all five: ~3.5 min of compiles on a quiet 2-core machine, give the loaded one room
     run_under_msrun(REPO / "tests" / "workers.py", out, args=names, timeout=1200)
