@@ -90,7 +90,7 @@ def msrun_workers(request, tmp_path_factory) -> Path:
                 make = module.two_worker_commands  # its arguments after `out` name session fixtures, as a test's
                 commands += make(mine, *map(request.getfixturevalue, list(inspect.signature(make).parameters)[1:]))
         write_commands(out / "train_worker", commands)
-    # all five: ~3.5 min of compiles on a quiet 2-core machine, give the loaded one room
+    # all of them: ~14 min on a 2-core machine at load ~10 (3-4 min quiet, by the CI times before), give it room
     run_under_msrun(REPO / "tests" / "workers.py", out, args=names, timeout=1200)
     return out
 
