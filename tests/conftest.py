@@ -91,7 +91,7 @@ def msrun_workers(request, tmp_path_factory) -> Path:
                 commands += make(mine, *map(request.getfixturevalue, list(inspect.signature(make).parameters)[1:]))
         write_commands(out / "train_worker", commands)
     # all of them: ~14 min on a 2-core machine at load ~10 (3-4 min quiet, by the CI times before), give it room
-    run_under_msrun(REPO / "tests" / "workers.py", out, args=names, timeout=1200)
+    run_under_msrun(REPO / "tests" / "workers.py", out, args=names, timeout=1500)
     return out
 
 
