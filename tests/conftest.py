@@ -1,3 +1,5 @@
+import inspect
+import json
 import os
 import shutil
 import subprocess
@@ -54,31 +56,62 @@ def run_under_msrun(script: Path, out: Path, workers: int = 2, args: tuple = (),
     assert done.returncode == 0, (out / "logs" / f"worker_{workers - 1}.log").read_text()[-3000:]
 
 
+# test module -> the worker modules whose results it reads (tests/workers.py runs each one's main); for
+# train_worker the module's two_worker_commands(out, *session fixtures) gives the `msllm` commands
+WORKERS = {"tests.test_distributed": ("dp_worker", "train_worker"), "tests.test_context_parallel": ("cp_worker",),
+           "tests.test_moe": ("ep_worker",), "tests.test_dpo": ("train_worker",), "tests.test_grpo": ("train_worker",)}
+
+
 @pytest.fixture(scope="session")
-def msrun_workers(tmp_path_factory) -> Path:
-    """tests/dp_worker.py, cp_worker.py and ep_worker.py on the 2 workers of one msrun launch (tests/workers.py:
-    one start-up, cluster join and teardown for the three); OUT/<worker>/ holds each one's results, and
-    OUT/ep_worker/ also the one-process runs ep_worker's resume starts from (written first, here)."""
+def msrun_workers(request, tmp_path_factory) -> Path:
+    """The worker modules whose results this session's tests read (all of WORKERS' in CI) on the 2 workers of
+    one msrun launch (tests/workers.py: one start-up, cluster join and teardown for all, ~20 s a launch).
+    OUT/<worker>/ holds each one's results; OUT/ep_worker/ also the one-process runs ep_worker's resume starts
+    from, and OUT/train_worker/<test module>/ that module's inputs and runs (both written first, here)."""
     from msllm import device
     from tests import ep_worker
 
     device.setup("cpu", "graph")
+    readers = sorted({item.module for item in request.session.items if "msrun_workers" in item.fixturenames},
+                     key=lambda module: module.__name__)
+    wanted = {name for m in readers for name in WORKERS[m.__name__]}
+    names = [name for name in ("dp_worker", "cp_worker", "ep_worker", "train_worker") if name in wanted]
     out = tmp_path_factory.mktemp("msrun_workers")
-    names = ("dp_worker", "cp_worker", "ep_worker")
     for name in names:
         (out / name).mkdir()
-    ep_worker.write_one_process(out / "ep_worker")
-    # one launch's worth of compiles: ~2.5 min on a quiet 2-core machine, give the loaded one room
-    run_under_msrun(REPO / "tests" / "workers.py", out, args=names, timeout=900)
+    if "ep_worker" in names:
+        ep_worker.write_one_process(out / "ep_worker")
+    if "train_worker" in names:
+        commands = []
+        for module in readers:
+            if "train_worker" in WORKERS[module.__name__]:
+                mine = out / "train_worker" / module.__name__.rpartition(".")[2]
+                mine.mkdir()
+                make = module.two_worker_commands  # its arguments after `out` name session fixtures, as a test's
+                commands += make(mine, *map(request.getfixturevalue, list(inspect.signature(make).parameters)[1:]))
+        write_commands(out / "train_worker", commands)
+    # all of them: ~14 min on a 2-core machine at load ~10 (3-4 min quiet, by the CI times before), give it room
+    run_under_msrun(REPO / "tests" / "workers.py", out, args=names, timeout=1500)
     return out
+
+
+def write_commands(out: Path, commands: list[list]) -> None:
+    """OUT/commands.json: the `msllm` argument lists tests/train_worker.py runs."""
+    (out / "commands.json").write_text(json.dumps([[str(a) for a in args] for args in commands]))
+
+
+def assert_same_files(made: Path, want: Path) -> None:
+    """Every file under `made` is byte for byte the one at its place under `want`: inputs written twice (for a
+    test module and for the shared msrun launch) are the same inputs."""
+    differ = [str(f.relative_to(made)) for f in sorted(made.rglob("*")) if f.is_file()
+              and f.read_bytes() != (want / f.relative_to(made)).read_bytes()]
+    assert not differ, f"{made} and {want} differ in {differ}"
 
 
 def msllm_under_msrun(out: Path, commands: list[list], workers: int = 2) -> None:
     """The `msllm` commands (argument lists), one after the other, on `workers` workers of one msrun launch
     (tests/train_worker.py: one start-up for all of them); logs in OUT/logs."""
-    import json
-
-    (out / "commands.json").write_text(json.dumps([[str(a) for a in args] for args in commands]))
+    write_commands(out, commands)
     run_under_msrun(REPO / "tests" / "train_worker.py", out, workers)
 
 

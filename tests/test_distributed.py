@@ -104,11 +104,6 @@ def launch_cmd(run_dir: Path, corpus: Path, *train_args, nproc=2, extra=()) -> l
             "--", "train", *[a for s in sets for a in ("--set", s)], *train_args]
 
 
-def resume_cmd(run_dir: Path, *train_args, nproc=2) -> list[str]:
-    return [sys.executable, "-m", "msllm.cli", "launch", "--nproc", str(nproc), "--timeout", "30",
-            "--", "train", "--resume", str(run_dir), *train_args]
-
-
 def run(cmd, **kw) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, **kw)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -157,16 +152,26 @@ def copy_run_until(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
-def test_resume_at_another_world_size(tmp_path, reference_run):
+def two_worker_commands(out: Path, reference_run: Path) -> list[list]:
+    """test_resume_at_another_world_size's runs: reference_run continued from step 60 on 1 worker (OUT/one, here,
+    before conftest's shared msrun launch; its stderr in OUT/one.stderr), and from that run's step 80 on the
+    launch's 2 workers with ZeRO-1 (OUT/two)."""
+    one = copy_run_until(reference_run, out / "one", 60)
+    (out / "one.stderr").write_text(run([sys.executable, "-m", "msllm.cli", "train", "--resume", str(one)]).stderr)
+    two = copy_run_until(one, out / "two", 80)      # step 80 was written by the 1-worker run
+    return [["train", "--resume", two, "--set", "train.batch_size=2", "--set", "parallel.optimizer_shard=true",
+             "--set", "train.threads=1"]]
+
+
+def test_resume_at_another_world_size(msrun_workers, reference_run):
     """2 workers at b = 2 -> 1 worker (accum_steps raised to 2 by itself: a relaunch on fewer workers needs no
     batch arithmetic), and (via a 1-worker start) 1 -> 2 workers with ZeRO-1: the same samples in the same
     steps, so the loss curve continues as the reference's up to summation order."""
+    out = msrun_workers / "train_worker" / "test_distributed"   # two_worker_commands' runs
     want = losses(reference_run)
-    one = copy_run_until(reference_run, tmp_path / "one", 60)
-    done = run([sys.executable, "-m", "msllm.cli", "train", "--resume", str(one)])
-    assert "resuming a 2-worker run on 1: train.accum_steps 1 -> 2 keeps the global batch of 4" in done.stderr
-    two = copy_run_until(one, tmp_path / "two", 80)      # step 80 was written by the 1-worker run
-    run(resume_cmd(two, "--set", "train.batch_size=2", "--set", "parallel.optimizer_shard=true"))
+    one, two = out / "one", out / "two"
+    assert ("resuming a 2-worker run on 1: train.accum_steps 1 -> 2 keeps the global batch of 4"
+            in (out / "one.stderr").read_text())
     for run_dir in (one, two):
         got = losses(run_dir)
         steps = [s for s in got if s > 60]

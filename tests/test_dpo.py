@@ -19,7 +19,7 @@ from msllm.lora import switch_of
 from msllm.models import layers
 from msllm.train.build import build_train_step
 from msllm.train.dpo import METRICS, precompute_reference
-from tests.conftest import msllm_under_msrun
+from tests.conftest import assert_same_files
 from tests.hf_models import build, save_tokenizer
 from tests.numerics import (FP16_RTOL, REORDER_RTOL, assert_close_to_scale, assert_overflow_is_skipped, step_variants,
                             weights)
@@ -37,8 +37,12 @@ CHAT_ROWS = [{"prompt": [{"role": "user", "content": "add 1 2"}], "chosen": [{"r
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    return write_models(tmp_path_factory.mktemp("dpo"))
+
+
+def write_models(root):
     """A tiny Llama policy and a different reference (HF dirs), a tokenizer with a chat template, the rows."""
-    root = tmp_path_factory.mktemp("dpo")
+    root.mkdir(parents=True, exist_ok=True)
     texts = ["def add(x, y): return x + y", "hello world, the quick brown fox", "print(1 + 2)"] * 5
     for name, seed in (("policy", 0), ("ref", 1)):
         build("llama2_mha", seed=seed).save_pretrained(root / name)
@@ -328,6 +332,10 @@ def records(run, kind):
 
 @pytest.fixture(scope="module")
 def preference_rows(models):
+    return write_preference_rows(models)
+
+
+def write_preference_rows(models):
     """Pairs whose chosen completion follows one rule (the sum) and rejected another."""
     rows = []
     for i in range(40):
@@ -449,18 +457,24 @@ def test_full_fine_tune_reads_precomputed_reference_logps(models, preference_row
     assert records(run, "train")[-1]["loss"] < np.log(2)
 
 
-@pytest.fixture(scope="module")
-def two_workers(models, preference_rows, tmp_path_factory):
-    """lora_run's settings on 2 workers of one msrun launch at train.batch_size 2 (the same global batch of
-    4 pairs a step): name -> run dir, with the reference in the step (adapters off), and with
-    dpo.precompute_ref (each worker computing half the pairs' reference log-probs)."""
-    out = tmp_path_factory.mktemp("dpo_dp")
-    runs = {"in_step": out / "in_step", "precomputed": out / "precomputed"}
+def two_worker_commands(out):
+    """lora_run's settings on 2 workers at train.batch_size 2 (the same global batch of 4 pairs a step), with the
+    reference in the step (adapters off) and with dpo.precompute_ref (each worker computing half the pairs'
+    reference log-probs), into OUT/in_step and OUT/precomputed: run in conftest's shared msrun launch, from
+    models written to OUT/models as the module's fixtures write theirs."""
+    models = write_models(out / "models")
+    rows = write_preference_rows(models)
     two = {**LORA_RUN, "train.batch_size": 2, "train.threads": 1}
-    precomputed = {**two, "dpo.precompute_ref": "true"}
-    msllm_under_msrun(out, [run_args(models, preference_rows, runs["in_step"], **two),
-                            run_args(models, preference_rows, runs["precomputed"], **precomputed)])
-    return runs
+    return [run_args(models, rows, out / "in_step", **two),
+            run_args(models, rows, out / "precomputed", **two, **{"dpo.precompute_ref": "true"})]
+
+
+@pytest.fixture(scope="module")
+def two_workers(models, msrun_workers):
+    """name -> run dir of two_worker_commands' runs, from the same models as lora_run's."""
+    out = msrun_workers / "train_worker" / "test_dpo"
+    assert_same_files(out / "models", models)
+    return {name: out / name for name in ("in_step", "precomputed")}
 
 
 @pytest.mark.parametrize("name", ["in_step", "precomputed"])

@@ -20,7 +20,7 @@ from msllm.train.grpo_loop import trimmed
 from msllm.train.optim import AdamW
 from msllm.train.rollout import rollout_rows
 from msllm.train.step import TrainStep
-from tests.conftest import msllm_under_msrun
+from tests.conftest import assert_same_files
 from tests.hf_models import build, save_tokenizer
 from tests.numerics import (FP16_RTOL, REORDER_RTOL, assert_close_to_scale, assert_overflow_is_skipped, step_variants,
                             weights)
@@ -30,11 +30,14 @@ PROMPT, COMPLETION, N = 6, 8, 8  # 2 prompts x 4 completions
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
+    return write_policy(tmp_path_factory.mktemp("grpo"))
+
+
+def write_policy(root):
     """A tiny Llama whose EOS (id 0 of its tokenizer) has ~0.05 probability a token, so sampled
     completions end at different lengths and the loss normalisations differ (measured over 8-token
     samples after the prompts of prompt_rows: 0.05 on average; 0.02 with a shift of 4, too rare for
     every run to end some completions early)."""
-    root = tmp_path_factory.mktemp("grpo")
     model = build("llama2_mha")
     with torch.no_grad():  # EOS's output row moved by 6 along a random direction
         u = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -231,7 +234,11 @@ def nan(completions, **columns):
 
 @pytest.fixture(scope="module")
 def reward_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rewards") / "rewards.py"
+    return write_reward_file(tmp_path_factory.mktemp("rewards"))
+
+
+def write_reward_file(root):
+    path = root / "rewards.py"
     path.write_text(REWARDS)
     return path
 
@@ -308,7 +315,11 @@ def grpo_args(policy, rows, run, **extra):
 
 @pytest.fixture(scope="module")
 def prompt_rows(tmp_path_factory):
-    rows = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    return write_prompt_rows(tmp_path_factory.mktemp("prompts"))
+
+
+def write_prompt_rows(root):
+    rows = root / "prompts.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"add {i} {i + 1}", "answer": str(2 * i + 1)}) + "\n"
                             for i in range(6)))
     return rows
@@ -463,19 +474,32 @@ def test_grpo_kl_and_num_iterations_follow_trls_loss_and_resume_exactly(policy, 
     assert [(m["step"], m["loss"]) for m in resumed] == [(m["step"], m["loss"]) for m in steps[2:]]
 
 
-@pytest.fixture(scope="module")
-def two_workers(policy, reward_file, prompt_rows, tmp_path_factory):
-    """kl_args on 2 workers of one msrun launch at train.batch_size 1 (the same global batch of 2 prompts),
-    stopped after step 2 (train.steps 2) and resumed with --resume to step 4."""
-    out = tmp_path_factory.mktemp("grpo_dp")
+def two_worker_commands(out):
+    """kl_args on 2 workers at train.batch_size 1 (the same global batch of 2 prompts), stopped after step 2
+    (train.steps 2) and resumed with --resume to step 4, into OUT/run: run in conftest's shared msrun launch,
+    from a policy, rewards and prompts written to OUT as the module's fixtures write theirs."""
     run = out / "run"
     two = {"train.batch_size": 1, "train.threads": 1, "train.steps": 2}
-    msllm_under_msrun(out, [kl_args(policy, reward_file, prompt_rows, run, **two),
-                            ["train", "--resume", run, "--set", "train.steps=4"]])
-    return run
+    return [kl_args(write_policy(out), write_reward_file(out), write_prompt_rows(out), run, **two),
+            ["train", "--resume", run, "--set", "train.steps=4"]]
+
+
+@pytest.fixture(scope="module")
+def two_workers(policy, msrun_workers):
+    """The run dir of two_worker_commands' run, from the same policy as kl_run's."""
+    out = msrun_workers / "train_worker" / "test_grpo"
+    assert_same_files(out / "policy", policy)
+    return out / "run"
 
 
 ROLLOUT_KEYS = ("step", "prompt", "completion", "completion_ids", "reward", "rewards", "advantage")
+
+
+def logged(rollout: dict) -> dict:
+    """A rollout row's ROLLOUT_KEYS, each reward named by its file's name and function (two_worker_commands'
+    run reads its own copy of rewards.py)."""
+    return {**{k: rollout[k] for k in ROLLOUT_KEYS},
+            "rewards": {os.path.basename(name): v for name, v in rollout["rewards"].items()}}
 
 
 def test_grpo_on_two_workers_is_one_worker_accumulating_the_same_batch(kl_run, two_workers):
@@ -490,7 +514,7 @@ def test_grpo_on_two_workers_is_one_worker_accumulating_the_same_batch(kl_run, t
     one, two = kl_run, two_workers
     want, got = jsonl(one / "rollouts.jsonl"), jsonl(two / "rollouts.jsonl")
     assert len(got) == len(want) == 16
-    assert [{k: r[k] for k in ROLLOUT_KEYS} for r in got] == [{k: r[k] for k in ROLLOUT_KEYS} for r in want]
+    assert [logged(r) for r in got] == [logged(r) for r in want]
     want, got = jsonl(one / "metrics.jsonl", "train"), jsonl(two / "metrics.jsonl", "train")
     assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3, 4]
     assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=REORDER_RTOL, abs=1e-7)

@@ -2,7 +2,7 @@
 one after the other in this worker's one process, so that they share one msrun start-up, cluster join and
 teardown (~20 s a launch before any compile).
 
-    msrun ... tests/workers.py OUT_DIR dp_worker cp_worker ep_worker   # each writes into OUT_DIR/<name>/
+    msrun ... tests/workers.py OUT_DIR dp_worker cp_worker ep_worker train_worker   # each works in OUT_DIR/<name>/
 """
 import importlib
 import sys
