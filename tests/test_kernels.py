@@ -4,7 +4,6 @@ CPU such as AMD EPYC gets (-march=x86-64-v3); the cache never hands one CPU's bu
 
 (AdamW fused vs portable vs torch is in test_step.py.)
 """
-import os
 import re
 import shutil
 import subprocess
@@ -370,21 +369,6 @@ def test_causal_conv_matches_the_shifted_taps(head_dim):
         assert err <= REORDER_RTOL, f"{name}: max_rel {err:.2e}"
 
 
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: the kernel pool has no workers")
-def test_pool_workers_stay_off_the_callers_cpu():
-    """The kernels' pool keeps its workers off the CPU of the thread that calls the kernel (common.h: MindSpore's
-    idle threads spin there, so a woken worker the scheduler put beside the caller would halve the kernel for
-    the rest of the process): after a kernel that splits its work, each worker of a pool that ran may use
-    every CPU of the process but one, the caller's."""
-    x = Tensor(np.ones((1024, 512), np.float32))  # 8 x the pool's 64K-element grain: the work is split
-    kernels.FusedSwiGLU()(x, x).asnumpy()
-    allowed = os.sched_getaffinity(0)
-    workers = [int(task.name) for task in Path("/proc/self/task").iterdir()
-               if (task / "comm").read_text().startswith("msllm_pool_")]
-    assert workers, "no thread named msllm_pool_*"
-    placements = [os.sched_getaffinity(tid) for tid in workers]
-    assert any(p < allowed and len(allowed - p) == 1 for p in placements), (allowed, placements)
 
 @pytest.fixture
 def empty_cache(monkeypatch, tmp_path):

@@ -10,7 +10,6 @@
 #include <functional>
 #include <mutex>
 #include <pthread.h>
-#include <sched.h>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,85 +29,47 @@ constexpr int kMaxThreads = 64;
 // [512, 512] AdamW update takes. Workers sleep on a condition variable between kernels (no
 // spinning: MindSpore's own threads need the cores). If two kernels run at once (MindSpore
 // runs independent kernels concurrently), the second one runs on its calling thread alone.
-//
-// Workers are kept off the caller's CPU. Under MindSpore the caller is its runtime actor thread while
-// its kernel thread spins (sched_yield) between tasks, so no CPU is idle when a worker wakes and Linux
-// puts it on the waker's CPU: the worker preempts the caller and the kernel's chunks run one after the
-// other on one core (traced: benchmarks/2026-11-28-w1-spread-cpu.md). On the spinning thread's CPU a
-// worker gets the core, as yield hands it over.
-//
-// Chunks go to whoever asks first: once its own is done the caller runs any chunk no worker has taken, so
-// a worker held up behind another process's thread on a shared machine delays no kernel (the caller then
-// does the whole kernel, as without the pool).
 class Pool {
  public:
   explicit Pool(int workers) {
-    CPU_ZERO(&allowed_);
-    sched_getaffinity(0, sizeof allowed_, &allowed_);
     for (int id = 1; id <= workers; ++id) threads_.emplace_back([this, id] { Work(id); });
   }
   int size() const { return static_cast<int>(threads_.size()) + 1; }
 
-  // Runs task(0 .. n-1) once each, task(0) on the caller. Returns false (running nothing) if the pool is busy.
+  // Runs task(0 .. n-1), task(0) on the caller. Returns false (running nothing) if the pool is busy.
   template <typename Task>
   bool Run(int n, const Task &task) {
     std::unique_lock<std::mutex> busy(run_mutex_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
-    KeepOffCallerCpu();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       task_ = [&task](int id) { task(id); };
-      next_ = 1;
-      chunks_ = n;
+      active_ = n;
       pending_ = n - 1;
       ++generation_;
     }
     wake_.notify_all();
     task(0);
-    for (int chunk; (chunk = Claim()) > 0;) {
-      task(chunk);
-      std::lock_guard<std::mutex> lock(mutex_);
-      --pending_;
-    }
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait(lock, [this] { return pending_ == 0; });
     return true;
   }
 
  private:
-  // The next chunk nobody has taken, or 0 when all are taken.
-  int Claim() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return next_ < chunks_ ? next_++ : 0;
-  }
-
-  // Re-pins the workers only when the caller has moved (one sched_getcpu per kernel, vDSO-cheap).
-  void KeepOffCallerCpu() {
-    const int cpu = sched_getcpu();
-    if (cpu == caller_cpu_ || cpu < 0 || !CPU_ISSET(cpu, &allowed_)) return;
-    caller_cpu_ = cpu;
-    cpu_set_t others = allowed_;
-    CPU_CLR(cpu, &others);
-    if (CPU_COUNT(&others) == 0) return;
-    for (auto &thread : threads_) pthread_setaffinity_np(thread.native_handle(), sizeof others, &others);
-  }
-
   void Work(int id) {
     // named for tools: top -H, /proc/PID/task/*/comm, tools/profile_step.py --threads-report
     pthread_setname_np(pthread_self(), ("msllm_pool_" + std::to_string(id)).c_str());
     int64_t seen = 0;
     for (;;) {
       std::function<void(int)> task;
-      int chunk;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return generation_ != seen; });
         seen = generation_;
-        if (next_ >= chunks_) continue;  // the caller or other workers took them all
-        chunk = next_++;
+        if (id >= active_) continue;
         task = task_;
       }
-      task(chunk);
+      task(id);
       std::lock_guard<std::mutex> lock(mutex_);
       if (--pending_ == 0) done_.notify_one();
     }
@@ -119,9 +80,7 @@ class Pool {
   std::condition_variable wake_, done_;
   std::function<void(int)> task_;
   int64_t generation_ = 0;
-  int next_ = 0, chunks_ = 0, pending_ = 0;
-  cpu_set_t allowed_;    // the process's CPUs when the pool started
-  int caller_cpu_ = -1;  // guarded by run_mutex_
+  int active_ = 0, pending_ = 0;
 };
 
 inline Pool &pool() {
