@@ -310,7 +310,7 @@ def gated_delta_case():
     probe, state_probe = (Tensor(rng.normal(size=shape).astype(np.float32)) for shape in ((b, n, s, dv), initial.shape))
     case = [Tensor(x.astype(np.float32)) for x in (q, k, v, g, beta, initial)], segments, probe, state_probe
     device.setup("cpu", "graph")
-    return chunk, case, rule_results(ChunkedGatedDeltaRule(chunk), case)
+    return chunk, case, rule_results(ChunkedGatedDeltaRule(chunk, n // nk), case)
 
 
 def test_gated_delta_rule_matches_the_chunked_graph_form(arch, gated_delta_case):

@@ -102,7 +102,7 @@ def unit_lower_inverse(a, size: int):
 
 class ChunkedGatedDeltaRule(nn.Cell):
     """The gated delta rule over a whole sequence by chunks (fp32): q, k [b, nk, s, dk] (normalised, q
-    scaled; each key head serves a run of nv / nk consecutive value heads), v [b, nv, s, dv], g, beta
+    scaled; each key head serves a run of value_heads_per_key consecutive value heads), v [b, nv, s, dv], g, beta
     [b, nv, s] -> (out [b, nv, s, dv], final state [b, nv, dk, dv]).
 
     In a chunk with decays cumulated from its start (c_i) and the state S entering it, the WY form of
@@ -114,9 +114,11 @@ class ChunkedGatedDeltaRule(nn.Cell):
     pairs within a chunk and the reads and writes of the carried state, so each sample starts from a
     zero state as if it ran alone."""
 
-    def __init__(self, chunk: int = GATED_DELTA_CHUNK):
+    def __init__(self, chunk: int = GATED_DELTA_CHUNK, value_heads_per_key: int = 1):
         super().__init__()
         self.chunk = chunk
+        # of the config: an exported graph's shapes are dynamic, and a test on them would compile to a Switch
+        self.value_heads_per_key = value_heads_per_key
         # [chunk, chunk] masks, sliced to a shorter sequence's one chunk: inclusive and strict lower
         # triangles, and -1e30 above the diagonal (exp() of it is 0, with no overflow)
         self.causal = Tensor(np.tril(np.ones((chunk, chunk), np.float32)))
@@ -124,7 +126,8 @@ class ChunkedGatedDeltaRule(nn.Cell):
         self.above = Tensor(np.triu(np.full((chunk, chunk), -1e30, np.float32), 1))
 
     def construct(self, q, k, v, g, beta, segments=None, initial=None):
-        q, k = repeat_heads(q, v.shape[1]), repeat_heads(k, v.shape[1])
+        if self.value_heads_per_key > 1:
+            q, k = repeat_heads(q, self.value_heads_per_key), repeat_heads(k, self.value_heads_per_key)
         b, n, s, dk = q.shape
         dv = v.shape[-1]
         size = min(self.chunk, s)
@@ -168,12 +171,10 @@ class ChunkedGatedDeltaRule(nn.Cell):
         return out[:, :, :s] if pad else out, state
 
 
-def repeat_heads(x, heads: int):
-    """[b, key heads, s, d] -> [b, heads, s, d], each key head repeated for its run of value heads."""
+def repeat_heads(x, times: int):
+    """[b, key heads, s, d] -> [b, key heads * times, s, d], each key head repeated for its run of value heads."""
     b, n, s, d = x.shape
-    if n == heads:
-        return x
-    return ops.broadcast_to(x.expand_dims(2), (b, n, heads // n, s, d)).reshape(b, heads, s, d)
+    return ops.broadcast_to(x.expand_dims(2), (b, n, times, s, d)).reshape(b, n * times, s, d)
 
 
 def sample_masks(segments):
@@ -220,7 +221,7 @@ class GatedDeltaNet(nn.Cell):
         self.norm = RMSNorm(self.value_dim, cfg.norm_eps)  # scales by w (not 1 + w) in every family that has it
         self.gate = SwiGLU()  # silu(z) * normed out (a device may fuse it)
         self.wo = Linear(values, h)
-        self.rule = ChunkedGatedDeltaRule()
+        self.rule = ChunkedGatedDeltaRule(value_heads_per_key=self.num_value_heads // self.num_key_heads)
         # a device's one kernel for recurrence at one token a row, its caches written in place (msllm.backends):
         # (q, k, v, a, b projections, the convs' weights, A_log, dt_bias, state, window) -> read-out [b, heads, d_v]
         self.decode_step = None
