@@ -84,10 +84,7 @@ class FusedRope(nn.Cell):
         def bprop(x, cos, sin, out, dout):
             return grad(dout, cos, sin).reshape(x.shape), ops.zeros_like(cos), ops.zeros_like(sin)
 
-        self.rope = aot("RopeHeads", heads_shape, bprop=bprop)
-        # PyNative caches an op's output shape by its name, attributes and input shapes: head_dim, which only the
-        # shape function knows, must be an attribute, or a model of another head size would get a stale shape
-        self.rope.add_prim_attr("head_dim", head_dim)
+        self.rope = aot("RopeHeads", heads_shape, bprop=bprop, shape_by={"head_dim": head_dim})
 
     def construct(self, x, cos, sin):
         return self.rope(x, cos, sin)

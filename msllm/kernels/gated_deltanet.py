@@ -35,7 +35,8 @@ class GatedDeltaRule(nn.Cell):
 
         self.rule = differentiable("GatedDeltaRule", "q k v g beta segments initial", shapes,
                                    lambda *dtypes: (ms.float32,) * 3, constant="segments", reads=_state_and_grads,
-                                   grad_dtype=lambda *dtypes: (ms.float32,) * 6)
+                                   grad_dtype=lambda *dtypes: (ms.float32,) * 6,
+                                   shape_by={"chunk": chunk, "training": training})
 
     def construct(self, q, k, v, g, beta, segments=None, initial=None):
         b, n, s, dv = v.shape

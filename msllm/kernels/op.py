@@ -28,11 +28,16 @@ def output_grad(out, dout):
     return (dout,)
 
 
-def aot(name: str, out_shape=same_as_first, out_dtype=same_as_first, bprop=None):
+def aot(name: str, out_shape=same_as_first, out_dtype=same_as_first, bprop=None,
+        shape_by: dict | None = None):
     """The kernel `name` of the library as a MindSpore op; out_shape / out_dtype map the inputs' shapes /
-    dtypes to the output's (a tuple of them for several outputs)."""
-    return ops.Custom(f"{library()}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot",
-                      bprop=bprop)
+    dtypes to the output's (a tuple of them for several outputs). shape_by: the Python values out_shape reads
+    besides the inputs' shapes, made the op's attributes: PyNative caches an op's output shape by its name,
+    attributes and input shapes, so a value known only to out_shape would give another instance's shape."""
+    op = ops.Custom(f"{library()}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot", bprop=bprop)
+    for key, value in (shape_by or {}).items():
+        op.add_prim_attr(key, value)
+    return op
 
 
 def in_place(name: str, inputs: str, written: str, out_shape=one_float, out_dtype=float32, ints: str = ""):
@@ -49,13 +54,13 @@ def in_place(name: str, inputs: str, written: str, out_shape=one_float, out_dtyp
 
 
 def differentiable(name: str, inputs: str, out_shape=same_as_first, out_dtype=same_as_first, *, constant: str = "",
-                   reads=output_grad, grad_dtype=None):
+                   reads=output_grad, grad_dtype=None, shape_by: dict | None = None):
     """The kernel `name`, whose inputs are named by `inputs` (space-separated), with the kernel `name`Grad as
     its backward: called with all the inputs then `reads(out, dout)` (the forward outputs and output
     gradients it needs), it returns the gradient of each input not named in `constant`, in order, shaped
     (and, unless `grad_dtype` maps the dtypes, typed) as that input. The constant inputs (int segments,
-    fixed scalars) get zeros. `reads` is compiled into the graph from its source: a def (a lambda inside
-    a call that spans lines does not parse)."""
+    fixed scalars) get zeros. shape_by: as aot's. `reads` is compiled into the graph from its source: a def
+    (a lambda inside a call that spans lines does not parse)."""
     names, fixed = inputs.split(), set(constant.split())
     learned = [i for i, input_name in enumerate(names) if input_name not in fixed]
     # Where each input's gradient comes from: the grad kernel's output number, or None for zeros.
@@ -71,7 +76,7 @@ def differentiable(name: str, inputs: str, out_shape=same_as_first, out_dtype=sa
         return ops.zeros_like(x) if source[i] is None else grads[source[i]]
 
     # Without constant inputs the grad kernel's outputs are the gradients as they are.
-    return aot(name, out_shape, out_dtype, bprop_of(len(names), grad, reads, take if fixed else None))
+    return aot(name, out_shape, out_dtype, bprop_of(len(names), grad, reads, take if fixed else None), shape_by)
 
 
 def bprop_of(count: int, grad, reads, take=None):
