@@ -68,12 +68,17 @@ class CachedInPlace(nn.Cell):
     layers' keys and values (MLA's latents and rope keys) at the new slots, a Gated DeltaNet layer its state
     and conv window. A ring, read and written unrolled, is replaced here by its update."""
 
+    # instances so far: each names its caches apart (every family's engine in one process once compiled a graph
+    # with another model's cache shape; with distinct names not seen again, the cause not pinned down)
+    made = 0
+
     def __init__(self, model: Decoder, shapes: tuple, dtype):
         super().__init__(auto_prefix=False)  # keep the trained parameter names
         self.model = model
         self.caches, flat, self.spans = [], [], ()
+        CachedInPlace.made += 1
         for name, shape in zip(model.cfg.cache_names(), shapes):
-            layers = tuple(Parameter(ms.Tensor(np.zeros(shape[1:], dtype)), name=f"cache.{name}.{i}",
+            layers = tuple(Parameter(ms.Tensor(np.zeros(shape[1:], dtype)), name=f"cache{self.made}.{name}.{i}",
                                      requires_grad=False) for i in range(shape[0]))
             self.spans += ((len(flat), len(flat) + len(layers)),)
             self.caches.append(LayerCaches(layers))
