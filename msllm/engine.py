@@ -62,9 +62,14 @@ class Engine:
         rows = {p: i for i, p in enumerate(distinct)}
         rows = np.array([rows[tuple(p)] for p in prompts])
         logits = self.prefill([list(p) for p in distinct], max_new)
-        self.cache = [np.take(c.asnumpy() if hasattr(c, "asnumpy") else c, rows, axis=1) for c in self.cache]
+        self.cache = self.take_rows(self.cache, rows)
         self.pad = self.pad[rows]
         return logits[rows]
+
+    def take_rows(self, caches: list, rows: np.ndarray) -> list:
+        """caches [layers, b, ..] -> their batch rows `rows` (a row may repeat), gathered on the host; an engine
+        whose runtime keeps the caches on its device gathers them there."""
+        return [np.take(c.asnumpy() if hasattr(c, "asnumpy") else c, rows, axis=1) for c in caches]
 
     def prefill(self, prompts: list[list[int]], max_new: int) -> np.ndarray:
         """start's prefill of every row as given."""

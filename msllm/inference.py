@@ -50,6 +50,12 @@ class LayerCaches:
         return np.stack([p.asnumpy() for p in self.layers])
 
     def load(self, stacked) -> None:
+        """stacked: another LayerCaches (its layers' tensors become these Parameters' data: no copy) or the
+        stacked cache as a Tensor or an array (the zeros Engine.start allocates)."""
+        if isinstance(stacked, LayerCaches):
+            for p, value in zip(self.layers, stacked.layers):
+                p.set_data(value)
+            return
         stacked = stacked.asnumpy() if isinstance(stacked, ms.Tensor) else np.asarray(stacked)
         for p, value in zip(self.layers, stacked):
             p.set_data(ms.Tensor(value.astype(ms.dtype_to_nptype(p.dtype))))
@@ -147,6 +153,11 @@ class InPlaceEngine(MindSporeEngine):
         cell.phase = "increment" if kind == "decode" else "predict"
         logits = cell(*(ms.Tensor(np.asarray(x, np.int32)) for x in (ids, start, pad)))
         return (logits.asnumpy(), *cell.caches)
+
+    def take_rows(self, caches, rows):
+        """Each layer's rows gathered by MindSpore where the caches are (not through host numpy arrays)."""
+        index = ms.Tensor(rows.astype(np.int32))
+        return [LayerCaches(tuple(ops.gather(layer, index, 0) for layer in c.layers)) for c in caches]
 
 
 def cell_engine(model: Decoder) -> InPlaceEngine:

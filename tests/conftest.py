@@ -58,8 +58,9 @@ def run_under_msrun(script: Path, out: Path, workers: int = 2, args: tuple = (),
 
 # test module -> the worker modules whose results it reads (tests/workers.py runs each one's main); for
 # train_worker the module's two_worker_commands(out, *session fixtures) gives the `msllm` commands
-WORKERS = {"tests.test_distributed": ("dp_worker", "train_worker"), "tests.test_context_parallel": ("cp_worker",),
-           "tests.test_moe": ("ep_worker",), "tests.test_dpo": ("train_worker",), "tests.test_grpo": ("train_worker",)}
+WORKERS = {"tests.test_distributed": ("dp_worker", "train_worker"),
+           "tests.test_context_parallel": ("cp_worker", "train_worker"), "tests.test_moe": ("ep_worker",),
+           "tests.test_dpo": ("train_worker",), "tests.test_grpo": ("train_worker",)}
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,9 @@
 """Context parallel (parallel.cp, msllm/parallel/cp.py): the zig-zag split, the K/V placing, and each
 rank's attention over its chunks equal to the matching rows of the whole sequence's attention, with
 gradients that sum to the whole sequence's (one process); then 2 workers at cp=2 train as 1 worker
-does, through `msllm launch` (msrun)."""
+does, under msrun (conftest's shared launch)."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +16,7 @@ from msllm.backends import cpu
 from msllm.models import layers
 from msllm.models.decoder import build_model
 from msllm.parallel import cp
-from tests.conftest import REPO, msrun_env, tiny_overrides
+from tests.conftest import tiny_overrides
 from tests.test_flash_attention import Core, run, segments_of
 
 
@@ -124,33 +122,40 @@ def test_cp2_step_equals_the_whole_sequence_step(ranks, variant):
     assert built and all(np.array_equal(zero[f"weight/{name}"], value) for name, value in built.items())
 
 
-# --- msllm launch: 2 workers at parallel.cp=2 against 1 worker -----------------------------------
+# --- msllm train: 2 workers at parallel.cp=2 against 1 worker -----------------------------------
 
-def train_run(run_dir: Path, corpus: Path, nproc: int, **extra) -> dict:
-    """metrics.jsonl rows by kind and step, and the final weights, of a 4-step tiny run of 64-token
-    sequences of documents (flash attention, document-aware packing), on `nproc` workers."""
+def train_args(run_dir: Path, corpus: Path, **extra) -> list[str]:
+    """`msllm train` of a 4-step tiny run of 64-token sequences of documents (flash attention,
+    document-aware packing) into run_dir."""
     sets = tiny_overrides(run_dir, corpus, **{"data.seq_len": 64, "train.steps": 4, "train.batch_size": 2,
                                               "train.eval_every": 4, "train.ckpt_every": 4, "train.attention": "flash",
                                               "data.document_attention": "true", **extra})
-    train = ["train", *[a for s in sets for a in ("--set", s)]]
-    cmd = [sys.executable, "-m", "msllm.cli", *(["launch", "--nproc", str(nproc), "--timeout", "30", "--"]
-                                                 if nproc > 1 else []), *train]
-    done = subprocess.run(cmd, cwd=REPO, env=msrun_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    return ["train", *[a for s in sets for a in ("--set", s)]]
+
+
+def two_worker_commands(out: Path, corpus: Path) -> list[list]:
+    """train_args' run on the 2 workers of conftest's shared msrun launch at parallel.cp=2, into OUT/two."""
+    return [train_args(out / "two", corpus, **{"parallel.cp": 2, "train.threads": 1})]
+
+
+def results(run_dir: Path) -> dict:
+    """metrics.jsonl rows by kind and step, and the final weights, of a train_args run."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     weights = load_file(str(run_dir / "checkpoints" / "step_0000004" / "model.safetensors"))
     return {"train": {r["step"]: r["loss"] for r in rows if r.get("kind") in ("compile", "train")},  # step 1: compile row
-            "eval": [r["val_loss"] for r in rows if r.get("kind") == "eval"], "weights": weights, "log": done.stdout}
+            "eval": [r["val_loss"] for r in rows if r.get("kind") == "eval"], "weights": weights}
 
 
 @pytest.mark.skipif(not kernels.enabled("auto"), reason="the fused kernels need g++")
-def test_two_workers_at_cp2_train_as_one_worker(tmp_path, corpus):
+def test_two_workers_at_cp2_train_as_one_worker(tmp_path, corpus, msrun_workers):
     """The same samples, each 64-token sequence split in zig-zag chunks over 2 workers: the same losses
     and weights as one worker computing whole sequences, up to summation order (dK / dV and the weight
     gradients summed in two parts, the loss as two means)."""
-    one = train_run(tmp_path / "one", corpus, 1)
-    two = train_run(tmp_path / "two", corpus, 2, **{"parallel.cp": 2})
-    assert "each sequence split over 2 ranks" in two["log"]
+    from msllm.cli import main
+
+    assert main(train_args(tmp_path / "one", corpus)) == 0
+    one, two = results(tmp_path / "one"), results(msrun_workers / "train_worker" / "test_context_parallel" / "two")
+    assert "each sequence split over 2 ranks" in (msrun_workers / "logs" / "worker_0.log").read_text()
     assert sorted(two["train"]) == [1, 2, 3, 4]
     # measured: losses within 8e-8 relative, the eval loss 3e-8, weights 8e-8; with the K/V exchange
     # left out (each rank attending to its own chunks only) the losses were 1e-3 off

@@ -206,7 +206,7 @@ def test_the_cpu_kernel_rule_trains_as_the_graph_form():
         return (model(tokens_, segments=segments, positions=positions) * probe).sum()
 
     grads = []
-    graph_form = ChunkedGatedDeltaRule(CHUNK, mixer.num_value_heads // mixer.num_key_heads), ShiftedTaps, SwiGLU()
+    graph_form = ChunkedGatedDeltaRule(CHUNK, mixer.value_heads_per_key), ShiftedTaps, SwiGLU()
     fused = kernels.GatedDeltaRule(CHUNK), kernels.FusedCausalConv, kernels.FusedSwiGLU()
     for rule, conv_core, gate in (graph_form, fused):
         mixer.rule, mixer.gate = rule, gate

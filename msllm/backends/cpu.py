@@ -132,7 +132,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
         elif isinstance(cell, GatedDeltaNet):  # the rule runs in fp32 whatever the compute dtype
             chunk = cell.rule.chunk
             cell.rule = (kernels.GatedDeltaRule(chunk, training) if fused or decode_kernels
-                         else ChunkedGatedDeltaRule(chunk, cell.num_value_heads // cell.num_key_heads))
+                         else ChunkedGatedDeltaRule(chunk, cell.value_heads_per_key))
             for conv in (cell.conv_q, cell.conv_k, cell.conv_v):
                 conv.core = kernels.FusedCausalConv() if fused or decode_kernels else ShiftedTaps()
             cell.gate = kernels.FusedSwiGLU() if fused or decode_kernels else layers.SwiGLU()  # fp32 in the mixer

@@ -207,6 +207,7 @@ class GatedDeltaNet(nn.Cell):
         super().__init__()
         h = cfg.hidden_size
         self.num_key_heads, self.num_value_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.value_heads_per_key = self.num_value_heads // self.num_key_heads  # the rule's, whoever builds it
         self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         keys, values = self.num_key_heads * self.key_dim, self.num_value_heads * self.value_dim
         self.wq, self.wk, self.wv = Linear(h, keys), Linear(h, keys), Linear(h, values)
@@ -221,7 +222,7 @@ class GatedDeltaNet(nn.Cell):
         self.norm = RMSNorm(self.value_dim, cfg.norm_eps)  # scales by w (not 1 + w) in every family that has it
         self.gate = SwiGLU()  # silu(z) * normed out (a device may fuse it)
         self.wo = Linear(values, h)
-        self.rule = ChunkedGatedDeltaRule(value_heads_per_key=self.num_value_heads // self.num_key_heads)
+        self.rule = ChunkedGatedDeltaRule(value_heads_per_key=self.value_heads_per_key)
         # a device's one kernel for recurrence at one token a row, its caches written in place (msllm.backends):
         # (q, k, v, a, b projections, the convs' weights, A_log, dt_bias, state, window) -> read-out [b, heads, d_v]
         self.decode_step = None
