@@ -119,7 +119,7 @@ extern "C" int CausalConvSiLUGrad(int nparam, void **params, int *ndims, int64_t
     for (int64_t t = t0; t < end; ++t) {  // da of the block and of the K - 1 tokens that read it
       float *__restrict a = da + (t - t0) * c;
       conv.preactivation(row, t, a);
-      // the sigmoids first, in a loop of their own: in the loops below they kept them from vectorizing
+      // the sigmoids first, in a loop of their own (inside the per-head loops below they kept those scalar)
       for (int64_t ch = 0; ch < c; ++ch) {
         sg[ch] = sigmoid(a[ch]);
         y[ch] = a[ch] * sg[ch];
