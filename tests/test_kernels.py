@@ -293,12 +293,13 @@ def rule_results(rule, case) -> list[np.ndarray]:
 def gated_delta_case():
     """20 tokens in chunks of 8 (two chunks and a ragged tail of 4, so three checkpoints), 2 key heads each serving
     2 of 4 value heads (q and k per key head: the kernel sums a key head's value heads into their gradients) with
-    dk 20 != dv 40 (the kernel's blocks of 32 value columns: a full one and one of 8; dk not a multiple of its 16 lanes),
+    dk 20 != dv 42 (the kernel's blocks of 32 value columns: a full one and one of 10, 2 past its backward's groups
+    of 4 columns; dk not a multiple of its 8-float vectors: test_hybrid's kernel test has dk 16),
     a non-zero initial state and a final-state gradient, row 1 packed with samples starting on a chunk
     boundary (8) and inside a chunk (13); and the chunked graph form's results on it (autodiff, fp32)."""
     from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule
     rng = np.random.default_rng(7)
-    b, nk, n, s, dk, dv, chunk = 2, 2, 4, 20, 20, 40, 8
+    b, nk, n, s, dk, dv, chunk = 2, 2, 4, 20, 20, 42, 8
     l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
     q, k = l2(rng.normal(size=(2, b, nk, s, dk)))
     q = q * dk ** -0.5

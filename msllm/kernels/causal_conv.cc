@@ -66,9 +66,7 @@ struct Conv {
   }
   // 1 / sqrt(|y|^2 + eps) of one head's d values.
   float inverse_norm(const float *__restrict y) const {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < d; ++i) sum += y[i] * y[i];
-    return 1.0f / std::sqrt(sum + kL2Eps);
+    return 1.0f / std::sqrt(lane_dot<false>(y, y, nullptr, d) + kL2Eps);
   }
 };
 
@@ -110,33 +108,33 @@ extern "C" int CausalConvSiLUGrad(int nparam, void **params, int *ndims, int64_t
   float *d_before = static_cast<float *>(params[7]);
   const int64_t c = conv.c, k = conv.k, span = kBlock + k - 1;
   const int threads = pool().size();
-  std::vector<float> da_buffers(threads * span * c), dw_parts(threads * k * c, 0.0f);
+  // per stripe: da, the SiLU's sigmoid(a) and output y of one token, dw's part
+  std::vector<float> da_buffers(threads * span * c), gates(threads * 2 * c), dw_parts(threads * k * c, 0.0f);
   std::memset(d_before, 0, sizeof(float) * conv.b * (k - 1) * c);
   run_stripes(conv.b * conv.blocks(), threads, [&](int64_t unit, int stripe) {  // dw_parts: per stripe
     const int64_t row = unit / conv.blocks(), t0 = unit % conv.blocks() * kBlock;
     const int64_t t1 = std::min(conv.s, t0 + kBlock), end = std::min(conv.s, t1 + k - 1);
     float *da = da_buffers.data() + stripe * span * c, *dw_part = dw_parts.data() + stripe * k * c;
+    float *__restrict sg = gates.data() + stripe * 2 * c, *__restrict y = sg + c;
     for (int64_t t = t0; t < end; ++t) {  // da of the block and of the K - 1 tokens that read it
       float *__restrict a = da + (t - t0) * c;
       conv.preactivation(row, t, a);
+      // the sigmoids first, in a loop of their own (inside the per-head loops below they kept those scalar)
+      for (int64_t ch = 0; ch < c; ++ch) {
+        sg[ch] = sigmoid(a[ch]);
+        y[ch] = a[ch] * sg[ch];
+      }
       for (int64_t h = 0; h < std::max<int64_t>(1, conv.heads); ++h) {
-        const int64_t width = conv.heads ? conv.d : c;
-        float *__restrict ah = a + h * width;
+        const int64_t width = conv.heads ? conv.d : c, first = h * width;
         const float *__restrict g = dout + conv.at(row, t, h);
         float r = 1.0f, dot = 0.0f;  // the normalisation's: out . dout = r^2 (y . dout)
         if (conv.heads) {
-          float sum = 0.0f;
-          for (int64_t i = 0; i < width; ++i) {
-            const float y = ah[i] * sigmoid(ah[i]);
-            sum += y * y;
-            dot += y * g[i];
-          }
-          r = 1.0f / std::sqrt(sum + kL2Eps);
-          dot *= r * r;
+          r = 1.0f / std::sqrt(lane_dot<false>(y + first, y + first, nullptr, width) + kL2Eps);
+          dot = lane_dot<false>(y + first, g, nullptr, width) * r * r;
         }
         for (int64_t i = 0; i < width; ++i) {
-          const float sg = sigmoid(ah[i]), y = ah[i] * sg;
-          ah[i] = r * (g[i] - y * dot) * sg * (1.0f + ah[i] * (1.0f - sg));
+          const int64_t ch = first + i;
+          a[ch] = r * (g[i] - y[ch] * dot) * sg[ch] * (1.0f + a[ch] * (1.0f - sg[ch]));
         }
       }
     }

@@ -24,7 +24,8 @@ extern "C" int AdamWUpdate(int nparam, void **params, int *ndims, int64_t **shap
   const float *s = static_cast<const float *>(params[4 * n]);
   const float *wd = static_cast<const float *>(params[4 * n + 1]);
   const float lr_t = s[0], lr = s[1], b1 = s[2], b2 = s[3], eps_t = s[4], coef = s[5];
-  parallel_for_tensors(n, ndims, shapes, [&](int k, int64_t lo, int64_t hi, int) {
+  // the scalars captured by value: by reference, gcc reloaded them through the closure and left the loop scalar
+  parallel_for_tensors(n, ndims, shapes, [=](int k, int64_t lo, int64_t hi, int) {
     float *__restrict wk = w[k], *__restrict mk = m[k], *__restrict vk = v[k];
     const float *__restrict gk = g[k];
     const float keep = 1.f - lr * wd[k];

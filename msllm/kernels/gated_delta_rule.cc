@@ -9,15 +9,16 @@
 // head's state is walked a block of kColumns columns at a time ([dk, 32] floats, 16 KB at dk 128): the
 // block stays in L1 for the whole sequence, where the whole state (64 KB) would stream from L2 per token.
 // Forward keeps a block as [dk, w] rows (its sums run over k's index: vectors of columns accumulate);
-// backward transposed, [w, dk] (most of its sums run over columns: vectors of dk accumulate, and each
-// column's one sum over dk is one horizontal add).
+// backward transposed, [w, dk] (most of its sums run over columns: vectors of dk accumulate; each
+// column's one sum over dk, a dot, is taken for 8 columns at once).
 //
 // Backward, by hand (dS the gradient of the state leaving a token, from the tokens after it):
 //   dS += q dO^T;  dq = S dO = a S' dO + beta k (r . dO)
 //   e = dS^T k;  dk = beta dS r;  dbeta = e . r;  dr = dv = beta e
 //   dP = dS - k dr^T (the gradient of a S');  dk -= a S' dr;  dg = a <dP, S'>;  dS <- a dP
 //   (0 at a sample's first token: the state before it is cut). dq, dk, dg and dbeta sum over columns:
-//   each column block adds its part.
+//   each column block adds its part. e is taken from dS before its update (e = dS^T k + (k . q) dO), so
+//   the rest is one pass over dS per token.
 // Forward saves the state entering every `interval`-th token (checkpoints [b, n, chunks, dk, dv]);
 // backward recomputes a chunk's states S' and r from its checkpoint, then walks its tokens backwards.
 #include "common.h"
@@ -27,7 +28,6 @@ using namespace msllm_kernels;
 namespace {
 
 constexpr int64_t kColumns = 32;
-constexpr int kLanes = 16;  // independent partial sums of a dot product (vectorize without -ffast-math)
 #if defined(__AVX512F__)
 constexpr int kSplit = 4;  // partial sums of a column block over dk: 4 x 2 zmm break the FMA latency chain
 #else
@@ -122,22 +122,63 @@ void step(const Head &h, int64_t t, int64_t c0, int64_t w_any, float *__restrict
   column_sums<W>(q, state, dk, w, out + c0);
 }
 
-// sum_i x[i] y[i] in kLanes partial sums (vectorizes; the lanes are added once at the end).
+// sum_i x[i] y[i] in partial sums (vectorizes; the lanes are added once at the end).
 inline float dot(const float *__restrict x, const float *__restrict y, int64_t n) {
   return lane_dot<false>(x, y, nullptr, n);
 }
 
+// Backward's register blocks: GCC vector extensions of 8 floats (a ymm; half a zmm on AVX-512).
+constexpr int kVec = 8;
+typedef float vec __attribute__((vector_size(4 * kVec)));
+typedef int32_t vec_index __attribute__((vector_size(4 * kVec)));
+inline vec load(const float *p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float *p, vec v) { std::memcpy(p, &v, sizeof v); }
+
+// The lane sums of 8 vectors as one vector, sums[j] = x[j][0] + .. + x[j][7]: halves of pairs added, then
+// of quads, then of all eight (summed one vector at a time, its lanes are a chain of 7 scalar adds that the
+// column's next step waits on).
+inline vec lane_sums(const vec *x) {
+  vec pairs[4], quads[2];
+  for (int p = 0; p < 4; ++p)
+    pairs[p] = __builtin_shuffle(x[2 * p], x[2 * p + 1], vec_index{0, 8, 1, 9, 4, 12, 5, 13}) +
+               __builtin_shuffle(x[2 * p], x[2 * p + 1], vec_index{2, 10, 3, 11, 6, 14, 7, 15});
+  for (int p = 0; p < 2; ++p)
+    quads[p] = __builtin_shuffle(pairs[2 * p], pairs[2 * p + 1], vec_index{0, 1, 8, 9, 4, 5, 12, 13}) +
+               __builtin_shuffle(pairs[2 * p], pairs[2 * p + 1], vec_index{2, 3, 10, 11, 6, 7, 14, 15});
+  return __builtin_shuffle(quads[0], quads[1], vec_index{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(quads[0], quads[1], vec_index{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+// dots[c] = block[c] . x for the w rows (dk long) of a [w, dk] block, 8 rows at a time.
+void row_dots(const float *__restrict block, const float *__restrict x, int64_t dk, int64_t w,
+              float *__restrict dots) {
+  int64_t c = 0;
+  if (dk % kVec == 0)
+    for (; c + kVec <= w; c += kVec) {
+      vec sums[kVec] = {};
+      for (int64_t i = 0; i < dk; i += kVec) {
+        const vec xv = load(x + i);
+        for (int j = 0; j < kVec; ++j) sums[j] += load(block + (c + j) * dk + i) * xv;
+      }
+      store(dots + c, lane_sums(sums));
+    }
+  for (; c < w; ++c) dots[c] = dot(block + c * dk, x, dk);
+}
+
 // Token t forward on a transposed [w, dk] block (backward's recompute: no output): per column c,
-// r[c] = v[c] - a S'[:, c] . k and S[:, c] = a S'[:, c] + beta r[c] k.
-void step_transposed(const Head &h, int64_t t, int64_t c0, int64_t w, float *__restrict state, float *__restrict r) {
+// r[c] = v[c] - a S'[:, c] . k and, given `leaving`, there S[:, c] = a S'[:, c] + beta r[c] k.
+void step_transposed(const Head &h, int64_t t, int64_t c0, int64_t w, const float *__restrict entering,
+                     float *__restrict leaving, float *__restrict r) {
   const int64_t dk = h.dk;
   const float a = std::exp(h.g[t]), beta = h.beta[t];
   const float *__restrict k = h.k + t * dk, *__restrict v = h.v + t * h.dv + c0;
+  row_dots(entering, k, dk, w, r);
+  for (int64_t c = 0; c < w; ++c) r[c] = v[c] - a * r[c];
+  if (!leaving) return;
   for (int64_t c = 0; c < w; ++c) {
-    float *__restrict column = state + c * dk;
-    r[c] = v[c] - a * dot(column, k, dk);
-    const float write = beta * r[c];
-    for (int64_t i = 0; i < dk; ++i) column[i] = a * column[i] + write * k[i];
+    const float write = beta * r[c], *__restrict from = entering + c * dk;
+    float *__restrict to = leaving + c * dk;
+    for (int64_t i = 0; i < dk; ++i) to[i] = a * from[i] + write * k[i];
   }
 }
 
@@ -146,55 +187,40 @@ struct Grads {
   float *dq, *dk, *dv, *dg, *dbeta;
 };
 
-// step_back's two passes over column c of the state gradient dS[:, c] (dk long; S'[:, c] is `s`), each a
-// function of its own so the compiler sees its pointers do not alias (no run-time overlap checks).
-// First: dS[:, c] += q dO[c]; dq += a dO[c] S'[:, c]; dk += beta r[c] dS[:, c]; returns e[c] = k . dS[:, c].
-__attribute__((noinline)) float column_back_first(int64_t dk, float out_c, float read_out, float write,
-                                                  const float *__restrict q, const float *__restrict k,
-                                                  const float *__restrict s, float *__restrict column,
-                                                  float *__restrict dq, float *__restrict dkt) {
-  float lanes[kLanes] = {};
+// step_back's one pass over C columns c.. of the state gradient dS ([C, dk] at `columns`; S' at `entering`),
+// their dr known: dS[:, c] += q dO[c]; dq += a dO[c] S'[:, c]; dP = dS[:, c] - k dr[c];
+// dk += beta r[c] dS[:, c] - a dr[c] S'[:, c]; da += dP * S'[:, c] (by lanes); dS[:, c] = a dP. dq's and dk's
+// rows stay in registers across the C columns (not loaded and stored again for every column).
+template <int C>
+__attribute__((noinline)) void columns_back(int64_t dk, float a, float beta, const float *d_out, const float *r,
+                                            const float *dr, const float *__restrict q, const float *__restrict k,
+                                            const float *__restrict entering, float *__restrict columns,
+                                            float *__restrict dq, float *__restrict dkt, float *__restrict da) {
   int64_t i = 0;
-  for (; i + kLanes <= dk; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      const float d = column[i + l] + q[i + l] * out_c;
-      column[i + l] = d;
-      dq[i + l] += read_out * s[i + l];  // dq = a S' dO (+ beta k (r . dO), in step_back)
-      dkt[i + l] += write * d;           // dk = beta dS r (- a S' dr, below)
-      lanes[l] += k[i + l] * d;
+  vec da_lanes = load(da);
+  for (; i + kVec <= dk; i += kVec) {
+    const vec qv = load(q + i), kv = load(k + i);
+    vec dqv = load(dq + i), dkv = load(dkt + i);
+    for (int c = 0; c < C; ++c) {
+      const vec s = load(entering + c * dk + i), d = load(columns + c * dk + i) + qv * d_out[c];
+      const vec p = d - kv * dr[c];
+      dqv += (a * d_out[c]) * s;
+      dkv += (beta * r[c]) * d - (a * dr[c]) * s;
+      da_lanes += p * s;
+      store(columns + c * dk + i, a * p);
     }
-  float e = 0.f;
-  for (; i < dk; ++i) {
-    const float d = column[i] + q[i] * out_c;
-    column[i] = d;
-    dq[i] += read_out * s[i];
-    dkt[i] += write * d;
-    e += k[i] * d;
+    store(dq + i, dqv);
+    store(dkt + i, dkv);
   }
-  for (int l = 0; l < kLanes; ++l) e += lanes[l];
-  return e;
-}
-
-// Second: dP[:, c] = dS[:, c] - k dr[c]; da += dP[:, c] * S'[:, c] (by lanes); dk -= a dr[c] S'[:, c];
-// dS[:, c] = a dP[:, c].
-__attribute__((noinline)) void column_back_second(int64_t dk, float a, float dr_c, const float *__restrict k,
-                                                  const float *__restrict s, float *__restrict column,
-                                                  float *__restrict dkt, float *__restrict da) {
-  const float back = a * dr_c;
-  int64_t i = 0;
-  for (; i + kLanes <= dk; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      const float p = column[i + l] - k[i + l] * dr_c;
-      da[l] += p * s[i + l];
-      dkt[i + l] -= back * s[i + l];
-      column[i + l] = a * p;
+  store(da, da_lanes);
+  for (; i < dk; ++i)
+    for (int c = 0; c < C; ++c) {
+      const float s = entering[c * dk + i], d = columns[c * dk + i] + q[i] * d_out[c], p = d - k[i] * dr[c];
+      dq[i] += a * d_out[c] * s;
+      dkt[i] += beta * r[c] * d - a * dr[c] * s;
+      da[0] += p * s;
+      columns[c * dk + i] = a * p;
     }
-  for (; i < dk; ++i) {
-    const float p = column[i] - k[i] * dr_c;
-    da[0] += p * s[i];
-    dkt[i] -= back * s[i];
-    column[i] = a * p;
-  }
 }
 
 // Token t backward on a transposed block of columns c0..: `entering` [w, dk] is S', r [w] its forward
@@ -209,18 +235,24 @@ void step_back(const Head &h, int64_t t, int64_t c0, int64_t w, const float *__r
   float *__restrict dq = grad.dq + t * dk, *__restrict dkt = grad.dk + t * dk;
   float *__restrict dr = grad.dv + t * h.dv + c0;
   d_out += t * h.dv + c0;
-  float da[kLanes] = {}, dbeta = 0.f;
+  row_dots(d_state, k, dk, w, dr);  // e = dS^T k of dS before the token's q dO^T, then dr = beta e
+  const float kq = dot(k, q, dk);
+  float da[kVec] = {}, dbeta = 0.f;
   for (int64_t c = 0; c < w; ++c) {
-    const float e = column_back_first(dk, d_out[c], a * d_out[c], beta * r[c], q, k, entering + c * dk,
-                                      d_state + c * dk, dq, dkt);
+    const float e = dr[c] + kq * d_out[c];
     dbeta += e * r[c];
     dr[c] = beta * e;
-    column_back_second(dk, a, dr[c], k, entering + c * dk, d_state + c * dk, dkt, da);
   }
+  constexpr int kGroup = 4;
+  int64_t c = 0;
+  for (; c + kGroup <= w; c += kGroup)
+    columns_back<kGroup>(dk, a, beta, d_out + c, r + c, dr + c, q, k, entering + c * dk, d_state + c * dk, dq, dkt, da);
+  for (; c < w; ++c)
+    columns_back<1>(dk, a, beta, d_out + c, r + c, dr + c, q, k, entering + c * dk, d_state + c * dk, dq, dkt, da);
   const float r_dout = beta * dot(r, d_out, w);
   for (int64_t i = 0; i < dk; ++i) dq[i] += k[i] * r_dout;
   float da_total = 0.f;
-  for (int l = 0; l < kLanes; ++l) da_total += da[l];
+  for (int l = 0; l < kVec; ++l) da_total += da[l];
   grad.dg[t] += a * da_total;
   grad.dbeta[t] += dbeta;
   if (h.starts_sample(t)) std::fill(d_state, d_state + dk * w, 0.f);
@@ -229,27 +261,30 @@ void step_back(const Head &h, int64_t t, int64_t c0, int64_t w, const float *__r
 // One (batch, value head)'s backward: its gradients of q and k added into grad.dq and grad.dk (a key head's
 // value heads share them), of v, g and beta written; `checkpoints` its saved states [chunks, dk, dv],
 // `d_out` [s, dv] and `d_final` [dk, dv] its output gradients; d_initial [dk, dv] the initial state's.
+// `scratch`: the thread's working memory (a chunk's states, residuals and dS), reused by its units: allocated
+// and zeroed per column block, its page faults and memset showed in the backward's profile.
 void rule_back(const Shapes &dims, const Head &h, const Grads &grad, const float *checkpoints, const float *d_out,
-               const float *d_final, float *d_initial) {
+               const float *d_final, float *d_initial, std::vector<float> &scratch) {
   const int64_t dk = dims.dk, dv = dims.dv, s = dims.s, state_size = dk * dv;
   std::fill(grad.dg, grad.dg + s, 0.f);
   std::fill(grad.dbeta, grad.dbeta + s, 0.f);
   for (int64_t c0 = 0; c0 < dv; c0 += kColumns) {
     const int64_t w = std::min(kColumns, dv - c0), block = dk * w;
-    std::vector<float> entering(dims.interval * block), r(dims.interval * w), state(block), d_state(block);
-    gather_columns<true>(d_final, dk, dv, c0, w, d_state.data());
+    scratch.resize((dims.interval + 1) * block + dims.interval * w);
+    float *entering = scratch.data(), *d_state = entering + dims.interval * block, *r = d_state + block;
+    gather_columns<true>(d_final, dk, dv, c0, w, d_state);
     for (int64_t chunk = dims.chunks - 1; chunk >= 0; --chunk) {
       const int64_t t0 = chunk * dims.interval, n = std::min(dims.interval, s - t0);
-      gather_columns<true>(checkpoints + chunk * state_size, dk, dv, c0, w, state.data());
-      for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again
-        if (h.starts_sample(t0 + j)) std::fill(state.begin(), state.end(), 0.f);
-        std::copy(state.begin(), state.end(), entering.data() + j * block);
-        step_transposed(h, t0 + j, c0, w, state.data(), r.data() + j * w);
+      gather_columns<true>(checkpoints + chunk * state_size, dk, dv, c0, w, entering);
+      for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again, each from the one before
+        float *state = entering + j * block;
+        if (h.starts_sample(t0 + j)) std::fill(state, state + block, 0.f);
+        step_transposed(h, t0 + j, c0, w, state, j + 1 < n ? state + block : nullptr, r + j * w);
       }
       for (int64_t j = n - 1; j >= 0; --j)
-        step_back(h, t0 + j, c0, w, entering.data() + j * block, r.data() + j * w, d_out, d_state.data(), grad);
+        step_back(h, t0 + j, c0, w, entering + j * block, r + j * w, d_out, d_state, grad);
     }
-    scatter_columns<true>(d_state.data(), dk, dv, c0, w, d_initial);
+    scatter_columns<true>(d_state, dk, dv, c0, w, d_initial);
   }
 }
 
@@ -297,7 +332,8 @@ extern "C" int GatedDeltaRuleGrad(int nparam, void **params, int *ndims, int64_t
   // A (batch, key head) a unit: its value heads' column blocks add into the same dq and dk rows, each
   // value head's into its dg and dbeta rows.
   const int64_t per_key = dims.n / dims.nk;
-  run_units(dims.b * dims.nk, [&](int64_t key, int) {
+  std::vector<std::vector<float>> scratch(pool().size());
+  run_units(dims.b * dims.nk, [&](int64_t key, int thread) {
     std::fill(result(10) + key * s * dk, result(10) + (key + 1) * s * dk, 0.f);
     std::fill(result(11) + key * s * dk, result(11) + (key + 1) * s * dk, 0.f);
     for (int64_t unit = key / dims.nk * dims.n + key % dims.nk * per_key, last = unit + per_key; unit < last; ++unit)
@@ -305,7 +341,7 @@ extern "C" int GatedDeltaRuleGrad(int nparam, void **params, int *ndims, int64_t
                 {result(10) + key * s * dk, result(11) + key * s * dk, result(12) + unit * s * dv,
                  result(13) + unit * s, result(14) + unit * s},
                 checkpoints + unit * dims.chunks * state_size, d_out + unit * s * dv, d_final + unit * state_size,
-                result(15) + unit * state_size);
+                result(15) + unit * state_size, scratch[thread]);
   });
   return 0;
 }
