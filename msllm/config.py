@@ -320,7 +320,8 @@ class TrainConfig:
     attention: str = "auto"           # flash: by blocks of keys, memory linear in the sequence (CPU: the fused
                                       # kernel, so fused_kernels auto; Ascend: FlashAttentionScore, fp16/bf16)
                                       # | softmax: the [s, t] scores | auto: flash on CPU with the fused kernels
-                                      # from FLASH_MIN_SEQ tokens, on Ascend whenever FlashAttentionScore can
+                                      # from FLASH_MIN_SEQ tokens (generation: always), on Ascend whenever
+                                      # FlashAttentionScore can
     precision: str = "fp32"           # fp32 | fp16 | bf16 compute; weights, norms, softmax, loss stay fp32
     accum_steps: int = 1              # micro-batches of batch_size per optimizer step
     recompute: str = "none"           # none | full | selective (attention core + MLP)

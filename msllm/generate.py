@@ -30,6 +30,11 @@ class Sampling:
         return not self.sample and self.top_k <= 0 and self.top_p >= 1.0
 
 
+# The inverse CDF sums the weights by blocks of this many tokens, then searches the one block the uniform falls in:
+# a running sum over the whole vocabulary was most of a batch's sampling time.
+CDF_BLOCK = 64
+
+
 def pick_tokens(logits: np.ndarray, sampling: Sampling, rngs: list[np.random.Generator]) -> np.ndarray:
     """The next token of each row from logits [n, vocab], row i drawing one uniform from rngs[i] (rows may
     share a generator: they draw in row order). The whole batch in a few numpy calls: a per-row Python
@@ -39,23 +44,40 @@ def pick_tokens(logits: np.ndarray, sampling: Sampling, rngs: list[np.random.Gen
     scales by its total), so each probability is off by fp32 rounding alone."""
     if sampling.greedy:
         return np.argmax(logits, -1)
+    n, vocab = logits.shape
     order = None
-    z = logits.astype(np.float32)
-    if sampling.temperature != 1.0:
-        z /= max(sampling.temperature, 1e-6)
     if sampling.top_k > 0 or sampling.top_p < 1.0:
         order = np.argsort(-logits, -1, kind="stable")
-        z = np.take_along_axis(z, order, -1)
-        if sampling.top_k > 0:
-            z[:, sampling.top_k:] = -np.inf
+        logits = np.take_along_axis(logits, order, -1)
+    blocks = -(-vocab // CDF_BLOCK)
+    z = np.full((n, blocks * CDF_BLOCK), -np.inf, np.float32)  # whole blocks: the padding weighs 0
+    z[:, :vocab] = logits
+    if sampling.top_k > 0:
+        z[:, sampling.top_k:] = -np.inf
+    if sampling.temperature != 1.0:
+        z /= max(sampling.temperature, 1e-6)
     z -= z.max(-1, keepdims=True)
-    cdf = np.cumsum(np.exp(z, out=z), -1, dtype=np.float64)
-    if sampling.top_p < 1.0:  # the smallest set of most likely tokens reaching top_p: the CDF flat after it
-        last = (cdf < sampling.top_p * cdf[:, -1:]).sum(-1, keepdims=True)
-        cdf = np.minimum(cdf, np.take_along_axis(cdf, last, -1))
-    u = np.array([rng.random() for rng in rngs]) * cdf[:, -1]
-    picked = np.minimum((cdf <= u[:, None]).sum(-1), cdf.shape[-1] - 1)  # searchsorted(cdf, u, "right"), per row
+    weights = np.exp(z, out=z).reshape(n, blocks, CDF_BLOCK)
+    block_cdf = np.cumsum(weights.sum(-1, dtype=np.float64), -1)
+    total = block_cdf[:, -1]
+    if sampling.top_p < 1.0:  # the smallest set of most likely tokens reaching top_p: what they weigh
+        total = inverse_cdf(weights, block_cdf, sampling.top_p * total, strict=True)[1]
+    u = np.array([rng.random() for rng in rngs]) * total
+    picked = np.minimum(inverse_cdf(weights, block_cdf, u)[0], vocab - 1)
     return picked if order is None else np.take_along_axis(order, picked[:, None], -1)[:, 0]
+
+
+def inverse_cdf(weights: np.ndarray, block_cdf: np.ndarray, targets: np.ndarray, strict: bool = False):
+    """Per row of weights [n, blocks, CDF_BLOCK] with block_cdf [n, blocks], their blocks' running sums (fp64):
+    (the first token whose running sum passes target, reaches it when strict; that running sum)."""
+    below = np.less if strict else np.less_equal
+    n, blocks, size = weights.shape
+    rows = np.arange(n)
+    block = np.minimum(below(block_cdf, targets[:, None]).sum(-1), blocks - 1)
+    cdf = np.cumsum(weights[rows, block], -1, dtype=np.float64)
+    cdf += np.where(block > 0, block_cdf[rows, block - 1], 0.0)[:, None]
+    inside = np.minimum(below(cdf, targets[:, None]).sum(-1), size - 1)
+    return block * size + inside, cdf[rows, inside]
 
 
 def pick_next(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:

@@ -105,7 +105,8 @@ class CachedInPlace(nn.Cell):
             pairs += ((self.layers_of(2 * p), self.layers_of(2 * p + 1)),)
         write = self.model.cache_write_places(b, max(self.full_heads, 1), s, start)  # its form: write in place
         h, written, _ = self.model.decode_cached(input_ids, pairs, start, pad, write)
-        logits = self.model.logits(h.reshape(b, s, -1)[:, -1])
+        last = h if s == 1 else h.reshape(b, s, -1)[:, -1]  # a decode step's rows are its last tokens: no slice kernel
+        logits = self.model.logits(last)
         for i in range(len(self.replaced)):
             if self.replaced[i]:
                 k, v = self.layer_params[i]

@@ -418,6 +418,11 @@ def test_deepseek_v3_parts_without_a_formulation_are_refused_in_one_line(convert
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
     cfg, _, _, _ = load_run(folder / "msllm")
     assert uses_flash(Config(model=cfg.model, train=TrainConfig(attention="flash")), fused=True, training=True)
+    # generation on CPU: the flash core at a 64-token context too (its decode step reads its keys in one pass)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=64))
+    assert uses_flash(Config(model=cfg.model), fused=True, training=False)
+    assert not uses_flash(Config(model=cfg.model, train=TrainConfig(attention="softmax")), fused=True, training=False)
+    assert not uses_flash(Config(model=cfg.model), fused=False, training=False)
 
 
 @pytest.mark.parametrize("edit, why", [

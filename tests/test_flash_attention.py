@@ -402,7 +402,7 @@ def test_converted_128k_context_is_kept_and_costs_nothing_until_used():
     cfg = to_model_config(hf, "config.json")
     assert cfg.max_seq_len == 131072
     model = decoder.build_model(cfg, seed=0)
-    held = sum(int(np.prod(t.shape)) for t in (model.inv_freq, model.kind_windows))
+    held = sum(int(np.prod(t.shape)) for t in model.inv_freq + model.kind_windows)
     assert held < 100  # [kinds, head_dim / 2] frequencies, not [131072, head_dim] tables
     t = 8
     cache = [Tensor(np.zeros(shape, np.float32)) for shape in cfg.cache_shapes(1, t)]
@@ -411,7 +411,7 @@ def test_converted_128k_context_is_kept_and_costs_nothing_until_used():
                  for start in (0, 100000))
     np.testing.assert_allclose(far.asnumpy(), near.asnumpy(), rtol=1e-3, atol=1e-4)
     cos, sin = model.rope_at(0, Tensor(np.array([100000, 131071], np.int32)))
-    angles = np.float32([100000, 131071])[:, None] * model.inv_freq.asnumpy()[0]
+    angles = np.float32([100000, 131071])[:, None] * model.inv_freq[0].asnumpy()
     angles = np.concatenate([angles, angles], -1).astype(np.float64)
     np.testing.assert_allclose(cos.asnumpy(), np.cos(angles), atol=1e-6)
     np.testing.assert_allclose(sin.asnumpy(), np.sin(angles), atol=1e-6)

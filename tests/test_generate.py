@@ -147,10 +147,10 @@ def test_a_batch_samples_each_rows_distribution_from_its_own_stream(sampling):
 
 def test_the_sampler_draws_the_fp64_inverse_cdf_tokens_up_to_fp32_rounding():
     """pick_tokens (exp in fp32, summed in fp64) against the fp64 inverse CDF drawing the same uniforms, on 16
-    rows of 4096 logits (a rollout step's), at temperature 0.7: a draw can differ only where its uniform falls
-    between the two CDFs, a mass of sum |cdf - cdf64| per row; the mismatches stay within that expectation
-    over the draws + 5 standard deviations."""
-    logits = (np.random.default_rng(0).normal(size=(16, 4096)) * 3).astype(np.float32)
+    rows of 4099 logits (a rollout step's, and a last CDF block of 3 tokens), at temperature 0.7: a draw can
+    differ only where its uniform falls between the two CDFs, a mass of sum |cdf - cdf64| per row; the
+    mismatches stay within that expectation over the draws + 5 standard deviations."""
+    logits = (np.random.default_rng(0).normal(size=(16, 4099)) * 3).astype(np.float32)
     sampling, draws = Sampling(temperature=0.7, sample=True), 500
     z = logits.astype(np.float64) / 0.7
     p = np.exp(z - z.max(-1, keepdims=True))
@@ -162,7 +162,7 @@ def test_the_sampler_draws_the_fp64_inverse_cdf_tokens_up_to_fp32_rounding():
     mismatches = 0
     for _ in range(draws):
         u = np.array([rng.random() for rng in theirs])
-        want = np.minimum((cdf64 <= u[:, None]).sum(-1), 4095)
+        want = np.minimum((cdf64 <= u[:, None]).sum(-1), 4098)
         mismatches += int((pick_tokens(logits, sampling, ours) != want).sum())
     expected = draws * disagree
     assert mismatches <= expected + 5 * np.sqrt(expected) + 1e-9, (mismatches, expected)

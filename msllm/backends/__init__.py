@@ -73,10 +73,10 @@ def apply_sequence_rows(model, rows: int) -> None:
 
 
 def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
-    """Whether the attention core is a flash one (resolves_to_flash; training reads data.seq_len,
-    inference the model's context). A flash core asked for and unavailable is one line:
-    train.attention: flash without the fused CPU kernels, or what FlashAttentionScore cannot take.
-    Ascend is specialised for training only, so its inference keeps the softmax core."""
+    """Whether the attention core is a flash one (resolves_to_flash at data.seq_len; CPU inference takes it
+    with the fused kernels unless train.attention is softmax: its decode step is faster at any context).
+    A flash core asked for and unavailable is one line: train.attention: flash without the fused CPU
+    kernels, or what FlashAttentionScore cannot take. Ascend is specialised for training only, so its inference keeps the softmax core."""
     t = cfg.train
     packed = training and packed_samples(cfg)
     if t.attention == "flash" and t.device == "ascend":
@@ -89,8 +89,9 @@ def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
                                "set train.attention: softmax")
     if t.device == "ascend" and not training:
         return False
-    seq = cfg.data.seq_len if training else cfg.model.max_seq_len
-    return resolves_to_flash(cfg, t.device, fused, seq, packed)
+    if t.device == "cpu" and not training:  # a decode step's query rows read their keys in one kernel pass
+        return fused and t.attention != "softmax"
+    return resolves_to_flash(cfg, t.device, fused, cfg.data.seq_len, packed)
 
 
 def plan(cfg: Config, training: bool = True) -> Specialisation:

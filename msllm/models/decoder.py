@@ -126,10 +126,11 @@ class Decoder(nn.Cell):
         self.full_keys, self.ring_keys = (2 * self.cache_kinds.index(kind) if kind in self.cache_kinds else -1
                                           for kind in ("full", "sliding"))
         self.windows = tuple(window for window, _, _ in kinds)
-        # [kinds, head_dim / 2]: RoPE rows are computed from positions, so an unused context costs nothing
-        self.inv_freq = Tensor(np.stack([rope_inv_freq(cfg.rope_dim, theta, scaling) for _, theta, scaling in kinds]))
+        # [head_dim / 2] per kind: RoPE rows are computed from positions, so an unused context costs nothing.
+        # A tuple per kind, not one tensor: indexing a tensor is a slice kernel in every forward.
+        self.inv_freq = tuple(Tensor(rope_inv_freq(cfg.rope_dim, theta, scaling)) for _, theta, scaling in kinds)
         self.rope_factors = tuple(rope_attention_factor(scaling) for _, _, scaling in kinds)  # YaRN scales cos, sin
-        self.kind_windows = Tensor(np.array(self.windows, np.int32))
+        self.kind_windows = tuple(Tensor(np.array([window], np.int32)) for window in self.windows)
         self.attention_mask = AdditiveMask(cfg.num_heads, cfg.num_kv_heads)  # a flash core takes the indices as is
         # Which tokens of each sequence this process computes, and the mean of a loss over the processes
         # sharing a sequence: all, and itself, unless context parallel splits it (msllm.backends).
@@ -167,7 +168,7 @@ class Decoder(nn.Cell):
         return ops.cos(angles), ops.sin(angles)
 
     def window_of(self, kind: int):
-        return self.kind_windows[kind:kind + 1]
+        return self.kind_windows[kind]
 
     def plain_tables(self, s: int, kind: int):
         """One sequence of s tokens per row: rope tables [q, d] of the q tokens computed here
