@@ -57,19 +57,6 @@ struct Head {
   }
 };
 
-// max of row[0 .. c) in 16 independent lanes (vectorizes without -ffast-math); c >= 1
-inline float row_max(const float *row, int64_t c) {
-  float lane[16];
-  std::fill(lane, lane + 16, row[0]);
-  int64_t j = 0;
-  for (; j + 16 <= c; j += 16)
-    for (int k = 0; k < 16; ++k) lane[k] = row[j + k] > lane[k] ? row[j + k] : lane[k];
-  float m = row[0];
-  for (; j < c; ++j) m = row[j] > m ? row[j] : m;
-  for (int k = 0; k < 16; ++k) m = lane[k] > m ? lane[k] : m;
-  return m;
-}
-
 // What sum_exp leaves in the row besides the sum: nothing, exp(z - m), or exp(z - m) * (1 - tanh^2) (the row
 // holds softcap * tanh: the slope of a soft-capped logit)
 enum class Keep { kNothing, kExp, kCappedExp };
@@ -116,7 +103,7 @@ void forward(void **params, int64_t **shapes, float *lse, float *target, float *
       float *row = z.data() + r * c;
       const int64_t label = hd.labels[r] - lo;
       if (label >= 0 && label < c) target[r] = row[label];
-      const float m = row_max(row, c);
+      const float m = lane_max(row, c, row[0]);
       // with expect the row becomes exp(z - m) * dz/dlogit: the block's share of expect, unnormalised
       const float s = !expect           ? sum_exp<Keep::kNothing>(row, c, m, hd.softcap)
                       : hd.softcap > 0 ? sum_exp<Keep::kCappedExp>(row, c, m, hd.softcap)
