@@ -213,12 +213,13 @@ extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int
     gemm('N', 'N', hd.n, hd.hidden, c, 1.f, z.data(), c, hd.w + lo * hd.hidden, hd.hidden, 1.f, dh_part[t].data(),
          hd.hidden);
   });
+  // the stripes' sums in stripe order, one stripe at a time: the used test inside the element loop kept it scalar
   parallel_for(hd.n * hd.hidden, [&](int64_t a, int64_t b, int) {
-    for (int64_t i = a; i < b; ++i) {
-      float s = 0.f;
-      for (int t = 0; t < threads; ++t)
-        if (used[t]) s += dh_part[t][i];
-      dh[i] = s;
+    std::fill(dh + a, dh + b, 0.f);
+    for (int t = 0; t < threads; ++t) {
+      if (!used[t]) continue;
+      const float *__restrict part = dh_part[t].data();
+      for (int64_t i = a; i < b; ++i) dh[i] += part[i];
     }
   });
   return 0;
