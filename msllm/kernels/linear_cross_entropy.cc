@@ -190,15 +190,16 @@ extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int
     z.resize(hd.n * hd.cols);
     hd.logits(gemm, b, z.data());
     const int64_t c = hd.width(b), lo = hd.start(b);
+    const float softcap = hd.softcap;  // a local: read through the captured hd, gcc reloaded it every element
     for (int64_t r = 0; r < hd.n; ++r) {
       float *row = z.data() + r * c;
       const float shift = lse[r], g = g_softmax[r];
       const int64_t label = hd.labels[r] - lo;
       const bool here = label >= 0 && label < c;
-      if (hd.softcap > 0) {  // row holds softcap * tanh: its slope is 1 - tanh^2
-        const float t_label = here ? row[label] / hd.softcap : 0.f;
+      if (softcap > 0) {  // row holds softcap * tanh: its slope is 1 - tanh^2
+        const float t_label = here ? row[label] / softcap : 0.f;
         for (int64_t j = 0; j < c; ++j) {
-          const float t = row[j] / hd.softcap;
+          const float t = row[j] / softcap;
           row[j] = exp_approx(row[j] - shift) * g * (1.f - t * t);
         }
         if (here) row[label] -= g_label[r] * (1.f - t_label * t_label);
