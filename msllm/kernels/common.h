@@ -164,6 +164,25 @@ inline float exp_approx(float x) {
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 
+// max(top, x[0 .. n)) in two 8-float vectors (GCC vector extension, AVX2's width: a wider one's compares
+// gcc lowers to scalar code). Written as 16 scalar lanes it stayed scalar: gcc split the lanes into 16 select
+// chains, and a float select is no max reduction to it without -ffinite-math-only. NaNs are skipped as
+// `x > top ? x : top` skips them.
+inline float lane_max(const float *x, int64_t n, float top) {
+  typedef float lanes __attribute__((vector_size(32)));
+  lanes m0 = lanes{} + top, m1 = m0, v0, v1;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    std::memcpy(&v0, x + j, sizeof v0);
+    std::memcpy(&v1, x + j + 8, sizeof v1);
+    m0 = v0 > m0 ? v0 : m0;
+    m1 = v1 > m1 ? v1 : m1;
+  }
+  for (; j < n; ++j) top = x[j] > top ? x[j] : top;
+  for (int k = 0; k < 8; ++k) top = m0[k] > top ? m0[k] : top, top = m1[k] > top ? m1[k] : top;
+  return top;
+}
+
 // sum_j a[j] * b[j] (* c[j]) in 16 independent lanes, so it vectorizes without -ffast-math.
 template <bool kThree>
 inline float lane_dot(const float *__restrict a, const float *__restrict b, const float *__restrict c, int64_t n) {

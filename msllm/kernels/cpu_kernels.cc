@@ -245,20 +245,15 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
 namespace {
 
 // One row of attention probabilities, pr = softmax(sr + mr) over t entries, with an extra logit `sink` that
-// takes its share of the row and has no entry (-inf: none). Returns the sink's probability. Row max and
-// row sum in 16 independent lanes (blocks of 16, then the tail), so they vectorize.
+// takes its share of the row and has no entry (-inf: none). Returns the sink's probability. The row sum
+// in 16 independent lanes (blocks of 16, then the tail), so it vectorizes.
 inline float masked_softmax_row(const float *__restrict sr, const float *__restrict mr, float *__restrict pr,
                                 int64_t t, float sink) {
   constexpr int kLanes = 16;
   const int64_t body = t - t % kLanes;
-  float lane_top[kLanes], lane_sum[kLanes] = {0};
-  std::fill(lane_top, lane_top + kLanes, -INFINITY);
+  float lane_sum[kLanes] = {0};
   for (int64_t j = 0; j < t; ++j) pr[j] = sr[j] + mr[j];
-  for (int64_t j = 0; j < body; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) lane_top[k] = pr[j + k] > lane_top[k] ? pr[j + k] : lane_top[k];
-  float top = sink;
-  for (int64_t j = body; j < t; ++j) top = pr[j] > top ? pr[j] : top;
-  for (int k = 0; k < kLanes; ++k) top = lane_top[k] > top ? lane_top[k] : top;
+  const float top = lane_max(pr, t, sink);
   for (int64_t j = 0; j < t; ++j) pr[j] = exp_approx(pr[j] - top);  // <= 0; -inf gives exp(-87) ~ 1e-38
   for (int64_t j = 0; j < body; j += kLanes)
     for (int k = 0; k < kLanes; ++k) lane_sum[k] += pr[j + k];

@@ -57,19 +57,6 @@ struct Head {
   }
 };
 
-// max of row[0 .. c) in 16 independent lanes (vectorizes without -ffast-math); c >= 1
-inline float row_max(const float *row, int64_t c) {
-  float lane[16];
-  std::fill(lane, lane + 16, row[0]);
-  int64_t j = 0;
-  for (; j + 16 <= c; j += 16)
-    for (int k = 0; k < 16; ++k) lane[k] = row[j + k] > lane[k] ? row[j + k] : lane[k];
-  float m = row[0];
-  for (; j < c; ++j) m = row[j] > m ? row[j] : m;
-  for (int k = 0; k < 16; ++k) m = lane[k] > m ? lane[k] : m;
-  return m;
-}
-
 // What sum_exp leaves in the row besides the sum: nothing, exp(z - m), or exp(z - m) * (1 - tanh^2) (the row
 // holds softcap * tanh: the slope of a soft-capped logit)
 enum class Keep { kNothing, kExp, kCappedExp };
@@ -116,7 +103,7 @@ void forward(void **params, int64_t **shapes, float *lse, float *target, float *
       float *row = z.data() + r * c;
       const int64_t label = hd.labels[r] - lo;
       if (label >= 0 && label < c) target[r] = row[label];
-      const float m = row_max(row, c);
+      const float m = lane_max(row, c, row[0]);
       // with expect the row becomes exp(z - m) * dz/dlogit: the block's share of expect, unnormalised
       const float s = !expect           ? sum_exp<Keep::kNothing>(row, c, m, hd.softcap)
                       : hd.softcap > 0 ? sum_exp<Keep::kCappedExp>(row, c, m, hd.softcap)
@@ -203,15 +190,16 @@ extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int
     z.resize(hd.n * hd.cols);
     hd.logits(gemm, b, z.data());
     const int64_t c = hd.width(b), lo = hd.start(b);
+    const float softcap = hd.softcap;  // a local: read through the captured hd, gcc reloaded it every element
     for (int64_t r = 0; r < hd.n; ++r) {
       float *row = z.data() + r * c;
       const float shift = lse[r], g = g_softmax[r];
       const int64_t label = hd.labels[r] - lo;
       const bool here = label >= 0 && label < c;
-      if (hd.softcap > 0) {  // row holds softcap * tanh: its slope is 1 - tanh^2
-        const float t_label = here ? row[label] / hd.softcap : 0.f;
+      if (softcap > 0) {  // row holds softcap * tanh: its slope is 1 - tanh^2
+        const float t_label = here ? row[label] / softcap : 0.f;
         for (int64_t j = 0; j < c; ++j) {
-          const float t = row[j] / hd.softcap;
+          const float t = row[j] / softcap;
           row[j] = exp_approx(row[j] - shift) * g * (1.f - t * t);
         }
         if (here) row[label] -= g_label[r] * (1.f - t_label * t_label);
@@ -226,12 +214,13 @@ extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int
     gemm('N', 'N', hd.n, hd.hidden, c, 1.f, z.data(), c, hd.w + lo * hd.hidden, hd.hidden, 1.f, dh_part[t].data(),
          hd.hidden);
   });
+  // the stripes' sums in stripe order, one stripe at a time: the used test inside the element loop kept it scalar
   parallel_for(hd.n * hd.hidden, [&](int64_t a, int64_t b, int) {
-    for (int64_t i = a; i < b; ++i) {
-      float s = 0.f;
-      for (int t = 0; t < threads; ++t)
-        if (used[t]) s += dh_part[t][i];
-      dh[i] = s;
+    std::fill(dh + a, dh + b, 0.f);
+    for (int t = 0; t < threads; ++t) {
+      if (!used[t]) continue;
+      const float *__restrict part = dh_part[t].data();
+      for (int64_t i = a; i < b; ++i) dh[i] += part[i];
     }
   });
   return 0;
