@@ -121,7 +121,7 @@ class LinearFewRows(nn.Cell):
     """x [m, k] @ w [n, k]^T (fp32) by the C++ kernel when m <= FEW_ROWS (a decode step: every
     weight row read once), by MindSpore's MatMul otherwise (prefill); m is fixed at compile time."""
 
-    FEW_ROWS = 8
+    FEW_ROWS = 16  # a GRPO rollout's batch: the kernel's register tiles beat MatMul there (benchmarks/)
 
     def __init__(self):
         super().__init__()
