@@ -144,9 +144,6 @@ class ProjectionsFewRows(layers.Projections):
         self.linears = aot("LinearsFewRows", few_rows_outputs, weights_dtypes)
 
     def construct(self, x, linears):
-        few = x.shape[0] <= LinearFewRows.FEW_ROWS
-        for linear in linears:  # a plain Linear's output is x @ weight^T (a constant test: no Switch in the graph)
-            few = few and isinstance(linear, layers.Linear) and linear.bias is None
-        if few:
+        if x.shape[0] <= LinearFewRows.FEW_ROWS and layers.bare(linears):
             return self.linears(x, *[linear.weight for linear in linears])
         return tuple(linear(x) for linear in linears)

@@ -55,6 +55,15 @@ class Projections(nn.Cell):
         return tuple(linear(x) for linear in linears)
 
 
+def bare(linears) -> bool:
+    """Whether each of `linears` is a Linear without a bias (no adapter wraps it): its projection is x @ W^T.
+    A loop, not all(): under GRAPH_MODE this folds to a constant (no Switch in the graph)."""
+    result = True
+    for linear in linears:
+        result = result and isinstance(linear, Linear) and linear.bias is None
+    return result
+
+
 class Embedding(nn.Cell):
     """Rows of the table by token id. Lookups of `padding_idx` (>= 0) pass no gradient to its row,
     as torch's nn.Embedding(padding_idx) does for the Hugging Face models that set pad_token_id."""
