@@ -62,22 +62,6 @@ class Rope(layers.Rope):
         return x * cos + rotated * sin
 
 
-class ConcatProjections(layers.Projections):
-    """A layer's projections of one x [N, h] as one MatMul over its Linears' weights concatenated in the graph
-    (the Parameters stay apart), split after: backward is one dX GEMM (no Adds summing the Linears' dX) and one
-    dW GEMM, and the wider GEMM runs at a better rate. A Linear with a bias or an adapter keeps its own."""
-
-    def __init__(self):
-        super().__init__()
-        self.matmul = ops.MatMul(transpose_b=True)
-
-    def construct(self, x, linears):
-        if x.ndim != 2 or not layers.bare(linears):
-            return tuple(linear(x) for linear in linears)
-        weight = ops.concat([cast(linear.weight, x.dtype) for linear in linears], 0)
-        return ops.split(self.matmul(x, weight), [linear.out_features for linear in linears], 1)
-
-
 class VisibilityIndices(nn.Cell):
     """Decoder.attention_mask for a flash core: the visibility indices as they are, no [s, t] mask."""
 
