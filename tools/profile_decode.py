@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     for _ in range(3):
         engine.step(token)
     parts = split(engine, model, args.steps, args.batch)
-    print(f"{args.workload} {args.family}, batch {args.batch}, context {args.context}: weights {parts.pop('weight_mb'):.1f} MB; "
+    print(f"{args.workload} {args.family}, batch {args.batch}, context {args.context}: "
+          f"weights {parts.pop('weight_mb'):.1f} MB; "
           "ms per step (median, alternated):")
     for key, value in parts.items():
         print(f"  {key:<13} {value:8.3f}")

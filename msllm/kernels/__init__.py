@@ -29,5 +29,5 @@ from msllm.kernels.optimizer import AdamWUpdate, sum_of_squares_op
 __all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite", "FusedClampedSwiGLU", "FusedGeGLU",
            "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
            "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
-           "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags", "has_sgemm", "library",
-           "library_path", "march", "sum_of_squares_op"]
+           "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags",
+           "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]

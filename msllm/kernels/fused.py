@@ -114,6 +114,7 @@ def few_rows_outputs(x, *weights):
 
 
 def weights_dtypes(x, *weights):
+    """LinearsFewRows' output dtypes: each weight's."""
     return weights
 
 
