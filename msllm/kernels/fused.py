@@ -145,6 +145,10 @@ class ProjectionsFewRows(layers.Projections):
         self.linears = aot("LinearsFewRows", few_rows_outputs, weights_dtypes)
 
     def construct(self, x, linears):
-        if x.shape[0] <= LinearFewRows.FEW_ROWS and layers.bare(linears):
-            return self.linears(x, *[linear.weight for linear in linears])
-        return tuple(linear(x) for linear in linears)
+        # a Linear without a bias or an adapter projects by x @ W^T; a loop, not all(), folds to a constant
+        few = x.shape[0] <= LinearFewRows.FEW_ROWS
+        for linear in linears:  # noqa: GL106 (a layer's few Linears)
+            few = few and isinstance(linear, layers.Linear) and linear.bias is None
+        if few:
+            return self.linears(x, *[linear.weight for linear in linears])  # noqa: GL106 (a layer's few Linears)
+        return tuple(linear(x) for linear in linears)  # noqa: GL106 (a layer's few Linears)

@@ -52,16 +52,7 @@ class Projections(nn.Cell):
     (msllm.backends)."""
 
     def construct(self, x, linears):
-        return tuple(linear(x) for linear in linears)
-
-
-def bare(linears) -> bool:
-    """Whether each of `linears` is a Linear without a bias (no adapter wraps it): its projection is x @ W^T.
-    A loop, not all(): under GRAPH_MODE this folds to a constant (no Switch in the graph)."""
-    result = True
-    for linear in linears:
-        result = result and isinstance(linear, Linear) and linear.bias is None
-    return result
+        return tuple(linear(x) for linear in linears)  # noqa: GL106 (a layer's few Linears)
 
 
 class Embedding(nn.Cell):
