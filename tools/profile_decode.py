@@ -13,7 +13,6 @@ Then MindSpore's profiler over --steps more steps: kernels per step and their su
 
     python tools/profile_decode.py                              # W1 hybrid (Qwen3.5-shaped), context 256
     python tools/profile_decode.py --family llama --context 1024
-    python tools/profile_decode.py --family llama --batch 16          # a GRPO rollout's decode step
 """
 from __future__ import annotations
 
@@ -34,9 +33,9 @@ from tools.profile_step import kernel_types  # noqa: E402
 CHAIN = 101  # kernels of the chain whose time per kernel is the launch cost of one more kernel
 
 
-def engine_at(w: dict, family: str, context: int, steps: int, max_len: int, batch: int = 1):
+def engine_at(w: dict, family: str, context: int, steps: int, max_len: int):
     """The msllm engine over the workload's model of context `max_len` (random weights, the CPU inference
-    specialisation), prefilled with `batch` random prompts of `context` tokens and room for 4 * steps + 8 more."""
+    specialisation), prefilled with a random prompt of `context` tokens and room for 4 * steps + 8 more."""
     import numpy as np
 
     from msllm.backends import specialise
@@ -50,12 +49,11 @@ def engine_at(w: dict, family: str, context: int, steps: int, max_len: int, batc
     model.set_train(False)
     specialise(model, Config(model=cfg), training=False)
     engine = cell_engine(model)
-    rng = np.random.default_rng(0)
-    engine.start([rng.integers(3, cfg.vocab_size, context).tolist() for _ in range(batch)], new)
+    engine.start([np.random.default_rng(0).integers(3, cfg.vocab_size, context).tolist()], new)
     return engine, model
 
 
-def split(engine, model, steps: int, batch: int = 1) -> dict:
+def split(engine, model, steps: int) -> dict:
     import mindspore as ms
     import numpy as np
     from mindspore import nn
@@ -75,7 +73,7 @@ def split(engine, model, steps: int, batch: int = 1) -> dict:
     weight_bytes = sum(p.nbytes for p in model.get_parameters())
     matrix = np.random.default_rng(0).normal(size=(weight_bytes // 4 // 512, 512)).astype(np.float32)
     vector = np.ones(512, np.float32)
-    token = [5] * batch
+    token = [5]
 
     def host():
         tensors = [ms.Tensor(np.asarray(x, np.int32)) for x in (np.array(token)[:, None],
@@ -112,7 +110,6 @@ def main(argv=None) -> int:
     p.add_argument("--family", default="qwen3_5")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=1, help="rows decoded at once (GRPO rollouts: 16)")
     p.add_argument("--max-len", type=int, default=1064,
                    help="the model's context (bench_hybrid's at --contexts 256,1024: from 1024 the attention is flash)")
     args = p.parse_args(argv)
@@ -120,17 +117,15 @@ def main(argv=None) -> int:
 
     device.setup("cpu", "graph")
     engine, model = engine_at(WORKLOADS[args.workload], args.family, args.context, args.steps,
-                              args.max_len, args.batch)
-    token = [5] * args.batch
+                              args.max_len)
     for _ in range(3):
-        engine.step(token)
-    parts = split(engine, model, args.steps, args.batch)
-    print(f"{args.workload} {args.family}, batch {args.batch}, context {args.context}: "
-          f"weights {parts.pop('weight_mb'):.1f} MB; "
+        engine.step([5])
+    parts = split(engine, model, args.steps)
+    print(f"{args.workload} {args.family}, context {args.context}: weights {parts.pop('weight_mb'):.1f} MB; "
           "ms per step (median, alternated):")
     for key, value in parts.items():
         print(f"  {key:<13} {value:8.3f}")
-    ops = kernel_types(lambda: engine.step(token), args.steps)
+    ops = kernel_types(lambda: engine.step([5]), args.steps)
     busy = sum(o["ms_per_step"] for o in ops)
     print("\n| kernel type | kernels per step | ms per step | share |\n|---|---|---|---|")
     for o in ops:
