@@ -213,6 +213,7 @@ class GatedDeltaNet(nn.Cell):
         self.wz = Linear(h, values)
         self.wb = Linear(h, self.num_value_heads)
         self.wa = Linear(h, self.num_value_heads)
+        self.project = Projections()  # the six above, of one x
         self.conv_q = CausalConv(keys, cfg.linear_conv_kernel, self.key_dim)
         self.conv_k = CausalConv(keys, cfg.linear_conv_kernel, self.key_dim)
         self.conv_v = CausalConv(values, cfg.linear_conv_kernel)
@@ -221,7 +222,6 @@ class GatedDeltaNet(nn.Cell):
         self.norm = RMSNorm(self.value_dim, cfg.norm_eps)  # scales by w (not 1 + w) in every family that has it
         self.gate = SwiGLU()  # silu(z) * normed out (a device may fuse it)
         self.wo = Linear(values, h)
-        self.project = Projections()  # q, k, v, z, a, b of x
         self.rule = ChunkedGatedDeltaRule(value_heads_per_key=self.num_value_heads // self.num_key_heads)
         # a device's one kernel for recurrence at one token a row, its caches written in place (msllm.backends):
         # (q, k, v, a, b projections, the convs' weights, A_log, dt_bias, state, window) -> read-out [b, heads, d_v]
