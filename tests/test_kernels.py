@@ -212,13 +212,37 @@ def test_cache_write_matches_portable(arch, s, start):
         np.testing.assert_array_equal(got[:, :, kept], old.asnumpy()[:, :, kept])
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 576, 1536), (3, 100, 37), (8, 1536, 576)])
-def test_linear_few_rows_matches_float64(arch, m, k, n):
+class Projected(nn.Cell):
+    """x -> the projections of x by `linears` (a layer's, each Parameter under its own name)."""
+
+    def __init__(self, linears):
+        super().__init__()
+        self.linears = nn.CellList(linears)
+        self.project = kernels.ProjectionsFewRows()
+
+    def construct(self, x):
+        return self.project(x, tuple(self.linears))
+
+
+@pytest.mark.parametrize("m, k, sizes, biased", [(1, 576, (1536, 256, 7), None), (3, 100, (37, 5), 1),
+                                                 (16, 1536, (576, 13), None), (17, 64, (20, 8), None)])
+def test_few_rows_linears_match_float64(arch, m, k, sizes, biased):
+    """A decode step's projections of one x in one kernel (register tiles, their leftover rows and features;
+    k not a multiple of 8: the plain dots), each as x @ W^T in float64; one Linear by LinearFewRows; more rows
+    than FEW_ROWS (17), or a Linear with a bias, by the Linears' own matmuls."""
     rng = np.random.default_rng(m)
-    x, w = rng.normal(size=(m, k)).astype(np.float32), rng.normal(size=(n, k)).astype(np.float32)
-    y = kernels.LinearFewRows()(Tensor(x), Tensor(w)).asnumpy()
-    ref = x.astype(np.float64) @ w.astype(np.float64).T
-    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(x).max() * np.abs(w).max() * k ** 0.5)
+    x = rng.normal(size=(m, k)).astype(np.float32)
+    linears = [layers.Linear(k, n, bias=i == biased) for i, n in enumerate(sizes)]
+    for linear in linears:
+        for p in linear.get_parameters():
+            p.set_data(Tensor(rng.normal(size=p.shape).astype(np.float32)))
+    got = Projected(linears)(Tensor(x))
+    one = kernels.LinearFewRows()(Tensor(x), linears[0].weight)
+    assert len(got) == len(sizes)
+    for y, linear in zip((*got, one), (*linears, linears[0])):
+        w = linear.weight.asnumpy().astype(np.float64)
+        ref = x.astype(np.float64) @ w.T + (0 if linear.bias is None else linear.bias.asnumpy())
+        np.testing.assert_allclose(y.asnumpy(), ref, rtol=0, atol=1e-5 * np.abs(x).max() * np.abs(w).max() * k ** 0.5)
 
 
 def test_sum_of_squares_matches_float64(arch):

@@ -193,6 +193,7 @@ def test_cpu_inference_specialisation_decodes_the_same():
     plain = [model(ms.Tensor(np.array([r], np.int32))).asnumpy()[0] for r in rows]
     spec = specialise(model, Config(model=CFG), training=False)
     assert spec.fused_kernels and isinstance(model.layers[0].attention.wq.matmul, kernels.LinearFewRows)
+    assert isinstance(model.layers[0].attention.project, kernels.ProjectionsFewRows)
     engine = cell_engine(model)
     got = [engine.start([r[:-3] for r in rows], 3)] + [engine.step([r[k] for r in rows]) for k in (-3, -2)]
     for row, r in enumerate(rows):

@@ -75,7 +75,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
 
     fused: msllm.kernels' one-pass C++ ops (they take fixed shapes and, except the norm, fp32
     activations). Training uses all of them; inference (fp32) the norm, rope, SwiGLU and softmax
-    ones (fewer kernel launches per decode step), the few-rows linear of decode steps, the
+    ones (fewer kernel launches per decode step), the few-rows linear of decode steps (a layer's
+    projections of one input in one kernel), the
     KV-cache write, the gated delta rule with its causal conv, and a Gated DeltaNet layer's whole
     decode-step recurrence as one kernel.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
@@ -95,6 +96,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     if decode_kernels:  # one-token decode steps: a matmul of a few rows reads each weight once
         model.lm_matmul = kernels.LinearFewRows()
     for cell in [cell for _, cell in model.cells_and_names()]:
+        if isinstance(getattr(cell, "project", None), layers.Projections):  # a layer's projections of one input
+            cell.project = kernels.ProjectionsFewRows() if decode_kernels else layers.Projections()
         if isinstance(cell, layers.RMSNorm):  # normalises in fp32 whatever the compute dtype
             cell.core = (kernels.FusedRMSNormCore(cell.eps) if fused or decode_kernels
                          else RMSNormCore(cell.dim, cell.eps))

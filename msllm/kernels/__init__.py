@@ -20,7 +20,7 @@ from msllm.kernels.attention import (FlashAttention, FusedSinkSoftmaxAttention, 
 from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_sgemm, library, library_path,
                                  march)
 from msllm.kernels.fused import (FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore, FusedRope,
-                                 FusedSwiGLU, LinearFewRows)
+                                 FusedSwiGLU, LinearFewRows, ProjectionsFewRows)
 from msllm.kernels.gated_deltanet import FusedCausalConv, GatedDeltaRule, GatedDeltaStep
 from msllm.kernels.head import FusedHead
 from msllm.kernels.moe import GroupedMatmul
@@ -29,5 +29,5 @@ from msllm.kernels.optimizer import AdamWUpdate, sum_of_squares_op
 __all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite", "FusedClampedSwiGLU", "FusedGeGLU",
            "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
            "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
-           "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags", "has_sgemm", "library",
-           "library_path", "march", "sum_of_squares_op"]
+           "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags",
+           "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]

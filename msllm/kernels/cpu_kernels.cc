@@ -395,20 +395,78 @@ extern "C" int RopeHeadsGrad(int nparam, void **params, int *ndims, int64_t **sh
   return 0;
 }
 
-// y = x W^T for a few rows of x (one-token decode): each weight row is read once, from memory,
-// and dotted with every row of x while it is in L1; output features are split across the pool.
-// MindSpore's MatMul packs the weight into its own layout first, a second pass over it per call.
-// inputs: x [m, k], w [n, k] (fp32); output: y [m, n].
-extern "C" int LinearFewRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                             void *stream, void *extra) {
-  const float *__restrict x = static_cast<const float *>(params[0]);
-  const float *__restrict w = static_cast<const float *>(params[1]);
-  float *__restrict y = static_cast<float *>(params[2]);
-  const int64_t m = shapes[0][0], k = shapes[0][1], n = shapes[1][0];
-  parallel_for(n, [=](int64_t lo, int64_t hi, int) {
-    for (int64_t o = lo; o < hi; ++o)
-      for (int64_t r = 0; r < m; ++r) y[r * n + o] = lane_dot<false>(x + r * k, w + o * k, nullptr, k);
-  }, std::max<int64_t>(1, (1 << 16) / k));
+// 8 floats as one AVX2 register (GCC's vector extension: the compiler keeps a tile's sums in registers).
+typedef float Floats8 __attribute__((vector_size(32)));
+
+static inline Floats8 load8(const float *p) {
+  Floats8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// y[r, o] for kRows rows of x and kOuts weight rows (k a multiple of 8): each loaded x vector serves kOuts
+// weight rows and each weight vector kRows x rows, the kRows * kOuts sums in registers.
+template <int kRows, int kOuts>
+static void dot_tile(const float *__restrict x, const float *__restrict w, float *__restrict y, int64_t k,
+                     int64_t n) {
+  Floats8 acc[kRows][kOuts] = {};
+  for (int64_t j = 0; j < k; j += 8) {
+    Floats8 wv[kOuts];
+    for (int o = 0; o < kOuts; ++o) wv[o] = load8(w + o * k + j);
+    for (int r = 0; r < kRows; ++r) {
+      const Floats8 xv = load8(x + r * k + j);
+      for (int o = 0; o < kOuts; ++o) acc[r][o] += xv * wv[o];
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int o = 0; o < kOuts; ++o) {
+      float sum = 0.f;
+      for (int l = 0; l < 8; ++l) sum += acc[r][o][l];
+      y[r * n + o] = sum;
+    }
+}
+
+constexpr int kTileOuts = 6;  // weight rows per tile: 2 x 6 tiles ran fastest of 1-4 x 2-8 at 16 rows
+
+// Weight rows [lo, hi) of one weight against all m rows of x, into y [m, n]: tiles of 2 x rows by
+// kTileOuts weight rows, the leftovers by the plain dot.
+static void few_rows_block(const float *x, const float *w, float *y, int64_t m, int64_t k, int64_t n, int64_t lo,
+                           int64_t hi) {
+  int64_t o = lo;
+  if (k % 8 == 0) {
+    for (; o + kTileOuts <= hi; o += kTileOuts) {
+      int64_t r = 0;
+      for (; r + 2 <= m; r += 2) dot_tile<2, kTileOuts>(x + r * k, w + o * k, y + r * n + o, k, n);
+      for (; r < m; ++r) dot_tile<1, kTileOuts>(x + r * k, w + o * k, y + r * n + o, k, n);
+    }
+  }
+  for (; o < hi; ++o)
+    for (int64_t r = 0; r < m; ++r) y[r * n + o] = lane_dot<false>(x + r * k, w + o * k, nullptr, k);
+}
+
+// y_i = x W_i^T for every weight W_i of a layer's projections of one input x (a decode step's few rows),
+// in one kernel: the weights' rows laid end to end are split across the pool, each read once from memory
+// and dotted with every row of x while it is in L1. MindSpore's MatMul packs a weight into its own layout
+// first, a second pass over it per call.
+// inputs: x [m, k], w_1 .. w_N [n_i, k] (fp32); outputs: y_1 .. y_N [m, n_i].
+extern "C" int LinearsFewRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  const int count = (nparam - 1) / 2;
+  const float *x = static_cast<const float *>(params[0]);
+  const int64_t m = shapes[0][0], k = shapes[0][1];
+  std::vector<int64_t> start(count + 1, 0);  // the first row of each weight, the weights end to end
+  for (int i = 0; i < count; ++i) start[i + 1] = start[i] + shapes[1 + i][0];
+  // chunks of whole tiles, so a weight's tiles are cut only at its end
+  const int64_t tiles = (start[count] + kTileOuts - 1) / kTileOuts;
+  parallel_for(tiles, [&](int64_t tile_lo, int64_t tile_hi, int) {
+    const int64_t lo = tile_lo * kTileOuts, hi = std::min(start[count], tile_hi * kTileOuts);
+    for (int i = 0; i < count; ++i) {
+      const int64_t a = std::max(lo, start[i]), b = std::min(hi, start[i + 1]);
+      if (a < b)
+        few_rows_block(x, static_cast<const float *>(params[1 + i]), static_cast<float *>(params[1 + count + i]),
+                       m, k, start[i + 1] - start[i], a - start[i], b - start[i]);
+    }
+  }, std::max<int64_t>(1, (1 << 14) / k));
   return 0;
 }
 

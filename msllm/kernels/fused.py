@@ -1,7 +1,7 @@
 """One C++ pass each way for the element- and row-wise chains of a decoder layer (fp32): SwiGLU, GeGLU and
 gpt-oss's clamped SwiGLU, RMSNorm, RoPE with the head split, the KV-cache write and a decode step's few-row
-matmul. MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory (SwiGLU
-forward + backward takes ~8 kernels)."""
+matmuls (a layer's projections of one input in one). MindSpore's CPU backend runs every element-wise op as its
+own kernel and pass over memory (SwiGLU forward + backward takes ~8 kernels)."""
 from __future__ import annotations
 
 import functools
@@ -108,18 +108,47 @@ class FusedCacheWrite(layers.CacheWrite):
         return self.write(k, v, cache_k, cache_v, write[2])
 
 
+def few_rows_outputs(x, *weights):
+    """LinearsFewRows' output shapes (or dtypes) from its inputs': [m, n_i] for each weight [n_i, k]."""
+    return tuple([x[0], w[0]] for w in weights)
+
+
+def weights_dtypes(x, *weights):
+    """LinearsFewRows' output dtypes: each weight's."""
+    return weights
+
+
 class LinearFewRows(nn.Cell):
     """x [m, k] @ w [n, k]^T (fp32) by the C++ kernel when m <= FEW_ROWS (a decode step: every
     weight row read once), by MindSpore's MatMul otherwise (prefill); m is fixed at compile time."""
 
-    FEW_ROWS = 8
+    FEW_ROWS = 16  # a GRPO rollout's batch: the kernel's register tiles beat MatMul there (benchmarks/)
 
     def __init__(self):
         super().__init__()
-        self.linear = aot("LinearFewRows", lambda x, w: [x[0], w[0]])
+        self.linear = aot("LinearsFewRows", lambda x, w: [x[0], w[0]])
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x, w):
         if x.shape[0] <= self.FEW_ROWS:
             return self.linear(x, w)
         return self.matmul(x, w)
+
+
+class ProjectionsFewRows(layers.Projections):
+    """layers.Projections of a decode step's few rows (m <= LinearFewRows.FEW_ROWS, fp32) as one C++ kernel over
+    all the Linears' weights, each read once, in place of a kernel launch per Linear; more rows, or a Linear with
+    a bias or an adapter, go through the Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.linears = aot("LinearsFewRows", few_rows_outputs, weights_dtypes)
+
+    def construct(self, x, linears):
+        # a Linear without a bias or an adapter projects by x @ W^T; a loop, not all(), folds to a constant
+        few = x.shape[0] <= LinearFewRows.FEW_ROWS
+        for linear in linears:  # noqa: GL106 (a layer's few Linears)
+            few = few and isinstance(linear, layers.Linear) and linear.bias is None
+        if few:
+            return self.linears(x, *[linear.weight for linear in linears])  # noqa: GL106 (a layer's few Linears)
+        return tuple(linear(x) for linear in linears)  # noqa: GL106 (a layer's few Linears)

@@ -46,6 +46,15 @@ class Linear(nn.Cell):
         return y
 
 
+class Projections(nn.Cell):
+    """(x, linears) -> each Linear's projection of x, in order: a layer's projections of one input (attention's
+    q, k, v; an MLP's gate and up), each its own matmul. A device may compute the group at once
+    (msllm.backends)."""
+
+    def construct(self, x, linears):
+        return tuple(linear(x) for linear in linears)  # noqa: GL106 (a layer's few Linears)
+
+
 class Embedding(nn.Cell):
     """Rows of the table by token id. Lookups of `padding_idx` (>= 0) pass no gradient to its row,
     as torch's nn.Embedding(padding_idx) does for the Hugging Face models that set pad_token_id."""
@@ -459,9 +468,11 @@ class FeedForward(nn.Cell):
         self.w3 = Linear(cfg.hidden_size, f)
         self.activation = cfg.mlp  # which one, for the backends that swap in a fused kernel
         self.act = activation(cfg)
+        self.project = Projections()
 
     def construct(self, x):
-        return self.w2(self.act(self.w1(x), self.w3(x)))
+        gate, up = self.project(x, (self.w1, self.w3))
+        return self.w2(self.act(gate, up))
 
 
 class CausalLMLoss(nn.Cell):

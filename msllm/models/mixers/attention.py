@@ -10,8 +10,8 @@ from __future__ import annotations
 from mindspore import nn, ops
 
 from msllm.config import ModelConfig
-from msllm.models.layers import (AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, RMSNorm, Rope, SinkAttentionCore,
-                                 split_heads)
+from msllm.models.layers import (AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, Projections, RMSNorm, Rope,
+                                 SinkAttentionCore, split_heads)
 
 
 def qk_norm(cfg: ModelConfig, width: int):
@@ -41,6 +41,7 @@ class Attention(nn.Cell):
         # Gated attention: each head's output feature x sigmoid(its gate), a projection of x like wq's
         self.wg = Linear(h, cfg.num_heads * d) if cfg.attn_output_gate else None
         self.wo = Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.project = Projections()  # q, k, v (and the gate) of x
         self.q_norm = qk_norm(cfg, cfg.num_heads * d)
         self.k_norm = qk_norm(cfg, cfg.num_kv_heads * d)
         self.rope = Rope(d, cfg.rope_dim)
@@ -50,16 +51,20 @@ class Attention(nn.Cell):
                                                                                   cfg.attn_scale)
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
-        q = self.rope(self.q_norm(self.wq(x)), cos, sin)
+        if self.wg is None:
+            q, k, v = self.project(x, (self.wq, self.wk, self.wv))
+        else:
+            q, k, v, gate = self.project(x, (self.wq, self.wk, self.wv, self.wg))
+        q = self.rope(self.q_norm(q), cos, sin)
         if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: take the KV heads' rows
             cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
-        k = self.rope(self.k_norm(self.wk(x)), cos, sin)
-        v = split_heads(self.wv(x), self.head_dim, cos.shape[-2])
+        k = self.rope(self.k_norm(k), cos, sin)
+        v = split_heads(v, self.head_dim, cos.shape[-2])
         k, v = self.whole_kv(k, v)
         if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
             k, v = self.cache_write(k, v, cache_k, cache_v, write)
         out = self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(-1, self.num_heads * self.head_dim)
         if self.wg is not None:
-            out = out * ops.sigmoid(self.wg(x))
+            out = out * ops.sigmoid(gate)
         return self.wo(out), k, v
 

@@ -27,7 +27,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from msllm.config import GATED_DELTA_CHUNK, ModelConfig
-from msllm.models.layers import Linear, RMSNorm, SwiGLU, cast
+from msllm.models.layers import Linear, Projections, RMSNorm, SwiGLU, cast
 
 L2_EPS = 1e-6  # q and k are normalised as the FLA kernels (and transformers' fallback) do
 
@@ -214,6 +214,7 @@ class GatedDeltaNet(nn.Cell):
         self.wz = Linear(h, values)
         self.wb = Linear(h, self.num_value_heads)
         self.wa = Linear(h, self.num_value_heads)
+        self.project = Projections()  # the six above, of one x
         self.conv_q = CausalConv(keys, cfg.linear_conv_kernel, self.key_dim)
         self.conv_k = CausalConv(keys, cfg.linear_conv_kernel, self.key_dim)
         self.conv_v = CausalConv(values, cfg.linear_conv_kernel)
@@ -227,19 +228,24 @@ class GatedDeltaNet(nn.Cell):
         # (q, k, v, a, b projections, the convs' weights, A_log, dt_bias, state, window) -> read-out [b, heads, d_v]
         self.decode_step = None
 
-    def recurrence(self, x, b: int, s: int, segments, state, window):
-        """x [b*s, h] -> (the rule's read-out [b*s*value heads, d_v] in token order, its final state, the conv
-        window the tokens leave): the projections q, k, v, a, b through the convs, the decay and the rule."""
+    def projections(self, x):
+        """x [b*s, h] -> its projections by wq, wk, wv, wz, wa, wb: (xq, xk, xv, xz, xa, xb), [b*s, width] each."""
+        return self.project(x, (self.wq, self.wk, self.wv, self.wz, self.wa, self.wb))
+
+    def recurrence(self, projected, b: int, s: int, segments, state, window):
+        """The projections -> (the rule's read-out [b*s*value heads, d_v] in token order, its final state, the
+        conv window the tokens leave): xq, xk, xv through the convs, xa and xb the decay and the rule's beta."""
+        xq, xk, xv, _, xa, xb = projected
         keys = self.num_key_heads * self.key_dim
         # the cached window holds the three convs' channels side by side, q then k then v
         windows = (None,) * 3 if window is None else ops.split(window, (keys, keys, window.shape[-1] - 2 * keys), -1)
-        q, window_q = self.conv_q(self.wq(x).reshape(b, s, -1), segments, windows[0])  # [b, key heads, s, dk]
-        k, window_k = self.conv_k(self.wk(x).reshape(b, s, -1), segments, windows[1])  # normalised, fp32
-        v, window_v = self.conv_v(self.wv(x).reshape(b, s, -1), segments, windows[2])
+        q, window_q = self.conv_q(xq.reshape(b, s, -1), segments, windows[0])  # [b, key heads, s, dk]
+        k, window_k = self.conv_k(xk.reshape(b, s, -1), segments, windows[1])  # normalised, fp32
+        v, window_v = self.conv_v(xv.reshape(b, s, -1), segments, windows[2])
         q = q * self.key_dim ** -0.5  # q and k stay per key head: the rule serves each one's value heads
         v = cast(v, ms.float32).reshape(b, s, self.num_value_heads, self.value_dim).transpose(0, 2, 1, 3)
-        beta = ops.sigmoid(cast(self.wb(x), ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
-        g = -ops.exp(self.A_log) * ops.softplus(cast(self.wa(x), ms.float32) + self.dt_bias)
+        beta = ops.sigmoid(cast(xb, ms.float32)).reshape(b, s, -1).transpose(0, 2, 1)
+        g = -ops.exp(self.A_log) * ops.softplus(cast(xa, ms.float32) + self.dt_bias)
         out, state = self.rule(q, k, v, g.reshape(b, s, -1).transpose(0, 2, 1), beta, segments, state)
         window = None if window is None else ops.concat((window_q, window_k, window_v), -1)
         return out.transpose(0, 2, 1, 3).reshape(-1, self.value_dim), state, window
@@ -248,24 +254,28 @@ class GatedDeltaNet(nn.Cell):
         s = cos.shape[-2]
         b = x.shape[0] // s
         if cache_k is None:
-            out, _, _ = self.recurrence(x, b, s, mask, None, None)
-            return self.wo(self.gated(out, x)), cache_k, cache_v
+            projected = self.projections(x)
+            out, _, _ = self.recurrence(projected, b, s, mask, None, None)
+            return self.wo(self.gated(out, projected[3])), cache_k, cache_v
         x = x * cast(mask.reshape(-1, 1), x.dtype)  # left padding zeroed: it changes neither state nor window
+        projected = self.projections(x)
         if len(write) == 3:  # caches in and out (CachedForward: the exported graphs)
-            out, state, window = self.recurrence(x, b, s, None, cache_k, cache_v)
-            return self.wo(self.gated(out, x)), cast(state, cache_k.dtype), cast(window, cache_v.dtype)
+            out, state, window = self.recurrence(projected, b, s, None, cache_k, cache_v)
+            return self.wo(self.gated(out, projected[3])), cast(state, cache_k.dtype), cast(window, cache_v.dtype)
         # the caches are Parameters, written here (msllm.inference.CachedInPlace)
         if s == 1 and self.decode_step is not None:
-            out = self.decode_step(self.wq(x), self.wk(x), self.wv(x), self.wa(x), self.wb(x), self.conv_q.weight,
-                                   self.conv_k.weight, self.conv_v.weight, self.A_log, self.dt_bias, cache_k, cache_v)
+            xq, xk, xv, _, xa, xb = projected
+            out = self.decode_step(xq, xk, xv, xa, xb, self.conv_q.weight, self.conv_k.weight, self.conv_v.weight,
+                                   self.A_log, self.dt_bias, cache_k, cache_v)
             out = out.reshape(-1, self.value_dim)
         else:
-            out, state, window = self.recurrence(x, b, s, None, cache_k, cache_v)
+            out, state, window = self.recurrence(projected, b, s, None, cache_k, cache_v)
             out = ops.depend(out, ops.assign(cache_k, cast(state, cache_k.dtype)))
             out = ops.depend(out, ops.assign(cache_v, cast(window, cache_v.dtype)))
-        return self.wo(self.gated(out, x)), ops.depend(cache_k, out), ops.depend(cache_v, out)
+        return self.wo(self.gated(out, projected[3])), ops.depend(cache_k, out), ops.depend(cache_v, out)
 
-    def gated(self, out, x):
-        """The read-out rows [.., d_v] RMS-normed per head and gated by silu(wz x) -> [b*s, value heads * d_v]."""
-        z = cast(self.wz(x), ms.float32).reshape(-1, self.value_dim)
-        return cast(self.gate(z, self.norm(out)), x.dtype).reshape(-1, self.num_value_heads * self.value_dim)
+    def gated(self, out, z):
+        """The read-out rows [.., d_v] RMS-normed per head and gated by silu(z), z the wz projection ->
+        [b*s, value heads * d_v] in z's dtype."""
+        z32 = cast(z, ms.float32).reshape(-1, self.value_dim)
+        return cast(self.gate(z32, self.norm(out)), z.dtype).reshape(-1, self.num_value_heads * self.value_dim)
