@@ -164,17 +164,20 @@ inline float exp_approx(float x) {
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 
+// 8 floats as one GCC vector (an AVX2 ymm, half an AVX-512 zmm): register blocks the compiler keeps in registers.
+typedef float Floats8 __attribute__((vector_size(32)));
+inline Floats8 load8(const float *p) { Floats8 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store8(float *p, Floats8 v) { std::memcpy(p, &v, sizeof v); }
+
 // max(top, x[0 .. n)) in two 8-float vectors (GCC vector extension, AVX2's width: a wider one's compares
 // gcc lowers to scalar code). Written as 16 scalar lanes it stayed scalar: gcc split the lanes into 16 select
 // chains, and a float select is no max reduction to it without -ffinite-math-only. NaNs are skipped as
 // `x > top ? x : top` skips them.
 inline float lane_max(const float *x, int64_t n, float top) {
-  typedef float lanes __attribute__((vector_size(32)));
-  lanes m0 = lanes{} + top, m1 = m0, v0, v1;
+  Floats8 m0 = Floats8{} + top, m1 = m0;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    std::memcpy(&v0, x + j, sizeof v0);
-    std::memcpy(&v1, x + j + 8, sizeof v1);
+    const Floats8 v0 = load8(x + j), v1 = load8(x + j + 8);
     m0 = v0 > m0 ? v0 : m0;
     m1 = v1 > m1 ? v1 : m1;
   }

@@ -395,15 +395,6 @@ extern "C" int RopeHeadsGrad(int nparam, void **params, int *ndims, int64_t **sh
   return 0;
 }
 
-// 8 floats as one AVX2 register (GCC's vector extension: the compiler keeps a tile's sums in registers).
-typedef float Floats8 __attribute__((vector_size(32)));
-
-static inline Floats8 load8(const float *p) {
-  Floats8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // y[r, o] for kRows rows of x and kOuts weight rows (k a multiple of 8): each loaded x vector serves kOuts
 // weight rows and each weight vector kRows x rows, the kRows * kOuts sums in registers.
 template <int kRows, int kOuts>

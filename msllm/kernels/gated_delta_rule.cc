@@ -127,12 +127,10 @@ inline float dot(const float *__restrict x, const float *__restrict y, int64_t n
   return lane_dot<false>(x, y, nullptr, n);
 }
 
-// Backward's register blocks: GCC vector extensions of 8 floats (a ymm; half a zmm on AVX-512).
+// Backward's register blocks: common.h's 8-float vectors (a ymm; half a zmm on AVX-512).
 constexpr int kVec = 8;
-typedef float vec __attribute__((vector_size(4 * kVec)));
+typedef Floats8 vec;
 typedef int32_t vec_index __attribute__((vector_size(4 * kVec)));
-inline vec load(const float *p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float *p, vec v) { std::memcpy(p, &v, sizeof v); }
 
 // The lane sums of 8 vectors as one vector, sums[j] = x[j][0] + .. + x[j][7]: halves of pairs added, then
 // of quads, then of all eight (summed one vector at a time, its lanes are a chain of 7 scalar adds that the
@@ -157,10 +155,10 @@ void row_dots(const float *__restrict block, const float *__restrict x, int64_t 
     for (; c + kVec <= w; c += kVec) {
       vec sums[kVec] = {};
       for (int64_t i = 0; i < dk; i += kVec) {
-        const vec xv = load(x + i);
-        for (int j = 0; j < kVec; ++j) sums[j] += load(block + (c + j) * dk + i) * xv;
+        const vec xv = load8(x + i);
+        for (int j = 0; j < kVec; ++j) sums[j] += load8(block + (c + j) * dk + i) * xv;
       }
-      store(dots + c, lane_sums(sums));
+      store8(dots + c, lane_sums(sums));
     }
   for (; c < w; ++c) dots[c] = dot(block + c * dk, x, dk);
 }
@@ -197,22 +195,22 @@ __attribute__((noinline)) void columns_back(int64_t dk, float a, float beta, con
                                             const float *__restrict entering, float *__restrict columns,
                                             float *__restrict dq, float *__restrict dkt, float *__restrict da) {
   int64_t i = 0;
-  vec da_lanes = load(da);
+  vec da_lanes = load8(da);
   for (; i + kVec <= dk; i += kVec) {
-    const vec qv = load(q + i), kv = load(k + i);
-    vec dqv = load(dq + i), dkv = load(dkt + i);
+    const vec qv = load8(q + i), kv = load8(k + i);
+    vec dqv = load8(dq + i), dkv = load8(dkt + i);
     for (int c = 0; c < C; ++c) {
-      const vec s = load(entering + c * dk + i), d = load(columns + c * dk + i) + qv * d_out[c];
+      const vec s = load8(entering + c * dk + i), d = load8(columns + c * dk + i) + qv * d_out[c];
       const vec p = d - kv * dr[c];
       dqv += (a * d_out[c]) * s;
       dkv += (beta * r[c]) * d - (a * dr[c]) * s;
       da_lanes += p * s;
-      store(columns + c * dk + i, a * p);
+      store8(columns + c * dk + i, a * p);
     }
-    store(dq + i, dqv);
-    store(dkt + i, dkv);
+    store8(dq + i, dqv);
+    store8(dkt + i, dkv);
   }
-  store(da, da_lanes);
+  store8(da, da_lanes);
   for (; i < dk; ++i)
     for (int c = 0; c < C; ++c) {
       const float s = entering[c * dk + i], d = columns[c * dk + i] + q[i] * d_out[c], p = d - k[i] * dr[c];
