@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=1, help="rows decoded together (a GRPO rollout's group: 16)")
     p.add_argument("--max-len", type=int, default=1064,
-                   help="the model's context (bench_hybrid's at --contexts 256,1024: from 1024 the attention is flash)")
+                   help="the model's context (bench_hybrid's at --contexts 256,1024)")
     args = p.parse_args(argv)
     from msllm import device
 

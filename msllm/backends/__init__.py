@@ -76,7 +76,8 @@ def uses_flash(cfg: Config, fused: bool, training: bool) -> bool:
     """Whether the attention core is a flash one (resolves_to_flash at data.seq_len; CPU inference takes it
     with the fused kernels unless train.attention is softmax: its decode step is faster at any context).
     A flash core asked for and unavailable is one line: train.attention: flash without the fused CPU
-    kernels, or what FlashAttentionScore cannot take. Ascend is specialised for training only, so its inference keeps the softmax core."""
+    kernels, or what FlashAttentionScore cannot take. Ascend is specialised for training only, so its
+    inference keeps the softmax core."""
     t = cfg.train
     packed = training and packed_samples(cfg)
     if t.attention == "flash" and t.device == "ascend":
