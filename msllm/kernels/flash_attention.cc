@@ -312,41 +312,89 @@ void forward(const float *q, const float *k, const float *v, const float *sinks,
   });
 }
 
+// The dots of q with 8 keys (rows of k, d apart; d a multiple of 8): 8 independent accumulators, each
+// q load serving the 8 keys, then summed across lanes together in three shuffle-and-add steps (a dot at a
+// time ends in a serial sum of its lanes and one accumulator's chain of FMAs).
+typedef int32_t Ints8 __attribute__((vector_size(32)));
+inline Floats8 dots8(const float *__restrict q, const float *__restrict k, int64_t d) {
+  Floats8 acc[8] = {};
+  for (int64_t c = 0; c < d; c += 8) {
+    const Floats8 qc = load8(q + c);
+    for (int j = 0; j < 8; ++j) acc[j] += qc * load8(k + j * d + c);
+  }
+  auto pairs = [](Floats8 a, Floats8 b, Ints8 even, Ints8 odd) {
+    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+  };
+  const Ints8 e1 = {0, 8, 2, 10, 4, 12, 6, 14}, o1 = {1, 9, 3, 11, 5, 13, 7, 15};
+  const Ints8 e2 = {0, 1, 8, 9, 4, 5, 12, 13}, o2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const Ints8 e3 = {0, 1, 2, 3, 8, 9, 10, 11}, o3 = {4, 5, 6, 7, 12, 13, 14, 15};
+  const Floats8 s01 = pairs(acc[0], acc[1], e1, o1), s23 = pairs(acc[2], acc[3], e1, o1);
+  const Floats8 s45 = pairs(acc[4], acc[5], e1, o1), s67 = pairs(acc[6], acc[7], e1, o1);
+  return pairs(pairs(s01, s23, e2, o2), pairs(s45, s67, e2, o2), e3, o3);
+}
+
+// o [width] = sum_j p[j] v[j] over n rows of v (width apart), width a multiple of 64: 64 columns at a time in
+// 8 independent accumulators (accumulate's blocks for one output row are 4 vectors wide: FMA-latency bound).
+inline void weighted_rows(const float *__restrict p, const float *__restrict v, int64_t n, int64_t width,
+                          float *__restrict o) {
+  for (int64_t c = 0; c < width; c += 64) {
+    Floats8 acc[8] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = p[j];
+      for (int u = 0; u < 8; ++u) acc[u] += pj * load8(v + j * width + c + 8 * u);
+    }
+    for (int u = 0; u < 8; ++u) store8(o + c + 8 * u, acc[u]);
+  }
+}
+
 // One query row per (row, head): a decode step. Its scores are plain dots with each visible key
 // (K read once, in place), so nothing is transposed; forward's key blocks would transpose every key
-// of the cache, filled or not, for a single row. Natural-log units; the same out and lse.
+// of the cache, filled or not, for a single row. Each pass over a row's keys is a vector loop: the dots,
+// their max (lane_max), the 2^x of base-2 scores (exp2_vec: hidden keys give exactly 0) and P V in
+// register blocks straight into the output row. The same out and lse as forward.
 void forward_one_query(const float *q, const float *k, const float *v, const float *sinks, const Visibility &vis,
                        int64_t b, int64_t heads, int64_t kv_heads, int64_t d, int64_t d_value, float *out, float *lse) {
   const int64_t t = vis.t, rep = heads / kv_heads;
-  run_units(b * heads, [&](int64_t unit, int) {
+  // one scores row per thread, whole vectors long (the tail past a row's keys -inf: 2^-inf adds 0)
+  const int64_t width = (t + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> scores_of(pool().size() * width);
+  run_units(b * heads, [&](int64_t unit, int thread) {
     const int64_t batch = unit / heads, head = unit % heads, kv = batch * kv_heads + head / rep;
     const int32_t slot = vis.slots(batch)[0], q_seg = vis.query_segments(batch)[0];
     const int32_t *k_seg = vis.key_segments(batch);
     const int64_t j_end = std::min<int64_t>(t, int64_t{slot} + 1);
     const int64_t j_begin = vis.window ? std::max<int64_t>(0, int64_t{slot} - vis.window + 1) : 0;
-    const float *qr = q + unit * d, *kh = k + kv * t * d, *vh = v + kv * t * d_value;
-    std::vector<float> scores(std::max<int64_t>(0, j_end - j_begin)), acc(d_value, 0.f);
-    const float sink = sinks ? sinks[head] : -kInf;
-    float top = sink;
-    for (int64_t j = j_begin; j < j_end; ++j) {
-      float &sc = scores[j - j_begin];
-      sc = vis.visible(slot, q_seg, j, k_seg[j]) ? lane_dot<false>(qr, kh + j * d, nullptr, d) : -kInf;
-      top = std::max(top, sc);
+    const int64_t n = std::max<int64_t>(0, j_end - j_begin), n_vectors = (n + kLanes - 1) / kLanes * kLanes;
+    const float *qr = q + unit * d, *kh = k + (kv * t + j_begin) * d, *vh = v + (kv * t + j_begin) * d_value;
+    float *scores = scores_of.data() + thread * width, *o = out + unit * d_value;
+    int64_t j = 0;
+    if (d % 8 == 0)
+      for (; j + 8 <= n; j += 8) store8(scores + j, dots8(qr, kh + j * d, d) * kLog2e);
+    for (; j < n; ++j) scores[j] = lane_dot<false>(qr, kh + j * d, nullptr, d) * kLog2e;
+    for (j = 0; j < n; ++j)
+      if (!vis.visible(slot, q_seg, j_begin + j, k_seg[j_begin + j])) scores[j] = -kInf;
+    std::fill(scores + n, scores + n_vectors, -kInf);
+    const float sink = sinks ? sinks[head] * kLog2e : -kInf, top = lane_max(scores, n, sink);
+    if (top == -kInf) {  // no visible key and no sink
+      std::fill(o, o + d_value, 0.f);
+      lse[unit] = kInf;
+      return;
     }
-    float sum = sinks ? exp_approx(sink - top) : 0.f;
-    if (top != -kInf)
-      for (int64_t j = j_begin; j < j_end; ++j) {
-        const float sc = scores[j - j_begin];
-        if (sc == -kInf) continue;
-        const float p = exp_approx(sc - top);
-        sum += p;
-        const float *vj = vh + j * d_value;
-        for (int64_t c = 0; c < d_value; ++c) acc[c] += p * vj[c];
-      }
-    const bool any = sum > 0.f;
-    const float inv = any ? 1.f / sum : 0.f;
-    for (int64_t c = 0; c < d_value; ++c) out[unit * d_value + c] = acc[c] * inv;
-    lse[unit] = any ? top + std::log(sum) : kInf;
+    vec sums = vec{};
+    for (int64_t j = 0; j < n_vectors; j += kLanes) {
+      const vec e = exp2_vec(load(scores + j) - top);
+      store(scores + j, e);
+      sums += e;
+    }
+    float sum = sinks ? std::exp2(sink - top) : 0.f;
+    for (int l = 0; l < kLanes; ++l) sum += sums[l];
+    if (d_value % 64 == 0)  // o = P V
+      weighted_rows(scores, vh, n, d_value, o);
+    else
+      accumulate<false>(scores, 0, 1, vh, n, d_value, o, d_value, 1);
+    const float inv = 1.f / sum;
+    for (int64_t c = 0; c < d_value; ++c) o[c] *= inv;
+    lse[unit] = (top + std::log2(sum)) * kLn2;
   });
 }
 
