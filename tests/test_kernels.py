@@ -117,12 +117,15 @@ def test_rms_norm_forward_and_backward_match_portable(arch):
     x[0] *= 1e-3  # a row where eps matters
     weight = rng.normal(1, 0.3, 72).astype(np.float32)
     upstream = rng.normal(size=x.shape).astype(np.float32)
-    inputs = [Tensor(x), Tensor(weight), Tensor(upstream)]
-    portable, fused = RMSNormCore(72, 1e-5), kernels.FusedRMSNormCore(1e-5)
-    np.testing.assert_allclose(fused(*inputs[:2]).asnumpy(), portable(*inputs[:2]).asnumpy(), rtol=1e-5, atol=1e-6)
-    grads = [value_and_grads(core, *inputs)[1] for core in (portable, fused)]
-    for (name, want), got in zip((("dx", grads[0][0]), ("dweight", grads[0][1])), grads[1]):
-        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-4, atol=1e-4, err_msg=name)
+    for offset in (0.0, 1.0):  # Gemma's and Qwen3.5's (1 + w): the same scales from weights near 0
+        inputs = [Tensor(x), Tensor(weight - offset), Tensor(upstream)]
+        portable, fused = RMSNormCore(72, 1e-5, offset), kernels.FusedRMSNormCore(1e-5, offset)
+        plain = portable(*inputs[:2]).asnumpy()
+        np.testing.assert_allclose(fused(*inputs[:2]).asnumpy(), plain, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(plain[1] * np.sqrt(np.mean(x[1] ** 2) + 1e-5) / x[1], weight, rtol=1e-4)
+        grads = [value_and_grads(core, *inputs)[1] for core in (portable, fused)]
+        for (name, want), got in zip((("dx", grads[0][0]), ("dweight", grads[0][1])), grads[1]):
+            np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-4, atol=1e-4, err_msg=name)
 
 
 class AttentionLoss(nn.Cell):

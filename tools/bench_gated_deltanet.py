@@ -89,7 +89,7 @@ def worker_msllm(args, kernel: bool) -> dict:
         layer.rule, layer.gate = kernels.GatedDeltaRule(), kernels.FusedSwiGLU()
         for conv in (layer.conv_q, layer.conv_k, layer.conv_v):
             conv.core = kernels.FusedCausalConv()
-        layer.norm.core = kernels.FusedRMSNormCore(layer.norm.eps)
+        layer.norm.core = kernels.FusedRMSNormCore(layer.norm.eps, layer.norm.offset)
     s = args.seq or shape["seq"]
     x = ms.Tensor(rng.normal(size=(s, shape["hidden"])).astype(np.float32))
     table = ms.Tensor(np.zeros((s, shape["key_dim"]), np.float32))  # the mixer reads only its length

@@ -28,7 +28,7 @@ from mindspore.ops.operations.nn_ops import FlashAttentionScore
 from msllm.config import Config
 from msllm.layout import table as L
 from msllm.layout.check import check_execution
-from msllm.models.layers import AdditiveMask, HeadNorm, RMSNorm, SoftmaxAttention
+from msllm.models.layers import AdditiveMask, HeadNorm, RMSNorm, SoftmaxAttention, offset_scale
 from msllm.models.moe import GroupedCapacityDispatch
 from msllm.rules import COMPRESSED_MASK
 
@@ -38,25 +38,27 @@ PARALLEL_MODE = "semi_auto"
 
 
 class RMSNormCore(nn.Cell):
-    """x [N, h] fp32, weight [h] -> x * rsqrt(mean(x^2) + eps) * weight, each step its own primitive
+    """x [N, h] fp32, weight [h] -> x * rsqrt(mean(x^2) + eps) * (offset + weight), each step its own primitive
     so sequence parallel can cut the rows (layouts._NORM_OPS). Same maths as llama.RMSNormCore."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
+        self.offset = offset
         self.eps = Tensor(np.full((1, 1), eps, np.float32))
         self.square, self.mean, self.add = ops.Square(), ops.ReduceMean(keep_dims=True), ops.Add()
         self.rsqrt, self.scale, self.weigh = ops.Rsqrt(), ops.Mul(), ops.Mul()
 
     def construct(self, x, weight):
-        return self.weigh(self.scale(x, self.rsqrt(self.add(self.mean(self.square(x), -1), self.eps))), weight)
+        return self.weigh(self.scale(x, self.rsqrt(self.add(self.mean(self.square(x), -1), self.eps))),
+                          offset_scale(weight, self.offset))
 
 
 class HeadRMSNormCore(RMSNormCore):
     """RMSNormCore over each head: x [N, heads, d] (HeadNorm.heads_axis), heads cut as the q or k
     projection's columns are (layouts._HEAD_NORM_OPS), so each rank normalises its own heads."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__(dim, eps)
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__(dim, eps, offset)
         self.eps = Tensor(np.full((1, 1, 1), eps, np.float32))
 
 
@@ -309,9 +311,9 @@ def use_shardable_norms(model) -> int:
     norms = [cell for _, cell in model.cells_and_names() if isinstance(cell, RMSNorm)]
     for norm in norms:
         if isinstance(norm, HeadNorm):
-            norm.heads_axis, norm.core = True, HeadRMSNormCore(norm.dim, norm.eps)
+            norm.heads_axis, norm.core = True, HeadRMSNormCore(norm.dim, norm.eps, norm.offset)
         else:
-            norm.core = RMSNormCore(norm.dim, norm.eps)
+            norm.core = RMSNormCore(norm.dim, norm.eps, norm.offset)
     return len(norms)
 
 

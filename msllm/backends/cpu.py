@@ -15,7 +15,7 @@ from msllm import kernels
 from msllm.models import decoder, layers, moe
 
 from msllm.rules import BLOCK_ROWS, GROUPED_BLOCK_ROWS
-from msllm.models.layers import cast, split_heads
+from msllm.models.layers import cast, offset_scale, split_heads
 from msllm.models.mixers import attention
 from msllm.models.mixers.gated_deltanet import ChunkedGatedDeltaRule, GatedDeltaNet, ShiftedTaps
 from msllm.models.mixers.mla import MLA
@@ -27,15 +27,15 @@ class RMSNormCore(layers.RMSNormCore):
     The CPU kernels run a broadcasting multiply ([N, h] * [N, 1]) several times slower than a
     same-shape one."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__(dim, eps)
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__(dim, eps, offset)
         self.inv_dim = 1.0 / dim
         self.ones = Tensor(np.ones((dim, 1), np.float32))
         self.matmul = ops.MatMul()
 
     def construct(self, x, weight):
         inv_rms = ops.rsqrt(self.matmul(x * x, self.ones) * self.inv_dim + self.eps)  # [N, 1]
-        return x * self.matmul(inv_rms, weight.reshape(1, self.dim))                  # scale [N, h]
+        return x * self.matmul(inv_rms, offset_scale(weight, self.offset).reshape(1, self.dim))  # scale [N, h]
 
 
 def rotate_half_matrix(head_dim: int) -> np.ndarray:
@@ -99,8 +99,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
         if isinstance(getattr(cell, "project", None), layers.Projections):  # a layer's projections of one input
             cell.project = kernels.ProjectionsFewRows() if decode_kernels else layers.Projections()
         if isinstance(cell, layers.RMSNorm):  # normalises in fp32 whatever the compute dtype
-            cell.core = (kernels.FusedRMSNormCore(cell.eps) if fused or decode_kernels
-                         else RMSNormCore(cell.dim, cell.eps))
+            cell.core = (kernels.FusedRMSNormCore(cell.eps, cell.offset) if fused or decode_kernels
+                         else RMSNormCore(cell.dim, cell.eps, cell.offset))
         elif isinstance(cell, (attention.Attention, MLA)):
             rope = cell.rope  # layers.Rope, or what an earlier specialise swapped in: each tells head_dim and rope_dim
             if fused_tables or decode_kernels:

@@ -185,14 +185,14 @@ extern "C" int GeGLUGrad(int nparam, void **params, int *ndims, int64_t **shapes
   return 0;
 }
 
-// RMSNorm over the last axis: y = x * r * w with r = 1 / sqrt(mean(x^2) + eps) per row, one pass
-// instead of MindSpore's square, row-sum, rsqrt, broadcast and multiply kernels.
-// inputs: x [N, H], w [H], eps [1] (fp32); output: y [N, H].
+// RMSNorm over the last axis: y = x * r * (offset + w) with r = 1 / sqrt(mean(x^2) + eps) per row, one pass
+// instead of MindSpore's square, row-sum, rsqrt, broadcast and multiply kernels (and the offset's add).
+// inputs: x [N, H], w [H], (eps, offset) [2] (fp32); output: y [N, H].
 extern "C" int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                        void *stream, void *extra) {
   const float *__restrict x = static_cast<const float *>(params[0]);
   const float *__restrict w = static_cast<const float *>(params[1]);
-  const float eps = static_cast<const float *>(params[2])[0];
+  const float eps = static_cast<const float *>(params[2])[0], offset = static_cast<const float *>(params[2])[1];
   float *__restrict y = static_cast<float *>(params[3]);
   const int64_t h = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / h;
   parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
@@ -200,35 +200,37 @@ extern "C" int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, 
       const float *xr = x + row * h;
       float *yr = y + row * h;
       const float r = 1.f / std::sqrt(lane_dot<false>(xr, xr, nullptr, h) / h + eps);
-      for (int64_t j = 0; j < h; ++j) yr[j] = xr[j] * r * w[j];
+      for (int64_t j = 0; j < h; ++j) yr[j] = xr[j] * r * (offset + w[j]);
     }
   }, std::max<int64_t>(1, (1 << 16) / h));
   return 0;
 }
 
-// Its gradient, recomputing r per row. With g = w * dy:
+// Its gradient, recomputing r per row. With the scale s = offset + w and g = s * dy:
 //   dx = r * g - x * r^3 * mean(x * g),  dw = sum over rows of dy * x * r.
 // Each thread sums dw over its rows; the caller adds the threads' partial sums.
-// inputs: x [N, H], w [H], eps [1], dy [N, H]; outputs: dx [N, H], dw [H], d eps [1] (zero).
+// inputs: x [N, H], w [H], (eps, offset) [2], dy [N, H]; outputs: dx [N, H], dw [H].
 extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                            void *stream, void *extra) {
   const float *__restrict x = static_cast<const float *>(params[0]);
   const float *__restrict w = static_cast<const float *>(params[1]);
-  const float eps = static_cast<const float *>(params[2])[0];
+  const float eps = static_cast<const float *>(params[2])[0], offset = static_cast<const float *>(params[2])[1];
   const float *__restrict dy = static_cast<const float *>(params[3]);
   float *__restrict dx = static_cast<float *>(params[4]);
   float *__restrict dw = static_cast<float *>(params[5]);
   const int64_t h = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / h;
-  std::vector<float> partial(static_cast<size_t>(pool().size() * h), 0.f);
+  std::vector<float> scale(w, w + h), partial(static_cast<size_t>(pool().size() * h), 0.f);
+  for (float &s : scale) s += offset;
+  const float *__restrict sc = scale.data();
   parallel_for(rows, [=, &partial](int64_t lo, int64_t hi, int t) {
     float *__restrict dw_t = partial.data() + t * h;
     for (int64_t row = lo; row < hi; ++row) {
       const float *xr = x + row * h, *dyr = dy + row * h;
       float *dxr = dx + row * h;
       const float r = 1.f / std::sqrt(lane_dot<false>(xr, xr, nullptr, h) / h + eps);
-      const float c = r * r * r * lane_dot<true>(xr, w, dyr, h) / h;
+      const float c = r * r * r * lane_dot<true>(xr, sc, dyr, h) / h;
       for (int64_t j = 0; j < h; ++j) {
-        dxr[j] = r * w[j] * dyr[j] - xr[j] * c;
+        dxr[j] = r * sc[j] * dyr[j] - xr[j] * c;
         dw_t[j] += dyr[j] * xr[j] * r;
       }
     }
@@ -238,7 +240,6 @@ extern "C" int RMSNormGrad(int nparam, void **params, int *ndims, int64_t **shap
     for (int t = 0; t < pool().size(); ++t) sum += partial[t * h + j];
     dw[j] = sum;
   }
-  static_cast<float *>(params[6])[0] = 0.f;
   return 0;
 }
 

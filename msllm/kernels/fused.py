@@ -52,15 +52,16 @@ class FusedClampedSwiGLU(nn.Cell):
 
 
 class FusedRMSNormCore(nn.Cell):
-    """x [N, h] fp32, weight [h] -> x / rms(x) * weight in one C++ pass each way; see msllm.backends.cpu.RMSNormCore."""
+    """x [N, h] fp32, weight [h] -> x / rms(x) * (offset + weight) in one C++ pass each way; see
+    msllm.backends.cpu.RMSNormCore."""
 
-    def __init__(self, eps: float):
+    def __init__(self, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = ms.Tensor([eps], ms.float32)
-        self.rms_norm = differentiable("RMSNorm", "x weight eps")
+        self.eps_offset = ms.Tensor([eps, offset], ms.float32)
+        self.rms_norm = differentiable("RMSNorm", "x weight eps_offset", constant="eps_offset")
 
     def construct(self, x, weight):
-        return self.rms_norm(x, weight, self.eps)
+        return self.rms_norm(x, weight, self.eps_offset)
 
 
 class FusedRope(nn.Cell):

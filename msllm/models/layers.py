@@ -74,14 +74,20 @@ class Embedding(nn.Cell):
 
 
 class RMSNormCore(nn.Cell):
-    """x [N, h] fp32, weight [h] -> x / sqrt(mean(x^2) + eps) * weight."""
+    """x [N, h] fp32, weight [h] -> x / sqrt(mean(x^2) + eps) * (offset + weight). The offset is the core's,
+    so a fused core takes it inside its one kernel (the add was a kernel of its own in every norm's call)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.dim, self.eps = dim, eps
+        self.dim, self.eps, self.offset = dim, eps, offset
 
     def construct(self, x, weight):
-        return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps) * weight
+        return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps) * offset_scale(weight, self.offset)
+
+
+def offset_scale(weight, offset: float):
+    """A norm's scale: offset + weight (Gemma stores w of (1 + w), offset 1)."""
+    return weight + offset if offset else weight
 
 
 class RMSNorm(nn.Cell):
@@ -92,17 +98,14 @@ class RMSNorm(nn.Cell):
         super().__init__()
         self.dim, self.eps, self.offset = dim, eps, offset
         self.weight = Parameter(Tensor(np.full((dim,), 1.0 - offset, np.float32)), name="weight")
-        self.core = RMSNormCore(dim, eps)
-
-    def scale(self):
-        return self.weight + self.offset if self.offset else self.weight
+        self.core = RMSNormCore(dim, eps, offset)
 
     def construct(self, x):
         if x.ndim == 2:  # the residual stream: no reshapes (with dynamic shapes each is a kernel)
-            return cast(self.core(cast(x, ms.float32), self.scale()), x.dtype)
+            return cast(self.core(cast(x, ms.float32), self.weight), x.dtype)
         dtype, shape = x.dtype, x.shape
         x = cast(x, ms.float32).reshape(-1, self.dim)
-        return cast(self.core(x, self.scale()).reshape(shape), dtype)
+        return cast(self.core(x, self.weight).reshape(shape), dtype)
 
 
 class HeadNorm(RMSNorm):
@@ -118,7 +121,7 @@ class HeadNorm(RMSNorm):
         shape = x.shape
         if self.heads_axis:
             heads = cast(x, ms.float32).reshape(-1, shape[-1] // self.dim, self.dim)
-            return cast(self.core(heads, self.scale()), x.dtype).reshape(shape)
+            return cast(self.core(heads, self.weight), x.dtype).reshape(shape)
         return super().construct(x.reshape(-1, self.dim)).reshape(shape)
 
 
