@@ -227,12 +227,14 @@ class Projected(nn.Cell):
         return self.project(x, tuple(self.linears))
 
 
-@pytest.mark.parametrize("m, k, sizes, biased", [(1, 576, (1536, 256, 7), None), (3, 100, (37, 5), 1),
-                                                 (16, 1536, (576, 13), None), (17, 64, (20, 8), None)])
+@pytest.mark.parametrize("m, k, sizes, biased", [(1, 576, (1536, 256, 7), None), (7, 100, (37, 5), 1),
+                                                 (5, 6, (9,), None), (16, 1536, (576, 13), None),
+                                                 (17, 64, (20, 8), None)])
 def test_few_rows_linears_match_float64(arch, m, k, sizes, biased):
-    """A decode step's projections of one x in one kernel (register tiles, their leftover rows and features;
-    k not a multiple of 8: the plain dots), each as x @ W^T in float64; one Linear by LinearFewRows; more rows
-    than FEW_ROWS (17), or a Linear with a bias, by the Linears' own matmuls."""
+    """A decode step's projections of one x in one kernel (register tiles of 3, 2 + 2 and 1 rows, leftover
+    weight rows by the plain dots; k not a multiple of 8, and k = 6 < 8: the tiles' masked first and last
+    loads), each as x @ W^T in float64; one Linear by LinearFewRows; more rows than FEW_ROWS (17), or a Linear
+    with a bias, by the Linears' own matmuls."""
     rng = np.random.default_rng(m)
     x = rng.normal(size=(m, k)).astype(np.float32)
     linears = [layers.Linear(k, n, bias=i == biased) for i, n in enumerate(sizes)]

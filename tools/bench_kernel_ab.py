@@ -44,8 +44,18 @@ def library_at(commit: str, out: Path) -> str:
     return str(target)
 
 
+def as_mindspore_places(a: np.ndarray) -> np.ndarray:
+    """A copy of `a` starting 16 bytes past a 64-byte boundary, where MindSpore's CPU tensors start: numpy's
+    start anywhere, and the few-rows tiles' speed depends on where (loads across cache lines)."""
+    buffer = np.empty(a.size + 16, a.dtype)
+    start = (16 - buffer.ctypes.data) % 64 // a.itemsize
+    copy = buffer[start:start + a.size].reshape(a.shape)
+    copy[...] = a
+    return copy
+
+
 def w1_cases(rng) -> dict:
-    """name -> (entry point, the call's inputs then outputs, how many outputs)."""
+    """name -> (entry point, the call's inputs then outputs, how many outputs, FLOPs or 0 when not a GEMM)."""
     def normal(*shape, scale=1.0):
         return (rng.normal(size=shape) * scale).astype(np.float32)
 
@@ -62,7 +72,7 @@ def w1_cases(rng) -> dict:
     row = np.full(tokens, 1.0 / tokens, np.float32)
     scalar = np.zeros(1, np.float32)
     f32 = lambda *shape: np.empty(shape, np.float32)  # noqa: E731
-    return {
+    cases = {
         "RMSNorm": ("RMSNorm", [x, w, eps, f32(tokens, hidden)], 1),
         "RMSNormGrad": ("RMSNormGrad", [x, w, eps, dy, f32(tokens, hidden), f32(hidden), f32(1)], 3),
         "SwiGLU": ("SwiGLU", [gate, up, f32(tokens, ffn)], 1),
@@ -79,6 +89,15 @@ def w1_cases(rng) -> dict:
                                                                          f32(vocab, hidden)], 2),
         "SumOfSquares": ("SumOfSquares", [*grads, f32(1)], 1),
     }
+    # a decode step's projections (q k v, gate up, down, the head) of 1, 4 or 16 rows (a GRPO rollout's batch)
+    projections = {"qkv": (hidden, (hidden, 128, 128)), "gate up": (hidden, (ffn, ffn)), "down": (ffn, (hidden,)),
+                   "head": (hidden, (vocab,))}
+    for m in (1, 4, 16):
+        for what, (k, ns) in projections.items():
+            weights = [normal(n, k, scale=0.05) for n in ns]
+            arrays = [as_mindspore_places(a) for a in (normal(m, k), *weights, *(f32(m, n) for n in ns))]
+            cases[f"LinearsFewRows m={m} {what}"] = ("LinearsFewRows", arrays, len(ns), 2 * m * k * sum(ns))
+    return {name: case if len(case) == 4 else (*case, 0) for name, case in cases.items()}
 
 
 def main(argv=None) -> int:
@@ -99,29 +118,33 @@ def main(argv=None) -> int:
             shutil.copy(paths[side], copy)
             copies.setdefault(side, []).append(ctypes.CDLL(str(copy)))
     cases = {side: w1_cases(np.random.default_rng(0)) for side in copies}
-    names = [n for n in cases["after"] if not args.kernels or n in args.kernels.split(",")]
+    wanted = args.kernels.split(",")
+    names = [n for n in cases["after"] if not args.kernels or n in wanted or n.split()[0] in wanted]
     times = {(n, side): ([], []) for n in names for side in copies}
     for r in range(args.rounds):
         for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
             lib = copies[side][r // 2 % 2]
             for name in names:
-                entry, arrays, _ = cases[side][name]
+                entry, arrays, _, _ = cases[side][name]
                 for _ in range(3):
                     wall, cpu = time.perf_counter(), time.process_time()
                     call(getattr(lib, entry), arrays)
                     times[name, side][0].append(time.perf_counter() - wall)
                     times[name, side][1].append(time.process_time() - cpu)
     print(f"loaded or not: alternated in one process, {args.rounds} rounds x 3 calls; before = {args.before}")
-    print("| kernel (W1 shapes) | before CPU ms | after CPU ms | CPU after/before | wall after/before | outputs |")
-    print("|---|---|---|---|---|---|")
+    print("| kernel (W1 shapes) | before CPU ms | after CPU ms | CPU after/before | wall after/before | "
+          "GFLOP/s before -> after (wall) | outputs |")
+    print("|---|---|---|---|---|---|---|")
     for name in names:
         (wb, cb), (wa, ca) = times[name, "before"], times[name, "after"]
         outputs = cases["before"][name][2]
         same = all(np.array_equal(b.view(np.int32), a.view(np.int32))
                    for b, a in zip(cases["before"][name][1][-outputs:], cases["after"][name][1][-outputs:]))
         cpu_b, cpu_a, wall_b, wall_a = map(statistics.median, (cb, ca, wb, wa))
+        flops = cases["after"][name][3]
+        rate = f"{flops / wall_b / 1e9:.0f} -> {flops / wall_a / 1e9:.0f}" if flops else ""
         print(f"| {name} | {1e3 * cpu_b:.2f} | {1e3 * cpu_a:.2f} | {cpu_a / cpu_b:.2f} | {wall_a / wall_b:.2f} | "
-              f"{'bit-identical' if same else 'differ'} |")
+              f"{rate} | {'bit-identical' if same else 'differ'} |")
     return 0
 
 

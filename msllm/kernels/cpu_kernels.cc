@@ -5,6 +5,8 @@
 // Work is split in contiguous chunks over a small persistent thread pool (one thread per core);
 // small tensors stay on the calling thread.
 
+#include <immintrin.h>
+
 #include "common.h"
 
 using namespace msllm_kernels;
@@ -396,41 +398,70 @@ extern "C" int RopeHeadsGrad(int nparam, void **params, int *ndims, int64_t **sh
   return 0;
 }
 
-// y[r, o] for kRows rows of x and kOuts weight rows (k a multiple of 8): each loaded x vector serves kOuts
-// weight rows and each weight vector kRows x rows, the kRows * kOuts sums in registers.
+// The lanes [lo, hi) of the 8 floats at p, the others 0; lanes outside are not read (a masked load), so p may
+// point before an array's start or run past its end.
+static inline Floats8 load_lanes(const float *p, int lo, int hi) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(lo - 1)),
+                                      _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), lane));
+  return (Floats8)_mm256_maskload_ps(p, in);
+}
+
+// A loaded vector kept in a register: gcc would otherwise fold a vector used by several FMAs into each as a
+// memory operand, a load per FMA, and loads, not FMAs, bound these tiles on the AMD VM.
+static inline Floats8 in_register(Floats8 v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+// The lane sums of 4 vectors, [sum a, sum b, sum c, sum d].
+static inline __m128 lane_sums4(Floats8 a, Floats8 b, Floats8 c, Floats8 d) {
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a, (__m256)b), _mm256_hadd_ps((__m256)c, (__m256)d));
+  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+// y[r, o] for kRows rows of x and kOuts weight rows (a multiple of 4): per 8 columns the kRows x vectors are
+// loaded once and each weight vector serves them all, (kRows + kOuts) loads for kRows * kOuts FMAs (3 x 4: 12
+// sums + 3 x + 1 w = AVX2's 16 registers). The first vector stops at w's 32-byte boundary, so the rest load
+// aligned (MindSpore's CPU tensors start 16 bytes past one; a load across cache lines costs two); the first
+// and last are masked loads, so any k works.
 template <int kRows, int kOuts>
 static void dot_tile(const float *__restrict x, const float *__restrict w, float *__restrict y, int64_t k,
                      int64_t n) {
   Floats8 acc[kRows][kOuts] = {};
-  for (int64_t j = 0; j < k; j += 8) {
-    Floats8 wv[kOuts];
-    for (int o = 0; o < kOuts; ++o) wv[o] = load8(w + o * k + j);
-    for (int r = 0; r < kRows; ++r) {
-      const Floats8 xv = load8(x + r * k + j);
-      for (int o = 0; o < kOuts; ++o) acc[r][o] += xv * wv[o];
-    }
-  }
-  for (int r = 0; r < kRows; ++r)
+  auto columns = [&](int64_t j, auto load) {  // the 8 columns from j
+    Floats8 xv[kRows];
+    for (int r = 0; r < kRows; ++r) xv[r] = in_register(load(x + r * k + j));
     for (int o = 0; o < kOuts; ++o) {
-      float sum = 0.f;
-      for (int l = 0; l < 8; ++l) sum += acc[r][o][l];
-      y[r * n + o] = sum;
+      const Floats8 wv = in_register(load(w + o * k + j));
+      for (int r = 0; r < kRows; ++r) acc[r][o] += xv[r] * wv;
     }
+  };
+  const int64_t head = (0 - reinterpret_cast<uintptr_t>(w) / sizeof(float)) % 8;  // floats to the boundary
+  int64_t j = std::min(head, k);
+  if (j > 0) columns(j - 8, [&](const float *p) { return load_lanes(p, 8 - j, 8); });
+  for (; j + 8 <= k; j += 8) columns(j, [](const float *p) { return load8(p); });
+  if (j < k) columns(j, [&](const float *p) { return load_lanes(p, 0, k - j); });
+  for (int r = 0; r < kRows; ++r)
+    for (int o = 0; o < kOuts; o += 4)
+      _mm_storeu_ps(y + r * n + o, lane_sums4(acc[r][o], acc[r][o + 1], acc[r][o + 2], acc[r][o + 3]));
 }
 
-constexpr int kTileOuts = 6;  // weight rows per tile: 2 x 6 tiles ran fastest of 1-4 x 2-8 at 16 rows
+constexpr int kTileOuts = 4;
 
-// Weight rows [lo, hi) of one weight against all m rows of x, into y [m, n]: tiles of 2 x rows by
-// kTileOuts weight rows, the leftovers by the plain dot.
+// Weight rows [lo, hi) of one weight against all m rows of x, into y [m, n]: tiles of 3 x rows (2 + 2 for
+// the last 4) by kTileOuts weight rows; a lone row (a single-stream decode step, bound by reading the
+// weights) by 8 weight rows, more reads in flight; the leftover weight rows by the plain dot.
 static void few_rows_block(const float *x, const float *w, float *y, int64_t m, int64_t k, int64_t n, int64_t lo,
                            int64_t hi) {
   int64_t o = lo;
-  if (k % 8 == 0) {
-    for (; o + kTileOuts <= hi; o += kTileOuts) {
-      int64_t r = 0;
-      for (; r + 2 <= m; r += 2) dot_tile<2, kTileOuts>(x + r * k, w + o * k, y + r * n + o, k, n);
-      for (; r < m; ++r) dot_tile<1, kTileOuts>(x + r * k, w + o * k, y + r * n + o, k, n);
-    }
+  if (m == 1)
+    for (; o + 2 * kTileOuts <= hi; o += 2 * kTileOuts) dot_tile<1, 2 * kTileOuts>(x, w + o * k, y + o, k, n);
+  for (; o + kTileOuts <= hi; o += kTileOuts) {
+    int64_t r = 0;
+    for (; r + 3 <= m && m - r != 4; r += 3) dot_tile<3, kTileOuts>(x + r * k, w + o * k, y + r * n + o, k, n);
+    for (; r + 2 <= m; r += 2) dot_tile<2, kTileOuts>(x + r * k, w + o * k, y + r * n + o, k, n);
+    if (r < m) dot_tile<1, kTileOuts>(x + r * k, w + o * k, y + r * n + o, k, n);
   }
   for (; o < hi; ++o)
     for (int64_t r = 0; r < m; ++r) y[r * n + o] = lane_dot<false>(x + r * k, w + o * k, nullptr, k);
