@@ -5,7 +5,9 @@
 // Work is split in contiguous chunks over a small persistent thread pool (one thread per core);
 // small tensors stay on the calling thread.
 
+#if defined(__AVX__)
 #include <immintrin.h>
+#endif
 
 #include "common.h"
 
@@ -401,23 +403,40 @@ extern "C" int RopeHeadsGrad(int nparam, void **params, int *ndims, int64_t **sh
 // The lanes [lo, hi) of the 8 floats at p, the others 0; lanes outside are not read (a masked load), so p may
 // point before an array's start or run past its end.
 static inline Floats8 load_lanes(const float *p, int lo, int hi) {
+#if defined(__AVX__)
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(lo - 1)),
                                       _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), lane));
   return (Floats8)_mm256_maskload_ps(p, in);
+#else
+  Floats8 v = {};
+  for (int l = lo; l < hi; ++l) v[l] = p[l];
+  return v;
+#endif
 }
 
 // A loaded vector kept in a register: gcc would otherwise fold a vector used by several FMAs into each as a
 // memory operand, a load per FMA, and loads, not FMAs, bound these tiles on the AMD VM.
 static inline Floats8 in_register(Floats8 v) {
+#if defined(__AVX__)
   asm("" : "+x"(v));
+#endif
   return v;
 }
 
-// The lane sums of 4 vectors, [sum a, sum b, sum c, sum d].
-static inline __m128 lane_sums4(Floats8 a, Floats8 b, Floats8 c, Floats8 d) {
+// y[0..3] = the lane sums of 4 vectors.
+static inline void store_lane_sums4(float *y, Floats8 a, Floats8 b, Floats8 c, Floats8 d) {
+#if defined(__AVX__)
   const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a, (__m256)b), _mm256_hadd_ps((__m256)c, (__m256)d));
-  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+  _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
+#else
+  const Floats8 v[4] = {a, b, c, d};
+  for (int i = 0; i < 4; ++i) {
+    float sum = 0.f;
+    for (int l = 0; l < 8; ++l) sum += v[i][l];
+    y[i] = sum;
+  }
+#endif
 }
 
 // y[r, o] for kRows rows of x and kOuts weight rows (a multiple of 4): per 8 columns the kRows x vectors are
@@ -444,7 +463,7 @@ static void dot_tile(const float *__restrict x, const float *__restrict w, float
   if (j < k) columns(j, [&](const float *p) { return load_lanes(p, 0, k - j); });
   for (int r = 0; r < kRows; ++r)
     for (int o = 0; o < kOuts; o += 4)
-      _mm_storeu_ps(y + r * n + o, lane_sums4(acc[r][o], acc[r][o + 1], acc[r][o + 2], acc[r][o + 3]));
+      store_lane_sums4(y + r * n + o, acc[r][o], acc[r][o + 1], acc[r][o + 2], acc[r][o + 3]);
 }
 
 constexpr int kTileOuts = 4;
