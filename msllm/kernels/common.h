@@ -169,6 +169,22 @@ typedef float Floats8 __attribute__((vector_size(32)));
 inline Floats8 load8(const float *p) { Floats8 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store8(float *p, Floats8 v) { std::memcpy(p, &v, sizeof v); }
 
+// The lane sums of 8 vectors as one vector, sums[j] = x[j][0] + .. + x[j][7]: halves of pairs added, then
+// of quads, then of all eight (summed one vector at a time, its lanes are a chain of 7 scalar adds that the
+// column's next step waits on).
+inline Floats8 lane_sums(const Floats8 *x) {
+  typedef int32_t vec_index __attribute__((vector_size(32)));
+  Floats8 pairs[4], quads[2];
+  for (int p = 0; p < 4; ++p)
+    pairs[p] = __builtin_shuffle(x[2 * p], x[2 * p + 1], vec_index{0, 8, 1, 9, 4, 12, 5, 13}) +
+               __builtin_shuffle(x[2 * p], x[2 * p + 1], vec_index{2, 10, 3, 11, 6, 14, 7, 15});
+  for (int p = 0; p < 2; ++p)
+    quads[p] = __builtin_shuffle(pairs[2 * p], pairs[2 * p + 1], vec_index{0, 1, 8, 9, 4, 5, 12, 13}) +
+               __builtin_shuffle(pairs[2 * p], pairs[2 * p + 1], vec_index{2, 3, 10, 11, 6, 7, 14, 15});
+  return __builtin_shuffle(quads[0], quads[1], vec_index{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(quads[0], quads[1], vec_index{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
 // max(top, x[0 .. n)) in two 8-float vectors (GCC vector extension, AVX2's width: a wider one's compares
 // gcc lowers to scalar code). Written as 16 scalar lanes it stayed scalar: gcc split the lanes into 16 select
 // chains, and a float select is no max reduction to it without -ffinite-math-only. NaNs are skipped as

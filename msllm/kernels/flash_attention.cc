@@ -313,24 +313,15 @@ void forward(const float *q, const float *k, const float *v, const float *sinks,
 }
 
 // The dots of q with 8 keys (rows of k, d apart; d a multiple of 8): 8 independent accumulators, each
-// q load serving the 8 keys, then summed across lanes together in three shuffle-and-add steps (a dot at a
+// q load serving the 8 keys, then summed across lanes together by lane_sums (a dot at a
 // time ends in a serial sum of its lanes and one accumulator's chain of FMAs).
-typedef int32_t Ints8 __attribute__((vector_size(32)));
 inline Floats8 dots8(const float *__restrict q, const float *__restrict k, int64_t d) {
   Floats8 acc[8] = {};
   for (int64_t c = 0; c < d; c += 8) {
     const Floats8 qc = load8(q + c);
     for (int j = 0; j < 8; ++j) acc[j] += qc * load8(k + j * d + c);
   }
-  auto pairs = [](Floats8 a, Floats8 b, Ints8 even, Ints8 odd) {
-    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
-  };
-  const Ints8 e1 = {0, 8, 2, 10, 4, 12, 6, 14}, o1 = {1, 9, 3, 11, 5, 13, 7, 15};
-  const Ints8 e2 = {0, 1, 8, 9, 4, 5, 12, 13}, o2 = {2, 3, 10, 11, 6, 7, 14, 15};
-  const Ints8 e3 = {0, 1, 2, 3, 8, 9, 10, 11}, o3 = {4, 5, 6, 7, 12, 13, 14, 15};
-  const Floats8 s01 = pairs(acc[0], acc[1], e1, o1), s23 = pairs(acc[2], acc[3], e1, o1);
-  const Floats8 s45 = pairs(acc[4], acc[5], e1, o1), s67 = pairs(acc[6], acc[7], e1, o1);
-  return pairs(pairs(s01, s23, e2, o2), pairs(s45, s67, e2, o2), e3, o3);
+  return lane_sums(acc);
 }
 
 // o [width] = sum_j p[j] v[j] over n rows of v (width apart), width a multiple of 64: 64 columns at a time in

@@ -130,22 +130,6 @@ inline float dot(const float *__restrict x, const float *__restrict y, int64_t n
 // Backward's register blocks: common.h's 8-float vectors (a ymm; half a zmm on AVX-512).
 constexpr int kVec = 8;
 typedef Floats8 vec;
-typedef int32_t vec_index __attribute__((vector_size(4 * kVec)));
-
-// The lane sums of 8 vectors as one vector, sums[j] = x[j][0] + .. + x[j][7]: halves of pairs added, then
-// of quads, then of all eight (summed one vector at a time, its lanes are a chain of 7 scalar adds that the
-// column's next step waits on).
-inline vec lane_sums(const vec *x) {
-  vec pairs[4], quads[2];
-  for (int p = 0; p < 4; ++p)
-    pairs[p] = __builtin_shuffle(x[2 * p], x[2 * p + 1], vec_index{0, 8, 1, 9, 4, 12, 5, 13}) +
-               __builtin_shuffle(x[2 * p], x[2 * p + 1], vec_index{2, 10, 3, 11, 6, 14, 7, 15});
-  for (int p = 0; p < 2; ++p)
-    quads[p] = __builtin_shuffle(pairs[2 * p], pairs[2 * p + 1], vec_index{0, 1, 8, 9, 4, 5, 12, 13}) +
-               __builtin_shuffle(pairs[2 * p], pairs[2 * p + 1], vec_index{2, 3, 10, 11, 6, 7, 14, 15});
-  return __builtin_shuffle(quads[0], quads[1], vec_index{0, 1, 2, 3, 8, 9, 10, 11}) +
-         __builtin_shuffle(quads[0], quads[1], vec_index{4, 5, 6, 7, 12, 13, 14, 15});
-}
 
 // dots[c] = block[c] . x for the w rows (dk long) of a [w, dk] block, 8 rows at a time.
 void row_dots(const float *__restrict block, const float *__restrict x, int64_t dk, int64_t w,
