@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -181,3 +182,19 @@ def test_watchdog_judges_each_rank_by_its_own_deadline(tmp_path, monkeypatch):
     monkeypatch.delenv("MSLLM_PID_DIR")
     watchdog.Heartbeat(30.0, 0).beat(1, 1.0)                   # outside msllm launch: nothing written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0.beat", "rank_1.beat"]
+
+
+def test_only_workers_note_their_pid(tmp_path):
+    """msrun starts its scheduler with the workers' script and RANK_ID 0: were it to write rank_0.pid, a race
+    with rank 0 could leave the scheduler's pid there, and launch (or this file's hang test) would stop the
+    scheduler instead of rank 0."""
+    script = REPO / "msllm" / "parallel" / "entry" / "msllm_worker.py"
+    for role in ("MS_SCHED", "MS_WORKER"):
+        env = dict(ENV, MS_ROLE=role, RANK_ID="0", MSLLM_PID_DIR=str(tmp_path))
+        proc = subprocess.run([sys.executable, str(script), "--help"], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        written = pid_of(tmp_path / "rank_0.pid")
+        if role == "MS_SCHED":
+            assert written is None
+        else:
+            assert written is not None and written > 0
