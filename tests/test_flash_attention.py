@@ -458,7 +458,17 @@ def test_a_packed_document_computes_what_it_computes_alone(flash):
     cpu.specialise(model, fused=True, share_blocks=False, training=True, flash=flash)
     packed = model(Tensor(ids), segments=Tensor(segments), positions=Tensor(positions)).asnumpy()[0, first:]
     alone = model(Tensor(ids[:, first:])).asnumpy()[0]
-    np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-5)
+    if not np.allclose(packed, alone, rtol=1e-4, atol=1e-5):
+        # Seen once in a full CI run (flash): rows from the window on differed as if the full layer had the
+        # sliding window. Name the call that was off, against a model of its own, and the windows it holds.
+        fresh = decoder.build_model(GEMMA_LIKE, seed=8)
+        cpu.specialise(fresh, fused=True, share_blocks=False, training=True, flash=flash)
+        want = fresh(Tensor(ids[:, first:])).asnumpy()[0]
+        off = [name for name, got in (("packed", packed), ("alone", alone))
+               if not np.allclose(got, want, rtol=1e-4, atol=1e-5)]
+        rows = np.nonzero(~np.isclose(packed, alone, rtol=1e-4, atol=1e-5).all(-1))[0]
+        pytest.fail(f"rows {rows.min()}-{rows.max()} differ; off against a fresh model: {off}; windows "
+                    f"{model.windows}, read back {[int(w.asnumpy()[0]) for w in model.kind_windows]}")
 
 
 # Compiled with MindSpore's graph dump on (MS_DEV_SAVE_GRAPHS; read as MindSpore starts, hence a
