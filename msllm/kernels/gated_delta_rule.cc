@@ -84,24 +84,19 @@ void by_width(int64_t w, Fn fn) {
 }
 
 // sums[c] = sum_i weight[i] block[i][c] over a [dk, w] block, in kSplit partial sums over interleaved
-// rows so consecutive FMAs do not wait on each other. Given r (and the token's k, decay a and beta), row i
-// first becomes a row + beta k[i] r: the state's update and the read-out of the new state in one pass.
+// rows so consecutive FMAs do not wait on each other.
 template <int W>
-void column_sums(const float *__restrict weight, float *__restrict block, int64_t dk, int64_t w,
-                 float *__restrict sums, const float *__restrict r = nullptr, const float *__restrict k = nullptr,
-                 float a = 1.f, float beta = 0.f) {
+void column_sums(const float *__restrict weight, const float *__restrict block, int64_t dk, int64_t w,
+                 float *__restrict sums) {
   float part[kSplit][W ? W : kColumns] = {};
-  auto add = [&](int u, int64_t i) {
-    const float x = weight[i];
-    float *__restrict row = block + i * w;
-    if (r)
-      for (int64_t c = 0; c < w; ++c) row[c] = a * row[c] + beta * k[i] * r[c];
-    for (int64_t c = 0; c < w; ++c) part[u][c] += x * row[c];
-  };
   int64_t i = 0;
   for (; i + kSplit <= dk; i += kSplit)
-    for (int u = 0; u < kSplit; ++u) add(u, i + u);
-  for (; i < dk; ++i) add(0, i);
+    for (int u = 0; u < kSplit; ++u) {
+      const float x = weight[i + u], *__restrict row = block + (i + u) * w;
+      for (int64_t c = 0; c < w; ++c) part[u][c] += x * row[c];
+    }
+  for (; i < dk; ++i)
+    for (int64_t c = 0; c < w; ++c) part[0][c] += weight[i] * block[i * w + c];
   for (int64_t c = 0; c < w; ++c) {
     float total = 0.f;
     for (int u = 0; u < kSplit; ++u) total += part[u][c];
@@ -119,7 +114,12 @@ void step(const Head &h, int64_t t, int64_t c0, int64_t w_any, float *__restrict
   const float *__restrict q = h.q + t * dk, *__restrict k = h.k + t * dk, *__restrict v = h.v + t * h.dv + c0;
   column_sums<W>(k, state, dk, w, r);
   for (int64_t c = 0; c < w; ++c) r[c] = v[c] - a * r[c];
-  column_sums<W>(q, state, dk, w, out + c0, r, k, a, beta);
+  for (int64_t i = 0; i < dk; ++i) {
+    const float write = beta * k[i];
+    float *__restrict row = state + i * w;
+    for (int64_t c = 0; c < w; ++c) row[c] = a * row[c] + write * r[c];
+  }
+  column_sums<W>(q, state, dk, w, out + c0);
 }
 
 // sum_i x[i] y[i] in partial sums (vectorizes; the lanes are added once at the end).
@@ -147,42 +147,21 @@ void row_dots(const float *__restrict block, const float *__restrict x, int64_t 
   for (; c < w; ++c) dots[c] = dot(block + c * dk, x, dk);
 }
 
-// The sum of a vector's lanes.
-inline float lanes_total(vec x) {
-  float total = 0.f;
-  for (int l = 0; l < kVec; ++l) total += x[l];
-  return total;
-}
-
 // Token t forward on a transposed [w, dk] block (backward's recompute: no output): per column c,
-// r[c] = v[c] - a dots[c] (dots = S'^T k, given) and, given `leaving`, there S[:, c] = a S'[:, c] + beta r[c] k
-// with the next token's S^T k_{t+1} into dots, summed while S is in registers (not another pass over it).
+// r[c] = v[c] - a S'[:, c] . k and, given `leaving`, there S[:, c] = a S'[:, c] + beta r[c] k.
 void step_transposed(const Head &h, int64_t t, int64_t c0, int64_t w, const float *__restrict entering,
-                     float *__restrict leaving, float *__restrict r, float *__restrict dots) {
-  const int64_t dk = h.dk, vectors = dk / kVec * kVec;
+                     float *__restrict leaving, float *__restrict r) {
+  const int64_t dk = h.dk;
   const float a = std::exp(h.g[t]), beta = h.beta[t];
   const float *__restrict k = h.k + t * dk, *__restrict v = h.v + t * h.dv + c0;
-  for (int64_t c = 0; c < w; ++c) r[c] = v[c] - a * dots[c];
+  row_dots(entering, k, dk, w, r);
+  for (int64_t c = 0; c < w; ++c) r[c] = v[c] - a * r[c];
   if (!leaving) return;
-  const float *__restrict next = k + dk;
-  vec sums[kColumns];
   for (int64_t c = 0; c < w; ++c) {
     const float write = beta * r[c], *__restrict from = entering + c * dk;
     float *__restrict to = leaving + c * dk;
-    vec sum = {};
-    for (int64_t i = 0; i < vectors; i += kVec) {
-      const vec x = a * load8(from + i) + write * load8(k + i);
-      store8(to + i, x);
-      sum += x * load8(next + i);
-    }
-    float tail = 0.f;
-    for (int64_t i = vectors; i < dk; ++i) tail += (to[i] = a * from[i] + write * k[i]) * next[i];
-    sums[c] = sum;
-    dots[c] = tail;
+    for (int64_t i = 0; i < dk; ++i) to[i] = a * from[i] + write * k[i];
   }
-  int64_t c = 0;
-  for (; c + kVec <= w; c += kVec) store8(dots + c, load8(dots + c) + lane_sums(sums + c));
-  for (; c < w; ++c) dots[c] += lanes_total(sums[c]);
 }
 
 // The gradients of one (batch, head): dq, dk [s, dk], dv [s, dv], dg, dbeta [s].
@@ -254,7 +233,9 @@ void step_back(const Head &h, int64_t t, int64_t c0, int64_t w, const float *__r
     columns_back<1>(dk, a, beta, d_out + c, r + c, dr + c, q, k, entering + c * dk, d_state + c * dk, dq, dkt, da);
   const float r_dout = beta * dot(r, d_out, w);
   for (int64_t i = 0; i < dk; ++i) dq[i] += k[i] * r_dout;
-  grad.dg[t] += a * lanes_total(load8(da));
+  float da_total = 0.f;
+  for (int l = 0; l < kVec; ++l) da_total += da[l];
+  grad.dg[t] += a * da_total;
   grad.dbeta[t] += dbeta;
   if (h.starts_sample(t)) std::fill(d_state, d_state + dk * w, 0.f);
 }
@@ -273,19 +254,14 @@ void rule_back(const Shapes &dims, const Head &h, const Grads &grad, const float
     const int64_t w = std::min(kColumns, dv - c0), block = dk * w;
     scratch.resize((dims.interval + 1) * block + dims.interval * w);
     float *entering = scratch.data(), *d_state = entering + dims.interval * block, *r = d_state + block;
-    float dots[kColumns];  // the recomputed token's S'^T k
     gather_columns<true>(d_final, dk, dv, c0, w, d_state);
     for (int64_t chunk = dims.chunks - 1; chunk >= 0; --chunk) {
       const int64_t t0 = chunk * dims.interval, n = std::min(dims.interval, s - t0);
       gather_columns<true>(checkpoints + chunk * state_size, dk, dv, c0, w, entering);
-      row_dots(entering, h.k + t0 * dk, dk, w, dots);
       for (int64_t j = 0; j < n; ++j) {  // the chunk's entering states again, each from the one before
         float *state = entering + j * block;
-        if (h.starts_sample(t0 + j)) {
-          std::fill(state, state + block, 0.f);
-          std::fill(dots, dots + w, 0.f);
-        }
-        step_transposed(h, t0 + j, c0, w, state, j + 1 < n ? state + block : nullptr, r + j * w, dots);
+        if (h.starts_sample(t0 + j)) std::fill(state, state + block, 0.f);
+        step_transposed(h, t0 + j, c0, w, state, j + 1 < n ? state + block : nullptr, r + j * w);
       }
       for (int64_t j = n - 1; j >= 0; --j)
         step_back(h, t0 + j, c0, w, entering + j * block, r + j * w, d_out, d_state, grad);
