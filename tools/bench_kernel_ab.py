@@ -97,7 +97,32 @@ def w1_cases(rng) -> dict:
             weights = [normal(n, k, scale=0.05) for n in ns]
             arrays = [as_mindspore_places(a) for a in (normal(m, k), *weights, *(f32(m, n) for n in ns))]
             cases[f"LinearsFewRows m={m} {what}"] = ("LinearsFewRows", arrays, len(ns), 2 * m * k * sum(ns))
+    cases.update(rule_cases(normal, f32))
     return {name: case if len(case) == 4 else (*case, 0) for name, case in cases.items()}
+
+
+def rule_cases(normal, f32) -> dict:
+    """One W1 Qwen3.5 Gated DeltaNet layer's gated delta rule (4 x 256 tokens, 4 key / 8 value heads of 64,
+    state saved every 64 tokens), forward and backward; rows 2-3 packed with a sample starting mid-chunk."""
+    b, nk, n, s, d = 4, 4, 8, 256, 64
+
+    def unit_rows(*shape, scale=1.0):  # L2-normalised rows, as the mixer feeds q and k
+        x = normal(*shape)
+        return (x * scale / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+    q, k, v = unit_rows(b, nk, s, d, scale=d ** -0.5), unit_rows(b, nk, s, d), normal(b, n, s, d)
+    g = -np.abs(normal(b, n, s, scale=0.3)).astype(np.float32)
+    beta = (1 / (1 + np.exp(-normal(b, n, s)))).astype(np.float32)
+    segments = np.zeros((b, s), np.int32)
+    segments[2:, 100:] = 1
+    initial, saved = np.zeros((b, n, d, d), np.float32), f32(b, n, s // 64, d, d)
+    inputs = [q, k, v, g, beta, segments, initial]
+    forward = [*inputs, f32(b, n, s, d), f32(b, n, d, d), saved]
+    grads = [f32(b, nk, s, d), f32(b, nk, s, d), f32(b, n, s, d), f32(b, n, s), f32(b, n, s), f32(b, n, d, d)]
+    rule = ctypes.CDLL(build.library()).GatedDeltaRule  # the saved states backward reads, from this tree
+    call(rule, forward)
+    backward = [*inputs, saved, normal(b, n, s, d), np.zeros((b, n, d, d), np.float32), *grads]
+    return {"GatedDeltaRule": ("GatedDeltaRule", forward, 3), "GatedDeltaRuleGrad": ("GatedDeltaRuleGrad", backward, 6)}
 
 
 def main(argv=None) -> int:
