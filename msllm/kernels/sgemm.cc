@@ -90,33 +90,38 @@ float *aligned_floats(std::vector<float> &buffer, int64_t n) {  // 32-byte align
   return buffer.data() + ((32 - at % 32) % 32) / sizeof(float);
 }
 
-}  // namespace
-
-void sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t a_rows, int64_t a_cols, const float *b,
-           int64_t b_rows, int64_t b_cols, float *c, int64_t ldc, int threads) {
-  const Matrix A{a, a_rows, a_cols}, B{b, b_rows, b_cols};
-  if (k == 0) {
-    for (int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.f);
-    return;
-  }
-  const int64_t panels = (n + kNr - 1) / kNr;
-  thread_local std::vector<float> packed_b_buffer;
-  float *packed_b = aligned_floats(packed_b_buffer, panels * k * kNr);
-  run_units(panels, [&](int64_t j, int) { pack_b_panel(B, k, n, j * kNr, packed_b + j * k * kNr); }, threads);
-
+// C [m, n] (rows ldc apart) = A [m, k] B [k, n]: its work as units, B's panels first, then C's tiles.
+struct Gemm {
+  int64_t m, n, k;
+  Matrix a, b;
+  float *c;
+  int64_t ldc;
+  int64_t panels = (n + kNr - 1) / kNr;
   // Row blocks of equal height (a multiple of 6), column chunks of whole panels.
-  const int64_t row_blocks = (m + kMc - 1) / kMc;
-  const int64_t block_rows = ((m + row_blocks - 1) / row_blocks + kMr - 1) / kMr * kMr;
-  const int64_t chunk_panels = kNc / kNr, chunks = (panels + chunk_panels - 1) / chunk_panels;
-  run_units(row_blocks * chunks, [&](int64_t unit, int) {
+  int64_t row_blocks = std::max<int64_t>(1, (m + kMc - 1) / kMc);
+  int64_t block_rows = ((m + row_blocks - 1) / row_blocks + kMr - 1) / kMr * kMr;
+  int64_t chunk_panels = kNc / kNr, chunks = (panels + chunk_panels - 1) / chunk_panels;
+  float *packed_b = nullptr;  // panels x [k][16]
+
+  int64_t tiles() const { return row_blocks * chunks; }
+
+  void pack_b(int64_t j) const { pack_b_panel(b, k, n, j * kNr, packed_b + j * k * kNr); }
+
+  // Rows [i0, i0 + rows) x one column chunk of C, slice by slice of k.
+  void compute(int64_t unit) const {
     thread_local std::vector<float> packed_a_buffer;
     float *packed_a = aligned_floats(packed_a_buffer, block_rows * kKc);
     const int64_t i0 = unit / chunks * block_rows, rows = std::min(block_rows, m - i0);
     const int64_t first_panel = unit % chunks * chunk_panels, last_panel = std::min(panels, first_panel + chunk_panels);
+    if (k == 0) {
+      const int64_t j_end = std::min(n, last_panel * kNr);
+      for (int64_t i = i0; i < i0 + rows; ++i) std::fill(c + i * ldc + first_panel * kNr, c + i * ldc + j_end, 0.f);
+      return;
+    }
     float edge[kMr * kNr];
     for (int64_t p0 = 0; p0 < k; p0 += kKc) {
       const int64_t kc = std::min(kKc, k - p0);
-      pack_a_block(A, m, i0, rows, p0, kc, packed_a);
+      pack_a_block(a, m, i0, rows, p0, kc, packed_a);
       for (int64_t j = first_panel; j < last_panel; ++j) {
         const float *b_slice = packed_b + (j * k + p0) * kNr;
         const int64_t width = std::min(kNr, n - j * kNr);
@@ -134,17 +139,41 @@ void sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t a_rows, int6
         }
       }
     }
-  }, threads);
+  }
+};
+
+// Runs independent GEMMs (a backward's dx and dW) as one list of units: two passes over the pool, not two each.
+void run_gemms(std::vector<Gemm> gemms, int threads) {
+  std::vector<int64_t> panels{0}, tiles{0}, floats{0};  // units (and packed B floats) before each GEMM's
+  for (const Gemm &g : gemms) {
+    panels.push_back(panels.back() + g.panels);
+    tiles.push_back(tiles.back() + g.tiles());
+    floats.push_back(floats.back() + g.panels * g.k * kNr);
+  }
+  thread_local std::vector<float> packed_b_buffer;
+  float *packed = aligned_floats(packed_b_buffer, floats.back());
+  for (size_t i = 0; i < gemms.size(); ++i) gemms[i].packed_b = packed + floats[i];
+  auto which = [](const std::vector<int64_t> &starts, int64_t unit) {
+    return static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), unit) - starts.begin()) - 1;
+  };
+  run_units(panels.back(), [&](int64_t u, int) { const size_t g = which(panels, u); gemms[g].pack_b(u - panels[g]); },
+            threads);
+  run_units(tiles.back(), [&](int64_t u, int) { const size_t g = which(tiles, u); gemms[g].compute(u - tiles[g]); },
+            threads);
 }
 
+}  // namespace
+
 }  // namespace msllm_kernels
+
+using namespace msllm_kernels;
 
 // inputs: x [m, k], w [n, k] (fp32); output: y [m, n] = x w^T (layers.Linear's matmul).
 extern "C" int PackedLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
   const int64_t m = shapes[0][0], k = shapes[0][1], n = shapes[1][0];
   const float *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
-  msllm_kernels::sgemm(m, n, k, x, k, 1, w, 1, k, static_cast<float *>(params[2]), n, msllm_kernels::kMaxThreads);
+  run_gemms({Gemm{m, n, k, {x, k, 1}, {w, 1, k}, static_cast<float *>(params[2]), n}}, kMaxThreads);
   return 0;
 }
 
@@ -154,8 +183,8 @@ extern "C" int PackedLinearGrad(int nparam, void **params, int *ndims, int64_t *
   const int64_t m = shapes[0][0], k = shapes[0][1], n = shapes[1][0];
   const float *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
   const float *dy = static_cast<const float *>(params[2]);
-  msllm_kernels::sgemm(m, k, n, dy, n, 1, w, k, 1, static_cast<float *>(params[3]), k, msllm_kernels::kMaxThreads);
-  msllm_kernels::sgemm(n, k, m, dy, 1, n, x, k, 1, static_cast<float *>(params[4]), k, msllm_kernels::kMaxThreads);
+  run_gemms({Gemm{m, k, n, {dy, n, 1}, {w, k, 1}, static_cast<float *>(params[3]), k},
+             Gemm{n, k, m, {dy, 1, n}, {x, k, 1}, static_cast<float *>(params[4]), k}}, kMaxThreads);
   return 0;
 }
 
@@ -163,5 +192,5 @@ extern "C" int PackedLinearGrad(int nparam, void **params, int *ndims, int64_t *
 // a[i * a_rows + p * a_cols], B's (p, j) at b[p * b_rows + j * b_cols]; on at most `threads` threads.
 extern "C" void Sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t a_rows, int64_t a_cols,
                       const float *b, int64_t b_rows, int64_t b_cols, float *c, int64_t ldc, int threads) {
-  msllm_kernels::sgemm(m, n, k, a, a_rows, a_cols, b, b_rows, b_cols, c, ldc, threads);
+  run_gemms({Gemm{m, n, k, {a, a_rows, a_cols}, {b, b_rows, b_cols}, c, ldc}}, threads);
 }
