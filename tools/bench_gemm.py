@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mindspore as ms
 import numpy as np
 import torch
 
-from bench_matmul import Gemm
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench_matmul import Gemm  # noqa: E402
+from msllm.kernels import library  # noqa: E402
 
 # (tokens, in, out, what): Y = X W^T with X [tokens, in], W [out, in]
 LINEARS = [
@@ -27,11 +32,9 @@ LINEARS = [
 ]
 
 
-def sgemm_library(path: str | None):
-    if path is None:
-        from msllm.kernels import library_path
-        path = str(library_path())
-    fn = ctypes.CDLL(path).Sgemm
+def sgemm_library(path: str | None = None):
+    """The library's Sgemm (tests and benchmarks' entry: strides and a thread cap) as a ctypes function."""
+    fn = ctypes.CDLL(path or str(library())).Sgemm
     fn.restype = None
     fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]

@@ -143,10 +143,10 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             cell.decode_step = kernels.GatedDeltaStep() if decode_kernels else None  # one kernel, not ~30
         elif isinstance(cell, moe.BlockDispatch):  # the kernel needs no big blocks: it gathers no weights
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
-        elif isinstance(cell, layers.Linear) and decode_kernels:
-            cell.matmul = kernels.LinearFewRows()
-        elif isinstance(cell, layers.Linear) and packed_linear:
-            cell.matmul = kernels.PackedLinear()
+        elif isinstance(cell, layers.Linear):  # a frozen weight (LoRA's base) keeps MatMul: the graph drops its dW
+            cell.matmul = (kernels.LinearFewRows() if decode_kernels
+                           else kernels.PackedLinear() if packed_linear and cell.weight.requires_grad
+                           else ops.MatMul(transpose_b=True))
     model.broadcast_tables = training and not fused_tables
     if flash:
         model.attention_mask = VisibilityIndices()

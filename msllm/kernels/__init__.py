@@ -1,5 +1,5 @@
 """Fused CPU kernels (C++: cpu_kernels.cc, causal_conv.cc, flash_attention.cc, gated_delta_rule.cc,
-grouped_matmul.cc, linear_cross_entropy.cc) as MindSpore AOT Custom ops.
+grouped_matmul.cc, linear_cross_entropy.cc, sgemm.cc) as MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -29,5 +29,5 @@ from msllm.kernels.optimizer import AdamWUpdate, sum_of_squares_op
 __all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite", "FusedClampedSwiGLU", "FusedGeGLU",
            "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
            "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
-           "PackedLinear", "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags",
-           "has_avx512", "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]
+           "PackedLinear", "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled",
+           "flags", "has_avx512", "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]

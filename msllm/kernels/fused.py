@@ -145,6 +145,9 @@ class PackedLinear(nn.Cell):
         self.linear = differentiable("PackedLinear", "x w", lambda x, w: [x[0], w[0]])
 
     def construct(self, x, w):
+        if x.shape[-1] != w.shape[-1]:  # MatMul's check, in its words: msllm lint --compile finds the caller's line
+            raise ValueError(f"For 'MatMul' the input dimensions must be equal, but got 'x1_col': {x.shape[-1]} "
+                             f"and 'x2_row': {w.shape[-1]}.")
         return self.linear(x, w)
 
 

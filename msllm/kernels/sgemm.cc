@@ -172,6 +172,7 @@ using namespace msllm_kernels;
 extern "C" int PackedLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
   const int64_t m = shapes[0][0], k = shapes[0][1], n = shapes[1][0];
+  if (shapes[1][1] != k) return 1;
   const float *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
   run_gemms({Gemm{m, n, k, {x, k, 1}, {w, 1, k}, static_cast<float *>(params[2]), n}}, kMaxThreads);
   return 0;
@@ -182,6 +183,7 @@ extern "C" int PackedLinearGrad(int nparam, void **params, int *ndims, int64_t *
                                 void *stream, void *extra) {
   const int64_t m = shapes[0][0], k = shapes[0][1], n = shapes[1][0];
   const float *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
+  if (shapes[1][1] != k || shapes[2][0] != m || shapes[2][1] != n) return 1;
   const float *dy = static_cast<const float *>(params[2]);
   run_gemms({Gemm{m, k, n, {dy, n, 1}, {w, k, 1}, static_cast<float *>(params[3]), k},
              Gemm{n, k, m, {dy, 1, n}, {x, k, 1}, static_cast<float *>(params[4]), k}}, kMaxThreads);
