@@ -44,7 +44,8 @@ def error_message(text: str) -> str:
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith(("[ERROR]", "[WARNING]", "----", "- ", "#")):
-            return line
+            quoted = len(line) > 1 and line[0] == line[-1] == "'"  # a construct's own raise, as MindSpore quotes it
+            return line[1:-1] if quoted else line
     return "compile failed (no message)"
 
 

@@ -4,6 +4,7 @@ CPU such as AMD EPYC gets (-march=x86-64-v3); the cache never hands one CPU's bu
 
 (AdamW fused vs portable vs torch is in test_step.py.)
 """
+import ctypes
 import re
 import shutil
 import subprocess
@@ -408,6 +409,34 @@ def empty_cache(monkeypatch, tmp_path):
     kernels.library.cache_clear()
     yield tmp_path / "kernels"
     kernels.library.cache_clear()
+
+
+def test_packed_sgemm_matches_float64_in_the_three_training_forms(arch):
+    """sgemm.cc's GEMM (6 x 16 tiles, 256-deep slices, 144-row blocks, 512-column units) on shapes that are no
+    multiple of any of them, K = 1 and tiny ones, in training's three layouts: y = x W^T, dx = dy W and
+    dW = dy^T x, against float64; then PackedLinear's forward and both gradients (the op training's Linears use
+    on AVX2)."""
+    sgemm = ctypes.CDLL(str(kernels.library())).Sgemm
+    sgemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    rng = np.random.default_rng(5)
+    for m, k, n in [(301, 515, 531), (7, 1, 20), (1, 3, 1), (150, 260, 17)]:
+        x, w, dy = (rng.normal(size=shape).astype(np.float32) for shape in ((m, k), (n, k), (m, n)))
+        for inner, a, a_rows, a_cols, b, b_rows, b_cols, want in [
+                (k, x, k, 1, w, 1, k, x.astype(np.float64) @ w.T),      # forward: x [m, k], W [n, k]
+                (n, dy, n, 1, w, k, 1, dy.astype(np.float64) @ w),      # dx: dy [m, n], W as it is
+                (m, dy, 1, n, x, k, 1, dy.T.astype(np.float64) @ x)]:   # dW: dy read transposed
+            got = np.full(want.shape, np.nan, np.float32)
+            sgemm(*want.shape, inner, a.ctypes.data, a_rows, a_cols, b.ctypes.data, b_rows, b_cols, got.ctypes.data,
+                  want.shape[1], 2)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * inner ** 0.5)
+    m, k, n = 37, 300, 21
+    x, w, upstream = (rng.normal(size=shape).astype(np.float32) for shape in ((m, k), (n, k), (m, n)))
+    loss, (dx, dw) = value_and_grads(kernels.PackedLinear(), Tensor(x), Tensor(w), Tensor(upstream))
+    x64, w64, up64 = x.astype(np.float64), w.astype(np.float64), upstream.astype(np.float64)
+    np.testing.assert_allclose(loss.asnumpy(), ((x64 @ w64.T) * up64).sum(), rtol=1e-5)
+    np.testing.assert_allclose(dx.asnumpy(), up64 @ w64, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(dw.asnumpy(), up64.T @ x64, rtol=0, atol=1e-4)
 
 
 @pytest.mark.skipif(not kernels.has_sgemm(), reason="MindSpore's CPU backend without oneDNN's dnnl_sgemm")

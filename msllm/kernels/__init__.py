@@ -1,5 +1,5 @@
 """Fused CPU kernels (C++: cpu_kernels.cc, causal_conv.cc, flash_attention.cc, gated_delta_rule.cc,
-grouped_matmul.cc, linear_cross_entropy.cc) as MindSpore AOT Custom ops.
+grouped_matmul.cc, linear_cross_entropy.cc, sgemm.cc) as MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -17,10 +17,10 @@ listed in build.SOURCES, then a `differentiable(...)` (or `aot(...)`) line in th
 """
 from msllm.kernels.attention import (FlashAttention, FusedSinkSoftmaxAttention, FusedSoftmaxAttention,
                                      SinkFlashAttention, SoftmaxAttention)
-from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_sgemm, library, library_path,
-                                 march)
+from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_avx512, has_sgemm, library,
+                                 library_path, march)
 from msllm.kernels.fused import (FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore, FusedRope,
-                                 FusedSwiGLU, LinearFewRows, ProjectionsFewRows)
+                                 FusedSwiGLU, LinearFewRows, PackedLinear, ProjectionsFewRows)
 from msllm.kernels.gated_deltanet import FusedCausalConv, GatedDeltaRule, GatedDeltaStep
 from msllm.kernels.head import FusedHead
 from msllm.kernels.moe import GroupedMatmul
@@ -29,5 +29,5 @@ from msllm.kernels.optimizer import AdamWUpdate, sum_of_squares_op
 __all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite", "FusedClampedSwiGLU", "FusedGeGLU",
            "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
            "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
-           "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags",
-           "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]
+           "PackedLinear", "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled",
+           "flags", "has_avx512", "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]

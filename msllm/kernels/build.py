@@ -23,7 +23,7 @@ from msllm.staged import cache_root
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cc", "causal_conv.cc", "flash_attention.cc", "gated_delta_rule.cc", "grouped_matmul.cc",
-                        "linear_cross_entropy.cc")]
+                        "linear_cross_entropy.cc", "sgemm.cc")]
 HEADERS = [Path(__file__).with_name("common.h")]
 # -fno-math-errno lets sqrt vectorize, -fno-trapping-math the float compares of exp_approx's clamps and of
 # max / select loops (without it GCC keeps them as branches: SwiGLU, GeGLU and the head's exps ran scalar).
@@ -101,6 +101,11 @@ def enabled(mode: str = "auto") -> bool:
     """Whether to use the fused kernels: mode auto on the CPU backend with g++ present."""
     return (mode == "auto" and ms.get_context("device_target") == "CPU"
             and (library_path().exists() or shutil.which("g++") is not None))
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (sgemm.cc's micro-kernel is AVX2's: MindSpore's MatMul stays there)."""
+    return b"avx512f" in _cpu_flags().split()
 
 
 def has_sgemm() -> bool:

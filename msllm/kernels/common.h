@@ -101,14 +101,15 @@ void parallel_for(int64_t n, Fn fn, int64_t grain = 1 << 16) {
 }
 
 // Runs fn(unit, thread) for unit in [0, units), units handed out one at a time (for units that differ
-// in cost), thread in [0, pool size). Falls back to the calling thread when the pool is busy.
+// in cost), thread in [0, pool size), on at most max_threads threads. Falls back to the calling thread when
+// the pool is busy.
 template <typename Fn>
-void run_units(int64_t units, Fn fn) {
+void run_units(int64_t units, Fn fn, int max_threads = kMaxThreads) {
   std::atomic<int64_t> next{0};
   auto work = [&](int thread) {
     for (int64_t u = next++; u < units; u = next++) fn(u, thread);
   };
-  const int threads = static_cast<int>(std::min<int64_t>(pool().size(), units));
+  const int threads = static_cast<int>(std::min<int64_t>(std::min(pool().size(), max_threads), units));
   if (threads <= 1 || !pool().Run(threads, work)) work(0);
 }
 

@@ -136,6 +136,21 @@ class LinearFewRows(nn.Cell):
         return self.matmul(x, w)
 
 
+class PackedLinear(nn.Cell):
+    """x [m, k] @ w [n, k]^T (fp32) by msllm's packed sgemm (sgemm.cc), and its backward's dx = dy w and
+    dw = dy^T x: layers.Linear's matmul in CPU training on AVX2, where it outruns MindSpore's MatMul."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = differentiable("PackedLinear", "x w", lambda x, w: [x[0], w[0]])
+
+    def construct(self, x, w):
+        if x.shape[-1] != w.shape[-1]:  # MatMul's check, in its words: msllm lint --compile finds the caller's line
+            raise ValueError(f"For 'MatMul' the input dimensions must be equal, but got 'x1_col': {x.shape[-1]} "
+                             f"and 'x2_row': {w.shape[-1]}.")
+        return self.linear(x, w)
+
+
 class ProjectionsFewRows(layers.Projections):
     """layers.Projections of a decode step's few rows (m <= LinearFewRows.FEW_ROWS, fp32) as one C++ kernel over
     all the Linears' weights, each read once, in place of a kernel launch per Linear; more rows, or a Linear with
