@@ -20,7 +20,7 @@ from msllm.kernels.attention import (FlashAttention, FusedSinkSoftmaxAttention, 
 from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_sgemm, library, library_path,
                                  march)
 from msllm.kernels.fused import (FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore, FusedRope,
-                                 FusedSwiGLU, LinearFewRows, ProjectionsFewRows)
+                                 FusedSwiGLU, LinearFewRows, ProjectionsFewRows, forget_packed_weights)
 from msllm.kernels.gated_deltanet import FusedCausalConv, GatedDeltaRule, GatedDeltaStep
 from msllm.kernels.head import FusedHead
 from msllm.kernels.moe import GroupedMatmul
@@ -30,4 +30,4 @@ __all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite"
            "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
            "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
            "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags",
-           "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]
+           "forget_packed_weights", "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]
