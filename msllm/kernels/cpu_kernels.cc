@@ -498,11 +498,13 @@ constexpr int kPanel = 16;  // outputs per panel: a tile row's two accumulator v
 // A weight [n, k] copied as panels of kPanel outputs, k-major ([panel][j][output], outputs past n zero), 64-byte
 // aligned: per column j, a tile loads a panel's 16 weights as two aligned vectors and broadcasts each x row's
 // value against them. `probe`: weight values at 16 spread places when packed, checked on each use, so a
-// weight rewritten at the same address (a test's new array) is repacked; the engine's prefill forgets every
-// packed copy (ForgetPackedWeights), as a weight update may change values the probe does not see.
+// weight rewritten at the same address (a test's new array) is repacked; the engine's prefill marks every
+// packed copy stale (ForgetPackedWeights), as a weight update may change values the probe does not see.
 struct Panels {
   std::unique_ptr<float, decltype(&std::free)> data{nullptr, &std::free};
+  int64_t n = 0, k = 0;
   float probe[16];
+  bool stale = true, used = false;  // used: since the last ForgetPackedWeights
 };
 
 static void probe_of(const float *w, int64_t size, float *probe) {
@@ -512,33 +514,51 @@ static void probe_of(const float *w, int64_t size, float *probe) {
 static std::mutex packed_mutex;
 static std::unordered_map<const float *, std::shared_ptr<Panels>> packed_weights;  // by weight address
 
-// The panels of w [n, k] (packed now if not yet, or if w's probed values changed).
+// The panels of w [n, k], packed now if stale or w's probed values changed: into the buffer it had (a fresh
+// one costs a page fault per 4 KB, as much as the copy).
 static std::shared_ptr<Panels> panels_of(const float *w, int64_t n, int64_t k) {
   std::lock_guard<std::mutex> lock(packed_mutex);
   float probe[16];
   probe_of(w, n * k, probe);
   std::shared_ptr<Panels> &held = packed_weights[w];
-  if (held && std::memcmp(held->probe, probe, sizeof probe) == 0) return held;
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  auto packed = std::make_shared<Panels>();
-  packed->data.reset(static_cast<float *>(std::aligned_alloc(64, sizeof(float) * panels * kPanel * k)));
-  std::memcpy(packed->probe, probe, sizeof probe);
-  float *dst = packed->data.get();
-  parallel_for(panels, [=](int64_t lo, int64_t hi, int) {
-    for (int64_t p = lo; p < hi; ++p)
-      for (int o = 0; o < kPanel; ++o) {  // row by row: each weight row read in order
-        const int64_t row = p * kPanel + o;
-        float *panel = dst + p * kPanel * k + o;
-        for (int64_t j = 0; j < k; ++j) panel[j * kPanel] = row < n ? w[row * k + j] : 0.f;
+  if (!held || held->n != n || held->k != k) {
+    held = std::make_shared<Panels>();
+    held->n = n;
+    held->k = k;
+    held->data.reset(static_cast<float *>(std::aligned_alloc(64, sizeof(float) * (n + kPanel - 1) / kPanel * kPanel * k)));
+  }
+  held->used = true;
+  if (!held->stale && std::memcmp(held->probe, probe, sizeof probe) == 0) return held;
+  std::memcpy(held->probe, probe, sizeof probe);
+  held->stale = false;
+  float *dst = held->data.get();
+  parallel_for((n + kPanel - 1) / kPanel, [=](int64_t lo, int64_t hi, int) {
+    for (int64_t p = lo; p < hi; ++p) {
+      float *panel = dst + p * kPanel * k;
+      const int outs = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+      if (outs < kPanel) std::fill(panel, panel + kPanel * k, 0.f);
+      for (int o = 0; o < outs; ++o) {  // row by row: each weight row read in order
+        const float *row = w + (p * kPanel + o) * k;
+        for (int64_t j = 0; j < k; ++j) panel[j * kPanel + o] = row[j];
       }
+    }
   }, 1);
-  return held = packed;
+  return held;
 }
 
-// Drops every packed weight (its memory too): the weights may have changed. The engine calls it at each prefill.
+// Marks every packed weight stale (the weights may have changed; the engine calls it at each prefill) and frees
+// those not used since the last call.
 extern "C" void ForgetPackedWeights() {
   std::lock_guard<std::mutex> lock(packed_mutex);
-  packed_weights.clear();
+  for (auto it = packed_weights.begin(); it != packed_weights.end();) {
+    if (!it->second->used) {
+      it = packed_weights.erase(it);
+      continue;
+    }
+    it->second->stale = true;
+    it->second->used = false;
+    ++it;
+  }
 }
 
 // 8 copies of *p.

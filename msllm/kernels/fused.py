@@ -123,9 +123,10 @@ def weights_dtypes(x, *weights):
 
 
 def forget_packed_weights() -> None:
-    """Drop LinearsFewRows' packed copies of the weights (from 4 rows it multiplies by each weight packed once, kept
-    in the kernel library until this call, as much memory as those weights): call before weights that may have
-    changed are used again. Only the libraries this process has loaded hold any."""
+    """Mark LinearsFewRows' packed copies of the weights stale (from 4 rows it multiplies by each weight packed once
+    into panels, kept in the kernel library: as much memory as those weights), so each is packed again at its next
+    use; those unused since the last call are freed. Call before weights that may have changed are used again.
+    Only the libraries this process has loaded hold any."""
     for path in build.given:
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
