@@ -267,10 +267,10 @@ def test_rollouts_rewards_and_one_grpo_step(policy, reward_file, tmp_path):
     assert completions == sample_groups(TransformersEngine(reference), prompts, group, max_new, sampling, (eos,))[0]
     assert seconds > 0 and all(len(c) <= max_new + 1 for c in completions)
     assert len({tuple(c) for c in completions[:group]}) > 1  # sampled, not greedy
-    # new weights in the same engine (as each GRPO step's copy_weights): the decode kernel's packed copies of the
-    # old ones (8 rows) are not used, the tokens are the new model's
+    # new weights written in place (as a trained model's before it samples) in the same engine: the decode kernel's
+    # packed copies of the old ones (8 rows) are not used, the tokens are the new model's
     for p in gen.get_parameters():
-        p.set_data(ms.Tensor(p.asnumpy() * 1.5))
+        ms.ops.assign(p, ms.Tensor(p.asnumpy() * 1.5))
     with torch.no_grad():
         for p in reference.parameters():
             p.mul_(1.5)
