@@ -514,12 +514,22 @@ static void probe_of(const float *w, int64_t size, float *probe) {
 static std::mutex packed_mutex;
 static std::unordered_map<const float *, std::shared_ptr<Panels>> packed_weights;  // by weight address
 
-// The panels of w [n, k], packed now if stale or w's probed values changed: into the buffer it had (a fresh
-// one costs a page fault per 4 KB, as much as the copy).
+// The panels of w [n, k], packed now if stale or w's probed values changed: into the buffer it had, or else a
+// stale one of its size unused since the last ForgetPackedWeights (new weights at new addresses, as a GRPO
+// step's copy to the generator), a fresh buffer only failing both (one costs a page fault per 4 KB, as much as
+// the copy).
 static std::shared_ptr<Panels> panels_of(const float *w, int64_t n, int64_t k) {
   std::lock_guard<std::mutex> lock(packed_mutex);
   float probe[16];
   probe_of(w, n * k, probe);
+  if (!packed_weights.count(w))
+    for (auto it = packed_weights.begin(); it != packed_weights.end(); ++it)
+      if (it->second->stale && !it->second->used && it->second->n == n && it->second->k == k) {
+        auto buffer = it->second;
+        packed_weights.erase(it);
+        packed_weights[w] = buffer;
+        break;
+      }
   std::shared_ptr<Panels> &held = packed_weights[w];
   if (!held || held->n != n || held->k != k) {
     held = std::make_shared<Panels>();
