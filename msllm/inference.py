@@ -14,6 +14,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, nn, ops
 
+from msllm import kernels
 from msllm.engine import Engine
 from msllm.models.decoder import Decoder
 
@@ -146,6 +147,8 @@ class InPlaceEngine(MindSporeEngine):
         if shapes not in self.in_place:
             self.in_place[shapes] = CachedInPlace(self.model, shapes, self.cache_dtype)
         cell = self.in_place[shapes]
+        if kind == "prefill":  # a generation's start: the weights may have changed since the last one
+            kernels.forget_packed_weights()
         for given, held in zip(caches, cell.caches):
             if given is not held:
                 held.load(given)

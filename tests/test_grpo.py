@@ -261,11 +261,22 @@ def test_rollouts_rewards_and_one_grpo_step(policy, reward_file, tmp_path):
     gen = msllm_model(open_hf(policy))
     cfg = Config(model=gen.cfg, train=TrainConfig(batch_size=N, steps=1))
     backends.specialise(gen, cfg, training=False)
-    completions, seconds = sample_groups(cell_engine(gen), prompts, group, max_new, sampling, eos_ids=(eos,))
+    engine = cell_engine(gen)
+    completions, seconds = sample_groups(engine, prompts, group, max_new, sampling, eos_ids=(eos,))
     reference = AutoModelForCausalLM.from_pretrained(policy).float().eval()
     assert completions == sample_groups(TransformersEngine(reference), prompts, group, max_new, sampling, (eos,))[0]
     assert seconds > 0 and all(len(c) <= max_new + 1 for c in completions)
     assert len({tuple(c) for c in completions[:group]}) > 1  # sampled, not greedy
+    # new weights written in place (as a trained model's before it samples) in the same engine: the decode kernel's
+    # packed copies of the old ones (8 rows) are not used, the tokens are the new model's
+    for p in gen.get_parameters():
+        ms.ops.assign(p, ms.Tensor(p.asnumpy() * 1.5))
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(1.5)
+    again = sample_groups(engine, prompts, group, max_new, sampling, eos_ids=(eos,))[0]
+    assert again == sample_groups(TransformersEngine(reference), prompts, group, max_new, sampling, (eos,))[0]
+    assert again != completions
 
     texts = [" ".join(map(str, c)) for c in completions]
     rewards = {f"{reward_file}:length": load_reward(f"{reward_file}:length"),

@@ -235,20 +235,25 @@ def test_few_rows_linears_match_float64(arch, m, k, sizes, biased):
     """A decode step's projections of one x in one kernel (register tiles of 3, 2 + 2 and 1 rows, leftover
     weight rows by the plain dots; k not a multiple of 8, and k = 6 < 8: the tiles' masked first and last
     loads), each as x @ W^T in float64; one Linear by LinearFewRows; more rows than FEW_ROWS (17), or a Linear
-    with a bias, by the Linears' own matmuls."""
+    with a bias, by the Linears' own matmuls. From 4 rows the weights are packed into panels (leftover outputs:
+    37, 9, 13), and new weights after a forget are packed again."""
     rng = np.random.default_rng(m)
     x = rng.normal(size=(m, k)).astype(np.float32)
     linears = [layers.Linear(k, n, bias=i == biased) for i, n in enumerate(sizes)]
-    for linear in linears:
-        for p in linear.get_parameters():
-            p.set_data(Tensor(rng.normal(size=p.shape).astype(np.float32)))
-    got = Projected(linears)(Tensor(x))
-    one = kernels.LinearFewRows()(Tensor(x), linears[0].weight)
-    assert len(got) == len(sizes)
-    for y, linear in zip((*got, one), (*linears, linears[0])):
-        w = linear.weight.asnumpy().astype(np.float64)
-        ref = x.astype(np.float64) @ w.T + (0 if linear.bias is None else linear.bias.asnumpy())
-        np.testing.assert_allclose(y.asnumpy(), ref, rtol=0, atol=1e-5 * np.abs(x).max() * np.abs(w).max() * k ** 0.5)
+    projected = Projected(linears)
+    for new_weights in range(2):  # then new weights after a prefill's forget: from 4 rows, into the packed buffers
+        kernels.forget_packed_weights()
+        for linear in linears:
+            for p in linear.get_parameters():
+                p.set_data(Tensor(rng.normal(size=p.shape).astype(np.float32)))
+        got = projected(Tensor(x))
+        one = kernels.LinearFewRows()(Tensor(x), linears[0].weight)
+        assert len(got) == len(sizes)
+        for y, linear in zip((*got, one), (*linears, linears[0])):
+            w = linear.weight.asnumpy().astype(np.float64)
+            ref = x.astype(np.float64) @ w.T + (0 if linear.bias is None else linear.bias.asnumpy())
+            np.testing.assert_allclose(y.asnumpy(), ref, rtol=0,
+                                       atol=1e-5 * np.abs(x).max() * np.abs(w).max() * k ** 0.5)
 
 
 def test_sum_of_squares_matches_float64(arch):

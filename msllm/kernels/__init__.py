@@ -20,7 +20,8 @@ from msllm.kernels.attention import (FlashAttention, FusedSinkSoftmaxAttention, 
 from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_avx512, has_sgemm, library,
                                  library_path, march)
 from msllm.kernels.fused import (FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore, FusedRope,
-                                 FusedSwiGLU, LinearFewRows, PackedLinear, ProjectionsFewRows)
+                                 FusedSwiGLU, LinearFewRows, PackedLinear, ProjectionsFewRows,
+                                 forget_packed_weights)
 from msllm.kernels.gated_deltanet import FusedCausalConv, GatedDeltaRule, GatedDeltaStep
 from msllm.kernels.head import FusedHead
 from msllm.kernels.moe import GroupedMatmul
@@ -30,4 +31,5 @@ __all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite"
            "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
            "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
            "PackedLinear", "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled",
-           "flags", "has_avx512", "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]
+           "flags", "forget_packed_weights", "has_avx512", "has_sgemm", "library", "library_path", "march",
+           "sum_of_squares_op"]

@@ -69,9 +69,14 @@ def library(arch: str | None = None) -> str:
     return _library(arch or march())
 
 
+# the libraries library() gave in this process: the ones MindSpore may have loaded
+given: set[str] = set()
+
+
 @functools.lru_cache(maxsize=None)
 def _library(arch: str) -> str:
     target = library_path(arch)
+    given.add(str(target))
     if target.exists():
         return str(target)
     compiler = shutil.which("g++")

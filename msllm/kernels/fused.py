@@ -4,10 +4,13 @@ matmuls (a layer's projections of one input in one). MindSpore's CPU backend run
 own kernel and pass over memory (SwiGLU forward + backward takes ~8 kernels)."""
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 
 import mindspore as ms
 from mindspore import nn, ops
+from msllm.kernels import build
 from msllm.kernels.op import aot, differentiable, in_place
 from msllm.models import layers
 
@@ -117,6 +120,19 @@ def few_rows_outputs(x, *weights):
 def weights_dtypes(x, *weights):
     """LinearsFewRows' output dtypes: each weight's."""
     return weights
+
+
+def forget_packed_weights() -> None:
+    """Mark LinearsFewRows' packed copies of the weights stale (from 4 rows it multiplies by each weight packed once
+    into panels, kept in the kernel library: as much memory as those weights), so each is packed again at its next
+    use; those unused since the last call are freed. Call before weights that may have changed are used again.
+    Only the libraries this process has loaded hold any."""
+    for path in build.given:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:  # not loaded
+            continue
+        lib.ForgetPackedWeights()
 
 
 class LinearFewRows(nn.Cell):
