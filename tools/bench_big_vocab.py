@@ -163,11 +163,11 @@ def spawn(variant: str, kind: str, args, hf: Path) -> dict:
     return run_worker(cmd, side)
 
 
-def run_worker(cmd: list, side: str) -> dict:
-    """A worker process (cmd) run with PYTHONPATH and cwd on the checkout `side`: its print_result line, or
-    {"error": the last line of its stderr}."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3", "PYTHONPATH": side},
-                          cwd=side)
+def run_worker(cmd: list, side: str, env: dict | None = None) -> dict:
+    """A worker process (cmd) run with PYTHONPATH and cwd on the checkout `side` and `env` added to this
+    process's environment: its print_result line, or {"error": the last line of its stderr}."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=side,
+                          env={**os.environ, "GLOG_v": "3", "PYTHONPATH": side, **(env or {})})
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

@@ -23,6 +23,8 @@ and its own peak RSS. Ratios are against torch eager. The table is printed and s
                                                          # 4 alternated pairs, each run its own process
     python tools/bench_train.py --variants msllm-before,msllm-graph --before /tmp/before --rounds 6
                                                          # msllm of another checkout (git worktree add) vs this one
+    python tools/bench_train.py --variants msllm-graph,msllm-env --env GLIBC_TUNABLES=glibc.malloc.hugetlb=1 --rounds 6
+                                                         # the same msllm with runtime environment variables set
 
 --rounds runs every variant once per round, the order flipped each round, each run a process of its own
 (a drifting machine affects all alike); a cell is the median of the rounds' medians, and the rounds'
@@ -62,6 +64,7 @@ WORKLOADS = {
 VARIANTS = ("msllm-graph", "msllm-pynative", "torch-eager", "torch-compile", "mindformers")
 # --before's variant: msllm-graph run from that checkout (its own tools/bench_train.py worker)
 BEFORE = "msllm-before"
+ENV = "msllm-env"  # msllm-graph in a process with --env's variables added
 # Family -> (transformers config class, model class, what the family adds to the workload's shape, a value or
 # a function of the workload): Qwen3's head_dim 128 apart from hidden / heads, Gemma 3's sliding window half
 # the sequence; Qwen3.5 its default 3 Gated DeltaNet layers to 1 gated attention layer, as many value heads
@@ -264,7 +267,8 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
     if variant == BEFORE and not args.before:
         return {"error": f"{BEFORE} needs --before CHECKOUT"}
     side = Path(args.before).resolve() if variant == BEFORE else REPO
-    variant = "msllm-graph" if variant == BEFORE else variant
+    env = dict(kv.split("=", 1) for kv in args.env.split()) if variant == ENV else {}
+    variant = "msllm-graph" if variant in (BEFORE, ENV) else variant
     common = ["--workload", workload, "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--threads", str(args.threads), "--layers", str(layers), "--family", args.family, "--seq", str(args.seq)]
     if variant.startswith("msllm"):
@@ -275,7 +279,7 @@ def spawn(variant: str, workload: str, args, recompute: str = "none", layers: in
         extra = ["--worker", "torch", "--torch-attention", getattr(args, "torch_attention", "sdpa")] + (
             ["--compile"] if variant == "torch-compile" else [])
     return bench_big_vocab.run_worker([sys.executable, str(side / "tools" / "bench_train.py"), *common, *extra],
-                                      str(side))
+                                      str(side), env)
 
 
 def spawn_mindformers(workload: str, args) -> dict:
@@ -327,6 +331,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, help="--ab: alternations (default 12); otherwise rounds of every "
                    "variant, the order flipped each round (default 1)")
     p.add_argument("--before", help=f"checkout of msllm whose msllm-graph runs as variant {BEFORE}")
+    p.add_argument("--env", default="", help=f"space-separated NAME=VALUE added to the environment of variant {ENV}")
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--peak-flops", type=float, default=3.8e11)  # measured 2-thread fp32 GEMM here
     p.add_argument("--out", default="runs/bench")
