@@ -93,7 +93,6 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     fused_fp32 = fused and fp32
     fused_tables = fused_fp32
     grouped_kernel = fused_fp32 and kernels.has_sgemm()
-    packed_linear = fused_fp32 and not kernels.has_avx512()  # AVX2's micro-kernel: no win shown on AVX-512
     if decode_kernels:  # one-token decode steps: a matmul of a few rows reads each weight once
         model.lm_matmul = kernels.LinearFewRows()
     for cell in [cell for _, cell in model.cells_and_names()]:
@@ -143,10 +142,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             cell.decode_step = kernels.GatedDeltaStep() if decode_kernels else None  # one kernel, not ~30
         elif isinstance(cell, moe.BlockDispatch):  # the kernel needs no big blocks: it gathers no weights
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
-        elif isinstance(cell, layers.Linear):  # a frozen weight (LoRA's base) keeps MatMul: the graph drops its dW
-            cell.matmul = (kernels.LinearFewRows() if decode_kernels
-                           else kernels.PackedLinear() if packed_linear and cell.weight.requires_grad
-                           else ops.MatMul(transpose_b=True))
+        elif isinstance(cell, layers.Linear) and decode_kernels:
+            cell.matmul = kernels.LinearFewRows()
     model.broadcast_tables = training and not fused_tables
     if flash:
         model.attention_mask = VisibilityIndices()
