@@ -17,8 +17,8 @@ listed in build.SOURCES, then a `differentiable(...)` (or `aot(...)`) line in th
 """
 from msllm.kernels.attention import (FlashAttention, FusedSinkSoftmaxAttention, FusedSoftmaxAttention,
                                      SinkFlashAttention, SoftmaxAttention)
-from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_avx512, has_sgemm, library,
-                                 library_path, march)
+from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_sgemm, library, library_path,
+                                 march)
 from msllm.kernels.fused import (FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore, FusedRope,
                                  FusedSwiGLU, LinearFewRows, PackedLinear, ProjectionsFewRows,
                                  forget_packed_weights)
@@ -31,5 +31,5 @@ __all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite"
            "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
            "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
            "PackedLinear", "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled",
-           "flags", "forget_packed_weights", "has_avx512", "has_sgemm", "library", "library_path", "march",
+           "flags", "forget_packed_weights", "has_sgemm", "library", "library_path", "march",
            "sum_of_squares_op"]

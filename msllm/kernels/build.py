@@ -108,11 +108,6 @@ def enabled(mode: str = "auto") -> bool:
             and (library_path().exists() or shutil.which("g++") is not None))
 
 
-def has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (sgemm.cc's micro-kernel is AVX2's: MindSpore's MatMul stays there)."""
-    return b"avx512f" in _cpu_flags().split()
-
-
 def has_sgemm() -> bool:
     """Whether MindSpore's CPU backend carries oneDNN's dnnl_sgemm, which GroupedMatmul calls (its
     libdnnl.so.3, loaded with the backend)."""

@@ -154,7 +154,8 @@ class LinearFewRows(nn.Cell):
 
 class PackedLinear(nn.Cell):
     """x [m, k] @ w [n, k]^T (fp32) by msllm's packed sgemm (sgemm.cc), and its backward's dx = dy w and
-    dw = dy^T x: layers.Linear's matmul in CPU training on AVX2, where it outruns MindSpore's MatMul."""
+    dw = dy^T x. Not swapped into training: in the quiet W1 step it lost to MindSpore's MatMul on Llama and won on
+    the hybrid (docs/cpu-backend.md)."""
 
     def __init__(self):
         super().__init__()
