@@ -5,25 +5,12 @@
 // scatters [B, out, in] gradients back into [E, out, in]. The GEMMs are oneDNN's dnnl_sgemm from
 // the libdnnl MindSpore's CPU backend has already loaded (it runs on the calling thread there, so
 // the pool splits the work).
-#include <dlfcn.h>
-
 #include "common.h"
+#include "dnnl.h"
 
 using namespace msllm_kernels;
 
 namespace {
-
-// dnnl_sgemm: row-major C = alpha op(A) op(B) + beta C; returns dnnl_status_t (0: success).
-typedef int (*Sgemm)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
-                     int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
-
-Sgemm sgemm() {
-  static const Sgemm fn = [] {
-    void *lib = dlopen("libdnnl.so.3", RTLD_NOW | RTLD_NOLOAD);  // only the copy already in the process
-    return lib ? reinterpret_cast<Sgemm>(dlsym(lib, "dnnl_sgemm")) : nullptr;
-  }();
-  return fn;
-}
 
 constexpr int64_t kChunkRows = 256;  // rows of x (or of dw) per work unit: two threads share a run
 
@@ -67,7 +54,7 @@ namespace {
 // y = x @ w[ids]^T, plus bias[ids] per row when bias is given (gpt-oss's experts): the bias is written
 // first and the GEMM accumulates onto it, so the bias costs no pass of its own.
 int grouped_forward(const Grouped &g, const float *bias, float *y) {
-  const Sgemm gemm = sgemm();
+  const DnnlSgemm gemm = dnnl_sgemm();
   if (!gemm || !g.valid) return 1;
   run_units(g.chunks.size(), [&](int64_t u, int) {
     float *rows = y + g.row(u) * g.out;
@@ -85,7 +72,7 @@ int grouped_forward(const Grouped &g, const float *bias, float *y) {
 // block is for); db[e] (when db is given) = the sum of dy over e's rows. A dw unit owns some of e's
 // output rows across all its runs (and the same columns of db[e]): no two threads write the same rows.
 int grouped_backward(const Grouped &g, const float *dy, float *dx, float *dw, float *db) {
-  const Sgemm gemm = sgemm();
+  const DnnlSgemm gemm = dnnl_sgemm();
   if (!gemm || !g.valid) return 1;
   const int64_t dx_units = g.chunks.size(), out_chunks = (g.out + kChunkRows - 1) / kChunkRows;
   std::vector<std::vector<int64_t>> runs_of_expert(g.experts);

@@ -5,26 +5,14 @@
 // thread's scratch, reduces it, and moves on. The GEMMs are dnnl_sgemm, as grouped_matmul.cc.
 // MindSpore's graph form of the same chunks was measured to keep every chunk's buffers alive on the
 // CPU backend (docs/big-vocab.md), which is why this kernel exists.
-#include <dlfcn.h>
-
 #include <limits>
 
 #include "common.h"
+#include "dnnl.h"
 
 using namespace msllm_kernels;
 
 namespace {
-
-typedef int (*Sgemm)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
-                     int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
-
-Sgemm sgemm() {
-  static const Sgemm fn = [] {
-    void *lib = dlopen("libdnnl.so.3", RTLD_NOW | RTLD_NOLOAD);
-    return lib ? reinterpret_cast<Sgemm>(dlsym(lib, "dnnl_sgemm")) : nullptr;
-  }();
-  return fn;
-}
 
 // Vocabulary columns per work unit: ~1M fp32 logits (4 MB of scratch per thread), a multiple of 64;
 // blocks of 256K and 1M logits ran alike, 4M slower (the block no longer stays in cache).
@@ -49,7 +37,7 @@ struct Head {
   int64_t width(int64_t b) const { return std::min(cols, vocab - b * cols); }
 
   // The block's logits z [n, width] into scratch; with soft-capping, z = softcap * tanh(z / softcap).
-  void logits(Sgemm gemm, int64_t b, float *z) const {
+  void logits(DnnlSgemm gemm, int64_t b, float *z) const {
     const int64_t c = width(b);
     gemm('N', 'T', n, c, hidden, 1.f, h, hidden, w + start(b) * hidden, hidden, 0.f, z, c);
     if (softcap > 0)
@@ -85,7 +73,7 @@ inline float sum_exp(float *row, int64_t c, float m, float softcap) {
 // pass over the vocabulary. Each stripe of blocks keeps a running (max, sum of exps, expect) per row,
 // rescaled when the max grows; the stripes' are merged at the end.
 void forward(void **params, int64_t **shapes, float *lse, float *target, float *expect) {
-  const Sgemm gemm = sgemm();
+  const DnnlSgemm gemm = dnnl_sgemm();
   const Head hd(params, shapes);
   const int threads = pool().size();
   const int64_t n = hd.n, hidden = hd.hidden;
@@ -153,7 +141,7 @@ void forward(void **params, int64_t **shapes, float *lse, float *target, float *
 // inputs: h [N, H], w [V, H] (fp32), labels [N] (int32), softcap [1]; outputs: lse [N], target [N].
 extern "C" int LinearCrossEntropy(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                   void *stream, void *extra) {
-  if (!sgemm()) return 1;
+  if (!dnnl_sgemm()) return 1;
   forward(params, shapes, static_cast<float *>(params[4]), static_cast<float *>(params[5]), nullptr);
   return 0;
 }
@@ -162,7 +150,7 @@ extern "C" int LinearCrossEntropy(int nparam, void **params, int *ndims, int64_t
 // dh = g_lse * expect + g_target * dz_label/dh (msllm.kernels.FusedHead), no second vocabulary pass.
 extern "C" int LinearCrossEntropyFrozen(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                         void *stream, void *extra) {
-  if (!sgemm()) return 1;
+  if (!dnnl_sgemm()) return 1;
   forward(params, shapes, static_cast<float *>(params[4]), static_cast<float *>(params[5]),
           static_cast<float *>(params[6]));
   return 0;
@@ -176,7 +164,7 @@ extern "C" int LinearCrossEntropyFrozen(int nparam, void **params, int *ndims, i
 // accumulated per stripe of blocks and summed at the end.
 extern "C" int LinearCrossEntropyGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                       void *stream, void *extra) {
-  const Sgemm gemm = sgemm();
+  const DnnlSgemm gemm = dnnl_sgemm();
   if (!gemm) return 1;
   const Head hd(params, shapes);
   const auto *lse = static_cast<const float *>(params[4]), *g_softmax = static_cast<const float *>(params[5]),
