@@ -132,8 +132,17 @@ def worker_torch(args, compile_: bool) -> dict:
     labels[mask == 0] = -100
     forward = torch.compile(model) if compile_ else model
 
+    return time_steps(torch_step(lambda: forward(input_ids=ids, position_ids=positions.long()).logits, labels, params,
+                                 opt), args.steps, args.warmup)
+
+
+def torch_step(logits_of, labels, params, opt):
+    """One HF + torch training step as a function: cross-entropy of logits_of() against labels (-100: no loss),
+    backward, gradient clipping at 1.0, the optimizer's step; it returns the loss."""
+    import torch
+
     def step():
-        logits = forward(input_ids=ids, position_ids=positions.long()).logits
+        logits = logits_of()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -141,7 +150,7 @@ def worker_torch(args, compile_: bool) -> dict:
         opt.step()
         return float(loss)
 
-    return time_steps(step, args.steps, args.warmup)
+    return step
 
 
 def save_model(shape: str, out: Path, layers: int = 0) -> None:

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tools.bench_dp import cpu_name  # noqa: E402
+from tools.bench_big_vocab import torch_step  # noqa: E402
 from tools.bench_train import WORKLOADS, hf_model, time_steps, tokens  # noqa: E402
 
 WORKLOADS = {**WORKLOADS, "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=32, batch=2)}
@@ -82,16 +83,8 @@ def worker_torch(w: dict, args) -> dict:
     labels = batch[:, 1:].clone()
     labels[torch.from_numpy(loss_mask(w)) == 0] = -100
 
-    def step():
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        return float(loss)
-
-    return time_steps(step, args.steps, args.warmup)
+    return time_steps(torch_step(lambda: model(input_ids=batch[:, :-1]).logits, labels, params, opt), args.steps,
+                      args.warmup)
 
 
 def spawn(variant: str, args, hf: Path) -> dict:

@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tools import bench_big_vocab  # noqa: E402  (alternate, run_worker)
+from tools.bench_big_vocab import time_steps  # noqa: E402,F401  (bench_dp's, bench_finetune's too)
 
 # W1 is the reference workload; W2 a larger one that still fits 24 GB with every variant.
 WORKLOADS = {
@@ -118,21 +119,6 @@ def model_config(w: dict, family: str = "llama"):
 def tokens(w: dict, seed: int = 0):
     import numpy as np
     return np.random.default_rng(seed).integers(0, w["vocab"], (w["batch"], w["seq"] + 1)).astype(np.int32)
-
-
-def time_steps(step_fn, steps: int, warmup: int) -> dict:
-    t0 = time.perf_counter()
-    step_fn()
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        step_fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step_fn()
-        times.append(time.perf_counter() - t0)
-    return {"first_step_s": first, "step_s": statistics.median(times),
-            "step_times": times}
 
 
 def msllm_train_step(w: dict, **options):
