@@ -17,7 +17,8 @@ constexpr int64_t kMr = 6, kNr = 16;  // micro-kernel tile: rows of A x columns 
 constexpr int64_t kKc = 256;          // depth of a slice: a B micro-panel slice is 16 KB (L1 32 KB)
 constexpr int64_t kMc = 144;          // rows of A per block: 144 KB packed (L2 512 KB)
 constexpr int64_t kNc = 512;          // columns per unit: enough units for two threads at W1's shapes
-constexpr int64_t kWholeA = 4096;     // floats of a packed A block kept whole in L1 (16 KB): k in one slice
+constexpr int64_t kWholeA = 32768;    // floats of a packed A block (128 KB) that L2 holds whole: k in one slice
+constexpr int64_t kAhead = 512;       // floats of B requested ahead of the micro-kernel (2 KB)
 
 struct Matrix {  // element (i, j) at data[i * rows + j * cols]
   const float *data;
@@ -58,6 +59,9 @@ inline void micro_kernel(int64_t kc, const float *a, const float *b, float *tile
   }
 #pragma GCC unroll 4
   for (int64_t p = 0; p < kc; ++p, a += kMr, b += kNr) {
+    // a line of B a step, requested ahead: the hardware prefetcher stops at each 4 KB page, and a decode
+    // step's few rows stream B (the weights) from memory
+    _mm_prefetch(reinterpret_cast<const char *>(b + kAhead), _MM_HINT_T0);
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < kRows; ++r) {
@@ -122,7 +126,7 @@ struct Gemm {
   // Row blocks of equal height (a multiple of 6), column chunks of whole panels.
   int64_t row_blocks = std::max<int64_t>(1, (m + kMc - 1) / kMc);
   int64_t block_rows = ((m + row_blocks - 1) / row_blocks + kMr - 1) / kMr * kMr;
-  // Slice depth: all of k when the A block fits L1 anyway (a few rows: then B streams panel after panel).
+  // Slice depth: all of k when L2 holds the A block (a few rows): then B streams from memory panel after panel.
   int64_t depth = block_rows * k <= kWholeA ? std::max<int64_t>(1, k) : kKc;
 
   int64_t chunks() const { return (panels + chunk_panels - 1) / chunk_panels; }
