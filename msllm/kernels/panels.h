@@ -33,9 +33,8 @@ inline void pack_b_panel(const Matrix &b, int64_t k, int64_t n, int64_t j0, floa
     for (int64_t p = 0; p < k; ++p) std::memcpy(panel + p * kNr, b.data + p * b.rows + j0, kNr * sizeof(float));
     return;
   }
-  if (width < kNr) std::fill(panel, panel + k * kNr, 0.f);
-  for (int64_t j = 0; j < width; ++j)  // column by column: a weight W [n, k] as B = W^T reads its rows in order
-    for (int64_t p = 0; p < k; ++p) panel[p * kNr + j] = b.at(p, j0 + j);
+  for (int64_t p = 0; p < k; ++p)
+    for (int64_t j = 0; j < kNr; ++j) panel[p * kNr + j] = j < width ? b.at(p, j0 + j) : 0.f;
 }
 
 // Rows [i0, i0 + rows) x columns [p0, p0 + kc) of A into 6-row panels [kc][6], zeros past row m.
@@ -48,9 +47,11 @@ inline void pack_a_block(const Matrix &a, int64_t m, int64_t i0, int64_t rows, i
 }
 
 // tile[kRows][16] = (accumulate ? tile : 0) + a[kc][6]^T b[kc][16] over a's first kRows rows; tile rows ldt apart.
+// stream: b is read once, from memory (a few rows' panels), and requested ahead.
 #if defined(__AVX2__) && defined(__FMA__)
 template <int kRows>
-inline void micro_kernel(int64_t kc, const float *a, const float *b, float *tile, int64_t ldt, bool accumulate) {
+inline void micro_kernel(int64_t kc, const float *a, const float *b, float *tile, int64_t ldt, bool accumulate,
+                         bool stream) {
   __m256 c[kRows][2];
   for (int r = 0; r < kRows; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
   for (int r = 0; r < kRows; ++r) {  // the tile's rows arrive while the loop runs
@@ -59,9 +60,8 @@ inline void micro_kernel(int64_t kc, const float *a, const float *b, float *tile
   }
 #pragma GCC unroll 4
   for (int64_t p = 0; p < kc; ++p, a += kMr, b += kNr) {
-    // a line of B a step, requested ahead: the hardware prefetcher stops at each 4 KB page, and a decode
-    // step's few rows stream B (the weights) from memory
-    _mm_prefetch(reinterpret_cast<const char *>(b + kAhead), _MM_HINT_T0);
+    // a line of B a step: the hardware prefetcher stops at each 4 KB page (a slice of B reused from L1: none)
+    if (stream) _mm_prefetch(reinterpret_cast<const char *>(b + kAhead), _MM_HINT_T0);
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < kRows; ++r) {
@@ -82,7 +82,8 @@ inline void micro_kernel(int64_t kc, const float *a, const float *b, float *tile
 }
 #else
 template <int kRows>
-inline void micro_kernel(int64_t kc, const float *a, const float *b, float *tile, int64_t ldt, bool accumulate) {
+inline void micro_kernel(int64_t kc, const float *a, const float *b, float *tile, int64_t ldt, bool accumulate,
+                         bool stream) {
   float c[kRows][kNr] = {};
   for (int64_t p = 0; p < kc; ++p, a += kMr, b += kNr)
     for (int r = 0; r < kRows; ++r)
@@ -94,14 +95,14 @@ inline void micro_kernel(int64_t kc, const float *a, const float *b, float *tile
 
 // The micro-kernel for a tile of `rows` (1 .. 6) rows: a short last tile does only its own rows' work.
 inline void micro_kernel_rows(int64_t rows, int64_t kc, const float *a, const float *b, float *tile, int64_t ldt,
-                              bool accumulate) {
+                              bool accumulate, bool stream) {
   switch (rows) {
-    case 6: micro_kernel<6>(kc, a, b, tile, ldt, accumulate); break;
-    case 5: micro_kernel<5>(kc, a, b, tile, ldt, accumulate); break;
-    case 4: micro_kernel<4>(kc, a, b, tile, ldt, accumulate); break;
-    case 3: micro_kernel<3>(kc, a, b, tile, ldt, accumulate); break;
-    case 2: micro_kernel<2>(kc, a, b, tile, ldt, accumulate); break;
-    case 1: micro_kernel<1>(kc, a, b, tile, ldt, accumulate); break;
+    case 6: micro_kernel<6>(kc, a, b, tile, ldt, accumulate, stream); break;
+    case 5: micro_kernel<5>(kc, a, b, tile, ldt, accumulate, stream); break;
+    case 4: micro_kernel<4>(kc, a, b, tile, ldt, accumulate, stream); break;
+    case 3: micro_kernel<3>(kc, a, b, tile, ldt, accumulate, stream); break;
+    case 2: micro_kernel<2>(kc, a, b, tile, ldt, accumulate, stream); break;
+    case 1: micro_kernel<1>(kc, a, b, tile, ldt, accumulate, stream); break;
   }
 }
 
@@ -163,12 +164,12 @@ struct Gemm {
           const int64_t height = std::min(kMr, rows - r0);
           float *tile = c + (i0 + r0) * ldc + j * kNr;
           if (width == kNr) {
-            micro_kernel_rows(height, kc, a_slice + r0 * kc, b_slice, tile, ldc, p0 > 0);
+            micro_kernel_rows(height, kc, a_slice + r0 * kc, b_slice, tile, ldc, p0 > 0, kc == k);
             continue;
           }
           for (int64_t r = 0; r < height; ++r)  // a tile past C's last column: through a full-width copy
             std::copy(tile + r * ldc, tile + r * ldc + width, edge + r * kNr);
-          micro_kernel_rows(height, kc, a_slice + r0 * kc, b_slice, edge, kNr, p0 > 0);
+          micro_kernel_rows(height, kc, a_slice + r0 * kc, b_slice, edge, kNr, p0 > 0, kc == k);
           for (int64_t r = 0; r < height; ++r) std::copy(edge + r * kNr, edge + r * kNr + width, tile + r * ldc);
         }
       }
