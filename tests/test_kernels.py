@@ -418,8 +418,8 @@ def empty_cache(monkeypatch, tmp_path):
 
 
 def test_packed_sgemm_matches_float64_in_the_three_training_forms(arch):
-    """sgemm.cc's GEMM (6 x 16 tiles, 256-deep slices, 144-row blocks, 512-column units) on shapes that are no
-    multiple of any of them, K = 1 and tiny ones, in training's three layouts: y = x W^T, dx = dy W and
+    """sgemm.cc's GEMM (panels.h: 6 x 16 tiles, 256-deep slices, 144-row blocks, 512-column units) on shapes that
+    are no multiple of any of them, K = 1 and tiny ones, in training's three layouts: y = x W^T, dx = dy W and
     dW = dy^T x, against float64; then PackedLinear's forward and both gradients."""
     sgemm = ctypes.CDLL(str(kernels.library())).Sgemm
     sgemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [
