@@ -229,14 +229,15 @@ class Projected(nn.Cell):
 
 
 @pytest.mark.parametrize("m, k, sizes, biased", [(1, 576, (1536, 256, 7), None), (7, 100, (37, 5), 1),
-                                                 (5, 6, (9,), None), (16, 1536, (576, 13), None),
+                                                 (5, 6, (9,), None), (16, 2001, (576, 13), None),
                                                  (17, 64, (20, 8), None)])
 def test_few_rows_linears_match_float64(arch, m, k, sizes, biased):
     """A decode step's projections of one x in one kernel (register tiles of 3, 2 + 2 and 1 rows, leftover
     weight rows by the plain dots; k not a multiple of 8, and k = 6 < 8: the tiles' masked first and last
     loads), each as x @ W^T in float64; one Linear by LinearFewRows; more rows than FEW_ROWS (17), or a Linear
     with a bias, by the Linears' own matmuls. From 4 rows the weights are packed into panels (leftover outputs:
-    37, 9, 13), and new weights after a forget are packed again."""
+    37, 9, 13; 16 rows of k = 2001: x too long to keep whole, in 256-deep slices, the last partial), and new
+    weights after a forget are packed again."""
     rng = np.random.default_rng(m)
     x = rng.normal(size=(m, k)).astype(np.float32)
     linears = [layers.Linear(k, n, bias=i == biased) for i, n in enumerate(sizes)]
@@ -417,8 +418,8 @@ def empty_cache(monkeypatch, tmp_path):
 
 
 def test_packed_sgemm_matches_float64_in_the_three_training_forms(arch):
-    """sgemm.cc's GEMM (6 x 16 tiles, 256-deep slices, 144-row blocks, 512-column units) on shapes that are no
-    multiple of any of them, K = 1 and tiny ones, in training's three layouts: y = x W^T, dx = dy W and
+    """sgemm.cc's GEMM (panels.h: 6 x 16 tiles, 256-deep slices, 144-row blocks, 512-column units) on shapes that
+    are no multiple of any of them, K = 1 and tiny ones, in training's three layouts: y = x W^T, dx = dy W and
     dW = dy^T x, against float64; then PackedLinear's forward and both gradients."""
     sgemm = ctypes.CDLL(str(kernels.library())).Sgemm
     sgemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [

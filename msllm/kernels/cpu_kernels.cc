@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "common.h"
+#include "panels.h"
 
 using namespace msllm_kernels;
 
@@ -451,7 +452,13 @@ template <int kRows, int kOuts>
 static void dot_tile(const float *__restrict x, const float *__restrict w, float *__restrict y, int64_t k,
                      int64_t n) {
   Floats8 acc[kRows][kOuts] = {};
+  // From 2 rows, the next tile's weights (the kOuts rows after these) requested while this one runs, kOuts / 2
+  // lines per 8 columns: the hardware prefetcher stops at 4 KB pages (a lone row ran slower with them).
+  const char *next = reinterpret_cast<const char *>(w + kOuts * k);
   auto columns = [&](int64_t j, auto load) {  // the 8 columns from j
+#if defined(__AVX__)
+    for (int q = 0; kRows > 1 && q < kOuts / 2; ++q, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+#endif
     Floats8 xv[kRows];
     for (int r = 0; r < kRows; ++r) xv[r] = in_register(load(x + r * k + j));
     for (int o = 0; o < kOuts; ++o) {
@@ -489,15 +496,13 @@ static void few_rows_block(const float *x, const float *w, float *y, int64_t m, 
     for (int64_t r = 0; r < m; ++r) y[r * n + o] = lane_dot<false>(x + r * k, w + o * k, nullptr, k);
 }
 
-// From this many rows of x a projection is a small GEMM: each weight, packed once into panels, is read once per
-// group of 6 rows with no lane sums. Fewer rows (a lone decode stream) are bound by reading the weights: the dot
-// tiles above read them as they are.
+// From this many rows of x a projection is a small GEMM (panels.h): each weight, packed once into panels, is read
+// once per group of 6 rows with no lane sums. Fewer rows (a lone decode stream) are bound by reading the weights:
+// the dot tiles above read them as they are.
 constexpr int64_t kPackedRows = 4;
-constexpr int kPanel = 16;  // outputs per panel: a tile row's two accumulator vectors
 
-// A weight [n, k] copied as panels of kPanel outputs, k-major ([panel][j][output], outputs past n zero), 64-byte
-// aligned: per column j, a tile loads a panel's 16 weights as two aligned vectors and broadcasts each x row's
-// value against them. `probe`: weight values at 16 spread places when packed, checked on each use, so a
+// A weight [n, k] packed as B = W^T's panels (pack_b_panel: [panel][j][16 outputs], outputs past n zero), 64-byte
+// aligned. `probe`: weight values at 16 spread places when packed, checked on each use, so a
 // weight rewritten at the same address (a test's new array) is repacked; the engine's prefill marks every
 // packed copy stale (ForgetPackedWeights), as a weight update may change values the probe does not see.
 struct Panels {
@@ -535,23 +540,15 @@ static std::shared_ptr<Panels> panels_of(const float *w, int64_t n, int64_t k) {
     held = std::make_shared<Panels>();
     held->n = n;
     held->k = k;
-    held->data.reset(static_cast<float *>(std::aligned_alloc(64, sizeof(float) * (n + kPanel - 1) / kPanel * kPanel * k)));
+    held->data.reset(static_cast<float *>(std::aligned_alloc(64, sizeof(float) * (n + kNr - 1) / kNr * kNr * k)));
   }
   held->used = true;
   if (!held->stale && std::memcmp(held->probe, probe, sizeof probe) == 0) return held;
   std::memcpy(held->probe, probe, sizeof probe);
   held->stale = false;
   float *dst = held->data.get();
-  parallel_for((n + kPanel - 1) / kPanel, [=](int64_t lo, int64_t hi, int) {
-    for (int64_t p = lo; p < hi; ++p) {
-      float *panel = dst + p * kPanel * k;
-      const int outs = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-      if (outs < kPanel) std::fill(panel, panel + kPanel * k, 0.f);
-      for (int o = 0; o < outs; ++o) {  // row by row: each weight row read in order
-        const float *row = w + (p * kPanel + o) * k;
-        for (int64_t j = 0; j < k; ++j) panel[j * kPanel + o] = row[j];
-      }
-    }
+  parallel_for((n + kNr - 1) / kNr, [=](int64_t lo, int64_t hi, int) {
+    for (int64_t p = lo; p < hi; ++p) pack_b_panel(Matrix{w, 1, k}, k, n, p * kNr, dst + p * kNr * k);
   }, 1);
   return held;
 }
@@ -571,83 +568,29 @@ extern "C" void ForgetPackedWeights() {
   }
 }
 
-// 8 copies of *p.
-static inline Floats8 broadcast8(const float *p) {
-#if defined(__AVX__)
-  return (Floats8)_mm256_broadcast_ss(p);
-#else
-  return Floats8{} + *p;
-#endif
-}
+// Panels per unit of work of LinearsFewRows: ~10 units a weight for two threads to share.
+constexpr int64_t kFewRowsChunk = 8;
 
-// y[r, o] for kRows rows of x against one panel's `outs` (<= kPanel) outputs: per column, 2 weight loads and
-// kRows broadcasts for 2 * kRows FMAs (6 rows: 12 accumulators + 2 weights + 1 broadcast of AVX2's 16 registers).
-template <int kRows>
-static void panel_tile(const float *__restrict x, const float *__restrict panel, float *__restrict y, int64_t k,
-                       int64_t n, int outs) {
-  Floats8 acc[kRows][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = Floats8{};
-  for (int64_t j = 0; j < k; ++j) {
-    const Floats8 w0 = in_register(load8(panel + j * kPanel)), w1 = in_register(load8(panel + j * kPanel + 8));
-#pragma GCC unroll 8
-    for (int r = 0; r < kRows; ++r) {
-      const Floats8 xv = broadcast8(x + r * k + j);
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < kRows; ++r) {
-    if (outs == kPanel) {
-      store8(y + r * n, acc[r][0]);
-      store8(y + r * n + 8, acc[r][1]);
-    } else {  // the weight's last panel, partial
-      float out[kPanel];
-      store8(out, acc[r][0]);
-      store8(out + 8, acc[r][1]);
-      std::memcpy(y + r * n, out, sizeof(float) * outs);
-    }
-  }
-}
-
-// Panels [lo, hi) of one packed weight against all m rows of x, into y [m, n]: tiles of 6 rows, the rest as one.
-static void packed_block(const float *x, const float *packed, float *y, int64_t m, int64_t k, int64_t n, int64_t lo,
-                         int64_t hi) {
-  for (int64_t p = lo; p < hi; ++p) {
-    const float *panel = packed + p * kPanel * k;
-    const int outs = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-    float *yp = y + p * kPanel;
-    int64_t r = 0;
-    for (; r + 6 <= m; r += 6) panel_tile<6>(x + r * k, panel, yp + r * n, k, n, outs);
-    switch (m - r) {
-      case 5: panel_tile<5>(x + r * k, panel, yp + r * n, k, n, outs); break;
-      case 4: panel_tile<4>(x + r * k, panel, yp + r * n, k, n, outs); break;
-      case 3: panel_tile<3>(x + r * k, panel, yp + r * n, k, n, outs); break;
-      case 2: panel_tile<2>(x + r * k, panel, yp + r * n, k, n, outs); break;
-      case 1: panel_tile<1>(x + r * k, panel, yp + r * n, k, n, outs); break;
-    }
-  }
-}
-
-// LinearsFewRows from kPackedRows rows: the weights' panels laid end to end, split across the pool.
+// LinearsFewRows from kPackedRows rows: a GEMM per weight with its kept panels, all as one list of units, x
+// packed once for them all.
 static void linears_packed(int count, void **params, int64_t **shapes) {
   const float *x = static_cast<const float *>(params[0]);
   const int64_t m = shapes[0][0], k = shapes[0][1];
   std::vector<std::shared_ptr<Panels>> packed(count);
-  std::vector<int64_t> start(count + 1, 0);  // the first panel of each weight
+  std::vector<Gemm> gemms;
   for (int i = 0; i < count; ++i) {
-    packed[i] = panels_of(static_cast<const float *>(params[1 + i]), shapes[1 + i][0], k);
-    start[i + 1] = start[i] + (shapes[1 + i][0] + kPanel - 1) / kPanel;
+    const int64_t n = shapes[1 + i][0];
+    packed[i] = panels_of(static_cast<const float *>(params[1 + i]), n, k);
+    gemms.push_back(Gemm{m, n, k, {x, k, 1}, {nullptr, 1, k}, static_cast<float *>(params[1 + count + i]), n,
+                         kFewRowsChunk, packed[i]->data.get()});
   }
-  parallel_for(start[count], [&](int64_t lo, int64_t hi, int) {
-    for (int i = 0; i < count; ++i) {
-      const int64_t a = std::max(lo, start[i]), b = std::min(hi, start[i + 1]);
-      if (a < b)
-        packed_block(x, packed[i]->data.get(), static_cast<float *>(params[1 + count + i]), m, k, shapes[1 + i][0],
-                     a - start[i], b - start[i]);
-    }
-  }, std::max<int64_t>(1, (1 << 12) / k));
+  thread_local std::vector<float> packed_x_buffer;
+  if (gemms[0].row_blocks == 1) {
+    float *packed_x = aligned_floats(packed_x_buffer, gemms[0].packed_a_size());
+    gemms[0].pack_a(packed_x);
+    for (Gemm &g : gemms) g.packed_a = packed_x;
+  }
+  compute_gemms(gemms, kMaxThreads);
 }
 
 // y_i = x W_i^T for every weight W_i of a layer's projections of one input x (a decode step's few rows),
