@@ -77,8 +77,9 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     activations). Training uses all of them; inference (fp32) the norm, rope, SwiGLU and softmax
     ones (fewer kernel launches per decode step), the few-rows linear of decode steps (a layer's
     projections of one input in one kernel), the
-    KV-cache write, the gated delta rule with its causal conv, and a Gated DeltaNet layer's whole
-    decode-step recurrence as one kernel.
+    KV-cache write, the gated delta rule with its causal conv, a Gated DeltaNet layer's whole
+    decode-step recurrence as one kernel, and with the flash core an attention layer's RoPE, cache write and
+    core over caches written in place as one kernel.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, t] tables per row, or a row's own [1, s, d] and [1, s, t] ones
@@ -110,6 +111,10 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
                              else layers.Rope(rope.head_dim, rope.rope_dim))
             if decode_kernels and isinstance(cell, attention.Attention):  # the kernel's keys and values are one size,
                 cell.cache_write = kernels.FusedCacheWrite()                  # MLA's latents and rope keys are not
+            if isinstance(cell, attention.Attention):  # a cached step's rope, cache write and flash core: one kernel
+                heads = (cell.num_heads, cell.num_kv_heads, cell.head_dim)
+                one_kernel = decode_kernels and flash and not isinstance(cell.core, layers.SinkAttentionCore)
+                cell.attend = kernels.CachedAttend(*heads, cell.core.scale) if one_kernel else layers.Attend(*heads)
         elif isinstance(cell, layers.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
             sinks = isinstance(cell, layers.SinkAttentionCore)

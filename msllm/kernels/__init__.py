@@ -1,5 +1,5 @@
 """Fused CPU kernels (C++: cpu_kernels.cc, causal_conv.cc, flash_attention.cc, gated_delta_rule.cc,
-grouped_matmul.cc, linear_cross_entropy.cc, sgemm.cc) as MindSpore AOT Custom ops.
+grouped_matmul.cc, linear_cross_entropy.cc, sgemm.cc, cached_attention.cc) as MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -15,7 +15,7 @@ build.py compiles the library once per source version, flags and CPU; op.py make
 other files hold the Cells the backends swap in, by what they fuse. Adding a kernel: its C++ in a .cc
 listed in build.SOURCES, then a `differentiable(...)` (or `aot(...)`) line in the Cell that uses it.
 """
-from msllm.kernels.attention import (FlashAttention, FusedSinkSoftmaxAttention, FusedSoftmaxAttention,
+from msllm.kernels.attention import (CachedAttend, FlashAttention, FusedSinkSoftmaxAttention, FusedSoftmaxAttention,
                                      SinkFlashAttention, SoftmaxAttention)
 from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_sgemm, library, library_path,
                                  march)
@@ -27,7 +27,7 @@ from msllm.kernels.head import FusedHead
 from msllm.kernels.moe import GroupedMatmul
 from msllm.kernels.optimizer import AdamWUpdate, sum_of_squares_op
 
-__all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite", "FusedClampedSwiGLU", "FusedGeGLU",
+__all__ = ["AdamWUpdate", "CachedAttend", "FlashAttention", "FusedCausalConv", "FusedCacheWrite", "FusedClampedSwiGLU", "FusedGeGLU",
            "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
            "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
            "PackedLinear", "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled",

@@ -413,6 +413,30 @@ class CacheWrite(nn.Cell):
                 ops.depend(cache_v, ops.scatter_nd_update(cache_v, places, cast(v, cache_v.dtype))))
 
 
+class Attend(nn.Cell):
+    """An attention layer's q, k, v projections [b*s, n*d] (q and k normed) -> (the core's output [b, nh, s, dv],
+    the keys and values it attended to [b, nkv, t, d]) through the layer's Cells `parts` = (rope, whole_kv,
+    cache_write, core): RoPE into heads, the other ranks' keys joined (context parallel), the new keys and values
+    written into the cache when one is given (`write`: see CacheWrite), the core. One Cell, so that a device can
+    run the chain at once (msllm.backends)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    def construct(self, parts, q, k, v, cos, sin, mask, cache_k=None, cache_v=None, write=None):
+        rope, whole_kv, cache_write, core = parts
+        q = rope(q, cos, sin)
+        if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: the KV heads' rows
+            cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
+        k = rope(k, cos, sin)
+        v = split_heads(v, self.head_dim, cos.shape[-2])
+        k, v = whole_kv(k, v)
+        if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
+            k, v = cache_write(k, v, cache_k, cache_v, write)
+        return core(q, k, v, mask), k, v
+
+
 class SwiGLU(nn.Cell):
     """silu(gate) * up, with silu(g) = g * sigmoid(g) written out."""
 

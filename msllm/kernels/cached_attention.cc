@@ -1,0 +1,54 @@
+// A cached forward's attention from its q, k, v projections in one kernel (inference, fp32): RoPE of q and k into
+// heads, q's scale, v into heads, the new keys and values written into the caches in place, then flash attention
+// over the caches. The library's RopeHeads, CacheWriteInPlace and FlashAttention do each part: one launch instead
+// of five, as MindSpore's CPU runtime costs more per kernel launched than a decode step's rope and write take.
+#include <vector>
+
+#include "common.h"
+
+extern "C" {
+int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra);
+int CacheWriteInPlace(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                      void *extra);
+int FlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                   void *extra);
+}
+
+// inputs: q [b*s, heads*h], k, v [b*s, kv_heads*h], cos, sin [s, d] or [b, 1, s, d] (d <= h: partial RoPE),
+// cache_k, cache_v [b, kv_heads, t, h] (written at slots start .. start+s-1), start [1], q_slot, q_seg, k_seg,
+// window (FlashAttention's visibility, int32), scale [1] (fp32); outputs: out [b, heads, s, h], lse [b, heads, s].
+extern "C" int CachedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                               void *stream, void *extra) {
+  const int64_t b = shapes[13][0], heads = shapes[13][1], s = shapes[13][2], h = shapes[13][3];
+  const int64_t kv_heads = shapes[5][1];
+  // the heads of q, k and v, kept between calls (a decode step's are a few KB)
+  thread_local std::vector<float> q_heads, k_heads, v_heads;
+  q_heads.resize(b * heads * s * h), k_heads.resize(b * kv_heads * s * h), v_heads.resize(b * kv_heads * s * h);
+  int64_t q_shape[4] = {b, heads, s, h}, kv_shape[4] = {b, kv_heads, s, h};
+  int rope_ndims[4] = {2, ndims[3], ndims[4], 4};
+  void *rope_q[4] = {params[0], params[3], params[4], q_heads.data()};
+  int64_t *rope_q_shapes[4] = {shapes[0], shapes[3], shapes[4], q_shape};
+  RopeHeads(4, rope_q, rope_ndims, rope_q_shapes, dtypes, stream, extra);
+  void *rope_k[4] = {params[1], params[3], params[4], k_heads.data()};
+  int64_t *rope_k_shapes[4] = {shapes[1], shapes[3], shapes[4], kv_shape};
+  RopeHeads(4, rope_k, rope_ndims, rope_k_shapes, dtypes, stream, extra);
+  const float scale = *static_cast<const float *>(params[12]);
+  for (float &x : q_heads) x *= scale;
+  const float *v = static_cast<const float *>(params[2]);  // [b, s, kv_heads, h] -> [b, kv_heads, s, h]
+  for (int64_t row = 0; row < b; ++row)
+    for (int64_t head = 0; head < kv_heads; ++head)
+      for (int64_t pos = 0; pos < s; ++pos)
+        std::memcpy(&v_heads[((row * kv_heads + head) * s + pos) * h], v + ((row * s + pos) * kv_heads + head) * h,
+                    sizeof(float) * h);
+  float status;
+  void *write[6] = {k_heads.data(), v_heads.data(), params[5], params[6], params[7], &status};
+  int write_ndims[6] = {4, 4, 4, 4, 1, 1};
+  int64_t *write_shapes[6] = {kv_shape, kv_shape, shapes[5], shapes[6], shapes[7], shapes[7]};
+  CacheWriteInPlace(6, write, write_ndims, write_shapes, dtypes, stream, extra);
+  void *attend[9] = {q_heads.data(), params[5], params[6], params[8], params[9], params[10], params[11], params[13],
+                     params[14]};
+  int attend_ndims[9] = {4, 4, 4, ndims[8], ndims[9], ndims[10], ndims[11], 4, 3};
+  int64_t *attend_shapes[9] = {q_shape, shapes[5], shapes[6], shapes[8], shapes[9], shapes[10], shapes[11],
+                               shapes[13], shapes[14]};
+  return FlashAttention(9, attend, attend_ndims, attend_shapes, dtypes, stream, extra);
+}
