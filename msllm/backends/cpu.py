@@ -78,8 +78,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     ones (fewer kernel launches per decode step), the few-rows linear of decode steps (a layer's
     projections of one input in one kernel), the
     KV-cache write, the gated delta rule with its causal conv, a Gated DeltaNet layer's whole
-    decode-step recurrence as one kernel, and with the flash core an attention layer's RoPE, cache write and
-    core over caches written in place as one kernel.
+    decode-step recurrence as one kernel, with the flash core an attention layer's RoPE, cache write and
+    core over caches written in place as one kernel, and a cached forward's rope tables and visibility as one.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, t] tables per row, or a row's own [1, s, d] and [1, s, t] ones
@@ -149,6 +149,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
         elif isinstance(cell, layers.Linear) and decode_kernels:
             cell.matmul = kernels.LinearFewRows()
+    model.cached_tables = kernels.FusedCacheTables() if decode_kernels else layers.CacheTables()
     model.broadcast_tables = training and not fused_tables
     if flash:
         model.attention_mask = VisibilityIndices()

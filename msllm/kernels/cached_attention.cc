@@ -1,7 +1,8 @@
-// A cached forward's attention from its q, k, v projections in one kernel (inference, fp32): RoPE of q and k into
-// heads, q's scale, v into heads, the new keys and values written into the caches in place, then flash attention
-// over the caches. The library's RopeHeads, CacheWriteInPlace and FlashAttention do each part: one launch instead
-// of five, as MindSpore's CPU runtime costs more per kernel launched than a decode step's rope and write take.
+// A cached forward's kernels (inference, fp32). CachedAttention: the attention of the q, k, v projections in one
+// kernel: RoPE of q and k into heads, q's scale, v into heads, the new keys and values written into the caches in
+// place, then flash attention over the caches, each part by the library's RopeHeads, CacheWriteInPlace and
+// FlashAttention: one launch instead of five, as MindSpore's CPU runtime costs more per kernel launched than a
+// decode step's rope and write take. CacheTables: the rope tables and visibility every layer reads, in one.
 #include <vector>
 
 #include "common.h"
@@ -51,4 +52,34 @@ extern "C" int CachedAttention(int nparam, void **params, int *ndims, int64_t **
   int64_t *attend_shapes[9] = {q_shape, shapes[5], shapes[6], shapes[8], shapes[9], shapes[10], shapes[11],
                                shapes[13], shapes[14]};
   return FlashAttention(9, attend, attend_ndims, attend_shapes, dtypes, stream, extra);
+}
+
+// layers.CacheTables of a full cache (first 0) in one kernel, for b rows of s new tokens at slots start .. over t
+// keys: cos / sin of each row's positions max(slot - pad, 0) (angle position * inv_freq in fp32, as HF), the new
+// tokens' slots, and each key's segment, 0 once the row's padding is past, -1 before. Eleven kernels of MindSpore
+// (the positions' subtract and max, the angles' cast, multiply and concat, cos, sin, the segments' compare and
+// select) in one. inputs: start [1], pad [b] (int32), inv_freq [d / 2] (fp32), query segments [s] and key slots
+// [t] (int32, read for their lengths); outputs: cos, sin [b, 1, s, d] (fp32), slots [s], key segments [b, t].
+extern "C" int CacheTables(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                           void *stream, void *extra) {
+  const int32_t start = *static_cast<const int32_t *>(params[0]);
+  const int32_t *pad = static_cast<const int32_t *>(params[1]);
+  const float *inv_freq = static_cast<const float *>(params[2]);
+  const int64_t b = shapes[1][0], half = shapes[2][0], d = 2 * half, s = shapes[3][0], t = shapes[4][0];
+  float *cos = static_cast<float *>(params[5]), *sin = static_cast<float *>(params[6]);
+  int32_t *slots = static_cast<int32_t *>(params[7]), *key_segments = static_cast<int32_t *>(params[8]);
+  for (int64_t i = 0; i < s; ++i) slots[i] = start + static_cast<int32_t>(i);
+  for (int64_t row = 0; row < b; ++row) {
+    for (int64_t i = 0; i < s; ++i) {
+      const float position = static_cast<float>(std::max(start + static_cast<int32_t>(i) - pad[row], 0));
+      float *c = cos + (row * s + i) * d, *sn = sin + (row * s + i) * d;
+      for (int64_t j = 0; j < half; ++j) {
+        const float angle = position * inv_freq[j];
+        c[j] = c[j + half] = std::cos(angle);
+        sn[j] = sn[j + half] = std::sin(angle);
+      }
+    }
+    for (int64_t j = 0; j < t; ++j) key_segments[row * t + j] = j >= pad[row] ? 0 : -1;
+  }
+  return 0;
 }

@@ -185,3 +185,29 @@ class ProjectionsFewRows(layers.Projections):
         if few:
             return self.linears(x, *[linear.weight for linear in linears])  # noqa: GL106 (a layer's few Linears)
         return tuple(linear(x) for linear in linears)  # noqa: GL106 (a layer's few Linears)
+
+
+def _cache_tables_shapes(start, pad, inv_freq, query_segments, key_slots):
+    """cos, sin [b, 1, s, d], slots [s], key segments [b, t]."""
+    b, s, d = pad[0], query_segments[0], 2 * inv_freq[0]
+    return [b, 1, s, d], [b, 1, s, d], [s], [b, key_slots[0]]
+
+
+def _cache_tables_dtypes(*_):
+    return ms.float32, ms.float32, ms.int32, ms.int32
+
+
+class FusedCacheTables(layers.CacheTables):
+    """layers.CacheTables of a full cache (first 0) without YaRN's factor as one C++ kernel (cached_attention.cc)
+    instead of ~11; a ring's (first a tensor), or a factor, as layers.CacheTables."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = aot("CacheTables", _cache_tables_shapes, _cache_tables_dtypes)
+
+    def construct(self, b: int, s: int, t: int, start, pad, inv_freq, factor: float, window, first=0):
+        if not isinstance(first, int) or factor != 1.0:
+            return super().construct(b, s, t, start, pad, inv_freq, factor, window, first)
+        query_segments = ops.zeros((s,), ms.int32)
+        cos, sin, slots, key_segments = self.tables(start, pad, inv_freq, query_segments, ops.zeros((t,), ms.int32))
+        return cos, sin, layers.visibility(slots, query_segments, key_segments, window)

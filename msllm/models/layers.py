@@ -233,6 +233,34 @@ def visibility(slots, query_segments, key_segments, window):
     return slots, query_segments, key_segments, window
 
 
+def rope_tables(positions, inv_freq, factor: float = 1.0):
+    """cos, sin [.., d] at int32 positions [..] of the inverse frequencies inv_freq [d / 2] (fp32, as HF: the angle
+    position * inv_freq rounded to fp32, then its cosine and sine), times `factor` (YaRN's attention factor)."""
+    freqs = positions.astype(ms.float32).reshape(positions.shape + (1,)) * inv_freq
+    angles = ops.concat((freqs, freqs), -1)
+    if factor != 1.0:
+        return ops.cos(angles) * factor, ops.sin(angles) * factor
+    return ops.cos(angles), ops.sin(angles)
+
+
+class CacheTables(nn.Cell):
+    """A cached forward's rope tables and visibility: cos / sin [b, 1, s, d] at each row's positions and the
+    visibility of the t cached keys, key j holding slot first + j (a full cache: 0; a ring read in slot order:
+    start - its length), of b rows of s new tokens at slots start .. start+s-1, left-padded by pad [b]: those
+    keys filled, unpadded and within `window` (padding, and slots before 0, are key segment -1). One Cell, so
+    that a device can compute them at once (msllm.backends)."""
+
+    def construct(self, b: int, s: int, t: int, start, pad, inv_freq, factor: float, window, first=0):
+        new_slots = start + ops.arange(0, s, dtype=ms.int32)                       # [s]
+        positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
+        cos, sin = rope_tables(positions, inv_freq, factor)
+        slots = first + ops.arange(0, t, dtype=ms.int32).reshape(1, t)
+        key_segments = ops.select(slots >= pad.reshape(b, 1), ops.zeros((b, t), ms.int32),
+                                  ops.full((b, t), -1, dtype=ms.int32))
+        seen = visibility(new_slots - first, ops.zeros_like(new_slots), key_segments, window)
+        return cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1), seen
+
+
 def sees_segment(query_segments, key_segments):
     """Whether queries of these segments see keys of those (broadcast): equal, or the query a branch of the key's."""
     branch_of = ops.floor_divide(-query_segments - 2, 2)
