@@ -79,7 +79,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     projections of one input in one kernel), the
     KV-cache write, the gated delta rule with its causal conv, a Gated DeltaNet layer's whole
     decode-step recurrence as one kernel, with the flash core an attention layer's RoPE, cache write and
-    core over caches written in place as one kernel, and a cached forward's rope tables and visibility as one.
+    core over caches written in place as one kernel, a cached forward's rope tables and visibility as one, and a
+    block's attention residual add with the MLP's pre-norm as one.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, t] tables per row, or a row's own [1, s, d] and [1, s, t] ones
@@ -159,3 +160,4 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
         model.attention_mask.broadcast_rows = not (fused_tables or decode_kernels)  # the fused softmax reads rows
     for block in model.blocks():
         block.no_inline = share_blocks and training
+        block.residual_norm = kernels.FusedResidualNorm() if decode_kernels else layers.ResidualNorm()

@@ -20,16 +20,16 @@ from msllm.kernels.attention import (CachedAttend, FlashAttention, FusedSinkSoft
 from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_sgemm, library, library_path,
                                  march)
 from msllm.kernels.fused import (FusedCacheTables, FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore,
-                                 FusedRope, FusedSwiGLU, LinearFewRows, PackedLinear, ProjectionsFewRows,
-                                 forget_packed_weights)
+                                 FusedResidualNorm, FusedRope, FusedSwiGLU, LinearFewRows, PackedLinear,
+                                 ProjectionsFewRows, forget_packed_weights)
 from msllm.kernels.gated_deltanet import FusedCausalConv, GatedDeltaRule, GatedDeltaStep
 from msllm.kernels.head import FusedHead
 from msllm.kernels.moe import GroupedMatmul
 from msllm.kernels.optimizer import AdamWUpdate, sum_of_squares_op
 
 __all__ = ["AdamWUpdate", "CachedAttend", "FlashAttention", "FusedCacheTables", "FusedCausalConv", "FusedCacheWrite",
-           "FusedClampedSwiGLU", "FusedGeGLU", "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention",
-           "FusedSoftmaxAttention", "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError",
-           "LinearFewRows", "PackedLinear", "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir",
-           "enabled", "flags", "forget_packed_weights", "has_sgemm", "library", "library_path", "march",
-           "sum_of_squares_op"]
+           "FusedClampedSwiGLU", "FusedGeGLU", "FusedHead", "FusedRMSNormCore", "FusedResidualNorm", "FusedRope",
+           "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention", "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep",
+           "GroupedMatmul", "KernelBuildError", "LinearFewRows", "PackedLinear", "ProjectionsFewRows",
+           "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags", "forget_packed_weights",
+           "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]

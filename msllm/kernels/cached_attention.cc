@@ -2,7 +2,8 @@
 // kernel: RoPE of q and k into heads, q's scale, v into heads, the new keys and values written into the caches in
 // place, then flash attention over the caches, each part by the library's RopeHeads, CacheWriteInPlace and
 // FlashAttention: one launch instead of five, as MindSpore's CPU runtime costs more per kernel launched than a
-// decode step's rope and write take. CacheTables: the rope tables and visibility every layer reads, in one.
+// decode step's rope and write take. CacheTables: the rope tables and visibility every layer reads, in one;
+// AddRMSNorm: a residual add and the norm of the sum.
 #include <vector>
 
 #include "common.h"
@@ -13,6 +14,7 @@ int CacheWriteInPlace(int nparam, void **params, int *ndims, int64_t **shapes, c
                       void *extra);
 int FlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                    void *extra);
+int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra);
 }
 
 // inputs: q [b*s, heads*h], k, v [b*s, kv_heads*h], cos, sin [s, d] or [b, 1, s, d] (d <= h: partial RoPE),
@@ -82,4 +84,18 @@ extern "C" int CacheTables(int nparam, void **params, int *ndims, int64_t **shap
     for (int64_t j = 0; j < t; ++j) key_segments[row * t + j] = j >= pad[row] ? 0 : -1;
   }
   return 0;
+}
+
+// layers.ResidualNorm with an RMSNorm: sum = x + delta, then the library's RMSNorm of it, in one launch instead of
+// an Add and the norm's. inputs: x, delta [N, H], w [H], (eps, offset) [2] (fp32); outputs: sum, y [N, H].
+extern "C" int AddRMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                          void *stream, void *extra) {
+  const float *x = static_cast<const float *>(params[0]), *delta = static_cast<const float *>(params[1]);
+  float *sum = static_cast<float *>(params[4]);
+  const int64_t n = msllm_kernels::numel(ndims[0], shapes[0]);
+  for (int64_t i = 0; i < n; ++i) sum[i] = x[i] + delta[i];
+  void *norm[4] = {sum, params[2], params[3], params[5]};
+  int64_t *norm_shapes[4] = {shapes[0], shapes[2], shapes[3], shapes[5]};
+  int norm_ndims[4] = {ndims[0], ndims[2], ndims[3], ndims[5]};
+  return RMSNorm(4, norm, norm_ndims, norm_shapes, dtypes, stream, extra);
 }

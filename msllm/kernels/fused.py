@@ -211,3 +211,18 @@ class FusedCacheTables(layers.CacheTables):
         query_segments = ops.zeros((s,), ms.int32)
         cos, sin, slots, key_segments = self.tables(start, pad, inv_freq, query_segments, ops.zeros((t,), ms.int32))
         return cos, sin, layers.visibility(slots, query_segments, key_segments, window)
+
+
+class FusedResidualNorm(layers.ResidualNorm):
+    """layers.ResidualNorm of a 2-D fp32 residual stream with a FusedRMSNormCore norm as one C++ kernel
+    (cached_attention.cc's AddRMSNorm, no backward: inference); any other as layers.ResidualNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_norm = aot("AddRMSNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
+
+    def construct(self, x, delta, norm):
+        fused = isinstance(norm, layers.RMSNorm) and isinstance(norm.core, FusedRMSNormCore)
+        if not fused or x.ndim != 2 or x.dtype != ms.float32 or delta.dtype != ms.float32:
+            return super().construct(x, delta, norm)
+        return self.add_norm(x, delta, norm.weight, norm.core.eps_offset)

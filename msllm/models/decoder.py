@@ -20,8 +20,9 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from msllm.config import CACHE_NAMES, ModelConfig
-from msllm.models.layers import (AdditiveMask, CacheTables, Embedding, FeedForward, Linear, OneRankMean, RMSNorm,
-                                 WholeSequence, cast, rope_attention_factor, rope_inv_freq, rope_tables, visibility)
+from msllm.models.layers import (AdditiveMask, CacheTables, Embedding, FeedForward, Linear, OneRankMean, ResidualNorm,
+                                 RMSNorm, WholeSequence, cast, rope_attention_factor, rope_inv_freq, rope_tables,
+                                 visibility)
 from msllm.models.mixers import build_mixer
 from msllm.models.moe import MoE
 from msllm.models.mtp import MTPDepth
@@ -66,16 +67,17 @@ class Block(nn.Cell):
         self.attention = build_mixer(cfg, mixer)  # named `attention` in every checkpoint, whatever it mixes with
         self.attention_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
         self.ffn_norm = RMSNorm(h, eps, offset) if cfg.pre_norm else nn.Identity()
+        self.residual_norm = ResidualNorm()  # the attention residual's add and ffn_norm of the sum
         self.routed = mlp == "moe"
         self.feed_forward = MoE(cfg) if self.routed else FeedForward(cfg)
         self.ffn_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         attn, k, v = self.attention(self.attention_norm(x), cos, sin, mask, cache_k, cache_v, write)
-        x = x + self.attention_out_norm(attn)
+        x, normed = self.residual_norm(x, self.attention_out_norm(attn), self.ffn_norm)
         if not self.routed:
-            return x + self.ffn_out_norm(self.feed_forward(self.ffn_norm(x))), k, v, None
-        out, load = self.feed_forward(self.ffn_norm(x))
+            return x + self.ffn_out_norm(self.feed_forward(normed)), k, v, None
+        out, load = self.feed_forward(normed)
         return x + self.ffn_out_norm(out), k, v, load
 
 

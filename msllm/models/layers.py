@@ -108,6 +108,15 @@ class RMSNorm(nn.Cell):
         return cast(self.core(x, self.weight).reshape(shape), dtype)
 
 
+class ResidualNorm(nn.Cell):
+    """(x, delta, norm) -> (x + delta, norm(x + delta)): a residual stream's add and the norm of the sum (a block's
+    attention residual and its MLP's pre-norm). One Cell, so that a device can do both at once (msllm.backends)."""
+
+    def construct(self, x, delta, norm):
+        x = x + delta
+        return x, norm(x)
+
+
 class HeadNorm(RMSNorm):
     """RMSNorm over each head of a projection [rows, n*d] (Qwen3 / Gemma 3 q and k norms).
     `heads_axis`: normalise the [rows, n, d] view instead of [rows*n, d], the same maths, whose heads
