@@ -464,7 +464,7 @@ class Attend(nn.Cell):
     def construct(self, parts, q, k, v, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         rope, whole_kv, cache_write, core = parts
         q = rope(q, cos, sin)
-        if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: the KV heads' rows
+        if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: KV heads' rows
             cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
         k = rope(k, cos, sin)
         v = split_heads(v, self.head_dim, cos.shape[-2])
