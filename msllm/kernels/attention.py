@@ -161,9 +161,9 @@ class CachedAttend(layers.Attend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.scale = ms.Tensor([scale], ms.float32)
-        self.attention = in_place("CachedAttention",
-                                  "q k v cos sin cache_k cache_v start slot q_seg k_seg window scale", "cache_k cache_v",
-                                  _cached_attention_shapes, _two_like_first, ints="start slot q_seg k_seg window")
+        inputs = "q k v cos sin cache_k cache_v start slot q_seg k_seg window scale"
+        self.attention = in_place("CachedAttention", inputs, "cache_k cache_v", _cached_attention_shapes,
+                                  _two_like_first, ints="start slot q_seg k_seg window")
 
     def construct(self, parts, q, k, v, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         if cache_k is None or len(write) != 2:
