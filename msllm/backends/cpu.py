@@ -79,8 +79,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     projections of one input in one kernel), the
     KV-cache write, the gated delta rule with its causal conv, a Gated DeltaNet layer's whole
     decode-step recurrence as one kernel, with the flash core an attention layer's RoPE, cache write and
-    core over caches written in place as one kernel, a cached forward's rope tables and visibility as one, and a
-    block's attention residual add with the MLP's pre-norm as one.
+    core over caches written in place as one kernel, a cached forward's rope tables and visibility as one, a
+    block's attention residual add with the MLP's pre-norm as one, and a decode step's SwiGLU with w2 as one.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, t] tables per row, or a row's own [1, s, d] and [1, s, t] ones
@@ -136,6 +136,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
                 cell.act = kernels.FusedGeGLU() if geglu else kernels.FusedSwiGLU()
             else:
                 cell.act = layers.GeGLU() if geglu else layers.SwiGLU()
+            if isinstance(cell, layers.FeedForward):  # a decode step's SwiGLU and w2: one kernel
+                cell.down = kernels.SwiGLUFewRows() if decode_kernels else layers.ActivatedLinear()
             if isinstance(cell, moe.Experts):  # BlockDispatch's blocks: each expert's weights read once
                 cell.grouped = kernels.GroupedMatmul() if grouped_kernel else moe.GatheredMatmul()
         elif isinstance(cell, GatedDeltaNet):  # the rule runs in fp32 whatever the compute dtype

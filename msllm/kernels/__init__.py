@@ -21,7 +21,7 @@ from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, ha
                                  march)
 from msllm.kernels.fused import (FusedCacheTables, FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore,
                                  FusedResidualNorm, FusedRope, FusedSwiGLU, LinearFewRows, PackedLinear,
-                                 ProjectionsFewRows, forget_packed_weights)
+                                 ProjectionsFewRows, SwiGLUFewRows, forget_packed_weights)
 from msllm.kernels.gated_deltanet import FusedCausalConv, GatedDeltaRule, GatedDeltaStep
 from msllm.kernels.head import FusedHead
 from msllm.kernels.moe import GroupedMatmul
@@ -31,5 +31,5 @@ __all__ = ["AdamWUpdate", "CachedAttend", "FlashAttention", "FusedCacheTables", 
            "FusedClampedSwiGLU", "FusedGeGLU", "FusedHead", "FusedRMSNormCore", "FusedResidualNorm", "FusedRope",
            "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention", "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep",
            "GroupedMatmul", "KernelBuildError", "LinearFewRows", "PackedLinear", "ProjectionsFewRows",
-           "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled", "flags", "forget_packed_weights",
-           "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]
+           "SinkFlashAttention", "SoftmaxAttention", "SwiGLUFewRows", "cache_dir", "enabled", "flags",
+           "forget_packed_weights", "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]

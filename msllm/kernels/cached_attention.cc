@@ -3,7 +3,7 @@
 // place, then flash attention over the caches, each part by the library's RopeHeads, CacheWriteInPlace and
 // FlashAttention: one launch instead of five, as MindSpore's CPU runtime costs more per kernel launched than a
 // decode step's rope and write take. CacheTables: the rope tables and visibility every layer reads, in one;
-// AddRMSNorm: a residual add and the norm of the sum.
+// AddRMSNorm: a residual add and the norm of the sum; SwiGLULinear: a gated MLP's activation and down projection.
 #include <vector>
 
 #include "common.h"
@@ -15,6 +15,9 @@ int CacheWriteInPlace(int nparam, void **params, int *ndims, int64_t **shapes, c
 int FlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                    void *extra);
 int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra);
+int SwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra);
+int LinearsFewRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                   void *extra);
 }
 
 // inputs: q [b*s, heads*h], k, v [b*s, kv_heads*h], cos, sin [s, d] or [b, 1, s, d] (d <= h: partial RoPE),
@@ -98,4 +101,19 @@ extern "C" int AddRMSNorm(int nparam, void **params, int *ndims, int64_t **shape
   int64_t *norm_shapes[4] = {shapes[0], shapes[2], shapes[3], shapes[5]};
   int norm_ndims[4] = {ndims[0], ndims[2], ndims[3], ndims[5]};
   return RMSNorm(4, norm, norm_ndims, norm_shapes, dtypes, stream, extra);
+}
+
+// layers.ActivatedLinear of a decode step's few rows with SwiGLU: the library's SwiGLU, then its LinearsFewRows of
+// the result, in one launch instead of two. inputs: gate, up [m, f], w [n, f] (fp32); output: y [m, n].
+extern "C" int SwiGLULinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  thread_local std::vector<float> activated;  // [m, f], kept between calls
+  activated.resize(msllm_kernels::numel(ndims[0], shapes[0]));
+  void *glu[3] = {params[0], params[1], activated.data()};
+  int64_t *glu_shapes[3] = {shapes[0], shapes[1], shapes[0]};
+  SwiGLU(3, glu, ndims, glu_shapes, dtypes, stream, extra);
+  void *linear[3] = {activated.data(), params[2], params[3]};
+  int64_t *linear_shapes[3] = {shapes[0], shapes[2], shapes[3]};
+  int linear_ndims[3] = {2, 2, 2};
+  return LinearsFewRows(3, linear, linear_ndims, linear_shapes, dtypes, stream, extra);
 }

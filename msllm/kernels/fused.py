@@ -226,3 +226,19 @@ class FusedResidualNorm(layers.ResidualNorm):
         if not fused or x.ndim != 2 or x.dtype != ms.float32 or delta.dtype != ms.float32:
             return super().construct(x, delta, norm)
         return self.add_norm(x, delta, norm.weight, norm.core.eps_offset)
+
+
+class SwiGLUFewRows(layers.ActivatedLinear):
+    """layers.ActivatedLinear of a decode step's few rows (m <= LinearFewRows.FEW_ROWS, fp32) with FusedSwiGLU and
+    a Linear without a bias or an adapter as one C++ kernel (cached_attention.cc's SwiGLULinear); any other as
+    layers.ActivatedLinear."""
+
+    def __init__(self):
+        super().__init__()
+        self.swiglu_linear = aot("SwiGLULinear", lambda gate, up, w: [gate[0], w[0]], lambda gate, up, w: w)
+
+    def construct(self, gate, up, act, linear):
+        few = gate.shape[0] <= LinearFewRows.FEW_ROWS and isinstance(act, FusedSwiGLU)
+        if few and isinstance(linear, layers.Linear) and linear.bias is None:
+            return self.swiglu_linear(gate, up, linear.weight)
+        return super().construct(gate, up, act, linear)

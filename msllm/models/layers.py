@@ -521,6 +521,14 @@ def activation(cfg: ModelConfig) -> nn.Cell:
     return GeGLU() if cfg.mlp == "geglu_tanh" else SwiGLU()
 
 
+class ActivatedLinear(nn.Cell):
+    """(gate, up, act, linear) -> linear(act(gate, up)): a gated MLP's activation and down projection. One Cell, so
+    that a device can do both at once (msllm.backends)."""
+
+    def construct(self, gate, up, act, linear):
+        return linear(act(gate, up))
+
+
 class FeedForward(nn.Cell):
     """Gated MLP: w2(act(w1 x, w3 x)), act SwiGLU or GeGLU (ModelConfig.mlp)."""
 
@@ -533,10 +541,11 @@ class FeedForward(nn.Cell):
         self.activation = cfg.mlp  # which one, for the backends that swap in a fused kernel
         self.act = activation(cfg)
         self.project = Projections()
+        self.down = ActivatedLinear()  # w2 of the activation
 
     def construct(self, x):
         gate, up = self.project(x, (self.w1, self.w3))
-        return self.w2(self.act(gate, up))
+        return self.down(gate, up, self.act, self.w2)
 
 
 class CausalLMLoss(nn.Cell):
