@@ -198,16 +198,16 @@ def _cache_tables_dtypes(*_):
 
 
 class FusedCacheTables(layers.CacheTables):
-    """layers.CacheTables of a full cache (first 0) without YaRN's factor as one C++ kernel (cached_attention.cc)
-    instead of ~11; a ring's (first a tensor), or a factor, as layers.CacheTables."""
+    """layers.CacheTables of a full cache (first 0) as one C++ kernel (cached_attention.cc) instead of ~11; a ring's
+    (first a tensor) as layers.CacheTables."""
 
     def __init__(self):
         super().__init__()
         self.tables = aot("CacheTables", _cache_tables_shapes, _cache_tables_dtypes)
 
-    def construct(self, b: int, s: int, t: int, start, pad, inv_freq, factor: float, window, first=0):
-        if not isinstance(first, int) or factor != 1.0:
-            return super().construct(b, s, t, start, pad, inv_freq, factor, window, first)
+    def construct(self, b: int, s: int, t: int, start, pad, inv_freq, window, first=0):
+        if not isinstance(first, int):
+            return super().construct(b, s, t, start, pad, inv_freq, window, first)
         query_segments = ops.zeros((s,), ms.int32)
         cos, sin, slots, key_segments = self.tables(start, pad, inv_freq, query_segments, ops.zeros((t,), ms.int32))
         return cos, sin, layers.visibility(slots, query_segments, key_segments, window)

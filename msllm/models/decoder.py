@@ -164,7 +164,14 @@ class Decoder(nn.Cell):
     def rope_at(self, kind: int, positions):
         """cos, sin [.., d] of attention kind `kind` at int32 positions [..] (fp32, as HF: the angle
         position * inv_freq rounded to fp32, then its cosine and sine)."""
-        return rope_tables(positions, self.inv_freq[kind], self.rope_factors[kind])
+        cos, sin = rope_tables(positions, self.inv_freq[kind])
+        return self.rope_scaled(kind, cos, sin)
+
+    def rope_scaled(self, kind: int, cos, sin):
+        """cos, sin times attention kind `kind`'s YaRN attention factor, when it has one."""
+        if self.rope_factors[kind] != 1.0:
+            return cos * self.rope_factors[kind], sin * self.rope_factors[kind]
+        return cos, sin
 
     def window_of(self, kind: int):
         return self.kind_windows[kind]
@@ -193,8 +200,8 @@ class Decoder(nn.Cell):
     def cache_tables(self, b: int, s: int, t: int, start, pad, kind: int, first=0):
         """(cos, sin, visibility) of attention kind `kind` for a cached forward (CacheTables: key j holds slot
         first + j)."""
-        return self.cached_tables(b, s, t, start, pad, self.inv_freq[kind], self.rope_factors[kind],
-                                  self.window_of(kind), first)
+        cos, sin, seen = self.cached_tables(b, s, t, start, pad, self.inv_freq[kind], self.window_of(kind), first)
+        return self.rope_scaled(kind, cos, sin) + (seen,)
 
     @staticmethod
     def cache_write_slots(s: int, t: int, start):

@@ -242,13 +242,11 @@ def visibility(slots, query_segments, key_segments, window):
     return slots, query_segments, key_segments, window
 
 
-def rope_tables(positions, inv_freq, factor: float = 1.0):
+def rope_tables(positions, inv_freq):
     """cos, sin [.., d] at int32 positions [..] of the inverse frequencies inv_freq [d / 2] (fp32, as HF: the angle
-    position * inv_freq rounded to fp32, then its cosine and sine), times `factor` (YaRN's attention factor)."""
+    position * inv_freq rounded to fp32, then its cosine and sine)."""
     freqs = positions.astype(ms.float32).reshape(positions.shape + (1,)) * inv_freq
     angles = ops.concat((freqs, freqs), -1)
-    if factor != 1.0:
-        return ops.cos(angles) * factor, ops.sin(angles) * factor
     return ops.cos(angles), ops.sin(angles)
 
 
@@ -259,10 +257,10 @@ class CacheTables(nn.Cell):
     keys filled, unpadded and within `window` (padding, and slots before 0, are key segment -1). One Cell, so
     that a device can compute them at once (msllm.backends)."""
 
-    def construct(self, b: int, s: int, t: int, start, pad, inv_freq, factor: float, window, first=0):
+    def construct(self, b: int, s: int, t: int, start, pad, inv_freq, window, first=0):
         new_slots = start + ops.arange(0, s, dtype=ms.int32)                       # [s]
         positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
-        cos, sin = rope_tables(positions, inv_freq, factor)
+        cos, sin = rope_tables(positions, inv_freq)
         slots = first + ops.arange(0, t, dtype=ms.int32).reshape(1, t)
         key_segments = ops.select(slots >= pad.reshape(b, 1), ops.zeros((b, t), ms.int32),
                                   ops.full((b, t), -1, dtype=ms.int32))
