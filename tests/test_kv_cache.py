@@ -180,8 +180,9 @@ def test_decode_follows_the_compute_dtype():
 
 
 def test_cpu_inference_specialisation_decodes_the_same():
-    """specialise(training=False) on CPU: the formulations, the norm / SwiGLU / softmax kernels and
-    the few-rows linear of decode steps, in GRAPH_MODE with fixed shapes, against the plain model."""
+    """specialise(training=False) on CPU: the formulations, the norm / SwiGLU / softmax kernels,
+    the few-rows linear of decode steps, the one-kernel cached attention, tables, residual norm and SwiGLU + w2
+    (prefill and decode), in GRAPH_MODE with fixed shapes, against the plain model."""
     from msllm.backends import specialise
     from msllm.config import Config
     from msllm import kernels
@@ -194,6 +195,10 @@ def test_cpu_inference_specialisation_decodes_the_same():
     spec = specialise(model, Config(model=CFG), training=False)
     assert spec.fused_kernels and isinstance(model.layers[0].attention.wq.matmul, kernels.LinearFewRows)
     assert isinstance(model.layers[0].attention.project, kernels.ProjectionsFewRows)
+    assert isinstance(model.layers[0].attention.attend, kernels.CachedAttend)  # rope, cache write and core: one kernel
+    assert isinstance(model.cached_tables, kernels.FusedCacheTables)  # the tables and visibility: one kernel
+    assert isinstance(model.layers[0].residual_norm, kernels.FusedResidualNorm)  # residual add + ffn_norm: one
+    assert isinstance(model.layers[0].feed_forward.down, kernels.SwiGLUFewRows)  # SwiGLU + w2: one
     engine = cell_engine(model)
     got = [engine.start([r[:-3] for r in rows], 3)] + [engine.step([r[k] for r in rows]) for k in (-3, -2)]
     for row, r in enumerate(rows):

@@ -77,8 +77,10 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
     activations). Training uses all of them; inference (fp32) the norm, rope, SwiGLU and softmax
     ones (fewer kernel launches per decode step), the few-rows linear of decode steps (a layer's
     projections of one input in one kernel), the
-    KV-cache write, the gated delta rule with its causal conv, and a Gated DeltaNet layer's whole
-    decode-step recurrence as one kernel.
+    KV-cache write, the gated delta rule with its causal conv, a Gated DeltaNet layer's whole
+    decode-step recurrence as one kernel, with the flash core an attention layer's RoPE, cache write and
+    core over caches written in place as one kernel, a cached forward's rope tables and visibility as one, a
+    block's attention residual add with the MLP's pre-norm as one, and a decode step's SwiGLU with w2 as one.
     share_blocks: every layer calls one compiled block graph (training only; export needs the
     blocks inlined). Tables are pre-broadcast for training without the fused rope / softmax,
     which read the [s, d] and [s, t] tables per row, or a row's own [1, s, d] and [1, s, t] ones
@@ -110,6 +112,10 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
                              else layers.Rope(rope.head_dim, rope.rope_dim))
             if decode_kernels and isinstance(cell, attention.Attention):  # the kernel's keys and values are one size,
                 cell.cache_write = kernels.FusedCacheWrite()                  # MLA's latents and rope keys are not
+            if isinstance(cell, attention.Attention):  # a cached step's rope, cache write and flash core: one kernel
+                heads = (cell.num_heads, cell.num_kv_heads, cell.head_dim)
+                one_kernel = decode_kernels and flash and not isinstance(cell.core, layers.SinkAttentionCore)
+                cell.attend = kernels.CachedAttend(*heads, cell.core.scale) if one_kernel else layers.Attend(*heads)
         elif isinstance(cell, layers.AttentionCore):
             n, kv = cell.softmax_attention.num_heads, cell.softmax_attention.num_kv_heads
             sinks = isinstance(cell, layers.SinkAttentionCore)
@@ -130,6 +136,8 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
                 cell.act = kernels.FusedGeGLU() if geglu else kernels.FusedSwiGLU()
             else:
                 cell.act = layers.GeGLU() if geglu else layers.SwiGLU()
+            if isinstance(cell, layers.FeedForward):  # a decode step's SwiGLU and w2: one kernel
+                cell.down = kernels.SwiGLUFewRows() if decode_kernels else layers.ActivatedLinear()
             if isinstance(cell, moe.Experts):  # BlockDispatch's blocks: each expert's weights read once
                 cell.grouped = kernels.GroupedMatmul() if grouped_kernel else moe.GatheredMatmul()
         elif isinstance(cell, GatedDeltaNet):  # the rule runs in fp32 whatever the compute dtype
@@ -144,6 +152,7 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
             cell.block = GROUPED_BLOCK_ROWS if grouped_kernel else BLOCK_ROWS
         elif isinstance(cell, layers.Linear) and decode_kernels:
             cell.matmul = kernels.LinearFewRows()
+    model.cached_tables = kernels.FusedCacheTables() if decode_kernels else layers.CacheTables()
     model.broadcast_tables = training and not fused_tables
     if flash:
         model.attention_mask = VisibilityIndices()
@@ -153,3 +162,4 @@ def specialise(model: decoder.Decoder, *, fused: bool, share_blocks: bool, train
         model.attention_mask.broadcast_rows = not (fused_tables or decode_kernels)  # the fused softmax reads rows
     for block in model.blocks():
         block.no_inline = share_blocks and training
+        block.residual_norm = kernels.FusedResidualNorm() if decode_kernels else layers.ResidualNorm()

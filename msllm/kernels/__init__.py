@@ -1,5 +1,5 @@
 """Fused CPU kernels (C++: cpu_kernels.cc, causal_conv.cc, flash_attention.cc, gated_delta_rule.cc,
-grouped_matmul.cc, linear_cross_entropy.cc, sgemm.cc) as MindSpore AOT Custom ops.
+grouped_matmul.cc, linear_cross_entropy.cc, sgemm.cc, cached_attention.cc) as MindSpore AOT Custom ops.
 
 MindSpore's CPU backend runs every element-wise op as its own kernel and pass over memory:
 the optimizer tail of a step (clip multiply, decay multiply, write-back, Adam) touches each
@@ -15,21 +15,21 @@ build.py compiles the library once per source version, flags and CPU; op.py make
 other files hold the Cells the backends swap in, by what they fuse. Adding a kernel: its C++ in a .cc
 listed in build.SOURCES, then a `differentiable(...)` (or `aot(...)`) line in the Cell that uses it.
 """
-from msllm.kernels.attention import (FlashAttention, FusedSinkSoftmaxAttention, FusedSoftmaxAttention,
+from msllm.kernels.attention import (CachedAttend, FlashAttention, FusedSinkSoftmaxAttention, FusedSoftmaxAttention,
                                      SinkFlashAttention, SoftmaxAttention)
 from msllm.kernels.build import (KernelBuildError, cache_dir, enabled, flags, has_sgemm, library, library_path,
                                  march)
-from msllm.kernels.fused import (FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore, FusedRope,
-                                 FusedSwiGLU, LinearFewRows, PackedLinear, ProjectionsFewRows,
-                                 forget_packed_weights)
+from msllm.kernels.fused import (FusedCacheTables, FusedCacheWrite, FusedClampedSwiGLU, FusedGeGLU, FusedRMSNormCore,
+                                 FusedResidualNorm, FusedRope, FusedSwiGLU, LinearFewRows, PackedLinear,
+                                 ProjectionsFewRows, SwiGLUFewRows, forget_packed_weights)
 from msllm.kernels.gated_deltanet import FusedCausalConv, GatedDeltaRule, GatedDeltaStep
 from msllm.kernels.head import FusedHead
 from msllm.kernels.moe import GroupedMatmul
 from msllm.kernels.optimizer import AdamWUpdate, sum_of_squares_op
 
-__all__ = ["AdamWUpdate", "FlashAttention", "FusedCausalConv", "FusedCacheWrite", "FusedClampedSwiGLU", "FusedGeGLU",
-           "FusedHead", "FusedRMSNormCore", "FusedRope", "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention",
-           "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep", "GroupedMatmul", "KernelBuildError", "LinearFewRows",
-           "PackedLinear", "ProjectionsFewRows", "SinkFlashAttention", "SoftmaxAttention", "cache_dir", "enabled",
-           "flags", "forget_packed_weights", "has_sgemm", "library", "library_path", "march",
-           "sum_of_squares_op"]
+__all__ = ["AdamWUpdate", "CachedAttend", "FlashAttention", "FusedCacheTables", "FusedCausalConv", "FusedCacheWrite",
+           "FusedClampedSwiGLU", "FusedGeGLU", "FusedHead", "FusedRMSNormCore", "FusedResidualNorm", "FusedRope",
+           "FusedSinkSoftmaxAttention", "FusedSoftmaxAttention", "FusedSwiGLU", "GatedDeltaRule", "GatedDeltaStep",
+           "GroupedMatmul", "KernelBuildError", "LinearFewRows", "PackedLinear", "ProjectionsFewRows",
+           "SinkFlashAttention", "SoftmaxAttention", "SwiGLUFewRows", "cache_dir", "enabled", "flags",
+           "forget_packed_weights", "has_sgemm", "library", "library_path", "march", "sum_of_squares_op"]

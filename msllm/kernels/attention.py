@@ -1,12 +1,13 @@
 """The attention cores in C++: the softmax core's mask-add + softmax and its backward (FusedSoftmaxAttention,
 on SoftmaxAttention's hand-written backward; FusedSinkSoftmaxAttention with gpt-oss's sinks), and
-FlashAttention, by blocks of keys (flash_attention.cc)."""
+FlashAttention, by blocks of keys (flash_attention.cc), and a cached forward's RoPE, cache write and flash core in
+one kernel (CachedAttend)."""
 from __future__ import annotations
 
 import mindspore as ms
 from mindspore import nn, ops
 
-from msllm.kernels.op import aot, differentiable
+from msllm.kernels.op import aot, differentiable, in_place
 from msllm.models import layers
 from msllm.models.layers import cast
 
@@ -144,3 +145,29 @@ class SinkFlashAttention(FlashAttention):
         out, lse = self.attention(cast(q, ms.float32), cast(k, ms.float32), cast(v, ms.float32), slot, q_seg, k_seg,
                                   window, cast(sinks, ms.float32))
         return cast(out, q.dtype), lse
+
+
+def _cached_attention_shapes(q, k, v, cos, sin, cache_k, *_):
+    """out [b, heads, s, h], lse [b, heads, s] of q [b*s, heads*h], with s the tables' and h the caches'."""
+    s, h = cos[-2], cache_k[3]
+    return [q[0] // s, q[1] // h, s, h], [q[0] // s, q[1] // h, s]
+
+
+class CachedAttend(layers.Attend):
+    """layers.Attend of a cached forward whose caches are written in place (msllm.inference.CachedInPlace), with a
+    FlashAttention core (fp32, no sinks): RoPE, q's scale, the cache write and the core in one C++ kernel
+    (cached_attention.cc) instead of five; other calls as layers.Attend."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.scale = ms.Tensor([scale], ms.float32)
+        inputs = "q k v cos sin cache_k cache_v start slot q_seg k_seg window scale"
+        self.attention = in_place("CachedAttention", inputs, "cache_k cache_v", _cached_attention_shapes,
+                                  _two_like_first, ints="start slot q_seg k_seg window")
+
+    def construct(self, parts, q, k, v, cos, sin, mask, cache_k=None, cache_v=None, write=None):
+        if cache_k is None or len(write) != 2:
+            return super().construct(parts, q, k, v, cos, sin, mask, cache_k, cache_v, write)
+        slot, q_seg, k_seg, window = mask
+        out, _ = self.attention(q, k, v, cos, sin, cache_k, cache_v, write[1], slot, q_seg, k_seg, window, self.scale)
+        return out, ops.depend(cache_k, out), ops.depend(cache_v, out)

@@ -185,3 +185,60 @@ class ProjectionsFewRows(layers.Projections):
         if few:
             return self.linears(x, *[linear.weight for linear in linears])  # noqa: GL106 (a layer's few Linears)
         return tuple(linear(x) for linear in linears)  # noqa: GL106 (a layer's few Linears)
+
+
+def _cache_tables_shapes(start, pad, inv_freq, query_segments, key_slots):
+    """cos, sin [b, 1, s, d], slots [s], key segments [b, t]."""
+    b, s, d = pad[0], query_segments[0], 2 * inv_freq[0]
+    return [b, 1, s, d], [b, 1, s, d], [s], [b, key_slots[0]]
+
+
+def _cache_tables_dtypes(*_):
+    return ms.float32, ms.float32, ms.int32, ms.int32
+
+
+class FusedCacheTables(layers.CacheTables):
+    """layers.CacheTables of a full cache (first 0) as one C++ kernel (cached_attention.cc) instead of ~11; a ring's
+    (first a tensor) as layers.CacheTables."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = aot("CacheTables", _cache_tables_shapes, _cache_tables_dtypes)
+
+    def construct(self, b: int, s: int, t: int, start, pad, inv_freq, window, first=0):
+        if not isinstance(first, int):
+            return super().construct(b, s, t, start, pad, inv_freq, window, first)
+        query_segments = ops.zeros((s,), ms.int32)
+        cos, sin, slots, key_segments = self.tables(start, pad, inv_freq, query_segments, ops.zeros((t,), ms.int32))
+        return cos, sin, layers.visibility(slots, query_segments, key_segments, window)
+
+
+class FusedResidualNorm(layers.ResidualNorm):
+    """layers.ResidualNorm of a 2-D fp32 residual stream with a FusedRMSNormCore norm as one C++ kernel
+    (cached_attention.cc's AddRMSNorm, no backward: inference); any other as layers.ResidualNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_norm = aot("AddRMSNorm", lambda x, *_: (x, x), lambda x, *_: (x, x))
+
+    def construct(self, x, delta, norm):
+        fused = isinstance(norm, layers.RMSNorm) and isinstance(norm.core, FusedRMSNormCore)
+        if not fused or x.ndim != 2 or x.dtype != ms.float32 or delta.dtype != ms.float32:
+            return super().construct(x, delta, norm)
+        return self.add_norm(x, delta, norm.weight, norm.core.eps_offset)
+
+
+class SwiGLUFewRows(layers.ActivatedLinear):
+    """layers.ActivatedLinear of a decode step's few rows (m <= LinearFewRows.FEW_ROWS, fp32) with FusedSwiGLU and
+    a Linear without a bias or an adapter as one C++ kernel (cached_attention.cc's SwiGLULinear); any other as
+    layers.ActivatedLinear."""
+
+    def __init__(self):
+        super().__init__()
+        self.swiglu_linear = aot("SwiGLULinear", lambda gate, up, w: [gate[0], w[0]], lambda gate, up, w: w)
+
+    def construct(self, gate, up, act, linear):
+        few = gate.shape[0] <= LinearFewRows.FEW_ROWS and isinstance(act, FusedSwiGLU)
+        if few and isinstance(linear, layers.Linear) and linear.bias is None:
+            return self.swiglu_linear(gate, up, linear.weight)
+        return super().construct(gate, up, act, linear)

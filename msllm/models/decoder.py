@@ -20,8 +20,9 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from msllm.config import CACHE_NAMES, ModelConfig
-from msllm.models.layers import (AdditiveMask, Embedding, FeedForward, Linear, OneRankMean, RMSNorm, WholeSequence, cast,
-                                 rope_attention_factor, rope_inv_freq, visibility)
+from msllm.models.layers import (AdditiveMask, CacheTables, Embedding, FeedForward, Linear, OneRankMean, ResidualNorm,
+                                 RMSNorm, WholeSequence, cast, rope_attention_factor, rope_inv_freq, rope_tables,
+                                 visibility)
 from msllm.models.mixers import build_mixer
 from msllm.models.moe import MoE
 from msllm.models.mtp import MTPDepth
@@ -66,16 +67,17 @@ class Block(nn.Cell):
         self.attention = build_mixer(cfg, mixer)  # named `attention` in every checkpoint, whatever it mixes with
         self.attention_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
         self.ffn_norm = RMSNorm(h, eps, offset) if cfg.pre_norm else nn.Identity()
+        self.residual_norm = ResidualNorm()  # the attention residual's add and ffn_norm of the sum
         self.routed = mlp == "moe"
         self.feed_forward = MoE(cfg) if self.routed else FeedForward(cfg)
         self.ffn_out_norm = RMSNorm(h, eps, offset) if cfg.sandwich_norm else nn.Identity()
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         attn, k, v = self.attention(self.attention_norm(x), cos, sin, mask, cache_k, cache_v, write)
-        x = x + self.attention_out_norm(attn)
+        x, normed = self.residual_norm(x, self.attention_out_norm(attn), self.ffn_norm)
         if not self.routed:
-            return x + self.ffn_out_norm(self.feed_forward(self.ffn_norm(x))), k, v, None
-        out, load = self.feed_forward(self.ffn_norm(x))
+            return x + self.ffn_out_norm(self.feed_forward(normed)), k, v, None
+        out, load = self.feed_forward(normed)
         return x + self.ffn_out_norm(out), k, v, load
 
 
@@ -132,6 +134,7 @@ class Decoder(nn.Cell):
         self.rope_factors = tuple(rope_attention_factor(scaling) for _, _, scaling in kinds)  # YaRN scales cos, sin
         self.kind_windows = tuple(Tensor(np.array([window], np.int32)) for window in self.windows)
         self.attention_mask = AdditiveMask(cfg.num_heads, cfg.num_kv_heads)  # a flash core takes the indices as is
+        self.cached_tables = CacheTables()  # a cached forward's rope tables and visibility (cache_tables)
         # Which tokens of each sequence this process computes, and the mean of a loss over the processes
         # sharing a sequence: all, and itself, unless context parallel splits it (msllm.backends).
         self.local_tokens = WholeSequence()
@@ -161,11 +164,14 @@ class Decoder(nn.Cell):
     def rope_at(self, kind: int, positions):
         """cos, sin [.., d] of attention kind `kind` at int32 positions [..] (fp32, as HF: the angle
         position * inv_freq rounded to fp32, then its cosine and sine)."""
-        freqs = positions.astype(ms.float32).reshape(positions.shape + (1,)) * self.inv_freq[kind]
-        angles = ops.concat((freqs, freqs), -1)
+        cos, sin = rope_tables(positions, self.inv_freq[kind])
+        return self.rope_scaled(kind, cos, sin)
+
+    def rope_scaled(self, kind: int, cos, sin):
+        """cos, sin times attention kind `kind`'s YaRN attention factor, when it has one."""
         if self.rope_factors[kind] != 1.0:
-            return ops.cos(angles) * self.rope_factors[kind], ops.sin(angles) * self.rope_factors[kind]
-        return ops.cos(angles), ops.sin(angles)
+            return cos * self.rope_factors[kind], sin * self.rope_factors[kind]
+        return cos, sin
 
     def window_of(self, kind: int):
         return self.kind_windows[kind]
@@ -192,16 +198,10 @@ class Decoder(nn.Cell):
         return cos.reshape(b, 1, q, -1), sin.reshape(b, 1, q, -1), seen
 
     def cache_tables(self, b: int, s: int, t: int, start, pad, kind: int, first=0):
-        """cos / sin [b, 1, s, d] at each row's positions and the visibility of the t cached keys, key j
-        holding slot first + j (a full cache: 0; a ring read in slot order: start - its length): those
-        filled, unpadded and within the kind's window (padding, and slots before 0, are key segment -1)."""
-        new_slots = start + ops.arange(0, s, dtype=ms.int32)                       # [s]
-        positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
-        cos, sin = self.rope_at(kind, positions)
-        slots = first + ops.arange(0, t, dtype=ms.int32).reshape(1, t)
-        key_segments = ops.select(slots >= pad.reshape(b, 1), ops.zeros((b, t), ms.int32), ops.full((b, t), -1, dtype=ms.int32))
-        seen = visibility(new_slots - first, ops.zeros_like(new_slots), key_segments, self.window_of(kind))
-        return cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1), seen
+        """(cos, sin, visibility) of attention kind `kind` for a cached forward (CacheTables: key j holds slot
+        first + j)."""
+        cos, sin, seen = self.cached_tables(b, s, t, start, pad, self.inv_freq[kind], self.window_of(kind), first)
+        return self.rope_scaled(kind, cos, sin) + (seen,)
 
     @staticmethod
     def cache_write_slots(s: int, t: int, start):

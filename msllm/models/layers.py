@@ -108,6 +108,15 @@ class RMSNorm(nn.Cell):
         return cast(self.core(x, self.weight).reshape(shape), dtype)
 
 
+class ResidualNorm(nn.Cell):
+    """(x, delta, norm) -> (x + delta, norm(x + delta)): a residual stream's add and the norm of the sum (a block's
+    attention residual and its MLP's pre-norm). One Cell, so that a device can do both at once (msllm.backends)."""
+
+    def construct(self, x, delta, norm):
+        x = x + delta
+        return x, norm(x)
+
+
 class HeadNorm(RMSNorm):
     """RMSNorm over each head of a projection [rows, n*d] (Qwen3 / Gemma 3 q and k norms).
     `heads_axis`: normalise the [rows, n, d] view instead of [rows*n, d], the same maths, whose heads
@@ -231,6 +240,32 @@ def visibility(slots, query_segments, key_segments, window):
     core (msllm.kernels.FlashAttention), which never builds [s, t]. Whether rows share it is told by
     rank, not by a dimension's size, which may be dynamic."""
     return slots, query_segments, key_segments, window
+
+
+def rope_tables(positions, inv_freq):
+    """cos, sin [.., d] at int32 positions [..] of the inverse frequencies inv_freq [d / 2] (fp32, as HF: the angle
+    position * inv_freq rounded to fp32, then its cosine and sine)."""
+    freqs = positions.astype(ms.float32).reshape(positions.shape + (1,)) * inv_freq
+    angles = ops.concat((freqs, freqs), -1)
+    return ops.cos(angles), ops.sin(angles)
+
+
+class CacheTables(nn.Cell):
+    """A cached forward's rope tables and visibility: cos / sin [b, 1, s, d] at each row's positions and the
+    visibility of the t cached keys, key j holding slot first + j (a full cache: 0; a ring read in slot order:
+    start - its length), of b rows of s new tokens at slots start .. start+s-1, left-padded by pad [b]: those
+    keys filled, unpadded and within `window` (padding, and slots before 0, are key segment -1). One Cell, so
+    that a device can compute them at once (msllm.backends)."""
+
+    def construct(self, b: int, s: int, t: int, start, pad, inv_freq, window, first=0):
+        new_slots = start + ops.arange(0, s, dtype=ms.int32)                       # [s]
+        positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
+        cos, sin = rope_tables(positions, inv_freq)
+        slots = first + ops.arange(0, t, dtype=ms.int32).reshape(1, t)
+        key_segments = ops.select(slots >= pad.reshape(b, 1), ops.zeros((b, t), ms.int32),
+                                  ops.full((b, t), -1, dtype=ms.int32))
+        seen = visibility(new_slots - first, ops.zeros_like(new_slots), key_segments, window)
+        return cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1), seen
 
 
 def sees_segment(query_segments, key_segments):
@@ -413,6 +448,30 @@ class CacheWrite(nn.Cell):
                 ops.depend(cache_v, ops.scatter_nd_update(cache_v, places, cast(v, cache_v.dtype))))
 
 
+class Attend(nn.Cell):
+    """An attention layer's q, k, v projections [b*s, n*d] (q and k normed) -> (the core's output [b, nh, s, dv],
+    the keys and values it attended to [b, nkv, t, d]) through the layer's Cells `parts` = (rope, whole_kv,
+    cache_write, core): RoPE into heads, the other ranks' keys joined (context parallel), the new keys and values
+    written into the cache when one is given (`write`: see CacheWrite), the core. One Cell, so that a device can
+    run the chain at once (msllm.backends)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    def construct(self, parts, q, k, v, cos, sin, mask, cache_k=None, cache_v=None, write=None):
+        rope, whole_kv, cache_write, core = parts
+        q = rope(q, cos, sin)
+        if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: KV heads' rows
+            cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
+        k = rope(k, cos, sin)
+        v = split_heads(v, self.head_dim, cos.shape[-2])
+        k, v = whole_kv(k, v)
+        if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
+            k, v = cache_write(k, v, cache_k, cache_v, write)
+        return core(q, k, v, mask), k, v
+
+
 class SwiGLU(nn.Cell):
     """silu(gate) * up, with silu(g) = g * sigmoid(g) written out."""
 
@@ -460,6 +519,14 @@ def activation(cfg: ModelConfig) -> nn.Cell:
     return GeGLU() if cfg.mlp == "geglu_tanh" else SwiGLU()
 
 
+class ActivatedLinear(nn.Cell):
+    """(gate, up, act, linear) -> linear(act(gate, up)): a gated MLP's activation and down projection. One Cell, so
+    that a device can do both at once (msllm.backends)."""
+
+    def construct(self, gate, up, act, linear):
+        return linear(act(gate, up))
+
+
 class FeedForward(nn.Cell):
     """Gated MLP: w2(act(w1 x, w3 x)), act SwiGLU or GeGLU (ModelConfig.mlp)."""
 
@@ -472,10 +539,11 @@ class FeedForward(nn.Cell):
         self.activation = cfg.mlp  # which one, for the backends that swap in a fused kernel
         self.act = activation(cfg)
         self.project = Projections()
+        self.down = ActivatedLinear()  # w2 of the activation
 
     def construct(self, x):
         gate, up = self.project(x, (self.w1, self.w3))
-        return self.w2(self.act(gate, up))
+        return self.down(gate, up, self.act, self.w2)
 
 
 class CausalLMLoss(nn.Cell):

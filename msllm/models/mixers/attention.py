@@ -10,8 +10,8 @@ from __future__ import annotations
 from mindspore import nn, ops
 
 from msllm.config import ModelConfig
-from msllm.models.layers import (AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, Projections, RMSNorm, Rope,
-                                 SinkAttentionCore, split_heads)
+from msllm.models.layers import (Attend, AttentionCore, CacheWrite, HeadNorm, Linear, OwnKeys, Projections, RMSNorm,
+                                 Rope, SinkAttentionCore)
 
 
 def qk_norm(cfg: ModelConfig, width: int):
@@ -49,21 +49,16 @@ class Attention(nn.Cell):
         self.cache_write = CacheWrite()
         self.core = (SinkAttentionCore if cfg.attention_sinks else AttentionCore)(cfg.num_heads, cfg.num_kv_heads, d,
                                                                                   cfg.attn_scale)
+        self.attend = Attend(cfg.num_heads, cfg.num_kv_heads, d)  # rope, cache write and core of the projections
 
     def construct(self, x, cos, sin, mask, cache_k=None, cache_v=None, write=None):
         if self.wg is None:
             q, k, v = self.project(x, (self.wq, self.wk, self.wv))
         else:
             q, k, v, gate = self.project(x, (self.wq, self.wk, self.wv, self.wg))
-        q = self.rope(self.q_norm(q), cos, sin)
-        if cos.ndim == 4 and cos.shape[1] == self.num_heads != self.num_kv_heads:  # per-head tables: take the KV heads' rows
-            cos, sin = cos[:, :self.num_kv_heads], sin[:, :self.num_kv_heads]
-        k = self.rope(self.k_norm(k), cos, sin)
-        v = split_heads(v, self.head_dim, cos.shape[-2])
-        k, v = self.whole_kv(k, v)
-        if cache_k is not None:  # written at the slots of the new tokens; the other slots kept
-            k, v = self.cache_write(k, v, cache_k, cache_v, write)
-        out = self.core(q, k, v, mask).transpose(0, 2, 1, 3).reshape(-1, self.num_heads * self.head_dim)
+        out, k, v = self.attend((self.rope, self.whole_kv, self.cache_write, self.core), self.q_norm(q), self.k_norm(k),
+                                v, cos, sin, mask, cache_k, cache_v, write)
+        out = out.transpose(0, 2, 1, 3).reshape(-1, self.num_heads * self.head_dim)
         if self.wg is not None:
             out = out * ops.sigmoid(gate)
         return self.wo(out), k, v
