@@ -1,8 +1,12 @@
 """msllm's packed sgemm (msllm/kernels/sgemm.cc) against torch.matmul and MindSpore's MatMul on the training
 step's three GEMM forms at W1's shapes, alternated in one process (GFLOP/s, median of --rounds), and each one's
 largest error against float64 numpy (relative to the largest |result|).
+--linears: each W1 Linear as training runs it, in a compiled graph: layers.Linear with MindSpore's MatMul or
+kernels.PackedLinear, its forward alone and forward + backward (y, dx, dW), one Linear or two of one input (two
+GEMMs the runtime may run at once, as q and k), alternated; ms per call (best of the rounds) and process CPU.
 
     python tools/bench_gemm.py --threads 2
+    python tools/bench_gemm.py --linears --rounds 6
 """
 from __future__ import annotations
 
@@ -16,16 +20,20 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 import torch
+from mindspore import ParameterTuple, nn, ops
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench_matmul import Gemm  # noqa: E402
+from msllm import kernels  # noqa: E402
 from msllm.kernels import library  # noqa: E402
+from msllm.models import layers  # noqa: E402
 
 # (tokens, in, out, what): Y = X W^T with X [tokens, in], W [out, in]
 LINEARS = [
     (1024, 512, 512, "q/k/v/o"),
     (1024, 512, 256, "hybrid q/k"),
+    (1024, 512, 8, "hybrid b/a"),
     (1024, 512, 1376, "gate/up"),
     (1024, 1376, 512, "down"),
     (1024, 512, 4096, "lm head"),
@@ -59,14 +67,85 @@ def timed(fn, seconds_each: float = 0.3) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+class Linears(nn.Cell):
+    """`count` Linears of one input, each [d_out, d_in], through MatMul or PackedLinear."""
+
+    def __init__(self, d_in: int, d_out: int, count: int, packed: bool):
+        super().__init__()
+        self.linears = nn.CellList([layers.Linear(d_in, d_out) for _ in range(count)])
+        rng = np.random.default_rng(1)
+        for linear in self.linears:
+            linear.weight.set_data(ms.Tensor(rng.standard_normal((d_out, d_in), dtype=np.float32) * 0.05))
+            if packed:
+                linear.matmul = kernels.PackedLinear()
+
+    def construct(self, x):
+        return tuple(linear(x) for linear in self.linears)
+
+
+class Backward(nn.Cell):
+    """The Linears' forward and backward: dx and every dW for the given output gradients."""
+
+    def __init__(self, net: nn.Cell):
+        super().__init__()
+        self.net, self.params = net, ParameterTuple(net.trainable_params())
+        self.grad = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
+
+    def construct(self, x, dys):
+        return self.grad(self.net, self.params)(x, dys)
+
+
+def timed_cpu(fn, seconds_each: float = 0.25) -> tuple[float, float]:
+    """(wall, process CPU) seconds per call."""
+    fn()
+    calls, t0, c0 = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - t0 < seconds_each:
+        fn()
+        calls += 1
+    return (time.perf_counter() - t0) / calls, (time.process_time() - c0) / calls
+
+
+def linears_table(rounds: int) -> None:
+    print("| Linear | in x out | Linears | forward MatMul ms | forward Packed ms | ratio | train MatMul ms | "
+          "train Packed ms | ratio | train CPU ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for tokens, d_in, d_out, what in LINEARS:
+        for count in (1, 2):
+            rng = np.random.default_rng(0)
+            x = ms.Tensor(rng.standard_normal((tokens, d_in), dtype=np.float32))
+            dys = tuple(ms.Tensor(rng.standard_normal((tokens, d_out), dtype=np.float32)) for _ in range(count))
+            runs = {}
+            for packed in (False, True):
+                net = Linears(d_in, d_out, count, packed)
+                backward = Backward(net)
+                runs["forward", packed] = lambda net=net: [y.asnumpy() for y in net(x)]
+                runs["train", packed] = lambda b=backward: [g.asnumpy() for gs in b(x, dys) for g in gs]
+            times = {key: [] for key in runs}
+            for r in range(rounds):
+                for key in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+                    times[key].append(timed_cpu(runs[key]))
+            wall = {key: min(w for w, _ in t) * 1e3 for key, t in times.items()}
+            cpu = {key: statistics.median(c for _, c in t) for key, t in times.items()}
+            print(f"| {what} | {d_in}x{d_out} | {count} | {wall['forward', False]:.2f} | {wall['forward', True]:.2f} "
+                  f"| {wall['forward', False] / wall['forward', True]:.2f} | {wall['train', False]:.2f} "
+                  f"| {wall['train', True]:.2f} | {wall['train', False] / wall['train', True]:.2f} "
+                  f"| {cpu['train', False] / cpu['train', True]:.2f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--library", help="a .so with Sgemm (default: msllm's kernel library)")
+    p.add_argument("--linears", action="store_true", help="each Linear in a graph: MatMul vs PackedLinear")
     args = p.parse_args()
     ms.set_context(mode=ms.GRAPH_MODE, runtime_num_threads=args.threads)
     ms.set_device("CPU")
+    if args.linears:
+        print(f"threads {args.threads}; ms per call, best of {args.rounds} alternated rounds; ratios MatMul / Packed "
+              "(> 1: Packed faster); CPU: median process CPU time per call\n")
+        linears_table(args.rounds)
+        return
     torch.set_num_threads(args.threads)
     sgemm = sgemm_library(args.library)
     print(f"threads {args.threads}; GFLOP/s, median of {args.rounds} alternated rounds\n")
