@@ -151,6 +151,20 @@ print(rc, heavy)
 """
 
 
+def test_no_module_defines_a_name_twice():
+    """A second top-level def or class of one name silently replaces the first for every caller (a second
+    `rope_tables` once broke the layout oracle's, which only a 30-test file noticed)."""
+    twice = []
+    for name, (tree, _) in modules().items():
+        seen = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name in seen:
+                    twice.append(f"{name}.{node.name} (line {node.lineno})")
+                seen.add(node.name)
+    assert not twice, f"defined twice: {twice}"
+
+
 def test_config_loading_and_plan_import_neither_mindspore_nor_tokenizers():
     proc = subprocess.run([sys.executable, "-c", LIGHT], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -21,7 +21,7 @@ from mindspore import Tensor, nn, ops
 
 from msllm.config import CACHE_NAMES, ModelConfig
 from msllm.models.layers import (AdditiveMask, CacheTables, Embedding, FeedForward, Linear, OneRankMean, ResidualNorm,
-                                 RMSNorm, WholeSequence, cast, rope_attention_factor, rope_inv_freq, rope_tables,
+                                 RMSNorm, WholeSequence, cast, rope_attention_factor, rope_inv_freq, rope_rows,
                                  visibility)
 from msllm.models.mixers import build_mixer
 from msllm.models.moe import MoE
@@ -164,7 +164,7 @@ class Decoder(nn.Cell):
     def rope_at(self, kind: int, positions):
         """cos, sin [.., d] of attention kind `kind` at int32 positions [..] (fp32, as HF: the angle
         position * inv_freq rounded to fp32, then its cosine and sine)."""
-        cos, sin = rope_tables(positions, self.inv_freq[kind])
+        cos, sin = rope_rows(positions, self.inv_freq[kind])
         return self.rope_scaled(kind, cos, sin)
 
     def rope_scaled(self, kind: int, cos, sin):

@@ -242,7 +242,7 @@ def visibility(slots, query_segments, key_segments, window):
     return slots, query_segments, key_segments, window
 
 
-def rope_tables(positions, inv_freq):
+def rope_rows(positions, inv_freq):
     """cos, sin [.., d] at int32 positions [..] of the inverse frequencies inv_freq [d / 2] (fp32, as HF: the angle
     position * inv_freq rounded to fp32, then its cosine and sine)."""
     freqs = positions.astype(ms.float32).reshape(positions.shape + (1,)) * inv_freq
@@ -260,7 +260,7 @@ class CacheTables(nn.Cell):
     def construct(self, b: int, s: int, t: int, start, pad, inv_freq, window, first=0):
         new_slots = start + ops.arange(0, s, dtype=ms.int32)                       # [s]
         positions = ops.maximum(new_slots.reshape(1, s) - pad.reshape(b, 1), 0)    # [b, s], padding at 0
-        cos, sin = rope_tables(positions, inv_freq)
+        cos, sin = rope_rows(positions, inv_freq)
         slots = first + ops.arange(0, t, dtype=ms.int32).reshape(1, t)
         key_segments = ops.select(slots >= pad.reshape(b, 1), ops.zeros((b, t), ms.int32),
                                   ops.full((b, t), -1, dtype=ms.int32))
