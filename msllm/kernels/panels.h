@@ -18,7 +18,7 @@ constexpr int64_t kKc = 256;          // depth of a slice: a B micro-panel slice
 constexpr int64_t kMc = 144;          // rows of A per block: 144 KB packed (L2 512 KB)
 constexpr int64_t kNc = 512;          // columns per unit: enough units for two threads at W1's shapes
 constexpr int64_t kWholeA = 32768;    // floats of a packed A block (128 KB) that L2 holds whole: k in one slice
-constexpr int64_t kPackPanels = 4;   // B's panels per unit of packing
+constexpr int64_t kPackPanels = 4;    // B's panels per unit of packing: a row of B read 256 bytes at a time
 constexpr int64_t kAhead = 512;       // floats of B requested ahead of the micro-kernel (2 KB)
 
 struct Matrix {  // element (i, j) at data[i * rows + j * cols]
@@ -31,7 +31,8 @@ struct Matrix {  // element (i, j) at data[i * rows + j * cols]
 // r[q] becomes column q of the 8 x 8 block whose rows r held.
 inline void transpose8x8(__m256 r[8]) {
   __m256 t[8], s[8];
-  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 2)
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
   for (int i = 0; i < 8; i += 4) {
     s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
     s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
@@ -43,15 +44,12 @@ inline void transpose8x8(__m256 r[8]) {
 
 // Columns [j0, j0 + 16 count) of B's rows [0, k) into `count` panels [k][16] end to end, zeros past column n.
 inline void pack_b_panels(const Matrix &b, int64_t k, int64_t n, int64_t j0, int64_t count, float *panels) {
-  int64_t full = std::min(count, (n - j0) / kNr);  // panels of 16 columns of B
-  if (b.cols == 1) {  // rows contiguous: along each row (a panel's rows are a page or more apart), 16 at a time
-    for (int64_t p = 0; p < k; ++p)
-      for (int64_t q = 0; q < full; ++q)
-        std::memcpy(panels + (q * k + p) * kNr, b.data + p * b.rows + j0 + q * kNr, kNr * sizeof(float));
-  } else {
-    full = 0;
-  }
-  for (int64_t q = full; q < count; ++q) {
+  // rows contiguous: the whole panels along each row (one panel's rows are far apart), 16 floats at a time
+  const int64_t copied = b.cols == 1 ? std::min(count, (n - j0) / kNr) : 0;
+  for (int64_t p = 0; p < k; ++p)
+    for (int64_t q = 0; q < copied; ++q)
+      std::memcpy(panels + (q * k + p) * kNr, b.data + p * b.rows + j0 + q * kNr, kNr * sizeof(float));
+  for (int64_t q = copied; q < count; ++q) {
     float *panel = panels + q * k * kNr;
     const int64_t first = j0 + q * kNr, width = std::min(kNr, n - first);
     int64_t p = 0;
@@ -183,7 +181,7 @@ struct Gemm {
   int64_t chunks() const { return (panels + chunk_panels - 1) / chunk_panels; }
   int64_t tiles() const { return row_blocks * chunks(); }
 
-  // Panels [kPackPanels g, kPackPanels (g + 1)): groups, so that a row of B is read 256 bytes at a time.
+  // B's panels [kPackPanels g, kPackPanels (g + 1)).
   int64_t pack_groups() const { return (panels + kPackPanels - 1) / kPackPanels; }
   void pack_b(int64_t g) const {
     const int64_t j = g * kPackPanels;
