@@ -1,8 +1,8 @@
 """msllm's packed sgemm (msllm/kernels/sgemm.cc) against torch.matmul and MindSpore's MatMul on the training
 step's three GEMM forms at W1's shapes, alternated in one process (GFLOP/s, median of --rounds), and each one's
-largest error against float64 numpy (relative to the largest |result|). MatMul's CPU / wall: the cores it kept
-busy (MindSpore's MatMul does not keep to runtime_num_threads). --before: another build's Sgemm (e.g. main's
-library) alternated with this one's, its GFLOP/s and the after / before ratio.
+largest error against float64 numpy (relative to the largest |result|); MatMul's CPU / wall: the cores it kept
+busy. --before: another build's Sgemm (e.g. main's library) alternated with this one's, its GFLOP/s and the
+after / before ratio.
 --linears: each W1 Linear as training runs it, in a compiled graph: layers.Linear with MindSpore's MatMul or
 kernels.PackedLinear, its forward alone and forward + backward (y, dx, dW), one Linear or two of one input (two
 GEMMs the runtime may run at once, as q and k), alternated; ms per call (best of the rounds) and process CPU.
@@ -142,6 +142,8 @@ def main() -> None:
         linears_table(args.rounds)
         return
     torch.set_num_threads(args.threads)
+    # MatMul's own kernel threads: runtime_num_threads does not bound them (1 gave MatMul ~1.9 cores)
+    ms.device_context.cpu.op_tuning.threads_num(args.threads)
     sgemm = sgemm_library(args.library)
     before = sgemm_library(args.before) if args.before else None
     print(f"threads {args.threads}; GFLOP/s, median of {args.rounds} alternated rounds\n")
