@@ -1,11 +1,14 @@
 """msllm's packed sgemm (msllm/kernels/sgemm.cc) against torch.matmul and MindSpore's MatMul on the training
 step's three GEMM forms at W1's shapes, alternated in one process (GFLOP/s, median of --rounds), and each one's
-largest error against float64 numpy (relative to the largest |result|).
+largest error against float64 numpy (relative to the largest |result|); MatMul's CPU / wall: the cores it kept
+busy. --before: another build's Sgemm (e.g. main's library) alternated with this one's, its GFLOP/s and the
+after / before ratio.
 --linears: each W1 Linear as training runs it, in a compiled graph: layers.Linear with MindSpore's MatMul or
 kernels.PackedLinear, its forward alone and forward + backward (y, dx, dW), one Linear or two of one input (two
 GEMMs the runtime may run at once, as q and k), alternated; ms per call (best of the rounds) and process CPU.
 
     python tools/bench_gemm.py --threads 2
+    python tools/bench_gemm.py --threads 1 --before ~/.cache/msllm/kernels/cpu_kernels-<main's hash>.so
     python tools/bench_gemm.py --linears --rounds 6
 """
 from __future__ import annotations
@@ -56,15 +59,6 @@ def forms(tokens: int, d_in: int, d_out: int):
     w = rng.standard_normal((d_out, d_in), dtype=np.float32)
     dy = rng.standard_normal((tokens, d_out), dtype=np.float32)
     return [("forward", x, w, False, True), ("dx", dy, w, False, False), ("dW", dy, x, True, False)]
-
-
-def timed(fn, seconds_each: float = 0.3) -> float:
-    fn()
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds_each:
-        fn()
-        calls += 1
-    return (time.perf_counter() - t0) / calls
 
 
 class Linears(nn.Cell):
@@ -137,6 +131,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--library", help="a .so with Sgemm (default: msllm's kernel library)")
+    p.add_argument("--before", help="a second .so with Sgemm, timed alongside (after / before: > 1 this one faster)")
     p.add_argument("--linears", action="store_true", help="each Linear in a graph: MatMul vs PackedLinear")
     args = p.parse_args()
     ms.set_context(mode=ms.GRAPH_MODE, runtime_num_threads=args.threads)
@@ -147,10 +142,14 @@ def main() -> None:
         linears_table(args.rounds)
         return
     torch.set_num_threads(args.threads)
+    # MatMul's own kernel threads: runtime_num_threads does not bound them (1 gave MatMul ~1.9 cores)
+    ms.device_context.cpu.op_tuning.threads_num(args.threads)
     sgemm = sgemm_library(args.library)
+    before = sgemm_library(args.before) if args.before else None
     print(f"threads {args.threads}; GFLOP/s, median of {args.rounds} alternated rounds\n")
-    print("| GEMM | M x K x N | msllm sgemm | torch | MindSpore MatMul | sgemm / MatMul | sgemm err | torch err |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| GEMM | M x K x N | msllm sgemm | torch | MindSpore MatMul | sgemm / MatMul | MatMul CPU / wall "
+          "| sgemm err | torch err |" + (" sgemm before | after / before |" if before else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if before else ""))
     for tokens, d_in, d_out, what in LINEARS:
         for form, a, b, ta, tb in forms(tokens, d_in, d_out):
             op_a, op_b = (a.T if ta else a), (b.T if tb else b)
@@ -160,25 +159,30 @@ def main() -> None:
             a_rows, a_cols = (1, a.shape[1]) if ta else (a.shape[1], 1)
             b_rows, b_cols = (1, b.shape[1]) if tb else (b.shape[1], 1)
 
-            def run_sgemm():
-                sgemm(m, n, k, a.ctypes.data, a_rows, a_cols, b.ctypes.data, b_rows, b_cols, c.ctypes.data, n,
-                      args.threads)
+            def run_sgemm(fn=sgemm):
+                fn(m, n, k, a.ctypes.data, a_rows, a_cols, b.ctypes.data, b_rows, b_cols, c.ctypes.data, n,
+                   args.threads)
             ta_, tb_ = torch.from_numpy(op_a), torch.from_numpy(op_b)
             ms_fn, ms_a, ms_b = Gemm(ta, tb), ms.Tensor(a), ms.Tensor(b)
             variants = {"sgemm": run_sgemm, "torch": lambda: (ta_ @ tb_).numpy(),
                         "ms": lambda: ms_fn(ms_a, ms_b).asnumpy()}
+            if before:
+                variants["before"] = lambda: run_sgemm(before)
             times = {name: [] for name in variants}
-            for _ in range(args.rounds):
-                for name, fn in variants.items():
-                    times[name].append(timed(fn))
-            rate = {name: 2.0 * m * k * n / statistics.median(t) / 1e9 for name, t in times.items()}
+            for r in range(args.rounds):
+                for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
+                    times[name].append(timed_cpu(variants[name]))
+            rate = {name: 2.0 * m * k * n / statistics.median(w for w, _ in t) / 1e9 for name, t in times.items()}
+            ms_cores = statistics.median(c / w for w, c in times["ms"])
             exact = op_a.astype(np.float64) @ op_b.astype(np.float64)
             run_sgemm()
             scale = np.abs(exact).max()
             err_sgemm = np.abs(c - exact).max() / scale
             err_torch = np.abs((ta_ @ tb_).numpy() - exact).max() / scale
+            ab = f" {rate['before']:.0f} | {rate['sgemm'] / rate['before']:.3f} |" if before else ""
             print(f"| {what} {form} | {m}x{k}x{n} | {rate['sgemm']:.0f} | {rate['torch']:.0f} | {rate['ms']:.0f} "
-                  f"| {rate['sgemm'] / rate['ms']:.2f} | {err_sgemm:.1e} | {err_torch:.1e} |", flush=True)
+                  f"| {rate['sgemm'] / rate['ms']:.2f} | {ms_cores:.2f} | {err_sgemm:.1e} | {err_torch:.1e} |{ab}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -501,7 +501,7 @@ static void few_rows_block(const float *x, const float *w, float *y, int64_t m, 
 // the dot tiles above read them as they are.
 constexpr int64_t kPackedRows = 4;
 
-// A weight [n, k] packed as B = W^T's panels (pack_b_panel: [panel][j][16 outputs], outputs past n zero), 64-byte
+// A weight [n, k] packed as B = W^T's panels (pack_b_panels: [panel][j][16 outputs], outputs past n zero), 64-byte
 // aligned. `probe`: weight values at 16 spread places when packed, checked on each use, so a
 // weight rewritten at the same address (a test's new array) is repacked; the engine's prefill marks every
 // packed copy stale (ForgetPackedWeights), as a weight update may change values the probe does not see.
@@ -548,7 +548,7 @@ static std::shared_ptr<Panels> panels_of(const float *w, int64_t n, int64_t k) {
   held->stale = false;
   float *dst = held->data.get();
   parallel_for((n + kNr - 1) / kNr, [=](int64_t lo, int64_t hi, int) {
-    for (int64_t p = lo; p < hi; ++p) pack_b_panel(Matrix{w, 1, k}, k, n, p * kNr, dst + p * kNr * k);
+    pack_b_panels(Matrix{w, 1, k}, k, n, lo * kNr, hi - lo, dst + lo * kNr * k);
   }, 1);
   return held;
 }

@@ -18,6 +18,7 @@ constexpr int64_t kKc = 256;          // depth of a slice: a B micro-panel slice
 constexpr int64_t kMc = 144;          // rows of A per block: 144 KB packed (L2 512 KB)
 constexpr int64_t kNc = 512;          // columns per unit: enough units for two threads at W1's shapes
 constexpr int64_t kWholeA = 32768;    // floats of a packed A block (128 KB) that L2 holds whole: k in one slice
+constexpr int64_t kPackPanels = 4;    // B's panels per unit of packing: a row of B read 256 bytes at a time
 constexpr int64_t kAhead = 512;       // floats of B requested ahead of the micro-kernel (2 KB)
 
 struct Matrix {  // element (i, j) at data[i * rows + j * cols]
@@ -26,22 +27,69 @@ struct Matrix {  // element (i, j) at data[i * rows + j * cols]
   float at(int64_t i, int64_t j) const { return data[i * rows + j * cols]; }
 };
 
-// Columns [j0, j0 + 16) of B's rows [0, k) into panel[k][16], zeros past column n.
-inline void pack_b_panel(const Matrix &b, int64_t k, int64_t n, int64_t j0, float *panel) {
-  const int64_t width = std::min(kNr, n - j0);
-  if (b.cols == 1 && width == kNr) {  // rows contiguous: copy 16 at a time
-    for (int64_t p = 0; p < k; ++p) std::memcpy(panel + p * kNr, b.data + p * b.rows + j0, kNr * sizeof(float));
-    return;
+#if defined(__AVX2__) && defined(__FMA__)
+// r[q] becomes column q of the 8 x 8 block whose rows r held.
+inline void transpose8x8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2)
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
   }
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+}
+#endif
+
+// Columns [j0, j0 + 16 count) of B's rows [0, k) into `count` panels [k][16] end to end, zeros past column n.
+inline void pack_b_panels(const Matrix &b, int64_t k, int64_t n, int64_t j0, int64_t count, float *panels) {
+  // rows contiguous: the whole panels along each row (one panel's rows are far apart), 16 floats at a time
+  const int64_t copied = b.cols == 1 ? std::min(count, (n - j0) / kNr) : 0;
   for (int64_t p = 0; p < k; ++p)
-    for (int64_t j = 0; j < kNr; ++j) panel[p * kNr + j] = j < width ? b.at(p, j0 + j) : 0.f;
+    for (int64_t q = 0; q < copied; ++q)
+      std::memcpy(panels + (q * k + p) * kNr, b.data + p * b.rows + j0 + q * kNr, kNr * sizeof(float));
+  for (int64_t q = copied; q < count; ++q) {
+    float *panel = panels + q * k * kNr;
+    const int64_t first = j0 + q * kNr, width = std::min(kNr, n - first);
+    int64_t p = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (b.rows == 1 && width == kNr)  // columns contiguous (B = W^T): 8 x 8 blocks transposed
+      for (; p + 8 <= k; p += 8)
+        for (int64_t h = 0; h < kNr; h += 8) {
+          __m256 r[8];
+          for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(b.data + (first + h + j) * b.cols + p);
+          transpose8x8(r);
+          for (int i = 0; i < 8; ++i) _mm256_store_ps(panel + (p + i) * kNr + h, r[i]);
+        }
+#endif
+    for (; p < k; ++p)
+      for (int64_t j = 0; j < kNr; ++j) panel[p * kNr + j] = j < width ? b.at(p, first + j) : 0.f;
+  }
 }
 
 // Rows [i0, i0 + rows) x columns [p0, p0 + kc) of A into 6-row panels [kc][6], zeros past row m.
 inline void pack_a_block(const Matrix &a, int64_t m, int64_t i0, int64_t rows, int64_t p0, int64_t kc, float *block) {
   for (int64_t r0 = 0; r0 < rows; r0 += kMr, block += kc * kMr) {
     const int64_t height = std::min(kMr, m - i0 - r0);
-    for (int64_t p = 0; p < kc; ++p)
+    const float *first = a.data + (i0 + r0) * a.rows + p0 * a.cols;  // element (i0 + r0, p0)
+    int64_t p = 0;
+    if (height == kMr && a.rows == 1)  // a panel's 6 rows contiguous at each p
+      for (; p < kc; ++p) std::memcpy(block + p * kMr, first + p * a.cols, kMr * sizeof(float));
+#if defined(__AVX2__) && defined(__FMA__)
+    if (height == kMr && a.cols == 1)  // rows contiguous: 8 x 8 blocks (2 rows zero) transposed, 6 of each kept
+      for (; p + 8 <= kc; p += 8) {
+        __m256 r[8];
+        for (int i = 0; i < kMr; ++i) r[i] = _mm256_loadu_ps(first + i * a.rows + p);
+        r[6] = r[7] = _mm256_setzero_ps();
+        transpose8x8(r);
+        for (int q = 0; q < 8; ++q) {
+          _mm_storeu_ps(block + (p + q) * kMr, _mm256_castps256_ps128(r[q]));
+          _mm_storel_pi(reinterpret_cast<__m64 *>(block + (p + q) * kMr + 4), _mm256_extractf128_ps(r[q], 1));
+        }
+      }
+#endif
+    for (; p < kc; ++p)
       for (int64_t r = 0; r < kMr; ++r) block[p * kMr + r] = r < height ? a.at(i0 + r0 + r, p0 + p) : 0.f;
   }
 }
@@ -133,7 +181,12 @@ struct Gemm {
   int64_t chunks() const { return (panels + chunk_panels - 1) / chunk_panels; }
   int64_t tiles() const { return row_blocks * chunks(); }
 
-  void pack_b(int64_t j) const { pack_b_panel(b, k, n, j * kNr, packed_b + j * k * kNr); }
+  // B's panels [kPackPanels g, kPackPanels (g + 1)).
+  int64_t pack_groups() const { return (panels + kPackPanels - 1) / kPackPanels; }
+  void pack_b(int64_t g) const {
+    const int64_t j = g * kPackPanels;
+    pack_b_panels(b, k, n, j * kNr, std::min(kPackPanels, panels - j), packed_b + j * k * kNr);
+  }
 
   // A, one row block (m <= kMc), packed as compute reads it: block_rows * k floats.
   int64_t packed_a_size() const { return block_rows * k; }

@@ -7,15 +7,15 @@ namespace {
 
 // Runs independent GEMMs (a backward's dx and dW) as one list of units: two passes over the pool, not two each.
 void run_gemms(std::vector<Gemm> gemms, int threads) {
-  std::vector<int64_t> panels{0}, floats{0};  // panels (and packed B floats) before each GEMM's
+  std::vector<int64_t> groups{0}, floats{0};  // packing units (and packed B floats) before each GEMM's
   for (const Gemm &g : gemms) {
-    panels.push_back(panels.back() + g.panels);
+    groups.push_back(groups.back() + g.pack_groups());
     floats.push_back(floats.back() + g.panels * g.k * kNr);
   }
   thread_local std::vector<float> packed_b_buffer;
   float *packed = aligned_floats(packed_b_buffer, floats.back());
   for (size_t i = 0; i < gemms.size(); ++i) gemms[i].packed_b = packed + floats[i];
-  run_units(panels.back(), [&](int64_t u, int) { const size_t g = gemm_of(panels, u); gemms[g].pack_b(u - panels[g]); },
+  run_units(groups.back(), [&](int64_t u, int) { const size_t g = gemm_of(groups, u); gemms[g].pack_b(u - groups[g]); },
             threads);
   compute_gemms(gemms, threads);
 }
