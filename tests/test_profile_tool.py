@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 import types
+from collections import Counter
 
 import pytest
 
+from msllm.models import layers
+from msllm.models.decoder import build_model
 from tests.conftest import REPO
 
 TINY = "hidden=64,ffn=128,vocab=512,seq=32,batch=2,layers=2,heads=4,kv_heads=2"
@@ -154,3 +157,22 @@ def test_sched_placement_counts_wakeups_and_who_waited_behind_whom():
     assert r["shared_s"][("msllm_pool_1", "KernelThread_0")] == pytest.approx(0.003)
     assert r["ran_s"]["msllm_pool_1"] == pytest.approx(0.005)
     assert r["ran_s"]["KernelThread_0"] == pytest.approx(0.027)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_gemm_floor_lists_every_linear_of_the_w1_model(family):
+    """tools/bench_gemm.py --step times a W1 step's GEMMs from its own table: that table must be the model's
+    Linears (plus the head, tied or not), or the floor it reports is another model's."""
+    bench = bench_train()
+    import bench_gemm  # tools/, on the path bench_train() put it on
+    model = build_model(bench.model_config(dict(bench.WORKLOADS["W1"]), family))
+    linears = Counter(tuple(cell.weight.shape[::-1]) for _, cell in model.cells_and_names()
+                      if isinstance(cell, layers.Linear))
+    if model.output is None:
+        linears[tuple(model.tok_embeddings.weight.shape[::-1])] += 1
+    table = Counter()
+    for d_in, d_out, count in bench_gemm.STEP_LINEARS[family]:
+        table[d_in, d_out] += count
+    assert table == linears
+    attention_layers = sum(1 for _, cell in model.cells_and_names() if isinstance(cell, layers.AttentionCore))
+    assert bench_gemm.STEP_ATTENTION_LAYERS[family] == attention_layers

@@ -67,12 +67,31 @@ def batch(vocab: int, rows: int = 8, seq: int = 128, seed: int = 0):
     return tokens, mask, segments, positions(segments).astype(np.int32)
 
 
-def time_steps(step, steps: int, warmup: int) -> dict:
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def time_steps(step, steps: int, warmup: int, reset_peak: bool = False) -> dict:
+    """The first step's seconds (msllm: the compile), then after warm-up the median of `steps`.
+    reset_peak: also the RSS before the first step and the peak over warm-up, then the process's RSS high-water
+    mark reset (/proc/self/clear_refs 5) so that it and ru_maxrss cover the timed steps alone."""
+    setup = current_rss_mb()
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
     for _ in range(warmup - 1):
         step()
+    result = {"first_step_s": first}
+    if reset_peak:
+        result.update(warmup_peak_rss_mb=peak_rss_mb(), rss_before_mb=setup)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     times, cpu = [], []
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -80,8 +99,7 @@ def time_steps(step, steps: int, warmup: int) -> dict:
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     # cpu_s: the process's CPU seconds a step, which other processes' load inflates less than the wall time
-    return {"first_step_s": first, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
-            "step_times": times}
+    return {**result, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "step_times": times}
 
 
 def worker_msllm(args, vocab: int) -> dict:

@@ -21,48 +21,17 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_big_vocab import alternate, print_result, provenance, run_worker, save  # noqa: E402
+from bench_big_vocab import alternate, print_result, provenance, run_worker, save, time_steps  # noqa: E402
 
 SHAPES = {  # Qwen3.5's linear layers: 16 key heads of 128 (its 9B: 32 value heads; here as many as key heads)
     "qwen3.5": dict(hidden=2048, key_heads=16, value_heads=16, key_dim=128, value_dim=128, seq=16384),
     "tiny": dict(hidden=64, key_heads=2, value_heads=2, key_dim=16, value_dim=16, seq=256),
 }
-
-
-def current_rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
-
-
-def peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-
-
-def time_steps(step, steps: int, warmup: int) -> dict:
-    """The first step's seconds (msllm: the compile), then after warm-up the median of `steps`, with the
-    process's RSS high-water mark reset (/proc/self/clear_refs 5) so it and ru_maxrss cover those alone."""
-    setup = current_rss_mb()
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        step()
-    result = {"first_step_s": first, "warmup_peak_rss_mb": peak_rss_mb(), "rss_before_mb": setup}
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {**result, "step_s": statistics.median(times), "step_times": times}
 
 
 def worker_msllm(args, kernel: bool) -> dict:
@@ -104,7 +73,7 @@ def worker_msllm(args, kernel: bool) -> dict:
 
     loss = Loss()
     step = ms.jit(ops.value_and_grad(loss, grad_position=0, weights=loss.trainable_params()))
-    result = time_steps(lambda: step(x)[0].asnumpy(), args.steps, args.warmup)
+    result = time_steps(lambda: step(x)[0].asnumpy(), args.steps, args.warmup, reset_peak=True)
     result["msllm"] = str(Path(msllm.__file__).parents[1])
     return result
 
@@ -130,7 +99,7 @@ def worker_torch(args) -> dict:
         out.backward()
         return float(out)
 
-    return time_steps(step, args.steps, args.warmup)
+    return time_steps(step, args.steps, args.warmup, reset_peak=True)
 
 
 def spawn(variant: str, args) -> dict:

@@ -10,6 +10,11 @@ GEMMs the runtime may run at once, as q and k), alternated; ms per call (best of
     python tools/bench_gemm.py --threads 2
     python tools/bench_gemm.py --threads 1 --before ~/.cache/msllm/kernels/cpu_kernels-<main's hash>.so
     python tools/bench_gemm.py --linears --rounds 6
+--step llama|qwen3_5: a W1 train step's GEMM floor: every GEMM of the step (each Linear's forward, dx and dW; the
+attention layers' six batched products, counted at half for causality), each at the faster of sgemm and torch on
+--threads, back to back with nothing else running; their sum is what the step can not beat with these GEMMs.
+
+    python tools/bench_gemm.py --step llama --rounds 5
 """
 from __future__ import annotations
 
@@ -41,6 +46,17 @@ LINEARS = [
     (1024, 1376, 512, "down"),
     (1024, 512, 4096, "lm head"),
 ]
+
+
+# W1 (hidden 512, ffn 1376, vocab 4096, 4 x 256 tokens) Linears per train step: (in, out, count)
+STEP_LINEARS = {
+    "llama": [(512, 512, 4 * 4), (512, 1376, 2 * 4), (1376, 512, 4), (512, 4096, 1)],
+    # 3 Gated DeltaNet layers (q, k 4 x 64; v, z 8 x 64; b, a 8; out) + 1 gated attention layer (q, gate, k, v, o)
+    "qwen3_5": [(512, 256, 2 * 3), (512, 512, 3 * 3), (512, 8, 2 * 3), (512, 512, 5),
+                (512, 1376, 2 * 4), (1376, 512, 4), (512, 4096, 1)],
+}
+STEP_ATTENTION_LAYERS = {"llama": 4, "qwen3_5": 1}
+BATCH, SEQ, HEADS, HEAD_DIM = 4, 256, 8, 64
 
 
 def sgemm_library(path: str | None = None):
@@ -126,6 +142,80 @@ def linears_table(rounds: int) -> None:
                   f"| {cpu['train', False] / cpu['train', True]:.2f} |", flush=True)
 
 
+def step_gemms(family: str, sgemm, threads: int, rounds: int):
+    """Every GEMM of the step as (what, shape, count, {implementation: best seconds}, fastest function)."""
+    gemms = []
+    for d_in, d_out, count in STEP_LINEARS[family]:
+        for form, a, b, ta, tb in forms(BATCH * SEQ, d_in, d_out):
+            op_a, op_b = (a.T if ta else a), (b.T if tb else b)
+            m, k, n = op_a.shape[0], op_a.shape[1], op_b.shape[1]
+            c = np.empty((m, n), np.float32)
+            a_rows, a_cols = (1, a.shape[1]) if ta else (a.shape[1], 1)
+            b_rows, b_cols = (1, b.shape[1]) if tb else (b.shape[1], 1)
+            ta_, tb_ = torch.from_numpy(op_a), torch.from_numpy(op_b)
+            run = {"sgemm": lambda a=a, b=b, c=c, m=m, n=n, k=k, ar=a_rows, ac=a_cols, br=b_rows, bc=b_cols: sgemm(
+                       m, n, k, a.ctypes.data, ar, ac, b.ctypes.data, br, bc, c.ctypes.data, n, threads),
+                   "torch": lambda x=ta_, y=tb_: torch.matmul(x, y)}
+            best = {name: min(timed_cpu(fn)[0] for _ in range(rounds)) for name, fn in run.items()}
+            gemms.append((f"{d_in}x{d_out} {form}", f"{m}x{k}x{n}", count, best, run[min(best, key=best.get)],
+                          2.0 * m * k * n))
+    # attention's S = Q K^T, O = P V and their four gradients: torch.bmm, counted at half for causality
+    q, p = torch.randn(BATCH * HEADS, SEQ, HEAD_DIM), torch.randn(BATCH * HEADS, SEQ, SEQ)
+    for what, x, y, per_layer in (("Q K^T / dP", q, q.transpose(1, 2), 2), ("P V / dQ / dK / dV", p, q, 4)):
+        seconds = min(timed_cpu(lambda: torch.bmm(x, y))[0] for _ in range(rounds)) / 2
+        half = (x[: BATCH * HEADS // 2], y[: BATCH * HEADS // 2])
+        gemms.append((f"attention {what} (half)", f"{BATCH * HEADS}x{SEQ}x{HEAD_DIM}x{SEQ}",
+                      STEP_ATTENTION_LAYERS[family] * per_layer, {"torch": seconds},
+                      lambda h=half: torch.bmm(*h), 2.0 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 2))
+    return gemms
+
+
+def step_floor(family: str, sgemm, threads: int, rounds: int, against: str | None) -> None:
+    """The step's GEMMs, each at its faster implementation, back to back; with `against`, that pass alternated in
+    this process with the torch train step of the same model (eager or compile), so drift hits both alike."""
+    gemms = step_gemms(family, sgemm, threads, rounds)
+    print("| GEMM | M x K x N | per step | sgemm ms | torch ms | best ms x count |\n|---|---|---|---|---|---|")
+    for what, shape, count, best, _, _ in gemms:
+        cells = " | ".join(f"{best[name] * 1e3:.3f}" if name in best else "" for name in ("sgemm", "torch"))
+        print(f"| {what} | {shape} | {count} | {cells} | {min(best.values()) * count * 1e3:.1f} |")
+    flops = sum(count * f for _, _, count, _, _, f in gemms)
+    summed = sum(min(best.values()) * count for _, _, count, best, _, _ in gemms)
+    print(f"\nsum of the best GEMMs: {summed * 1e3:.0f} ms ({flops / 1e9:.1f} GFLOP, {flops / summed / 1e9:.0f} GFLOP/s)")
+
+    def floor_pass():
+        for _, _, count, _, fn, _ in gemms:
+            for _ in range(count):
+                fn()
+    sides = {"GEMM floor": floor_pass}
+    if against:
+        import bench_train
+        w = dict(bench_train.WORKLOADS["W1"])
+        if against == "msllm":
+            step, batch = bench_train.msllm_train_step(w, threads=threads, family=family)
+            sides["msllm"] = lambda: step(batch)[0].asnumpy()
+        else:
+            sides[f"torch {against}"] = bench_train.torch_train_step(w, family, compile_=against == "compile",
+                                                                     threads=threads)
+    times = {name: [] for name in sides}
+    for fn in sides.values():
+        for _ in range(3):
+            fn()
+    for r in range(rounds):
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+            for _ in range(4):
+                t0 = time.perf_counter()
+                sides[name]()
+                times[name].append(time.perf_counter() - t0)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(f"alternated in one process, {rounds} rounds x 4: " + ", ".join(
+        f"{name} {s * 1e3:.0f} ms ({BATCH * SEQ / s:,.0f} tokens/s)" for name, s in median.items()))
+    if against:
+        name = list(sides)[1]
+        ratio = median[name] / median["GEMM floor"]
+        print(f"{name}'s step / the GEMM floor: **{ratio:.2f}**; a step 1.25x {name} would be {ratio / 1.25:.2f}x the "
+              f"floor, 1.5x {ratio / 1.5:.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -133,6 +223,9 @@ def main() -> None:
     p.add_argument("--library", help="a .so with Sgemm (default: msllm's kernel library)")
     p.add_argument("--before", help="a second .so with Sgemm, timed alongside (after / before: > 1 this one faster)")
     p.add_argument("--linears", action="store_true", help="each Linear in a graph: MatMul vs PackedLinear")
+    p.add_argument("--step", choices=list(STEP_LINEARS), help="a W1 train step's GEMM floor")
+    p.add_argument("--against", choices=["eager", "compile", "msllm"],
+                   help="--step: alternate the floor with this train step (torch eager, torch.compile, msllm GRAPH)")
     args = p.parse_args()
     ms.set_context(mode=ms.GRAPH_MODE, runtime_num_threads=args.threads)
     ms.set_device("CPU")
@@ -145,6 +238,10 @@ def main() -> None:
     # MatMul's own kernel threads: runtime_num_threads does not bound them (1 gave MatMul ~1.9 cores)
     ms.device_context.cpu.op_tuning.threads_num(args.threads)
     sgemm = sgemm_library(args.library)
+    if args.step:
+        print(f"W1 {args.step} train step, threads {args.threads}, best of {args.rounds} rounds\n")
+        step_floor(args.step, sgemm, args.threads, args.rounds, args.against)
+        return
     before = sgemm_library(args.before) if args.before else None
     print(f"threads {args.threads}; GFLOP/s, median of {args.rounds} alternated rounds\n")
     print("| GEMM | M x K x N | msllm sgemm | torch | MindSpore MatMul | sgemm / MatMul | MatMul CPU / wall "

@@ -211,15 +211,17 @@ def hf_model(w: dict, family: str = "llama", attention: str = "sdpa"):
     return getattr(transformers, FAMILIES[family][1])(config)
 
 
-def worker_torch(w: dict, args) -> dict:
+def torch_train_step(w: dict, family: str = "llama", attention: str = "sdpa", compile_: bool = False,
+                     threads: int = 0):
+    """The benchmarked torch step on workload w (HF model, AdamW, clip 1.0), eager or torch.compile'd."""
     import torch
-    torch.set_num_threads(args.threads or os.cpu_count())
+    torch.set_num_threads(threads or os.cpu_count())
     torch.manual_seed(0)
-    model = hf_model(w, args.family, args.torch_attention)
+    model = hf_model(w, family, attention)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.from_numpy(tokens(w)).long()
-    forward = torch.compile(model) if args.compile else model
+    forward = torch.compile(model) if compile_ else model
 
     def step():
         logits = forward(batch[:, :-1]).logits
@@ -230,6 +232,11 @@ def worker_torch(w: dict, args) -> dict:
         opt.step()
         return float(loss)
 
+    return step
+
+
+def worker_torch(w: dict, args) -> dict:
+    step = torch_train_step(w, args.family, args.torch_attention, args.compile, args.threads)
     return time_steps(step, args.steps, args.warmup)
 
 
