@@ -12,9 +12,11 @@ GEMMs the runtime may run at once, as q and k), alternated; ms per call (best of
     python tools/bench_gemm.py --linears --rounds 6
 --step llama|qwen3_5: a W1 train step's GEMM floor: every GEMM of the step (each Linear's forward, dx and dW; the
 attention layers' six batched products, counted at half for causality), each at the faster of sgemm and torch on
---threads, back to back with nothing else running; their sum is what the step can not beat with these GEMMs.
+--threads, back to back with nothing else running: what the step can not beat with these GEMMs. --against
+alternates that floor, in one process, with msllm's and / or torch's train step of the same model, so that the
+machine's drift hits every side alike.
 
-    python tools/bench_gemm.py --step llama --rounds 5
+    python tools/bench_gemm.py --step llama --rounds 6 --against msllm,compile
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from mindspore import ParameterTuple, nn, ops
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import bench_train  # noqa: E402
 from bench_matmul import Gemm  # noqa: E402
 from msllm import kernels  # noqa: E402
 from msllm.kernels import library  # noqa: E402
@@ -170,9 +173,9 @@ def step_gemms(family: str, sgemm, threads: int, rounds: int):
     return gemms
 
 
-def step_floor(family: str, sgemm, threads: int, rounds: int, against: str | None) -> None:
+def step_floor(family: str, sgemm, threads: int, rounds: int, against: list[str]) -> None:
     """The step's GEMMs, each at its faster implementation, back to back; with `against`, that pass alternated in
-    this process with the torch train step of the same model (eager or compile), so drift hits both alike."""
+    this process with those train steps of the same model (msllm, torch eager or compile), so drift hits all alike."""
     gemms = step_gemms(family, sgemm, threads, rounds)
     print("| GEMM | M x K x N | per step | sgemm ms | torch ms | best ms x count |\n|---|---|---|---|---|---|")
     for what, shape, count, best, _, _ in gemms:
@@ -187,15 +190,14 @@ def step_floor(family: str, sgemm, threads: int, rounds: int, against: str | Non
             for _ in range(count):
                 fn()
     sides = {"GEMM floor": floor_pass}
-    if against:
-        import bench_train
-        w = dict(bench_train.WORKLOADS["W1"])
-        if against == "msllm":
+    w = dict(bench_train.WORKLOADS["W1"])
+    for name in against:
+        if name == "msllm":
             step, batch = bench_train.msllm_train_step(w, threads=threads, family=family)
             sides["msllm"] = lambda: step(batch)[0].asnumpy()
         else:
-            sides[f"torch {against}"] = bench_train.torch_train_step(w, family, compile_=against == "compile",
-                                                                     threads=threads)
+            sides[f"torch {name}"] = bench_train.torch_train_step(w, family, compile_=name == "compile",
+                                                                  threads=threads)
     times = {name: [] for name in sides}
     for fn in sides.values():
         for _ in range(3):
@@ -209,11 +211,13 @@ def step_floor(family: str, sgemm, threads: int, rounds: int, against: str | Non
     median = {name: statistics.median(t) for name, t in times.items()}
     print(f"alternated in one process, {rounds} rounds x 4: " + ", ".join(
         f"{name} {s * 1e3:.0f} ms ({BATCH * SEQ / s:,.0f} tokens/s)" for name, s in median.items()))
-    if against:
-        name = list(sides)[1]
+    for name in list(sides)[1:]:
         ratio = median[name] / median["GEMM floor"]
         print(f"{name}'s step / the GEMM floor: **{ratio:.2f}**; a step 1.25x {name} would be {ratio / 1.25:.2f}x the "
               f"floor, 1.5x {ratio / 1.5:.2f}x")
+    if "msllm" in sides:
+        for name in list(sides)[2:]:
+            print(f"msllm vs {name}, same process: **{median[name] / median['msllm']:.2f}x**")
 
 
 def main() -> None:
@@ -224,8 +228,8 @@ def main() -> None:
     p.add_argument("--before", help="a second .so with Sgemm, timed alongside (after / before: > 1 this one faster)")
     p.add_argument("--linears", action="store_true", help="each Linear in a graph: MatMul vs PackedLinear")
     p.add_argument("--step", choices=list(STEP_LINEARS), help="a W1 train step's GEMM floor")
-    p.add_argument("--against", choices=["eager", "compile", "msllm"],
-                   help="--step: alternate the floor with this train step (torch eager, torch.compile, msllm GRAPH)")
+    p.add_argument("--against", default="", help="--step: comma list of train steps alternated with the floor in one "
+                   "process: msllm (GRAPH), eager, compile (torch)")
     args = p.parse_args()
     ms.set_context(mode=ms.GRAPH_MODE, runtime_num_threads=args.threads)
     ms.set_device("CPU")
@@ -240,7 +244,7 @@ def main() -> None:
     sgemm = sgemm_library(args.library)
     if args.step:
         print(f"W1 {args.step} train step, threads {args.threads}, best of {args.rounds} rounds\n")
-        step_floor(args.step, sgemm, args.threads, args.rounds, args.against)
+        step_floor(args.step, sgemm, args.threads, args.rounds, [a for a in args.against.split(",") if a])
         return
     before = sgemm_library(args.before) if args.before else None
     print(f"threads {args.threads}; GFLOP/s, median of {args.rounds} alternated rounds\n")
