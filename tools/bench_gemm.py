@@ -216,7 +216,7 @@ def step_floor(family: str, sgemm, threads: int, rounds: int, against: list[str]
         print(f"{name}'s step / the GEMM floor: **{ratio:.2f}**; a step 1.25x {name} would be {ratio / 1.25:.2f}x the "
               f"floor, 1.5x {ratio / 1.5:.2f}x")
     if "msllm" in sides:
-        for name in list(sides)[2:]:
+        for name in [name for name in list(sides)[1:] if name != "msllm"]:
             print(f"msllm vs {name}, same process: **{median[name] / median['msllm']:.2f}x**")
 
 
