@@ -10,9 +10,9 @@ GEMMs the runtime may run at once, as q and k), alternated; ms per call (best of
     python tools/bench_gemm.py --threads 2
     python tools/bench_gemm.py --threads 1 --before ~/.cache/msllm/kernels/cpu_kernels-<main's hash>.so
     python tools/bench_gemm.py --linears --rounds 6
---step llama|qwen3_5: a W1 train step's GEMM floor: every GEMM of the step (each Linear's forward, dx and dW; the
-attention layers' six batched products, counted at half for causality), each at the faster of sgemm and torch on
---threads, back to back with nothing else running: what the step can not beat with these GEMMs. --against
+--step llama|qwen3_5: a W1 train step's GEMM floor: every GEMM of the step (each Linear's forward, dx and dW by
+sgemm; the attention layers' six batched products by torch, counted at half for causality) on --threads, back to
+back with nothing else running: what the step can not beat with these GEMMs. The table also times torch's GEMMs. --against
 alternates that floor, in one process, with msllm's and / or torch's train step of the same model, so that the
 machine's drift hits every side alike.
 
@@ -146,8 +146,19 @@ def linears_table(rounds: int) -> None:
 
 
 def step_gemms(family: str, sgemm, threads: int, rounds: int):
-    """Every GEMM of the step as (what, shape, count, {implementation: best seconds}, fastest function)."""
+    """Every GEMM of the step as (what, shape, count, {implementation: best seconds}, function for the floor pass):
+    attention's batched products first, by torch, then the Linears' GEMMs by sgemm. The pass mixes no torch GEMM
+    into the sgemm ones: torch's OpenMP threads spin after each of its calls and would slow the sgemm calls that
+    follow (a mixed pass ran 12-24 % above the sum of its parts)."""
     gemms = []
+    # attention's S = Q K^T, O = P V and their four gradients: torch.bmm, counted at half for causality
+    q, p = torch.randn(BATCH * HEADS, SEQ, HEAD_DIM), torch.randn(BATCH * HEADS, SEQ, SEQ)
+    for what, x, y, per_layer in (("Q K^T / dP", q, q.transpose(1, 2), 2), ("P V / dQ / dK / dV", p, q, 4)):
+        seconds = min(timed_cpu(lambda: torch.bmm(x, y))[0] for _ in range(rounds)) / 2
+        half = (x[: BATCH * HEADS // 2], y[: BATCH * HEADS // 2])
+        gemms.append((f"attention {what} (half)", f"{BATCH * HEADS}x{SEQ}x{HEAD_DIM}x{SEQ}",
+                      STEP_ATTENTION_LAYERS[family] * per_layer, {"torch": seconds},
+                      lambda h=half: torch.bmm(*h), 2.0 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 2))
     for d_in, d_out, count in STEP_LINEARS[family]:
         for form, a, b, ta, tb in forms(BATCH * SEQ, d_in, d_out):
             op_a, op_b = (a.T if ta else a), (b.T if tb else b)
@@ -160,22 +171,13 @@ def step_gemms(family: str, sgemm, threads: int, rounds: int):
                        m, n, k, a.ctypes.data, ar, ac, b.ctypes.data, br, bc, c.ctypes.data, n, threads),
                    "torch": lambda x=ta_, y=tb_: torch.matmul(x, y)}
             best = {name: min(timed_cpu(fn)[0] for _ in range(rounds)) for name, fn in run.items()}
-            gemms.append((f"{d_in}x{d_out} {form}", f"{m}x{k}x{n}", count, best, run[min(best, key=best.get)],
-                          2.0 * m * k * n))
-    # attention's S = Q K^T, O = P V and their four gradients: torch.bmm, counted at half for causality
-    q, p = torch.randn(BATCH * HEADS, SEQ, HEAD_DIM), torch.randn(BATCH * HEADS, SEQ, SEQ)
-    for what, x, y, per_layer in (("Q K^T / dP", q, q.transpose(1, 2), 2), ("P V / dQ / dK / dV", p, q, 4)):
-        seconds = min(timed_cpu(lambda: torch.bmm(x, y))[0] for _ in range(rounds)) / 2
-        half = (x[: BATCH * HEADS // 2], y[: BATCH * HEADS // 2])
-        gemms.append((f"attention {what} (half)", f"{BATCH * HEADS}x{SEQ}x{HEAD_DIM}x{SEQ}",
-                      STEP_ATTENTION_LAYERS[family] * per_layer, {"torch": seconds},
-                      lambda h=half: torch.bmm(*h), 2.0 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 2))
+            gemms.append((f"{d_in}x{d_out} {form}", f"{m}x{k}x{n}", count, best, run["sgemm"], 2.0 * m * k * n))
     return gemms
 
 
 def step_floor(family: str, sgemm, threads: int, rounds: int, against: list[str]) -> None:
-    """The step's GEMMs, each at its faster implementation, back to back; with `against`, that pass alternated in
-    this process with those train steps of the same model (msllm, torch eager or compile), so drift hits all alike."""
+    """The step's GEMMs back to back (step_gemms); with `against`, that pass alternated in this process with those
+    train steps of the same model (msllm, torch eager or compile), so drift hits all alike."""
     gemms = step_gemms(family, sgemm, threads, rounds)
     print("| GEMM | M x K x N | per step | sgemm ms | torch ms | best ms x count |\n|---|---|---|---|---|---|")
     for what, shape, count, best, _, _ in gemms:
@@ -183,7 +185,9 @@ def step_floor(family: str, sgemm, threads: int, rounds: int, against: list[str]
         print(f"| {what} | {shape} | {count} | {cells} | {min(best.values()) * count * 1e3:.1f} |")
     flops = sum(count * f for _, _, count, _, _, f in gemms)
     summed = sum(min(best.values()) * count for _, _, count, best, _, _ in gemms)
-    print(f"\nsum of the best GEMMs: {summed * 1e3:.0f} ms ({flops / 1e9:.1f} GFLOP, {flops / summed / 1e9:.0f} GFLOP/s)")
+    passed = sum(best.get("sgemm", best.get("torch")) * count for _, _, count, best, _, _ in gemms)
+    print(f"\nsum of the best GEMMs: {summed * 1e3:.0f} ms ({flops / 1e9:.1f} GFLOP, {flops / summed / 1e9:.0f} GFLOP/s); "
+          f"of the floor pass's (sgemm; attention torch): {passed * 1e3:.0f} ms")
 
     def floor_pass():
         for _, _, count, _, fn, _ in gemms:
