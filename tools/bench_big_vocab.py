@@ -81,7 +81,7 @@ def time_steps(step, steps: int, warmup: int, reset_peak: bool = False) -> dict:
     """The first step's seconds (msllm: the compile), then after warm-up the median of `steps`.
     reset_peak: also the RSS before the first step and the peak over warm-up, then the process's RSS high-water
     mark reset (/proc/self/clear_refs 5) so that it and ru_maxrss cover the timed steps alone."""
-    setup = current_rss_mb()
+    setup = current_rss_mb() if reset_peak else None
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0

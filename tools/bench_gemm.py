@@ -12,9 +12,9 @@ GEMMs the runtime may run at once, as q and k), alternated; ms per call (best of
     python tools/bench_gemm.py --linears --rounds 6
 --step llama|qwen3_5: a W1 train step's GEMM floor: every GEMM of the step (each Linear's forward, dx and dW by
 sgemm; the attention layers' six batched products by torch, counted at half for causality) on --threads, back to
-back with nothing else running: what the step can not beat with these GEMMs. The table also times torch's GEMMs. --against
-alternates that floor, in one process, with msllm's and / or torch's train step of the same model, so that the
-machine's drift hits every side alike.
+back with nothing else running: what the step can not beat with these GEMMs. The table also times torch's GEMMs.
+--against alternates that floor, in one process, with msllm's and / or torch's train step of the same model, so
+that the machine's drift hits every side alike.
 
     python tools/bench_gemm.py --step llama --rounds 6 --against msllm,compile
 """
@@ -186,8 +186,8 @@ def step_floor(family: str, sgemm, threads: int, rounds: int, against: list[str]
     flops = sum(count * f for _, _, count, _, _, f in gemms)
     summed = sum(min(best.values()) * count for _, _, count, best, _, _ in gemms)
     passed = sum(best.get("sgemm", best.get("torch")) * count for _, _, count, best, _, _ in gemms)
-    print(f"\nsum of the best GEMMs: {summed * 1e3:.0f} ms ({flops / 1e9:.1f} GFLOP, {flops / summed / 1e9:.0f} GFLOP/s); "
-          f"of the floor pass's (sgemm; attention torch): {passed * 1e3:.0f} ms")
+    print(f"\nsum of the best GEMMs: {summed * 1e3:.0f} ms ({flops / 1e9:.1f} GFLOP, "
+          f"{flops / summed / 1e9:.0f} GFLOP/s); of the floor pass's (sgemm; attention torch): {passed * 1e3:.0f} ms")
 
     def floor_pass():
         for _, _, count, _, fn, _ in gemms:
