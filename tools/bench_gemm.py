@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import mindspore as ms
 import numpy as np
@@ -145,9 +146,20 @@ def linears_table(rounds: int) -> None:
                   f"| {cpu['train', False] / cpu['train', True]:.2f} |", flush=True)
 
 
-def step_gemms(family: str, sgemm, threads: int, rounds: int):
-    """Every GEMM of the step as (what, shape, count, {implementation: best seconds}, function for the floor pass):
-    attention's batched products first, by torch, then the Linears' GEMMs by sgemm. The pass mixes no torch GEMM
+class StepGemm(NamedTuple):
+    """A GEMM of the step: `count` calls a step, each implementation's best seconds, and the floor pass's call."""
+    what: str
+    shape: str
+    count: int
+    best: dict
+    floor_by: str  # the implementation the floor pass calls
+    run: Callable
+    flops: float
+
+
+def step_gemms(family: str, sgemm, threads: int, rounds: int) -> list[StepGemm]:
+    """Every GEMM of the step: attention's batched products first, by torch, then the Linears' GEMMs by sgemm
+    (as the floor pass calls them; the table also times torch's Linear GEMMs). The pass mixes no torch GEMM
     into the sgemm ones: torch's OpenMP threads spin after each of its calls and would slow the sgemm calls that
     follow (a mixed pass ran 12-24 % above the sum of its parts)."""
     gemms = []
@@ -156,9 +168,9 @@ def step_gemms(family: str, sgemm, threads: int, rounds: int):
     for what, x, y, per_layer in (("Q K^T / dP", q, q.transpose(1, 2), 2), ("P V / dQ / dK / dV", p, q, 4)):
         seconds = min(timed_cpu(lambda: torch.bmm(x, y))[0] for _ in range(rounds)) / 2
         half = (x[: BATCH * HEADS // 2], y[: BATCH * HEADS // 2])
-        gemms.append((f"attention {what} (half)", f"{BATCH * HEADS}x{SEQ}x{HEAD_DIM}x{SEQ}",
-                      STEP_ATTENTION_LAYERS[family] * per_layer, {"torch": seconds},
-                      lambda h=half: torch.bmm(*h), 2.0 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 2))
+        gemms.append(StepGemm(f"attention {what} (half)", f"{BATCH * HEADS}x{SEQ}x{HEAD_DIM}x{SEQ}",
+                              STEP_ATTENTION_LAYERS[family] * per_layer, {"torch": seconds}, "torch",
+                              lambda h=half: torch.bmm(*h), 2.0 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 2))
     for d_in, d_out, count in STEP_LINEARS[family]:
         for form, a, b, ta, tb in forms(BATCH * SEQ, d_in, d_out):
             op_a, op_b = (a.T if ta else a), (b.T if tb else b)
@@ -171,7 +183,8 @@ def step_gemms(family: str, sgemm, threads: int, rounds: int):
                        m, n, k, a.ctypes.data, ar, ac, b.ctypes.data, br, bc, c.ctypes.data, n, threads),
                    "torch": lambda x=ta_, y=tb_: torch.matmul(x, y)}
             best = {name: min(timed_cpu(fn)[0] for _ in range(rounds)) for name, fn in run.items()}
-            gemms.append((f"{d_in}x{d_out} {form}", f"{m}x{k}x{n}", count, best, run["sgemm"], 2.0 * m * k * n))
+            gemms.append(StepGemm(f"{d_in}x{d_out} {form}", f"{m}x{k}x{n}", count, best, "sgemm", run["sgemm"],
+                                  2.0 * m * k * n))
     return gemms
 
 
@@ -180,19 +193,19 @@ def step_floor(family: str, sgemm, threads: int, rounds: int, against: list[str]
     train steps of the same model (msllm, torch eager or compile), so drift hits all alike."""
     gemms = step_gemms(family, sgemm, threads, rounds)
     print("| GEMM | M x K x N | per step | sgemm ms | torch ms | best ms x count |\n|---|---|---|---|---|---|")
-    for what, shape, count, best, _, _ in gemms:
-        cells = " | ".join(f"{best[name] * 1e3:.3f}" if name in best else "" for name in ("sgemm", "torch"))
-        print(f"| {what} | {shape} | {count} | {cells} | {min(best.values()) * count * 1e3:.1f} |")
-    flops = sum(count * f for _, _, count, _, _, f in gemms)
-    summed = sum(min(best.values()) * count for _, _, count, best, _, _ in gemms)
-    passed = sum(best.get("sgemm", best.get("torch")) * count for _, _, count, best, _, _ in gemms)
+    for g in gemms:
+        cells = " | ".join(f"{g.best[name] * 1e3:.3f}" if name in g.best else "" for name in ("sgemm", "torch"))
+        print(f"| {g.what} | {g.shape} | {g.count} | {cells} | {min(g.best.values()) * g.count * 1e3:.1f} |")
+    flops = sum(g.count * g.flops for g in gemms)
+    summed = sum(min(g.best.values()) * g.count for g in gemms)
+    passed = sum(g.best[g.floor_by] * g.count for g in gemms)
     print(f"\nsum of the best GEMMs: {summed * 1e3:.0f} ms ({flops / 1e9:.1f} GFLOP, "
           f"{flops / summed / 1e9:.0f} GFLOP/s); of the floor pass's (sgemm; attention torch): {passed * 1e3:.0f} ms")
 
     def floor_pass():
-        for _, _, count, _, fn, _ in gemms:
-            for _ in range(count):
-                fn()
+        for g in gemms:
+            for _ in range(g.count):
+                g.run()
     sides = {"GEMM floor": floor_pass}
     w = dict(bench_train.WORKLOADS["W1"])
     for name in against:
