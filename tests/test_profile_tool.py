@@ -72,6 +72,43 @@ def test_threads_report_accounts_for_the_process_cpu(tmp_path):
     assert 0.5 * r["process_cpu_ms_per_step"] <= threads_cpu <= 1.2 * r["process_cpu_ms_per_step"] + 1
     assert len(r["wall_ms"]) == 3 and all(t["cpus"] for t in r["threads"])
 
+def profile_step_module():
+    sys.path.insert(0, str(REPO / "tools"))
+    import profile_step
+    return profile_step
+
+
+def test_gemm_rows_from_onednn_verbose_lines():
+    """--gemms' parser on oneDNN 3.10's own lines (captured from a W1 step): matmul `exec` lines grouped by
+    layouts and dims, other lines skipped, times per call and per step, FLOPs with the batch."""
+    src = "src:f32::blocked:{} wei:f32::blocked:{} dst:f32::blocked:{}"
+    line = "onednn_verbose,v1,primitive,exec,cpu,matmul,gemm:jit:f32,undef,{},,,{},{}"
+    lines = ["onednn_verbose,v1,info,cpu,runtime:threadpool,nthr:2",
+             line.format(src.format("ab::f0", "ba::f0", "ab::f0"), "1024x512:512x512", "7.75415"),
+             line.format(src.format("ab::f0", "ba::f0", "ab::f0"), "1024x512:512x512", "5.95386"),
+             line.format(src.format("ba::f0", "ab::f0", "ab::f0"), "512x1024:1024x512", "5.5"),
+             line.format(src.format("abc::f0", "acb::f0", "abc::f0"), "32x256x64:32x64x256", "2.28589"),
+             line.replace("matmul", "reorder").format(src.format("ab::f0", "ba::f0", "ab::f0"), "4x4", "0.1")]
+    rows = {(r["dims"], r["layouts"]): r for r in profile_step_module().gemm_rows(lines, steps=2)}
+    assert set(rows) == {("1024x512:512x512", "ab ba"), ("512x1024:1024x512", "ba ab"),
+                         ("32x256x64:32x64x256", "abc acb")}
+    forward = rows["1024x512:512x512", "ab ba"]
+    assert forward["calls_per_step"] == 1 and forward["ms_per_step"] == pytest.approx((7.75415 + 5.95386) / 2)
+    assert forward["gflops"] == pytest.approx(2 * 1024 * 512 * 512 / 6.854005e-3 / 1e9)
+    assert rows["32x256x64:32x64x256", "abc acb"]["gflops"] == pytest.approx(2 * 32 * 256 * 64 * 256 / 2.28589e-3 / 1e9)
+    assert rows["512x1024:1024x512", "ba ab"]["calls_per_step"] == 0.5
+
+
+@pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
+def test_gemm_profile_sees_every_matmul_of_the_step(tmp_path):
+    r = run_tool(tmp_path, "--gemms", "--steps", "2", "--warmup", "1")
+    calls = Counter()
+    for g in r["gemms"]:
+        calls["batched" if g["dims"].count("x") == 4 else "2-d"] += g["calls_per_step"]
+    assert calls == {"2-d": MATMULS, "batched": BATCH_MATMULS}  # every MatMul and BatchMatMul goes to oneDNN
+    assert r["gemm_ms_per_step"] == pytest.approx(sum(g["ms_per_step"] for g in r["gemms"]))
+
+
 @pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
 def test_compile_profile_splits_the_compile(tmp_path):
     r = run_tool(tmp_path / "shared", "--compile", "--block-graph", "shared")

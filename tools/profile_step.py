@@ -8,6 +8,9 @@ msllm's kernel pool msllm_pool_*, ...) its CPU time and its time runnable but wa
 (/proc schedstat), its context switches and the CPUs it may run on, next to the step's wall and process
 CPU time. These hold on a loaded machine where wall times do not: e.g. a pool thread that waits as long as
 it runs shares a CPU with another busy thread.
+GEMMs (--gemms): every oneDNN matmul the step runs (MindSpore's CPU MatMul and BatchMatMul), from oneDNN's
+own verbose log (ONEDNN_VERBOSE=1 in a worker process): per shape and operand layout (`ba`: stored transposed)
+the calls a step makes, ms a call and GFLOP/s. The kernel profile's MatMul row says how long; this says which.
 Compile time: compiles the step once with MindSpore's compile statistics switched on
 (MS_DEV_RUNTIME_CONF=compile_statistics:True) and splits it into frontend (parse, type
 inference, autodiff, graph passes) and backend phases (kernel graph passes, kernel creation,
@@ -16,6 +19,7 @@ actor scheduling).
     python tools/profile_step.py                          # W1 kernel profile
     python tools/profile_step.py --compile --layers 32    # W1 shape, 32 layers: compile phases
     python tools/profile_step.py --threads-report         # W1: CPU and run-queue wait of each thread
+    python tools/profile_step.py --gemms --family qwen3_5 # W1 hybrid: its GEMMs by shape, ms and GFLOP/s
     python tools/profile_step.py --shape hidden=64,ffn=128,vocab=512,seq=32,batch=2,layers=2
 
 JSON goes to runs/profile/.
@@ -134,6 +138,54 @@ def thread_report(w: dict, args) -> dict:
             "threads": sorted(threads, key=lambda t: -t["cpu_ms_per_step"])}
 
 
+GEMM_MARK = "GEMMS_TIMED"
+
+
+def gemms_worker(w: dict, args) -> None:
+    """Warm up, then mark where the timed steps' oneDNN lines start (the parent reads the ones after)."""
+    step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels,
+                                   block_graph=args.block_graph, family=args.family)
+    for _ in range(args.warmup):
+        step(batch)[0].asnumpy()
+    print(GEMM_MARK, flush=True)
+    for _ in range(args.steps):
+        step(batch)[0].asnumpy()
+
+
+def gemm_rows(lines, steps: int) -> list[dict]:
+    """oneDNN verbose `exec` lines of matmul primitives -> per (operand layouts, dims): calls per step, ms a
+    call, ms per step and GFLOP/s, most time first. dims are oneDNN's "src:weights" ([batch x] M x K : K x N)."""
+    found = defaultdict(list)
+    for line in lines:
+        fields = line.split(",")
+        if len(fields) < 12 or fields[3] != "exec" or fields[5] != "matmul":
+            continue
+        src, wei = (part.split("::")[1].split(":")[-1] for part in fields[8].split()[:2])  # "src:f32::blocked:ba::f0"
+        found[(fields[6], src, wei, fields[-2])].append(float(fields[-1]))
+    rows = []
+    for (impl, src, wei, dims), ms in found.items():
+        a, b = (list(map(int, d.split("x"))) for d in dims.split(":"))
+        flops = 2 * a[-2] * a[-1] * b[-1] * (a[0] if len(a) == 3 else 1)
+        mean = statistics.mean(ms)
+        rows.append({"dims": dims, "layouts": f"{src} {wei}", "impl": impl, "calls_per_step": len(ms) / steps,
+                     "ms_per_call": mean, "ms_per_step": sum(ms) / steps, "gflops": flops / mean / 1e6})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+
+def gemm_profile(w: dict, args) -> dict:
+    cmd = [sys.executable, __file__, "--gemms-worker", "--workload", args.workload, "--family", args.family,
+           "--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--fused-kernels", args.fused_kernels, "--block-graph", args.block_graph,
+           "--shape", ",".join(f"{k}={v}" for k, v in w.items())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "ONEDNN_VERBOSE": "1"}, cwd=REPO)
+    lines = proc.stdout.splitlines()
+    if proc.returncode != 0 or GEMM_MARK not in lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"GEMM worker failed (exit {proc.returncode}): {tail}")
+    rows = gemm_rows(lines[lines.index(GEMM_MARK) + 1:], args.steps)
+    return {"gemm_ms_per_step": sum(r["ms_per_step"] for r in rows), "gemms": rows}
+
+
 def compile_worker(w: dict, args) -> None:
     step, batch = msllm_train_step(w, threads=args.threads, fused_kernels=args.fused_kernels,
                                    block_graph=args.block_graph, family=args.family)
@@ -178,11 +230,16 @@ def main(argv=None) -> int:
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "off"])
     p.add_argument("--block-graph", default="auto", choices=["auto", "shared", "inlined"])
     p.add_argument("--out", default="runs/profile")
+    p.add_argument("--gemms", action="store_true", help="the step's oneDNN GEMMs by shape instead of kernels")
     p.add_argument("--compile-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--gemms-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     w = workload(args)
     if args.compile_worker:
         compile_worker(w, args)
+        return 0
+    if args.gemms_worker:
+        gemms_worker(w, args)
         return 0
 
     print(f"{args.workload} {w}, {args.threads} threads")
@@ -195,6 +252,14 @@ def main(argv=None) -> int:
         for t in r["threads"]:
             print(f"| {t['thread']} | {t['cpu_ms_per_step']:.1f} | {t['wait_ms_per_step']:.1f} | "
                   f"{t['switches_per_step']:.0f} | {','.join(map(str, t['cpus']))} |")
+    elif args.gemms:
+        r = gemm_profile(w, args)
+        print(f"{r['gemm_ms_per_step']:.1f} ms of oneDNN GEMMs per step ({args.steps} steps, ONEDNN_VERBOSE)")
+        print("| dims (src:weights) | layouts | calls per step | ms a call | ms per step | GFLOP/s |")
+        print("|---|---|---|---|---|---|")
+        for g in r["gemms"]:
+            print(f"| {g['dims']} | {g['layouts']} | {g['calls_per_step']:.0f} | {g['ms_per_call']:.2f} | "
+                  f"{g['ms_per_step']:.1f} | {g['gflops']:.0f} |")
     elif args.compile:
         r = compile_profile(w, args)
         print(f"compile {r['compile_s']:.2f} s: frontend {r['frontend_s']:.2f} s, backend {r['backend_s']:.2f} s, "
@@ -213,7 +278,7 @@ def main(argv=None) -> int:
             print(f"| {o['op']} | {o['kernels_per_step']:.0f} | {o['ms_per_step']:.1f} | {o['ms_per_step'] / busy:.1%} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kind = "threads" if args.threads_report else "compile" if args.compile else "kernels"
+    kind = "threads" if args.threads_report else "gemms" if args.gemms else "compile" if args.compile else "kernels"
     path = out / f"profile_{kind}_{args.workload}_L{w['layers']}_{time.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(json.dumps({"workload": args.workload, "shape": w, "threads": args.threads, **r}, indent=1))
     print(f"saved {path}")
