@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import mindspore as ms
 import numpy as np
@@ -147,14 +147,18 @@ def linears_table(rounds: int) -> None:
 
 
 class StepGemm(NamedTuple):
-    """A GEMM of the step: `count` calls a step, each implementation's best seconds, and the floor pass's call."""
+    """A GEMM of the step: `count` calls a step, each implementation's call and best seconds, and which of them
+    the floor pass calls."""
     what: str
     shape: str
     count: int
+    runs: dict
     best: dict
-    floor_by: str  # the implementation the floor pass calls
-    run: Callable
+    floor_by: str
     flops: float
+
+    def floor_call(self):
+        return self.runs[self.floor_by]()
 
 
 def step_gemms(family: str, sgemm, threads: int, rounds: int) -> list[StepGemm]:
@@ -169,8 +173,8 @@ def step_gemms(family: str, sgemm, threads: int, rounds: int) -> list[StepGemm]:
         seconds = min(timed_cpu(lambda: torch.bmm(x, y))[0] for _ in range(rounds)) / 2
         half = (x[: BATCH * HEADS // 2], y[: BATCH * HEADS // 2])
         gemms.append(StepGemm(f"attention {what} (half)", f"{BATCH * HEADS}x{SEQ}x{HEAD_DIM}x{SEQ}",
-                              STEP_ATTENTION_LAYERS[family] * per_layer, {"torch": seconds}, "torch",
-                              lambda h=half: torch.bmm(*h), 2.0 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 2))
+                              STEP_ATTENTION_LAYERS[family] * per_layer, {"torch": lambda h=half: torch.bmm(*h)},
+                              {"torch": seconds}, "torch", 2.0 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 2))
     for d_in, d_out, count in STEP_LINEARS[family]:
         for form, a, b, ta, tb in forms(BATCH * SEQ, d_in, d_out):
             op_a, op_b = (a.T if ta else a), (b.T if tb else b)
@@ -183,8 +187,7 @@ def step_gemms(family: str, sgemm, threads: int, rounds: int) -> list[StepGemm]:
                        m, n, k, a.ctypes.data, ar, ac, b.ctypes.data, br, bc, c.ctypes.data, n, threads),
                    "torch": lambda x=ta_, y=tb_: torch.matmul(x, y)}
             best = {name: min(timed_cpu(fn)[0] for _ in range(rounds)) for name, fn in run.items()}
-            gemms.append(StepGemm(f"{d_in}x{d_out} {form}", f"{m}x{k}x{n}", count, best, "sgemm", run["sgemm"],
-                                  2.0 * m * k * n))
+            gemms.append(StepGemm(f"{d_in}x{d_out} {form}", f"{m}x{k}x{n}", count, run, best, "sgemm", 2.0 * m * k * n))
     return gemms
 
 
@@ -205,7 +208,7 @@ def step_floor(family: str, sgemm, threads: int, rounds: int, against: list[str]
     def floor_pass():
         for g in gemms:
             for _ in range(g.count):
-                g.run()
+                g.floor_call()
     sides = {"GEMM floor": floor_pass}
     w = dict(bench_train.WORKLOADS["W1"])
     for name in against:
