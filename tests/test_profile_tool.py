@@ -99,6 +99,20 @@ def test_gemm_rows_from_onednn_verbose_lines():
     assert rows["512x1024:1024x512", "ba ab"]["calls_per_step"] == 0.5
 
 
+def test_workers_profile_the_parents_family_and_shape():
+    """--gemms and --compile run their worker on the model the parent was asked for: its family and shape
+    (the compile worker once dropped --family and so compiled the Llama shape for any family)."""
+    tool = profile_step_module()
+    args = types.SimpleNamespace(workload="W1", family="qwen3_5", threads=2, steps=3, warmup=1, fused_kernels="auto",
+                                 block_graph="inlined")
+    for flag in ("--gemms-worker", "--compile-worker"):
+        cmd = tool.worker_command(flag, {"hidden": 64, "layers": 2}, args)
+        assert cmd[2] == flag
+        given = dict(zip(cmd[3::2], cmd[4::2]))
+        assert given == {"--workload": "W1", "--family": "qwen3_5", "--threads": "2", "--steps": "3", "--warmup": "1",
+                         "--fused-kernels": "auto", "--block-graph": "inlined", "--shape": "hidden=64,layers=2"}
+
+
 @pytest.mark.skipif(not os.environ.get("MSLLM_BY_HAND"), reason="by hand (MSLLM_BY_HAND=1): a tool check beyond CI's budget")
 def test_gemm_profile_sees_every_matmul_of_the_step(tmp_path):
     r = run_tool(tmp_path, "--gemms", "--steps", "2", "--warmup", "1")

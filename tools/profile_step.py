@@ -172,11 +172,16 @@ def gemm_rows(lines, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
+def worker_command(flag: str, w: dict, args) -> list[str]:
+    """This script as the worker `flag` (--gemms-worker, --compile-worker) on the parent's model and step."""
+    return [sys.executable, __file__, flag, "--workload", args.workload, "--family", args.family,
+            "--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--fused-kernels", args.fused_kernels, "--block-graph", args.block_graph,
+            "--shape", ",".join(f"{k}={v}" for k, v in w.items())]
+
+
 def gemm_profile(w: dict, args) -> dict:
-    cmd = [sys.executable, __file__, "--gemms-worker", "--workload", args.workload, "--family", args.family,
-           "--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--fused-kernels", args.fused_kernels, "--block-graph", args.block_graph,
-           "--shape", ",".join(f"{k}={v}" for k, v in w.items())]
+    cmd = worker_command("--gemms-worker", w, args)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "ONEDNN_VERBOSE": "1"}, cwd=REPO)
     lines = proc.stdout.splitlines()
     if proc.returncode != 0 or GEMM_MARK not in lines:
@@ -195,9 +200,7 @@ def compile_worker(w: dict, args) -> None:
 
 
 def compile_profile(w: dict, args) -> dict:
-    cmd = [sys.executable, __file__, "--compile-worker", "--workload", args.workload, "--threads", str(args.threads),
-           "--fused-kernels", args.fused_kernels, "--block-graph", args.block_graph,
-           "--shape", ",".join(f"{k}={v}" for k, v in w.items())]
+    cmd = worker_command("--compile-worker", w, args)
     env = {**os.environ, "GLOG_v": "3", "MS_DEV_RUNTIME_CONF": "compile_statistics:True"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     phases, counts = defaultdict(float), defaultdict(int)
