@@ -227,3 +227,21 @@ def test_the_gemm_floor_lists_every_linear_of_the_w1_model(family):
     assert table == linears
     attention_layers = sum(1 for _, cell in model.cells_and_names() if isinstance(cell, layers.AttentionCore))
     assert bench_gemm.STEP_ATTENTION_LAYERS[family] == attention_layers
+
+
+def test_the_gemm_floor_calls_the_linears_by_one_library_the_faster():
+    """--step's floor pass calls every Linear GEMM by the library that sums less a step, never a mix (torch's
+    threads spin after its calls and slow the sgemm calls after them); attention stays torch's."""
+    bench_train()
+    import bench_gemm
+
+    def gemm(what, count, best):  # as step_gemms builds them: each by its first library
+        return bench_gemm.StepGemm(what, "", count, {name: None for name in best}, best, next(iter(best)), 0.0)
+    attention = gemm("attention", 6, {"torch": 1.0})
+    # sgemm faster on the bigger GEMM, torch on the smaller: sgemm sums 3 * 2 + 10 * 1 = 16, torch 3 * 1 + 10 * 2 = 23
+    avx2 = bench_gemm.by_faster_library([attention, gemm("small", 3, {"sgemm": 2.0, "torch": 1.0}),
+                                         gemm("big", 10, {"sgemm": 1.0, "torch": 2.0})])
+    assert [g.floor_by for g in avx2] == ["torch", "sgemm", "sgemm"]
+    wide = bench_gemm.by_faster_library([attention, gemm("small", 3, {"sgemm": 2.0, "torch": 1.0}),
+                                         gemm("big", 10, {"sgemm": 2.0, "torch": 1.5})])
+    assert [g.floor_by for g in wide] == ["torch", "torch", "torch"]
