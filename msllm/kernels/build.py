@@ -24,7 +24,7 @@ from msllm.staged import cache_root
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cc", "causal_conv.cc", "flash_attention.cc", "gated_delta_rule.cc", "grouped_matmul.cc",
                         "linear_cross_entropy.cc", "sgemm.cc", "cached_attention.cc")]
-HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "dnnl.h", "panels.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("common.h", "dnnl.h", "library.h", "panels.h")]
 # -fno-math-errno lets sqrt vectorize, -fno-trapping-math the float compares of exp_approx's clamps and of
 # max / select loops (without it GCC keeps them as branches: SwiGLU, GeGLU and the head's exps ran scalar).
 # Neither changes a result; no -ffast-math: results stay IEEE (same as the portable path).

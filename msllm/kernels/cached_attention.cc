@@ -1,24 +1,16 @@
 // A cached forward's kernels (inference, fp32). CachedAttention: the attention of the q, k, v projections in one
 // kernel: RoPE of q and k into heads, q's scale, v into heads, the new keys and values written into the caches in
-// place, then flash attention over the caches, each part by the library's RopeHeads, CacheWriteInPlace and
-// FlashAttention: one launch instead of five, as MindSpore's CPU runtime costs more per kernel launched than a
-// decode step's rope and write take. CacheTables: the rope tables and visibility every layer reads, in one;
-// AddRMSNorm: a residual add and the norm of the sum; SwiGLULinear: a gated MLP's activation and down projection.
+// place, then flash attention over the caches, each part by the function behind the library's RopeHeads,
+// CacheWriteInPlace and FlashAttention (library.h): one launch instead of five, as MindSpore's CPU runtime costs more
+// per kernel launched than a decode step's rope and write take. CacheTables: the rope tables and visibility every
+// layer reads, in one; AddRMSNorm: a residual add and the norm of the sum; SwiGLULinear: a gated MLP's activation
+// and down projection.
 #include <vector>
 
 #include "common.h"
+#include "library.h"
 
-extern "C" {
-int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra);
-int CacheWriteInPlace(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                      void *extra);
-int FlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                   void *extra);
-int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra);
-int SwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra);
-int LinearsFewRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                   void *extra);
-}
+using namespace msllm_kernels;
 
 // inputs: q [b*s, heads*h], k, v [b*s, kv_heads*h], cos, sin [s, d] or [b, 1, s, d] (d <= h: partial RoPE),
 // cache_k, cache_v [b, kv_heads, t, h] (written at slots start .. start+s-1), start [1], q_slot, q_seg, k_seg,
@@ -26,18 +18,14 @@ int LinearsFewRows(int nparam, void **params, int *ndims, int64_t **shapes, cons
 extern "C" int CachedAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                void *stream, void *extra) {
   const int64_t b = shapes[13][0], heads = shapes[13][1], s = shapes[13][2], h = shapes[13][3];
-  const int64_t kv_heads = shapes[5][1];
+  const int64_t kv_heads = shapes[5][1], t = shapes[5][2], d = shapes[3][ndims[3] - 1];
+  const int64_t table_rows = numel(ndims[3], shapes[3]) / d;  // s, or b * s
   // the heads of q, k and v, kept between calls (a decode step's are a few KB)
   thread_local std::vector<float> q_heads, k_heads, v_heads;
   q_heads.resize(b * heads * s * h), k_heads.resize(b * kv_heads * s * h), v_heads.resize(b * kv_heads * s * h);
-  int64_t q_shape[4] = {b, heads, s, h}, kv_shape[4] = {b, kv_heads, s, h};
-  int rope_ndims[4] = {2, ndims[3], ndims[4], 4};
-  void *rope_q[4] = {params[0], params[3], params[4], q_heads.data()};
-  int64_t *rope_q_shapes[4] = {shapes[0], shapes[3], shapes[4], q_shape};
-  RopeHeads(4, rope_q, rope_ndims, rope_q_shapes, dtypes, stream, extra);
-  void *rope_k[4] = {params[1], params[3], params[4], k_heads.data()};
-  int64_t *rope_k_shapes[4] = {shapes[1], shapes[3], shapes[4], kv_shape};
-  RopeHeads(4, rope_k, rope_ndims, rope_k_shapes, dtypes, stream, extra);
+  const float *cos = static_cast<const float *>(params[3]), *sin = static_cast<const float *>(params[4]);
+  rope_heads(static_cast<const float *>(params[0]), cos, sin, q_heads.data(), b, s, heads, h, d, table_rows);
+  rope_heads(static_cast<const float *>(params[1]), cos, sin, k_heads.data(), b, s, kv_heads, h, d, table_rows);
   const float scale = *static_cast<const float *>(params[12]);
   for (float &x : q_heads) x *= scale;
   const float *v = static_cast<const float *>(params[2]);  // [b, s, kv_heads, h] -> [b, kv_heads, s, h]
@@ -46,17 +34,13 @@ extern "C" int CachedAttention(int nparam, void **params, int *ndims, int64_t **
       for (int64_t pos = 0; pos < s; ++pos)
         std::memcpy(&v_heads[((row * kv_heads + head) * s + pos) * h], v + ((row * s + pos) * kv_heads + head) * h,
                     sizeof(float) * h);
-  float status;
-  void *write[6] = {k_heads.data(), v_heads.data(), params[5], params[6], params[7], &status};
-  int write_ndims[6] = {4, 4, 4, 4, 1, 1};
-  int64_t *write_shapes[6] = {kv_shape, kv_shape, shapes[5], shapes[6], shapes[7], shapes[7]};
-  CacheWriteInPlace(6, write, write_ndims, write_shapes, dtypes, stream, extra);
-  void *attend[9] = {q_heads.data(), params[5], params[6], params[8], params[9], params[10], params[11], params[13],
-                     params[14]};
-  int attend_ndims[9] = {4, 4, 4, ndims[8], ndims[9], ndims[10], ndims[11], 4, 3};
-  int64_t *attend_shapes[9] = {q_shape, shapes[5], shapes[6], shapes[8], shapes[9], shapes[10], shapes[11],
-                               shapes[13], shapes[14]};
-  return FlashAttention(9, attend, attend_ndims, attend_shapes, dtypes, stream, extra);
+  float *cache_k = static_cast<float *>(params[5]), *cache_v = static_cast<float *>(params[6]);
+  const int64_t start = *static_cast<const int32_t *>(params[7]);
+  write_slots(cache_k, k_heads.data(), b * kv_heads, s, t, h, start);
+  write_slots(cache_v, v_heads.data(), b * kv_heads, s, t, h, start);
+  flash_attention(q_heads.data(), cache_k, cache_v, nullptr, Visibility(params, ndims, shapes, 8), b, heads, kv_heads,
+                  h, shapes[6][3], static_cast<float *>(params[13]), static_cast<float *>(params[14]));
+  return 0;
 }
 
 // layers.CacheTables of a full cache (first 0) in one kernel, for b rows of s new tokens at slots start .. over t
@@ -94,26 +78,25 @@ extern "C" int CacheTables(int nparam, void **params, int *ndims, int64_t **shap
 extern "C" int AddRMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                           void *stream, void *extra) {
   const float *x = static_cast<const float *>(params[0]), *delta = static_cast<const float *>(params[1]);
+  const float *eps_offset = static_cast<const float *>(params[3]);
   float *sum = static_cast<float *>(params[4]);
-  const int64_t n = msllm_kernels::numel(ndims[0], shapes[0]);
+  const int64_t n = numel(ndims[0], shapes[0]), h = shapes[0][ndims[0] - 1];
   for (int64_t i = 0; i < n; ++i) sum[i] = x[i] + delta[i];
-  void *norm[4] = {sum, params[2], params[3], params[5]};
-  int64_t *norm_shapes[4] = {shapes[0], shapes[2], shapes[3], shapes[5]};
-  int norm_ndims[4] = {ndims[0], ndims[2], ndims[3], ndims[5]};
-  return RMSNorm(4, norm, norm_ndims, norm_shapes, dtypes, stream, extra);
+  rms_norm(sum, static_cast<const float *>(params[2]), eps_offset[0], eps_offset[1], static_cast<float *>(params[5]),
+           n / h, h);
+  return 0;
 }
 
 // layers.ActivatedLinear of a decode step's few rows with SwiGLU: the library's SwiGLU, then its LinearsFewRows of
 // the result, in one launch instead of two. inputs: gate, up [m, f], w [n, f] (fp32); output: y [m, n].
 extern "C" int SwiGLULinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
+  const int64_t m = shapes[0][0], f = shapes[0][1];
   thread_local std::vector<float> activated;  // [m, f], kept between calls
-  activated.resize(msllm_kernels::numel(ndims[0], shapes[0]));
-  void *glu[3] = {params[0], params[1], activated.data()};
-  int64_t *glu_shapes[3] = {shapes[0], shapes[1], shapes[0]};
-  SwiGLU(3, glu, ndims, glu_shapes, dtypes, stream, extra);
-  void *linear[3] = {activated.data(), params[2], params[3]};
-  int64_t *linear_shapes[3] = {shapes[0], shapes[2], shapes[3]};
-  int linear_ndims[3] = {2, 2, 2};
-  return LinearsFewRows(3, linear, linear_ndims, linear_shapes, dtypes, stream, extra);
+  activated.resize(m * f);
+  swiglu(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]), activated.data(), m * f);
+  const float *w = static_cast<const float *>(params[2]);
+  float *y = static_cast<float *>(params[3]);
+  linears_few_rows(activated.data(), m, f, 1, &w, &shapes[2][0], &y);
+  return 0;
 }

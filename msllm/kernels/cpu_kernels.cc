@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "common.h"
+#include "library.h"
 #include "panels.h"
 
 using namespace msllm_kernels;
@@ -81,14 +82,16 @@ extern "C" int SumOfSquares(int nparam, void **params, int *ndims, int64_t **sha
 
 // SwiGLU activation: h = silu(gate) * up = gate * sigmoid(gate) * up, one pass instead of the
 // Sigmoid, Mul, Mul kernels. inputs: gate, up [same shape, fp32]; output: h.
-extern "C" int SwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                      void *stream, void *extra) {
-  const float *__restrict gate = static_cast<const float *>(params[0]);
-  const float *__restrict up = static_cast<const float *>(params[1]);
-  float *__restrict h = static_cast<float *>(params[2]);
-  parallel_for(numel(ndims[0], shapes[0]), [=](int64_t lo, int64_t hi, int) {
+void msllm_kernels::swiglu(const float *__restrict gate, const float *__restrict up, float *__restrict h, int64_t n) {
+  parallel_for(n, [=](int64_t lo, int64_t hi, int) {
     for (int64_t i = lo; i < hi; ++i) h[i] = gate[i] * sigmoid(gate[i]) * up[i];
   });
+}
+
+extern "C" int SwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                      void *stream, void *extra) {
+  swiglu(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]), static_cast<float *>(params[2]),
+         numel(ndims[0], shapes[0]));
   return 0;
 }
 
@@ -196,13 +199,8 @@ extern "C" int GeGLUGrad(int nparam, void **params, int *ndims, int64_t **shapes
 // RMSNorm over the last axis: y = x * r * (offset + w) with r = 1 / sqrt(mean(x^2) + eps) per row, one pass
 // instead of MindSpore's square, row-sum, rsqrt, broadcast and multiply kernels (and the offset's add).
 // inputs: x [N, H], w [H], (eps, offset) [2] (fp32); output: y [N, H].
-extern "C" int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                       void *stream, void *extra) {
-  const float *__restrict x = static_cast<const float *>(params[0]);
-  const float *__restrict w = static_cast<const float *>(params[1]);
-  const float eps = static_cast<const float *>(params[2])[0], offset = static_cast<const float *>(params[2])[1];
-  float *__restrict y = static_cast<float *>(params[3]);
-  const int64_t h = shapes[0][ndims[0] - 1], rows = numel(ndims[0], shapes[0]) / h;
+void msllm_kernels::rms_norm(const float *__restrict x, const float *__restrict w, float eps, float offset,
+                             float *__restrict y, int64_t rows, int64_t h) {
   parallel_for(rows, [=](int64_t lo, int64_t hi, int) {
     for (int64_t row = lo; row < hi; ++row) {
       const float *xr = x + row * h;
@@ -211,6 +209,14 @@ extern "C" int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, 
       for (int64_t j = 0; j < h; ++j) yr[j] = xr[j] * r * (offset + w[j]);
     }
   }, std::max<int64_t>(1, (1 << 16) / h));
+}
+
+extern "C" int RMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                       void *stream, void *extra) {
+  const float *eps_offset = static_cast<const float *>(params[2]);
+  const int64_t h = shapes[0][ndims[0] - 1];
+  rms_norm(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]), eps_offset[0], eps_offset[1],
+           static_cast<float *>(params[3]), numel(ndims[0], shapes[0]) / h, h);
   return 0;
 }
 
@@ -354,16 +360,11 @@ extern "C" int SoftmaxAttentionGrad(int nparam, void **params, int *ndims, int64
 // [-x2, x1] over the two halves of d. One pass instead of a Transpose, a MatMul (the rotation) and three
 // element-wise kernels (partial: slices and concats too). inputs: x, cos, sin [s, d], or [b, 1, s, d] with
 // each row's own positions (a cached forward over left-padded rows, packed samples) (fp32); output: y.
-extern "C" int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                         void *stream, void *extra) {
-  const float *__restrict x = static_cast<const float *>(params[0]);
-  const float *__restrict cos = static_cast<const float *>(params[1]);
-  const float *__restrict sin = static_cast<const float *>(params[2]);
-  float *__restrict y = static_cast<float *>(params[3]);
-  const int64_t s = shapes[1][ndims[1] - 2], d = shapes[1][ndims[1] - 1], half = d / 2, h = shapes[3][3];
-  const int64_t width = shapes[0][ndims[0] - 1], table_rows = numel(ndims[1], shapes[1]) / d;  // s or b * s
-  const int64_t n = width / h, out_rows = numel(ndims[0], shapes[0]) / h;  // b * n * s
-  parallel_for(out_rows, [=](int64_t lo, int64_t hi, int) {
+void msllm_kernels::rope_heads(const float *__restrict x, const float *__restrict cos, const float *__restrict sin,
+                               float *__restrict y, int64_t b, int64_t s, int64_t n, int64_t h, int64_t d,
+                               int64_t table_rows) {
+  const int64_t width = n * h, half = d / 2;
+  parallel_for(b * n * s, [=](int64_t lo, int64_t hi, int) {
     for (int64_t row = lo; row < hi; ++row) {
       const int64_t batch = row / (n * s), head = (row / s) % n, pos = row % s;
       const int64_t at = (batch * s + pos) % table_rows * d;
@@ -374,6 +375,15 @@ extern "C" int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes
       for (int64_t j = d; j < h; ++j) dst[j] = src[j];
     }
   }, std::max<int64_t>(1, (1 << 14) / h));
+}
+
+extern "C" int RopeHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                         void *stream, void *extra) {
+  const int64_t s = shapes[1][ndims[1] - 2], d = shapes[1][ndims[1] - 1], h = shapes[3][3];
+  const int64_t n = shapes[0][ndims[0] - 1] / h, b = numel(ndims[0], shapes[0]) / (n * h * s);
+  rope_heads(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
+             static_cast<const float *>(params[2]), static_cast<float *>(params[3]), b, s, n, h, d,
+             numel(ndims[1], shapes[1]) / d);  // table rows: s or b * s
   return 0;
 }
 
@@ -573,16 +583,14 @@ constexpr int64_t kFewRowsChunk = 8;
 
 // LinearsFewRows from kPackedRows rows: a GEMM per weight with its kept panels, all as one list of units, x
 // packed once for them all.
-static void linears_packed(int count, void **params, int64_t **shapes) {
-  const float *x = static_cast<const float *>(params[0]);
-  const int64_t m = shapes[0][0], k = shapes[0][1];
+static void linears_packed(const float *x, int64_t m, int64_t k, int count, const float *const *w,
+                           const int64_t *outs, float *const *y) {
   std::vector<std::shared_ptr<Panels>> packed(count);
   std::vector<Gemm> gemms;
   for (int i = 0; i < count; ++i) {
-    const int64_t n = shapes[1 + i][0];
-    packed[i] = panels_of(static_cast<const float *>(params[1 + i]), n, k);
-    gemms.push_back(Gemm{m, n, k, {x, k, 1}, {nullptr, 1, k}, static_cast<float *>(params[1 + count + i]), n,
-                         kFewRowsChunk, packed[i]->data.get()});
+    packed[i] = panels_of(w[i], outs[i], k);
+    gemms.push_back(Gemm{m, outs[i], k, {x, k, 1}, {nullptr, 1, k}, y[i], outs[i], kFewRowsChunk,
+                         packed[i]->data.get()});
   }
   thread_local std::vector<float> packed_x_buffer;
   if (gemms[0].row_blocks == 1) {
@@ -598,36 +606,46 @@ static void linears_packed(int count, void **params, int64_t **shapes) {
 // and dotted with every row of x while it is in L1. MindSpore's MatMul packs a weight into its own layout
 // first, a second pass over it per call; from kPackedRows rows the weights are packed here once (kept until the
 // engine's next prefill) and read as panels.
-// inputs: x [m, k], w_1 .. w_N [n_i, k] (fp32); outputs: y_1 .. y_N [m, n_i].
-extern "C" int LinearsFewRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                              void *stream, void *extra) {
-  const int count = (nparam - 1) / 2;
-  const float *x = static_cast<const float *>(params[0]);
-  const int64_t m = shapes[0][0], k = shapes[0][1];
+void msllm_kernels::linears_few_rows(const float *x, int64_t m, int64_t k, int count, const float *const *w,
+                                     const int64_t *outs, float *const *y) {
   if (m >= kPackedRows) {
-    linears_packed(count, params, shapes);
-    return 0;
+    linears_packed(x, m, k, count, w, outs, y);
+    return;
   }
   std::vector<int64_t> start(count + 1, 0);  // the first row of each weight, the weights end to end
-  for (int i = 0; i < count; ++i) start[i + 1] = start[i] + shapes[1 + i][0];
+  for (int i = 0; i < count; ++i) start[i + 1] = start[i] + outs[i];
   // chunks of whole tiles, so a weight's tiles are cut only at its end
   const int64_t tiles = (start[count] + kTileOuts - 1) / kTileOuts;
   parallel_for(tiles, [&](int64_t tile_lo, int64_t tile_hi, int) {
     const int64_t lo = tile_lo * kTileOuts, hi = std::min(start[count], tile_hi * kTileOuts);
     for (int i = 0; i < count; ++i) {
       const int64_t a = std::max(lo, start[i]), b = std::min(hi, start[i + 1]);
-      if (a < b)
-        few_rows_block(x, static_cast<const float *>(params[1 + i]), static_cast<float *>(params[1 + count + i]),
-                       m, k, start[i + 1] - start[i], a - start[i], b - start[i]);
+      if (a < b) few_rows_block(x, w[i], y[i], m, k, outs[i], a - start[i], b - start[i]);
     }
   }, std::max<int64_t>(1, (1 << 14) / k));
+}
+
+// inputs: x [m, k], w_1 .. w_N [n_i, k] (fp32); outputs: y_1 .. y_N [m, n_i].
+extern "C" int LinearsFewRows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  const int count = (nparam - 1) / 2;
+  std::vector<const float *> w(count);
+  std::vector<int64_t> outs(count);
+  std::vector<float *> y(count);
+  for (int i = 0; i < count; ++i) {
+    w[i] = static_cast<const float *>(params[1 + i]);
+    outs[i] = shapes[1 + i][0];
+    y[i] = static_cast<float *>(params[1 + count + i]);
+  }
+  linears_few_rows(static_cast<const float *>(params[0]), shapes[0][0], shapes[0][1], count, w.data(), outs.data(),
+                   y.data());
   return 0;
 }
 
 // Slots start .. start+s-1 of every (row, kv head) of a cache [rows, t, d] set to src [rows, s, d]; slots
 // outside [0, t) are not written.
-static void write_slots(float *cache, const float *src, int64_t rows, int64_t s, int64_t t, int64_t d,
-                        int64_t start) {
+void msllm_kernels::write_slots(float *cache, const float *src, int64_t rows, int64_t s, int64_t t, int64_t d,
+                                int64_t start) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < s; ++i)
       if (start + i >= 0 && start + i < t)

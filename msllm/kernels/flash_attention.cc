@@ -26,6 +26,7 @@
 #include <limits>
 
 #include "common.h"
+#include "library.h"
 
 using namespace msllm_kernels;
 
@@ -34,34 +35,6 @@ namespace {
 constexpr int64_t kQueryBlock = 48;  // query rows per work unit (a multiple of accumulate's 3 or 6 outputs)
 constexpr int64_t kKeyBlock = 64;    // keys per block (a [kKeyBlock, d] slice of K and V stays in L1/L2)
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-inline bool sees(int32_t q_segment, int32_t k_segment) {
-  return q_segment == k_segment || (q_segment <= -2 && (-q_segment - 2) / 2 == k_segment);
-}
-
-// The index inputs: q_slot [s], q_seg [s] or [b, s], k_seg [t] or [b, t] (int32; 1-D: shared by
-// the batch); window [1].
-struct Visibility {
-  const int32_t *q_slot, *q_seg, *k_seg;
-  int64_t slot_rows, q_seg_rows, k_seg_rows, s, t;
-  int32_t window;
-
-  Visibility(void **params, int *ndims, int64_t **shapes, int first) {
-    q_slot = static_cast<const int32_t *>(params[first]);
-    q_seg = static_cast<const int32_t *>(params[first + 1]);
-    k_seg = static_cast<const int32_t *>(params[first + 2]);
-    window = *static_cast<const int32_t *>(params[first + 3]);
-    auto rows = [&](int i) { return ndims[i] == 2 ? shapes[i][0] : int64_t{1}; };
-    slot_rows = rows(first), q_seg_rows = rows(first + 1), k_seg_rows = rows(first + 2);
-    s = shapes[first][ndims[first] - 1], t = shapes[first + 2][ndims[first + 2] - 1];
-  }
-  const int32_t *slots(int64_t batch) const { return q_slot + batch % slot_rows * s; }
-  const int32_t *query_segments(int64_t batch) const { return q_seg + batch % q_seg_rows * s; }
-  const int32_t *key_segments(int64_t batch) const { return k_seg + batch % k_seg_rows * t; }
-  bool visible(int32_t slot, int32_t q_segment, int64_t j, int32_t k_segment) const {
-    return j <= slot && (window == 0 || slot - j < window) && sees(q_segment, k_segment);
-  }
-};
 
 // Min and max of a range of ints.
 struct Range {
@@ -503,12 +476,7 @@ int attention_forward(void **params, int *ndims, int64_t **shapes, bool with_sin
   const float *sinks = with_sinks ? static_cast<const float *>(params[7]) : nullptr;
   auto in = [&](int i) { return static_cast<const float *>(params[i]); };
   auto result = [&](int i) { return static_cast<float *>(params[i + with_sinks]); };
-  if (vis.s == 1)
-    return forward_one_query(in(0), in(1), in(2), sinks, vis, b, heads, kv_heads, d, d_value, result(7), result(8)), 0;
-  by_head_size(d, [&](auto head_size) {
-    forward<decltype(head_size)::value>(in(0), in(1), in(2), sinks, vis, b, heads, kv_heads, d, d_value, result(7),
-                                        result(8));
-  });
+  flash_attention(in(0), in(1), in(2), sinks, vis, b, heads, kv_heads, d, d_value, result(7), result(8));
   return 0;
 }
 
@@ -528,6 +496,15 @@ int attention_backward(void **params, int *ndims, int64_t **shapes, bool with_si
 }
 
 }  // namespace
+
+void msllm_kernels::flash_attention(const float *q, const float *k, const float *v, const float *sinks,
+                                    const Visibility &vis, int64_t b, int64_t heads, int64_t kv_heads, int64_t d,
+                                    int64_t d_value, float *out, float *lse) {
+  if (vis.s == 1) return forward_one_query(q, k, v, sinks, vis, b, heads, kv_heads, d, d_value, out, lse);
+  by_head_size(d, [&](auto head_size) {
+    forward<decltype(head_size)::value>(q, k, v, sinks, vis, b, heads, kv_heads, d, d_value, out, lse);
+  });
+}
 
 // inputs: q [b, heads, s, d] (already scaled), k [b, kv_heads, t, d], v [b, kv_heads, t, d_value], q_slot [s],
 // q_seg [s] or [b, s], k_seg [t] or [b, t], window [1] (int32; fp32 otherwise); outputs: out [b, heads, s, d_value],
